@@ -1,0 +1,26 @@
+"""fusible: fast PyTorch training through operation fusion.
+
+Build models as :class:`fusible.ops.Sequential` pipelines of fusible
+operations; a fusion planner fuses patterns such as Linear+Bias in the forward
+and, independently, in the backward. ``model.plan()`` shows what it decided.
+"""
+
+from fusible import ops
+from fusible.ops.base import FusedOperation, OperationContext
+from fusible.pattern import Check, Op, Pattern
+from fusible.plan import FusionPlan
+from fusible.planner import Candidate, PlanEnvironment, Stage
+from fusible.registry import register_fusion, registered_fusions, unregister_fusion
+from fusible.convert import state_dict_from_torch
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Candidate", "Check", "FusedOperation", "FusionPlan", "Op", "OperationContext", "Pattern",
+    "PlanEnvironment", "Stage", "ops", "register_fusion", "registered_fusions",
+    "state_dict_from_torch", "unregister_fusion",
+]
+
+# The built-in fusions register themselves exactly as a plugin would; importing
+# them last keeps registration order (= tie-break priority) fixed.
+import fusions  # noqa: E402,F401

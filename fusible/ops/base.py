@@ -1,0 +1,269 @@
+"""Base classes of every fusible operation.
+
+Two levels of operation exist. A :class:`BasicOperation` owns its parameters and
+state and is what users put in a :class:`~fusible.ops.Sequential`. A
+:class:`FusedOperation` owns nothing: the planner builds it over a run of basic
+ops and it computes their forward (or backward) in fewer kernels.
+
+Both kinds of *stage* (a basic op or a fused op the plan runs as one step) share
+one compute interface, used alike by the eager fuser and, later, by the
+registered custom ops:
+
+* ``forward_args(input, extra_inputs, ctxs)`` packs an attrs ``fwd_args_type``;
+* ``forward_compute(args, *, in_custom_op=False)`` (classmethod) returns a
+  :class:`ForwardResult`;
+* ``save_for_backward(args, result, ctxs)`` stores, per covered basic op, the
+  tensors its backward needs, in the layout that basic op documents
+  (``saved_fields``), whichever stage produced them;
+* ``backward_args(grad_output, grad_extra_outputs, ctxs)`` and
+  ``backward_compute(args, *, in_custom_op=False)`` likewise for the backward,
+  returning a :class:`BackwardResult`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar, Optional
+
+import attrs
+import torch
+from torch import nn
+
+from fusible import _epoch
+
+Tensor = torch.Tensor
+
+
+@attrs.frozen
+class ForwardResult:
+    """What a forward stage computes.
+
+    Attributes
+    ----------
+    output : Tensor
+        Input of the next stage.
+    extra_outputs : tuple of Tensor
+        Outputs branched off by covered ``MakeExtraOutput`` ops, in order.
+    aux : tuple of Tensor
+        Fresh tensors computed only to be saved for backward (e.g. LayerNorm's
+        mean and rstd); ``save_for_backward`` picks them up.
+    """
+
+    output: Tensor
+    extra_outputs: tuple = ()
+    aux: tuple = ()
+
+
+@attrs.frozen
+class BackwardResult:
+    """What a backward stage computes.
+
+    Attributes
+    ----------
+    grad_input : Tensor or None
+        Gradient w.r.t. the stage input; None where it is not needed.
+    grad_params : tuple of (Tensor or None)
+        Gradients of the covered basic ops' parameters, flat, in the order of
+        ``fusible_params()`` of each covered op in forward order.
+    grad_extra_inputs : tuple of (Tensor or None)
+        Gradients of the extra inputs consumed by covered ops, in forward order.
+    """
+
+    grad_input: Optional[Tensor]
+    grad_params: tuple = ()
+    grad_extra_inputs: tuple = ()
+
+
+@attrs.frozen
+class OpGradNeeds:
+    """Which gradients one basic op must produce; fixed for a plan.
+
+    Attributes
+    ----------
+    input : bool
+        The gradient w.r.t. the op's input is needed (something upstream
+        requires grad).
+    params : tuple of bool
+        Per parameter in ``fusible_params()`` order.
+    extra_inputs : tuple of bool
+        Per extra input the op consumes.
+    """
+
+    input: bool = False
+    params: tuple = ()
+    extra_inputs: tuple = ()
+
+    @property
+    def any(self) -> bool:
+        """Whether this op takes part in the backward pass at all."""
+        return self.input or any(self.params) or any(self.extra_inputs)
+
+
+def pass_through(t: Optional[Tensor], needed: bool, in_custom_op: bool) -> Optional[Tensor]:
+    """``t`` itself where needed, else None; a copy inside a custom op, whose outputs
+    may not alias its inputs."""
+    if not needed:
+        return None
+    return t.clone() if in_custom_op else t
+
+
+class OperationContext:
+    """Per-call state of one basic op, shared by its forward and backward stages.
+
+    Attributes
+    ----------
+    needs : OpGradNeeds
+        The gradients this op must produce in this call.
+    saved : tuple
+        Tensors saved for backward, in the layout of the op's ``saved_fields``
+        (None where a tensor is not needed). The fuser drops them as soon as
+        the backward stage covering the op has run.
+    info : Any
+        Non-tensor data the backward needs (e.g. an input shape).
+    """
+
+    __slots__ = ("needs", "saved", "info")
+
+    def __init__(self, needs: OpGradNeeds):
+        self.needs = needs
+        self.saved: tuple = ()
+        self.info: Any = None
+
+    def clear(self) -> None:
+        """Drop the saved tensors: their memory is freed once nothing else holds them."""
+        self.saved = ()
+        self.info = None
+
+
+class FusibleOperation(nn.Module):
+    """An operation that can stand in a :class:`~fusible.ops.Sequential`.
+
+    Subclasses are basic ops (:class:`BasicOperation`), fused ops
+    (:class:`FusedOperation`) or composites such as :class:`~fusible.ops.Linear`
+    that expand into basic ops. Calling one on its own runs it as a one-element
+    pipeline.
+    """
+
+    fwd_args_type: ClassVar[Optional[type]] = None
+    bwd_args_type: ClassVar[Optional[type]] = None
+
+    def basic_ops(self) -> tuple["BasicOperation", ...]:
+        """The basic ops this operation stands for, in forward order."""
+        raise NotImplementedError(f"{type(self).__name__} must implement basic_ops()")
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # Plans depend on op configuration: any change invalidates cached plans.
+        super().__setattr__(name, value)
+        _epoch.bump()
+
+    def _apply(self, fn, recurse=True):
+        # .to(), .cuda(), to_empty() may replace parameter objects behind __setattr__.
+        result = super()._apply(fn, recurse)
+        _epoch.bump()
+        return result
+
+    def __getstate__(self):
+        state = self.__dict__.copy()
+        state.pop("_fusible_runner", None)  # a cache; rebuilt on first use
+        return state
+
+    def forward(self, input: Tensor, *extra_inputs: Tensor):
+        """Run this operation alone, planned and fused like a one-element Sequential."""
+        from fusible.fuser import PipelineRunner
+
+        runner = self.__dict__.get("_fusible_runner")
+        if runner is None or runner.epoch != _epoch.current():
+            runner = PipelineRunner(self.basic_ops(), start=0)
+            object.__setattr__(self, "_fusible_runner", runner)
+        output, extra_outputs = runner.run(input, extra_inputs)
+        return (output, *extra_outputs) if runner.num_extra_outputs else output
+
+
+class BasicOperation(FusibleOperation):
+    """An operation that owns its parameters and state.
+
+    Subclasses implement ``validate``, the four compute-interface methods and,
+    where they hold parameters, ``fusible_params``. ``saved_fields`` documents
+    the layout of ``ctx.saved`` that every stage covering the op must fill.
+    """
+
+    num_extra_inputs: ClassVar[int] = 0
+    num_extra_outputs: ClassVar[int] = 0
+    saved_fields: ClassVar[tuple[str, ...]] = ()
+
+    def basic_ops(self) -> tuple["BasicOperation", ...]:
+        return (self,)
+
+    def fusible_params(self) -> tuple[Tensor, ...]:
+        """Parameters that receive gradients through the fuser, in a fixed order."""
+        return ()
+
+    def describe(self) -> str:
+        """Short label with sizes, used in plans and diagrams."""
+        return type(self).__name__
+
+    def validate(self, shape: tuple, dtype: torch.dtype, device: torch.device,
+                 extra_inputs: tuple = ()) -> tuple:
+        """Check an input of this shape, dtype and device; return the output shape.
+
+        Raises ValueError or TypeError naming the op and the offending values.
+        """
+        return tuple(shape)
+
+    # Helpers shared by subclasses -------------------------------------------------
+
+    def _check_param(self, name: str, param: Tensor, dtype: torch.dtype,
+                     device: torch.device) -> None:
+        if param.dtype != dtype:
+            raise TypeError(f"{self.describe()} has {name} of dtype {param.dtype} but got "
+                            f"input of dtype {dtype}; convert the model or the input so "
+                            f"that they match")
+        if param.device != device:
+            raise ValueError(f"{self.describe()} has {name} on device {param.device} but got "
+                             f"input on device {device}")
+
+    def _check_last_dim(self, shape: tuple, expected: int, what: str) -> None:
+        if len(shape) == 0 or shape[-1] != expected:
+            got = shape[-1] if len(shape) else "none (a 0-d tensor)"
+            raise ValueError(f"{self.describe()} got input with last dimension {got}; "
+                             f"expected {what}={expected}")
+
+
+class FusedOperation(FusibleOperation):
+    """Base class of fusions: a stage that covers a run of basic ops and owns nothing.
+
+    A fusion is declared by its class attributes and registered with
+    :func:`fusible.register_fusion`:
+
+    ``direction``
+        ``"forward"`` or ``"backward"``; the two passes are planned separately.
+    ``pattern``
+        A :class:`fusible.pattern.Pattern` over basic-op types, written in
+        forward (model) order for both directions.
+    ``fwd_args_type`` / ``bwd_args_type``
+        attrs classes packed by ``forward_args`` / ``backward_args``.
+
+    and, optionally, ``accepts(match, env)`` returning True or the reason for
+    refusing a structural match. The planner constructs the fusion with the
+    :class:`~fusible.pattern.Match`; ``self.match[name]`` gives a named op.
+    """
+
+    direction: ClassVar[str] = ""
+    pattern: ClassVar[Any] = None
+
+    def __init__(self, match):
+        super().__init__()
+        object.__setattr__(self, "match", match)
+
+    def basic_ops(self) -> tuple[BasicOperation, ...]:
+        return self.match.ops
+
+    @classmethod
+    def accepts(cls, match, env) -> "bool | str":
+        """Return True to accept a structural match, or a string saying why not."""
+        return True
+
+    def describe(self) -> str:
+        return f"{type(self).__name__}({', '.join(op.describe() for op in self.basic_ops())})"
+
+    def __repr__(self) -> str:
+        return self.describe()

@@ -1,0 +1,59 @@
+"""ConstantScale: ``y = scale * x``."""
+
+from __future__ import annotations
+
+import attrs
+import torch
+
+from fusible.ops.base import BackwardResult, BasicOperation, ForwardResult
+
+Tensor = torch.Tensor
+
+
+@attrs.frozen
+class ScaleForwardArgs:
+    input: Tensor
+    scale: float
+
+
+@attrs.frozen
+class ScaleBackwardArgs:
+    grad_output: Tensor
+    scale: float
+    need_grad_input: bool
+
+
+class ConstantScale(BasicOperation):
+    """Multiply by a constant Python float. Saves nothing; ``dx = scale * dy``."""
+
+    fwd_args_type = ScaleForwardArgs
+    bwd_args_type = ScaleBackwardArgs
+
+    def __init__(self, scale: float):
+        super().__init__()
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+            raise TypeError(f"ConstantScale needs a Python float, got scale={scale!r}")
+        self.scale = float(scale)
+
+    def describe(self) -> str:
+        return f"ConstantScale(scale={self.scale})"
+
+    def forward_args(self, input, extra_inputs, ctxs):
+        return ScaleForwardArgs(input, self.scale)
+
+    @classmethod
+    def forward_compute(cls, args, *, in_custom_op=False):
+        return ForwardResult(args.input * args.scale)
+
+    def save_for_backward(self, args, result, ctxs):
+        pass
+
+    def backward_args(self, grad_output, grad_extra_outputs, ctxs):
+        return ScaleBackwardArgs(grad_output, self.scale, ctxs[0].needs.input)
+
+    @classmethod
+    def backward_compute(cls, args, *, in_custom_op=False):
+        return BackwardResult(args.grad_output * args.scale if args.need_grad_input else None)
+
+    def extra_repr(self) -> str:
+        return f"scale={self.scale}"

@@ -1,0 +1,45 @@
+"""Identity: ``y = x``."""
+
+from __future__ import annotations
+
+import attrs
+import torch
+
+from fusible.ops.base import BackwardResult, BasicOperation, ForwardResult, pass_through
+
+Tensor = torch.Tensor
+
+
+@attrs.frozen
+class IdentityForwardArgs:
+    input: Tensor
+
+
+@attrs.frozen
+class IdentityBackwardArgs:
+    grad_output: Tensor
+    need_grad_input: bool
+
+
+class Identity(BasicOperation):
+    """Returns its input unchanged (a copy inside a custom op). Saves nothing."""
+
+    fwd_args_type = IdentityForwardArgs
+    bwd_args_type = IdentityBackwardArgs
+
+    def forward_args(self, input, extra_inputs, ctxs):
+        return IdentityForwardArgs(input)
+
+    @classmethod
+    def forward_compute(cls, args, *, in_custom_op=False):
+        return ForwardResult(pass_through(args.input, True, in_custom_op))
+
+    def save_for_backward(self, args, result, ctxs):
+        pass
+
+    def backward_args(self, grad_output, grad_extra_outputs, ctxs):
+        return IdentityBackwardArgs(grad_output, ctxs[0].needs.input)
+
+    @classmethod
+    def backward_compute(cls, args, *, in_custom_op=False):
+        return BackwardResult(pass_through(args.grad_output, args.need_grad_input, in_custom_op))

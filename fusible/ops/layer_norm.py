@@ -1,0 +1,122 @@
+"""LayerNorm over the trailing ``normalized_shape`` dimensions."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import attrs
+import torch
+from torch import nn
+
+from fusible.ops.base import BackwardResult, BasicOperation, ForwardResult
+
+Tensor = torch.Tensor
+
+
+def normalized_shape_tuple(op_name: str, normalized_shape) -> tuple:
+    shape = (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
+    if not shape or any(int(s) <= 0 for s in shape):
+        raise ValueError(f"{op_name} needs positive sizes, got normalized_shape={normalized_shape!r}")
+    return tuple(int(s) for s in shape)
+
+
+def check_trailing(op, shape, normalized_shape) -> None:
+    n = len(normalized_shape)
+    if len(shape) < n or tuple(shape[-n:]) != normalized_shape:
+        raise ValueError(f"{op.describe()} got input of shape {tuple(shape)}; its trailing "
+                         f"dimensions must be {normalized_shape}")
+
+
+@attrs.frozen
+class LayerNormForwardArgs:
+    input: Tensor
+    weight: Tensor
+    bias: Tensor
+    normalized_shape: list
+    eps: float
+
+
+@attrs.frozen
+class LayerNormBackwardArgs:
+    grad_output: Tensor
+    input: Optional[Tensor]
+    mean: Optional[Tensor]
+    rstd: Optional[Tensor]
+    weight: Optional[Tensor]
+    bias: Optional[Tensor]
+    normalized_shape: list
+    need_grad_input: bool
+    need_grad_weight: bool
+    need_grad_bias: bool
+
+
+class LayerNorm(BasicOperation):
+    """``(x - mean) / sqrt(var + eps) * weight + bias`` over the trailing dimensions.
+
+    Parameters
+    ----------
+    normalized_shape : int or tuple of int
+        Trailing dimensions to normalise over.
+    eps : float
+        Added to the variance.
+    device, dtype
+        Where and in which dtype to create ``weight`` (ones) and ``bias`` (zeros).
+
+    Notes
+    -----
+    Saves ``(input, mean, rstd, weight, bias)`` when any gradient is needed.
+    """
+
+    saved_fields = ("input", "mean", "rstd", "weight", "bias")
+    fwd_args_type = LayerNormForwardArgs
+    bwd_args_type = LayerNormBackwardArgs
+
+    def __init__(self, normalized_shape, *, eps: float = 1e-5, device=None, dtype=None):
+        super().__init__()
+        self.normalized_shape = normalized_shape_tuple("LayerNorm", normalized_shape)
+        self.eps = float(eps)
+        self.weight = nn.Parameter(torch.ones(self.normalized_shape, device=device, dtype=dtype))
+        self.bias = nn.Parameter(torch.zeros(self.normalized_shape, device=device, dtype=dtype))
+
+    def fusible_params(self):
+        return (self.weight, self.bias)
+
+    def describe(self) -> str:
+        return f"LayerNorm(normalized_shape={self.normalized_shape})"
+
+    def validate(self, shape, dtype, device, extra_inputs=()):
+        check_trailing(self, shape, self.normalized_shape)
+        self._check_param("weight", self.weight, dtype, device)
+        self._check_param("bias", self.bias, dtype, device)
+        return tuple(shape)
+
+    def forward_args(self, input, extra_inputs, ctxs):
+        return LayerNormForwardArgs(input, self.weight, self.bias, list(self.normalized_shape),
+                                    self.eps)
+
+    @classmethod
+    def forward_compute(cls, args, *, in_custom_op=False):
+        y, mean, rstd = torch.native_layer_norm(args.input, args.normalized_shape, args.weight,
+                                                args.bias, args.eps)
+        return ForwardResult(y, (), (mean, rstd))
+
+    def save_for_backward(self, args, result, ctxs):
+        ctx = ctxs[0]
+        if ctx.needs.any:
+            ctx.saved = (args.input, *result.aux, args.weight, args.bias)
+
+    def backward_args(self, grad_output, grad_extra_outputs, ctxs):
+        ctx = ctxs[0]
+        return LayerNormBackwardArgs(grad_output, *ctx.saved, list(self.normalized_shape),
+                                     ctx.needs.input, *ctx.needs.params)
+
+    @classmethod
+    def backward_compute(cls, args, *, in_custom_op=False):
+        mask = [args.need_grad_input, args.need_grad_weight, args.need_grad_bias]
+        dx, dw, db = torch.ops.aten.native_layer_norm_backward(
+            args.grad_output, args.input, args.normalized_shape, args.mean, args.rstd,
+            args.weight, args.bias, mask)
+        return BackwardResult(dx, (dw, db))
+
+    def extra_repr(self) -> str:
+        return f"normalized_shape={self.normalized_shape}, eps={self.eps}"

@@ -1,0 +1,85 @@
+"""Reshape: ``y = x.reshape(shape)``."""
+
+from __future__ import annotations
+
+import math
+
+import attrs
+import torch
+
+from fusible.ops.base import BackwardResult, BasicOperation, ForwardResult
+
+Tensor = torch.Tensor
+
+
+@attrs.frozen
+class ReshapeForwardArgs:
+    input: Tensor
+    shape: list
+
+
+@attrs.frozen
+class ReshapeBackwardArgs:
+    grad_output: Tensor
+    input_shape: list
+    need_grad_input: bool
+
+
+class Reshape(BasicOperation):
+    """Reshape to ``shape`` (one entry may be -1), like ``torch.reshape``.
+
+    Notes
+    -----
+    Keeps the input shape (not the input) for the backward.
+    """
+
+    fwd_args_type = ReshapeForwardArgs
+    bwd_args_type = ReshapeBackwardArgs
+
+    def __init__(self, shape):
+        super().__init__()
+        shape = tuple(int(s) for s in shape)
+        if sum(s == -1 for s in shape) > 1 or any(s < -1 for s in shape):
+            raise ValueError(f"Reshape: shape may hold one -1 and no other negative size, "
+                             f"got {shape}")
+        self.shape = shape
+
+    def describe(self) -> str:
+        return f"Reshape(shape={self.shape})"
+
+    def validate(self, shape, dtype, device, extra_inputs=()):
+        numel = math.prod(shape)
+        known = math.prod(s for s in self.shape if s != -1)
+        if -1 in self.shape:
+            if known == 0 or numel % known:
+                raise ValueError(f"{self.describe()} cannot reshape input of shape "
+                                 f"{tuple(shape)} ({numel} elements)")
+            return tuple(numel // known if s == -1 else s for s in self.shape)
+        if known != numel:
+            raise ValueError(f"{self.describe()} cannot reshape input of shape {tuple(shape)} "
+                             f"({numel} elements) to {known} elements")
+        return self.shape
+
+    def forward_args(self, input, extra_inputs, ctxs):
+        return ReshapeForwardArgs(input, list(self.shape))
+
+    @classmethod
+    def forward_compute(cls, args, *, in_custom_op=False):
+        y = args.input.reshape(args.shape)
+        return ForwardResult(y.clone() if in_custom_op else y)
+
+    def save_for_backward(self, args, result, ctxs):
+        ctxs[0].info = list(args.input.shape)
+
+    def backward_args(self, grad_output, grad_extra_outputs, ctxs):
+        return ReshapeBackwardArgs(grad_output, ctxs[0].info, ctxs[0].needs.input)
+
+    @classmethod
+    def backward_compute(cls, args, *, in_custom_op=False):
+        if not args.need_grad_input:
+            return BackwardResult(None)
+        dx = args.grad_output.reshape(args.input_shape)
+        return BackwardResult(dx.clone() if in_custom_op else dx)
+
+    def extra_repr(self) -> str:
+        return f"shape={self.shape}"

@@ -1,0 +1,114 @@
+"""RMSNorm: ``x * rsqrt(mean(x**2) + eps) * weight`` over the trailing dimensions."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import attrs
+import torch
+from torch import nn
+
+from fusible.ops.base import BackwardResult, BasicOperation, ForwardResult
+from fusible.ops.layer_norm import check_trailing, normalized_shape_tuple
+
+Tensor = torch.Tensor
+
+
+def _float(t: Tensor) -> Tensor:
+    return t.float() if t.dtype in (torch.bfloat16, torch.float16) else t
+
+
+@attrs.frozen
+class RMSNormForwardArgs:
+    input: Tensor
+    weight: Tensor
+    normalized_shape: list
+    eps: float
+
+
+@attrs.frozen
+class RMSNormBackwardArgs:
+    grad_output: Tensor
+    input: Optional[Tensor]
+    rstd: Optional[Tensor]
+    weight: Optional[Tensor]
+    normalized_shape: list
+    need_grad_input: bool
+    need_grad_weight: bool
+
+
+class RMSNorm(BasicOperation):
+    """``x * rsqrt(mean(x**2) + eps) * weight``, computed in float32 for 16-bit inputs.
+
+    Parameters
+    ----------
+    normalized_shape : int or tuple of int
+        Trailing dimensions to normalise over.
+    eps : float
+        Added to the mean square.
+    device, dtype
+        Where and in which dtype to create ``weight`` (ones).
+
+    Notes
+    -----
+    Saves ``(input, rstd, weight)`` when any gradient is needed; ``rstd`` is
+    float32 for 16-bit inputs.
+    """
+
+    saved_fields = ("input", "rstd", "weight")
+    fwd_args_type = RMSNormForwardArgs
+    bwd_args_type = RMSNormBackwardArgs
+
+    def __init__(self, normalized_shape, *, eps: float = 1e-5, device=None, dtype=None):
+        super().__init__()
+        self.normalized_shape = normalized_shape_tuple("RMSNorm", normalized_shape)
+        self.eps = float(eps)
+        self.weight = nn.Parameter(torch.ones(self.normalized_shape, device=device, dtype=dtype))
+
+    def fusible_params(self):
+        return (self.weight,)
+
+    def describe(self) -> str:
+        return f"RMSNorm(normalized_shape={self.normalized_shape})"
+
+    def validate(self, shape, dtype, device, extra_inputs=()):
+        check_trailing(self, shape, self.normalized_shape)
+        self._check_param("weight", self.weight, dtype, device)
+        return tuple(shape)
+
+    def forward_args(self, input, extra_inputs, ctxs):
+        return RMSNormForwardArgs(input, self.weight, list(self.normalized_shape), self.eps)
+
+    @classmethod
+    def forward_compute(cls, args, *, in_custom_op=False):
+        x = _float(args.input)
+        dims = tuple(range(-len(args.normalized_shape), 0))
+        rstd = torch.rsqrt(x.square().mean(dims, keepdim=True) + args.eps)
+        y = (x * rstd * _float(args.weight)).to(args.input.dtype)
+        return ForwardResult(y, (), (rstd,))
+
+    def save_for_backward(self, args, result, ctxs):
+        ctx = ctxs[0]
+        if ctx.needs.any:
+            ctx.saved = (args.input, result.aux[0], args.weight)
+
+    def backward_args(self, grad_output, grad_extra_outputs, ctxs):
+        ctx = ctxs[0]
+        return RMSNormBackwardArgs(grad_output, *ctx.saved, list(self.normalized_shape),
+                                   ctx.needs.input, ctx.needs.params[0])
+
+    @classmethod
+    def backward_compute(cls, args, *, in_custom_op=False):
+        dtype = args.grad_output.dtype
+        dims = tuple(range(-len(args.normalized_shape), 0))
+        dy, x_hat = _float(args.grad_output), _float(args.input) * args.rstd
+        dx = dw = None
+        if args.need_grad_input:
+            g = dy * _float(args.weight)
+            dx = (args.rstd * (g - x_hat * (g * x_hat).mean(dims, keepdim=True))).to(dtype)
+        if args.need_grad_weight:
+            dw = (dy * x_hat).reshape(-1, *args.normalized_shape).sum(0).to(dtype)
+        return BackwardResult(dx, (dw,))
+
+    def extra_repr(self) -> str:
+        return f"normalized_shape={self.normalized_shape}, eps={self.eps}"

@@ -1,0 +1,187 @@
+"""Sequential: the pipeline users build, plan and run."""
+
+from __future__ import annotations
+
+from typing import Iterable, Iterator
+
+import torch
+from torch import nn
+
+from fusible import _epoch
+from fusible.fuser import PipelineRunner
+from fusible.ops.base import FusedOperation, FusibleOperation
+
+
+class Sequential(nn.Module):
+    """A pipeline of fusible operations, planned and fused as a whole.
+
+    Behaves like ``torch.nn.Sequential`` for indexing, iteration, ``len``,
+    ``append``, ``extend``, ``insert`` and deletion, and keeps the same
+    state_dict names. Nested Sequentials are flattened into one pipeline for
+    planning, so fusions cross their boundaries. An ordinary ``nn.Module``
+    inside runs as is and splits the pipeline into separately planned groups.
+
+    ``model(x, *extra_inputs)`` gives the extra inputs, in order, to the
+    ``AddExtraInput`` ops; if the pipeline has ``MakeExtraOutput`` ops it returns
+    ``(y, *extra_outputs)``, else ``y``.
+
+    Parameters
+    ----------
+    *modules : nn.Module
+        Fusible operations, Sequentials or ordinary modules, in order.
+    """
+
+    def __init__(self, *modules: nn.Module):
+        super().__init__()
+        for module in modules:
+            self.append(module)
+
+    # nn.Sequential behaviour ------------------------------------------------------
+
+    def append(self, module: nn.Module) -> "Sequential":
+        """Add a module at the end."""
+        self._check_module(module)
+        self.add_module(str(len(self)), module)
+        _epoch.bump()
+        return self
+
+    def extend(self, modules: Iterable[nn.Module]) -> "Sequential":
+        for module in modules:
+            self.append(module)
+        return self
+
+    def insert(self, index: int, module: nn.Module) -> "Sequential":
+        items = list(self)
+        items.insert(index, module)
+        self._reset(items)
+        return self
+
+    def __len__(self) -> int:
+        return len(self._modules)
+
+    def __iter__(self) -> Iterator[nn.Module]:
+        return iter(self._modules.values())
+
+    def __getitem__(self, index):
+        items = list(self._modules.values())
+        if isinstance(index, slice):
+            return Sequential(*items[index])
+        return items[self._index(index)]
+
+    def __setitem__(self, index: int, module: nn.Module) -> None:
+        self._check_module(module)
+        items = list(self)
+        items[self._index(index)] = module
+        self._reset(items)
+
+    def __delitem__(self, index) -> None:
+        items = list(self)
+        del items[index if isinstance(index, slice) else self._index(index)]
+        self._reset(items)
+
+    def _index(self, index: int) -> int:
+        n = len(self)
+        if not -n <= index < n:
+            raise IndexError(f"index {index} is out of range for a Sequential of {n} modules")
+        return index % n
+
+    def _reset(self, items: list) -> None:
+        for key in list(self._modules):
+            del self._modules[key]
+        for item in items:
+            self.append(item)
+
+    @staticmethod
+    def _check_module(module) -> None:
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"Sequential takes nn.Module instances, got {type(module).__name__}")
+        if isinstance(module, FusedOperation):
+            raise TypeError(f"{type(module).__name__} is a fusion; the planner creates fusions, "
+                            f"put the basic ops in the Sequential instead")
+
+    def _apply(self, fn, recurse=True):
+        result = super()._apply(fn, recurse)
+        _epoch.bump()
+        return result
+
+    def __getstate__(self):
+        state = self.__dict__.copy()
+        state.pop("_fusible_layout", None)  # a cache; rebuilt on first use
+        return state
+
+    # Pipeline ---------------------------------------------------------------------
+
+    def pipeline(self) -> tuple:
+        """The flattened pipeline: basic ops and ordinary modules, in order.
+
+        Plan stage indices are positions in this tuple.
+        """
+        return self._layout().items
+
+    def _layout(self) -> "_Layout":
+        layout = self.__dict__.get("_fusible_layout")
+        if layout is None or layout.epoch != _epoch.current():
+            layout = _Layout(_flatten(self))
+            object.__setattr__(self, "_fusible_layout", layout)
+        return layout
+
+    def forward(self, input: torch.Tensor, *extra_inputs: torch.Tensor):
+        layout = self._layout()
+        if len(extra_inputs) != layout.num_extra_inputs:
+            raise TypeError(f"Sequential expects {layout.num_extra_inputs} extra input(s) for "
+                            f"its AddExtraInput ops, got {len(extra_inputs)}")
+        x, extra_outputs, pos = input, [], 0
+        for runner, module in layout.groups:
+            if runner is None:
+                x = module(x)
+                continue
+            k = runner.num_extra_inputs
+            x, outs = runner.run(x, extra_inputs[pos:pos + k])
+            pos += k
+            extra_outputs.extend(outs)
+        return (x, *extra_outputs) if layout.num_extra_outputs else x
+
+    def plan(self, *example_inputs: torch.Tensor):
+        """The :class:`~fusible.FusionPlan` for the current grad mode.
+
+        Parameters
+        ----------
+        *example_inputs : Tensor, optional
+            ``(x, *extra_inputs)`` as they would be passed to the model; their
+            dtype, device and ``requires_grad`` shape the plan. Without them the
+            input is assumed to have the parameters' dtype and device and not
+            to require grad.
+        """
+        from fusible.plan import build_plan
+
+        return build_plan(self._layout(), example_inputs, self.parameters())
+
+
+def _flatten(module: nn.Module) -> list:
+    if isinstance(module, Sequential):
+        return [item for child in module for item in _flatten(child)]
+    if isinstance(module, FusibleOperation):
+        return list(module.basic_ops())
+    return [module]
+
+
+class _Layout:
+    """The flattened pipeline split into groups of basic ops and ordinary modules."""
+
+    def __init__(self, items: list):
+        self.epoch = _epoch.current()
+        self.items = tuple(items)
+        self.groups = []  # (runner, None) or (None, module)
+        run: list = []
+        for i, item in enumerate(items + [None]):
+            if isinstance(item, FusibleOperation):
+                run.append(item)
+                continue
+            if run:
+                self.groups.append((PipelineRunner(tuple(run), i - len(run)), None))
+                run = []
+            if item is not None:
+                self.groups.append((None, item))
+        runners = [r for r, _ in self.groups if r is not None]
+        self.num_extra_inputs = sum(r.num_extra_inputs for r in runners)
+        self.num_extra_outputs = sum(r.num_extra_outputs for r in runners)

@@ -1,0 +1,209 @@
+"""The fusion planner: one scan serves every registered fusion.
+
+Forward and backward are planned independently. The forward scan walks the
+ops front to back, the backward scan back to front (the order the backward
+pass runs). At each position every registered fusion of that direction is
+tried; among the matches its ``accepts`` allows, the longest wins, ties going
+to the fusion registered first. Where nothing matches, the basic op is its own
+stage. Every match is recorded: chosen, superseded by a longer one, or refused
+with the reason. The result must flatten back to the basic ops in order.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+import torch
+
+from fusible.ops.base import BasicOperation, FusibleOperation, OpGradNeeds
+from fusible.pattern import Match
+from fusible.registry import registered_fusions
+
+
+@attrs.frozen
+class PlanEnvironment:
+    """What a plan depends on besides the ops; passed to ``accepts(match, env)``.
+
+    Attributes
+    ----------
+    device_type : str
+        ``"cpu"``, ``"cuda"``, ...
+    dtype : torch.dtype
+        Dtype of the pipeline input.
+    grad_enabled : bool
+        Whether autograd records this call (and so whether a backward exists).
+    needs : dict
+        Global op index -> :class:`~fusible.ops.base.OpGradNeeds`.
+    recipe : object
+        The FP8 recipe in effect, or None.
+    """
+
+    device_type: str
+    dtype: torch.dtype
+    grad_enabled: bool
+    needs: dict = attrs.field(eq=False)
+    recipe: Any = None
+
+    @property
+    def needs_backward(self) -> bool:
+        return any(n.any for n in self.needs.values())
+
+
+@attrs.frozen
+class Stage:
+    """One step of a plan: a basic op, a fusion, or an ordinary module.
+
+    Attributes
+    ----------
+    name : str
+        The operation's class name, e.g. ``"ForwardLinearBias"`` or ``"Bias"``.
+    indices : tuple of int
+        Positions of the covered ops in the flattened pipeline, ascending.
+    op : torch.nn.Module
+        The stage's operation (a fused op is built by the planner).
+    """
+
+    name: str
+    indices: tuple
+    op: Any = attrs.field(eq=False, repr=False)
+
+    @property
+    def fused(self) -> bool:
+        """Whether a fusion covers this stage."""
+        from fusible.ops.base import FusedOperation
+
+        return isinstance(self.op, FusedOperation)
+
+    @property
+    def is_module(self) -> bool:
+        """Whether the stage is an ordinary ``nn.Module`` run by PyTorch's autograd."""
+        return not isinstance(self.op, FusibleOperation)
+
+
+@attrs.frozen
+class Candidate:
+    """A fusion that matched somewhere, and what the planner did with it.
+
+    ``status`` is ``"chosen"``, ``"superseded"`` (a longer or earlier-registered
+    match won) or ``"refused"`` (an attribute check or ``accepts`` said no;
+    ``reason`` says why).
+    """
+
+    fusion: str
+    direction: str
+    indices: tuple
+    status: str
+    reason: str = ""
+
+
+@attrs.frozen
+class GroupPlan:
+    """The plan of one run of basic ops (a group between ordinary modules)."""
+
+    forward: tuple
+    backward: tuple
+    candidates: tuple
+    env: PlanEnvironment
+
+
+def plan_group(ops: tuple, start: int, env: PlanEnvironment) -> GroupPlan:
+    """Plan a group of basic ops whose first op sits at ``start`` in the pipeline."""
+    forward, fwd_candidates = _scan(ops, start, env, "forward")
+    backward, bwd_candidates = ((), ())
+    if env.needs_backward:
+        backward, bwd_candidates = _scan(ops, start, env, "backward")
+    _check_flattens(ops, start, forward, list(forward))
+    _check_flattens(ops, start, backward, list(reversed(backward)) if backward else None)
+    return GroupPlan(forward, backward, fwd_candidates + bwd_candidates, env)
+
+
+def _scan(ops, start, env, direction):
+    n = len(ops)
+    reverse = direction == "backward"
+    seq = list(ops[::-1]) if reverse else list(ops)
+    fusions = registered_fusions(direction)
+    stages, candidates = [], []
+    pos = 0
+    while pos < n:
+        accepted = []
+        for fusion in fusions:
+            for length, names, failures in fusion.pattern.matches(seq, pos, reverse=reverse):
+                if length == 0:
+                    continue
+                match = _make_match(ops, start, seq, pos, length, names, reverse)
+                verdict = " and ".join(failures) if failures else _ask(fusion, match, env)
+                if verdict is True:
+                    accepted.append((fusion, match))
+                else:
+                    candidates.append(Candidate(fusion.__name__, direction, match.indices,
+                                                "refused", verdict))
+        if accepted:
+            best = max(accepted, key=lambda fm: len(fm[1]))  # max() keeps the first of ties
+            for fm in accepted:
+                status, why = ("chosen", "") if fm is best else (
+                    "superseded", f"{best[0].__name__} at {list(best[1].indices)} won")
+                candidates.append(Candidate(fm[0].__name__, direction, fm[1].indices,
+                                            status, why))
+            fusion, match = best
+            stages.append(Stage(fusion.__name__, match.indices, fusion(match)))
+            pos += len(match)
+        else:
+            local = n - 1 - pos if reverse else pos
+            op = ops[local]
+            stages.append(Stage(type(op).__name__, (start + local,), op))
+            pos += 1
+    return tuple(stages), tuple(candidates)
+
+
+def _make_match(ops, start, seq, pos, length, names, reverse) -> Match:
+    if reverse:
+        lo = len(ops) - pos - length
+    else:
+        lo = pos
+    return Match(tuple(ops[lo:lo + length]), tuple(range(start + lo, start + lo + length)), names)
+
+
+def _ask(fusion, match, env):
+    verdict = fusion.accepts(match, env)
+    if verdict is True:
+        return True
+    if not isinstance(verdict, str) or not verdict:
+        raise TypeError(f"{fusion.__name__}.accepts() must return True or a non-empty reason "
+                        f"string, got {verdict!r}")
+    return verdict
+
+
+def _check_flattens(ops, start, stages, in_forward_order) -> None:
+    """Verify that the stages cover the basic ops exactly once, in order."""
+    if in_forward_order is None:
+        return
+    covered = [i for stage in in_forward_order for i in stage.indices]
+    expected = list(range(start, start + len(ops)))
+    if covered != expected:
+        raise RuntimeError(f"plan does not flatten back to the basic ops: stages cover "
+                           f"{covered}, expected {expected}")
+    for stage in stages:
+        got = stage.op.basic_ops()
+        want = tuple(ops[i - start] for i in stage.indices)
+        if len(got) != len(want) or any(a is not b for a, b in zip(got, want)):
+            raise RuntimeError(
+                f"plan does not flatten back to the basic ops: {stage.name} at "
+                f"{list(stage.indices)} reports basic ops {[type(o).__name__ for o in got]}, "
+                f"expected {[type(o).__name__ for o in want]}")
+        if not all(isinstance(o, BasicOperation) for o in got):
+            raise RuntimeError(f"{stage.name} reports non-basic ops {got!r}")
+
+
+def op_grad_needs(ops, grad_enabled: bool, input_requires_grad: bool,
+                  extra_requires_grad: tuple) -> tuple[OpGradNeeds, ...]:
+    """Which gradients each op must produce, from what requires grad upstream."""
+    needs, upstream, extra_pos = [], input_requires_grad and grad_enabled, 0
+    for op in ops:
+        params = tuple(grad_enabled and p.requires_grad for p in op.fusible_params())
+        k = op.num_extra_inputs
+        extras = tuple(grad_enabled and r for r in extra_requires_grad[extra_pos:extra_pos + k])
+        extra_pos += k
+        needs.append(OpGradNeeds(upstream, params, extras))
+        upstream = upstream or any(params) or any(extras)
+    return tuple(needs)

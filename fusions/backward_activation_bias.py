@@ -1,0 +1,51 @@
+"""BackwardActivationBias: activation gradient and bias gradient in one pass."""
+
+from typing import Optional
+
+import attrs
+import torch
+
+from fusible import FusedOperation, Op, Pattern, register_fusion
+from fusible.kernels.dact_dbias import dact_dbias
+from fusible.ops import GELU, BackwardResult, Bias, ReLU, SiLU
+
+
+@attrs.frozen
+class ActivationBiasBackwardArgs:
+    grad_output: torch.Tensor
+    saved: Optional[torch.Tensor]
+    kind: str
+    need_grad_input: bool
+
+
+@register_fusion
+class BackwardActivationBias(FusedOperation):
+    """``dact = act'(.) * dy`` and ``dbias = dact.sum(tokens)`` in one pass over ``dy``.
+
+    Pattern (forward order): ``Bias, GELU | ReLU | SiLU``; runs in the backward as
+    the activation's then the bias's gradient.
+    Accepts when the bias needs a gradient (otherwise there is nothing to fuse).
+    Reads: the activation's saved tensor (its input, or ReLU's output).
+    Uses a Triton kernel on CUDA, two PyTorch ops elsewhere.
+    """
+
+    direction = "backward"
+    pattern = Pattern(Op(Bias, name="bias"),
+                      Op(GELU, name="activation") | Op(ReLU, name="activation")
+                      | Op(SiLU, name="activation"))
+    bwd_args_type = ActivationBiasBackwardArgs
+
+    @classmethod
+    def accepts(cls, match, env):
+        if not env.needs[match.indices[0]].params[0]:
+            return "the Bias needs no gradient: nothing to fuse with the activation's"
+        return True
+
+    def backward_args(self, grad_output, grad_extra_outputs, ctxs):
+        return ActivationBiasBackwardArgs(grad_output, ctxs[1].saved[0],
+                                          self.match["activation"].kind, ctxs[0].needs.input)
+
+    @classmethod
+    def backward_compute(cls, args, *, in_custom_op=False):
+        dact, dbias = dact_dbias(args.kind, args.grad_output, args.saved)
+        return BackwardResult(dact if args.need_grad_input else None, (dbias,))

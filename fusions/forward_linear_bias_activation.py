@@ -1,0 +1,70 @@
+"""ForwardLinearBiasActivation: GEMM + bias + GELU/ReLU in one ``torch._addmm_activation``."""
+
+import attrs
+import torch
+
+from fusible import FusedOperation, Op, Pattern, register_fusion
+from fusible.ops import GELU, BasicLinear, Bias, ForwardResult, ReLU
+from fusible.ops.activation import save_activation
+from fusible.ops.basic_linear import save_linear, tokens_2d
+
+# The GELU each backend's epilogue computes: cuBLASLt's is the tanh form; the CPU
+# kernel applies exact GELU after the GEMM.
+EPILOGUE_GELU = {"cuda": "tanh", "cpu": "none"}
+
+
+@attrs.frozen
+class LinearBiasActivationForwardArgs:
+    input: torch.Tensor
+    weight: torch.Tensor
+    bias: torch.Tensor
+    use_gelu: bool
+
+
+@register_fusion
+class ForwardLinearBiasActivation(FusedOperation):
+    """``act(x @ weight.T + bias)`` with the activation in the GEMM epilogue.
+
+    Pattern: ``BasicLinear, Bias, GELU | ReLU``.
+    Accepts on devices with an epilogue (CUDA: GELU tanh, CPU: exact GELU; ReLU on
+    both), and GELU only when its input needs no gradient: the epilogue does not
+    return the pre-activation GELU's backward needs. ReLU's backward needs only
+    its output, so ReLU fuses in training too.
+    Saves: BasicLinear's ``(input, weight)``; ReLU's ``(output,)``.
+    """
+
+    direction = "forward"
+    pattern = Pattern(Op(BasicLinear, name="linear"), Op(Bias, name="bias"),
+                      Op(GELU, name="activation") | Op(ReLU, name="activation"))
+    fwd_args_type = LinearBiasActivationForwardArgs
+
+    @classmethod
+    def accepts(cls, match, env):
+        act = match["activation"]
+        if env.device_type not in EPILOGUE_GELU:
+            return f"no GEMM activation epilogue on {env.device_type}"
+        if not isinstance(act, GELU):
+            return True
+        wanted = EPILOGUE_GELU[env.device_type]
+        if act.approximate != wanted:
+            return (f"the {env.device_type} epilogue computes GELU(approximate={wanted!r}), "
+                    f"this is GELU(approximate={act.approximate!r})")
+        if env.needs[match.indices[2]].input:
+            return "GELU's backward needs the pre-activation, which the epilogue does not return"
+        return True
+
+    def forward_args(self, input, extra_inputs, ctxs):
+        return LinearBiasActivationForwardArgs(input, self.match["linear"].weight,
+                                               self.match["bias"].bias,
+                                               isinstance(self.match["activation"], GELU))
+
+    @classmethod
+    def forward_compute(cls, args, *, in_custom_op=False):
+        x, w = args.input, args.weight
+        y = torch._addmm_activation(args.bias, tokens_2d(x), w.t(), use_gelu=args.use_gelu)
+        return ForwardResult(y.view(*x.shape[:-1], w.shape[0]))
+
+    def save_for_backward(self, args, result, ctxs):
+        save_linear(ctxs[0], args.input, args.weight)
+        # Only ReLU reaches here with a backward (accepts refuses GELU then): it saves y.
+        save_activation(self.match["activation"], ctxs[2], None, result.output)
