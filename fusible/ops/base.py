@@ -201,6 +201,12 @@ class BasicOperation(FusibleOperation):
         """Short label with sizes, used in plans and diagrams."""
         return type(self).__name__
 
+    def diagram_label(self) -> str:
+        """Sizes and settings shown under the op's name in plan diagrams."""
+        text = self.describe()
+        name = type(self).__name__
+        return text[len(name) + 1:-1] if text.startswith(name + "(") else ""
+
     def validate(self, shape: tuple, dtype: torch.dtype, device: torch.device,
                  extra_inputs: tuple = ()) -> tuple:
         """Check an input of this shape, dtype and device; return the output shape.

@@ -109,6 +109,9 @@ class BasicLinear(BasicOperation):
     def describe(self) -> str:
         return f"BasicLinear(in_features={self.in_features}, out_features={self.out_features})"
 
+    def diagram_label(self) -> str:
+        return f"{self.in_features} \u2192 {self.out_features}"
+
     def validate(self, shape, dtype, device, extra_inputs=()):
         if not shape:
             raise ValueError(f"{self.describe()} got a 0-d input; it needs (..., "

@@ -27,6 +27,15 @@ def check_trailing(op, shape, normalized_shape) -> None:
                          f"dimensions must be {normalized_shape}")
 
 
+def _compute_copies(*tensors):
+    """float32 copies of 16-bit CPU tensors: PyTorch's CPU kernel keeps mean and rstd in
+    the input dtype, too coarse for the backward. CUDA accumulates in float32 already."""
+    x = tensors[0]
+    if x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float16):
+        return tuple(t.float() for t in tensors)
+    return tensors
+
+
 @attrs.frozen
 class LayerNormForwardArgs:
     input: Tensor
@@ -96,9 +105,9 @@ class LayerNorm(BasicOperation):
 
     @classmethod
     def forward_compute(cls, args, *, in_custom_op=False):
-        y, mean, rstd = torch.native_layer_norm(args.input, args.normalized_shape, args.weight,
-                                                args.bias, args.eps)
-        return ForwardResult(y, (), (mean, rstd))
+        x, w, b = _compute_copies(args.input, args.weight, args.bias)
+        y, mean, rstd = torch.native_layer_norm(x, args.normalized_shape, w, b, args.eps)
+        return ForwardResult(y.to(args.input.dtype), (), (mean, rstd))
 
     def save_for_backward(self, args, result, ctxs):
         ctx = ctxs[0]
@@ -113,9 +122,10 @@ class LayerNorm(BasicOperation):
     @classmethod
     def backward_compute(cls, args, *, in_custom_op=False):
         mask = [args.need_grad_input, args.need_grad_weight, args.need_grad_bias]
-        dx, dw, db = torch.ops.aten.native_layer_norm_backward(
-            args.grad_output, args.input, args.normalized_shape, args.mean, args.rstd,
-            args.weight, args.bias, mask)
+        dy, x, w, b = _compute_copies(args.grad_output, args.input, args.weight, args.bias)
+        grads = torch.ops.aten.native_layer_norm_backward(
+            dy, x, args.normalized_shape, args.mean, args.rstd, w, b, mask)
+        dx, dw, db = (None if g is None else g.to(args.grad_output.dtype) for g in grads)
         return BackwardResult(dx, (dw, db))
 
     def extra_repr(self) -> str:

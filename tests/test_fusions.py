@@ -1,0 +1,100 @@
+"""Every built-in fusion: the plan chooses it, and it matches the FP64 reference."""
+
+import pytest
+import torch
+
+from fusible import ops
+from fusible.testing import check_fusion, exact_parameters_, exact_tensor, stage_names
+
+
+def _prepare(model, dtype):
+    return exact_parameters_(model.to(dtype))
+
+
+@pytest.mark.parametrize("lead", [(4,), (2, 3)], ids=["2d", "3d"])
+def test_forward_linear_bias(dtype, lead):
+    model = _prepare(ops.Sequential(ops.BasicLinear(6, 10), ops.Bias(10)), dtype)
+    x = exact_tensor((*lead, 6), dtype).requires_grad_()
+    check_fusion(model, x, forward=["ForwardLinearBias"])
+    assert stage_names(model.plan(x).backward) == ["Bias", "BasicLinear"]
+
+
+def test_forward_linear_bias_relu_in_training(dtype):
+    model = _prepare(ops.Sequential(ops.BasicLinear(6, 10), ops.Bias(10), ops.ReLU(),
+                                    ops.BasicLinear(10, 3)), dtype)
+    x = exact_tensor((2, 4, 6), dtype).requires_grad_()
+    check_fusion(model, x, forward=["ForwardLinearBiasActivation"],
+                 backward=["BackwardActivationBias"])
+
+
+def test_forward_linear_bias_gelu_inference(dtype):
+    """CPU's epilogue is exact GELU, and inference needs no pre-activation."""
+    model = _prepare(ops.Sequential(ops.BasicLinear(6, 10), ops.Bias(10), ops.GELU()), dtype)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    x = exact_tensor((3, 6), dtype)
+    with torch.no_grad():
+        assert stage_names(model.plan(x).forward) == ["ForwardLinearBiasActivation"]
+        check_fusion(model, x, forward=["ForwardLinearBiasActivation"])
+
+
+def test_forward_linear_bias_gelu_refused_in_training():
+    model = ops.Sequential(ops.BasicLinear(6, 10), ops.Bias(10), ops.GELU())
+    plan = model.plan()
+    assert stage_names(plan.forward) == ["ForwardLinearBias", "GELU"]
+    refused = [c for c in plan.candidates if c.fusion == "ForwardLinearBiasActivation"]
+    assert refused[0].status == "refused" and "pre-activation" in refused[0].reason
+
+
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_forward_linear_bias_add(dtype, with_bias):
+    layers = [ops.BasicLinear(6, 6)] + ([ops.Bias(6)] if with_bias else []) + [ops.AddExtraInput()]
+    model = _prepare(ops.Sequential(*layers), dtype)
+    x = exact_tensor((2, 3, 6), dtype).requires_grad_()
+    residual = exact_tensor((2, 3, 6), dtype).requires_grad_()
+    check_fusion(model, x, residual, forward=["ForwardLinearBiasAdd"])
+    assert model.plan(x, residual).forward[0].indices == tuple(range(len(layers)))
+
+
+@pytest.mark.parametrize("act", [ops.GELU, lambda: ops.GELU(approximate="tanh"), ops.ReLU,
+                                 ops.SiLU], ids=["gelu", "gelu_tanh", "relu", "silu"])
+def test_backward_activation_bias(dtype, act):
+    model = _prepare(ops.Sequential(ops.BasicLinear(6, 10), ops.Bias(10), act(),
+                                    ops.BasicLinear(10, 4)), dtype)
+    x = exact_tensor((5, 6), dtype).requires_grad_()
+    check_fusion(model, x, backward=["BackwardActivationBias"])
+
+
+def test_backward_activation_bias_refused_for_frozen_bias():
+    model = ops.Sequential(ops.BasicLinear(6, 10), ops.Bias(10), ops.GELU())
+    model[1].bias.requires_grad_(False)
+    plan = model.plan()
+    assert "BackwardActivationBias" not in stage_names(plan.backward)
+    reasons = [c.reason for c in plan.candidates if c.fusion == "BackwardActivationBias"]
+    assert reasons and "needs no gradient" in reasons[0]
+
+
+def test_backward_linear_add(dtype):
+    model = _prepare(ops.Sequential(ops.LayerNorm(6), ops.MakeExtraOutput(), ops.BasicLinear(6, 8),
+                                    ops.GELU()), dtype)
+    x = exact_tensor((3, 6), dtype).requires_grad_()
+    check_fusion(model, x, backward=["BackwardLinearAdd"])
+    assert [s.indices for s in model.plan(x).backward] == [(3,), (1, 2), (0,)]
+
+
+def test_backward_linear_add_refused_without_dgrad():
+    model = ops.Sequential(ops.MakeExtraOutput(), ops.BasicLinear(6, 8))
+    plan = model.plan(torch.randn(2, 6))
+    assert stage_names(plan.backward) == ["BasicLinear", "MakeExtraOutput"]
+    assert any(c.fusion == "BackwardLinearAdd" and c.status == "refused" for c in plan.candidates)
+
+
+def test_transformer_mlp_block(dtype):
+    """Residual MLP block: several fusions in one plan, forward and backward."""
+    model = _prepare(ops.Sequential(
+        ops.MakeExtraOutput(), ops.LayerNorm(8), ops.Linear(8, 16), ops.GELU(approximate="tanh"),
+        ops.Linear(16, 8), ops.AddExtraInput()), dtype)
+    x = exact_tensor((2, 3, 8), dtype).requires_grad_()
+    check_fusion(model, x, model(x, x)[1].detach(), forward=["ForwardLinearBias",
+                                                             "ForwardLinearBiasAdd"],
+                 backward=["BackwardActivationBias"])

@@ -1,0 +1,95 @@
+"""Only needed gradients are computed, only needed tensors saved, and freed early."""
+
+import weakref
+from collections import Counter
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from fusible import ops
+
+
+class CountOps(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.counts = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.counts[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _mlp():
+    return ops.Sequential(ops.BasicLinear(4, 8), ops.GELU(), ops.BasicLinear(8, 4))
+
+
+@pytest.mark.parametrize("input_grad,first_weight_grad,expected_backward_gemms,gelu_backward", [
+    (True, True, 4, 1),     # dgrad + wgrad for both layers
+    (False, True, 3, 1),    # no dgrad for the first layer
+    (False, False, 1, 0),   # only the second layer's wgrad; GELU's backward is skipped
+    (True, False, 3, 1),    # first layer: dgrad only
+])
+def test_only_needed_gradients_are_computed(input_grad, first_weight_grad,
+                                            expected_backward_gemms, gelu_backward):
+    model = _mlp()
+    model[0].weight.requires_grad_(first_weight_grad)
+    x = torch.randn(3, 4, requires_grad=input_grad)
+    y = model(x)
+    with CountOps() as counter:
+        y.sum().backward()
+    assert counter.counts["mm"] == expected_backward_gemms
+    assert counter.counts["gelu_backward"] == gelu_backward
+    assert (x.grad is not None) == input_grad
+    assert (model[0].weight.grad is not None) == first_weight_grad
+
+
+def test_no_autograd_node_when_nothing_requires_grad():
+    model = _mlp().requires_grad_(False)
+    y = model(torch.randn(3, 4))
+    assert y.grad_fn is None and not y.requires_grad
+    with torch.no_grad():
+        assert model.requires_grad_(True)(torch.randn(3, 4)).grad_fn is None
+
+
+def test_only_needed_tensors_are_saved():
+    model = _mlp()
+    model[0].weight.requires_grad_(False)
+    y = model(torch.randn(3, 4))
+    ctxs = y.grad_fn.fusible_ctxs
+    assert ctxs[0].saved == () or all(t is None for t in ctxs[0].saved)  # no input, no weight
+    assert all(t is None for t in ctxs[1].saved)                  # GELU: input needs no grad
+    x_saved, w_saved = ctxs[2].saved                              # wgrad only: input, no weight
+    assert x_saved is not None and w_saved is None
+
+
+def test_intermediates_are_freed_during_backward(monkeypatch):
+    """When the first layer's backward runs, the GELU output saved by the second layer
+    and the pre-activation saved by GELU are already gone."""
+    model = _mlp()
+    x = torch.randn(3, 4, requires_grad=True)
+    y = model(x)
+    ctxs = y.grad_fn.fusible_ctxs
+    gelu_output, pre_activation = weakref.ref(ctxs[2].saved[0]), weakref.ref(ctxs[1].saved[0])
+    seen = {}
+    real = ops.BasicLinear.backward_compute.__func__
+
+    def spy(cls, args, *, in_custom_op=False):
+        if args.grad_output.shape[-1] == 8:  # the first layer
+            seen["alive"] = (gelu_output() is not None, pre_activation() is not None)
+        return real(cls, args, in_custom_op=in_custom_op)
+
+    monkeypatch.setattr(ops.BasicLinear, "backward_compute", classmethod(spy))
+    y.sum().backward()
+    assert seen["alive"] == (False, False)
+    assert x.grad is not None
+
+
+def test_saved_input_is_version_checked():
+    model = _mlp()
+    x = torch.randn(3, 4, requires_grad=True)
+    h = x * 1.0
+    y = model(h)
+    h.add_(1.0)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()

@@ -1,0 +1,129 @@
+"""Sequential behaves like nn.Sequential, flattens, splits and keeps state_dict names."""
+
+import pytest
+import torch
+from torch import nn
+
+import fusible
+from fusible import ops
+from fusible.testing import check_against_reference, exact_parameters_, exact_tensor, stage_names
+
+
+def test_indexing_iteration_len_append():
+    a, b, c = ops.BasicLinear(4, 8), ops.GELU(), ops.BasicLinear(8, 4)
+    model = ops.Sequential(a, b)
+    model.append(c)
+    assert len(model) == 3 and list(model) == [a, b, c]
+    assert model[0] is a and model[-1] is c
+    assert isinstance(model[1:], ops.Sequential) and list(model[1:]) == [b, c]
+    with pytest.raises(IndexError, match="index 3 is out of range"):
+        model[3]
+    del model[1]
+    assert list(model) == [a, c] and list(dict(model.named_children())) == ["0", "1"]
+    model.insert(1, b)
+    assert list(model) == [a, b, c]
+    d = ops.ReLU()
+    model[1] = d
+    assert model[1] is d
+    assert stage_names(model.plan().forward) == ["BasicLinear", "ReLU", "BasicLinear"]
+
+
+def test_nested_sequentials_flatten_into_one_plan():
+    inner = ops.Sequential(ops.Bias(8), ops.ReLU())
+    model = ops.Sequential(ops.BasicLinear(4, 8), inner, ops.BasicLinear(8, 2))
+    assert len(model.pipeline()) == 4
+    with torch.no_grad():
+        plan = model.plan()
+    assert [(s.name, s.indices) for s in plan.forward] == [
+        ("ForwardLinearBiasActivation", (0, 1, 2)), ("BasicLinear", (3,))]
+    assert list(model.state_dict()) == ["0.weight", "1.0.bias", "2.weight"]
+    inner.append(ops.Identity())  # mutating the inner Sequential re-plans the outer one
+    assert len(model.pipeline()) == 5
+
+
+def test_ordinary_module_splits_the_pipeline(dtype):
+    model = exact_parameters_(ops.Sequential(ops.BasicLinear(4, 8), nn.Identity(), ops.Bias(8),
+                                             ops.GELU()).to(dtype))
+    x = exact_tensor((3, 4), dtype).requires_grad_()
+    plan = model.plan(x)
+    assert [(s.name, s.indices) for s in plan.forward] == [
+        ("BasicLinear", (0,)), ("Identity", (1,)), ("Bias", (2,)), ("GELU", (3,))]
+    assert plan.forward[1].is_module
+    assert [s.indices for s in plan.backward] == [(2, 3), (1,), (0,)]
+    check_against_reference(model, x)
+
+
+def test_ordinary_module_between_extra_io():
+    model = ops.Sequential(ops.MakeExtraOutput(), nn.Tanh(), ops.AddExtraInput(),
+                           ops.MakeExtraOutput())
+    x, r = torch.randn(3, 4, requires_grad=True), torch.randn(3, 4, requires_grad=True)
+    y, b1, b2 = model(x, r)
+    torch.testing.assert_close(y, torch.tanh(x) + r)
+    (y.sum() + 2 * b1.sum() + 3 * b2.sum()).backward()
+    torch.testing.assert_close(r.grad, torch.full((3, 4), 4.0))
+    torch.testing.assert_close(x.grad, 4 * (1 - torch.tanh(x) ** 2) + 2)
+
+
+def test_state_dict_names_and_round_trip():
+    model = ops.Sequential(ops.LayerNorm(4), ops.Linear(4, 8), ops.GELU(), ops.Linear(8, 4),
+                           ops.RMSNorm(4))
+    names = list(model.state_dict())
+    assert names == ["0.weight", "0.bias", "1.weight", "1.bias", "3.weight", "3.bias",
+                     "4.weight"]
+    clone = ops.Sequential(ops.LayerNorm(4), ops.Linear(4, 8), ops.GELU(), ops.Linear(8, 4),
+                           ops.RMSNorm(4))
+    clone.load_state_dict(model.state_dict())
+    x = torch.randn(2, 4)
+    torch.testing.assert_close(clone(x), model(x), rtol=0, atol=0)
+
+
+def test_load_from_equivalent_torch_model():
+    torch_mlp = nn.Sequential(nn.Linear(4, 8), nn.GELU(), nn.Linear(8, 4))
+    basic = ops.Sequential(ops.BasicLinear(4, 8), ops.Bias(8), ops.GELU(),
+                           ops.BasicLinear(8, 4), ops.Bias(4))
+    basic.load_state_dict(fusible.state_dict_from_torch(basic, torch_mlp))
+    composite = ops.Sequential(ops.Linear(4, 8), ops.GELU(), ops.Linear(8, 4))
+    composite.load_state_dict(torch_mlp.state_dict())  # same names as nn.Linear
+    x = torch.randn(5, 4, dtype=torch.float32)
+    torch.testing.assert_close(basic(x), torch_mlp(x))
+    torch.testing.assert_close(composite(x), torch_mlp(x))
+    with pytest.raises(ValueError, match="does not pair with"):
+        fusible.state_dict_from_torch(basic, nn.Sequential(nn.Linear(4, 9), nn.Linear(9, 4)))
+
+
+def test_to_dtype_and_replaced_parameters():
+    model = ops.Sequential(ops.Linear(4, 8), ops.ReLU())
+    x = torch.randn(2, 4)
+    y32 = model(x)
+    model.to(torch.float64)
+    assert model(x.double()).dtype == torch.float64
+    model[0].weight = nn.Parameter(torch.zeros(8, 4, dtype=torch.float64))
+    torch.testing.assert_close(model(x.double()), torch.relu(model[0].bias).expand(2, 8))
+    assert y32.dtype == torch.float32
+
+
+def test_extra_inputs_and_outputs_shapes():
+    model = ops.Sequential(ops.MakeExtraOutput(), ops.BasicLinear(4, 4), ops.AddExtraInput())
+    x, r = torch.randn(3, 4), torch.randn(3, 4)
+    y, branch = model(x, r)
+    torch.testing.assert_close(branch, x, rtol=0, atol=0)
+    torch.testing.assert_close(y, x @ model[1].weight.T + r)
+    model_no_out = ops.Sequential(ops.BasicLinear(4, 4), ops.AddExtraInput())
+    assert isinstance(model_no_out(x, r), torch.Tensor)
+
+
+def test_same_module_twice_shares_gradients():
+    lin = ops.BasicLinear(4, 4)
+    model = ops.Sequential(lin, ops.ReLU(), lin)
+    x = torch.randn(3, 4)
+    model(x).sum().backward()
+    ref = nn.Linear(4, 4, bias=False)
+    ref.weight.data.copy_(lin.weight.data)
+    ref(torch.relu(ref(x))).sum().backward()
+    torch.testing.assert_close(lin.weight.grad, ref.weight.grad)
+
+
+def test_fusion_inside_model_is_rejected():
+    from fusions import ForwardLinearBias
+    with pytest.raises(TypeError, match="is a fusion"):
+        ops.Sequential(ForwardLinearBias.__new__(ForwardLinearBias))
