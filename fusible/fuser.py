@@ -29,6 +29,15 @@ class _ExecStage:
     extra_in: slice     # extra inputs consumed by covered ops
     extra_out: slice    # extra outputs produced by covered ops
     params: slice       # parameters of covered ops
+    compute: object     # the op's forward_compute or backward_compute (bound classmethod)
+
+    @property
+    def num_extra_out(self) -> int:
+        return self.extra_out.stop - self.extra_out.start
+
+    @property
+    def num_params(self) -> int:
+        return self.params.stop - self.params.start
 
 
 @attrs.frozen
@@ -44,6 +53,7 @@ class ExecPlan:
     num_params: int
     num_extra_inputs: int
     idle_ctxs: tuple    # contexts for calls that save nothing
+    validated: dict = attrs.field(factory=dict, eq=False)  # input signatures checked already
 
 
 class PipelineRunner:
@@ -56,9 +66,11 @@ class PipelineRunner:
         self.num_extra_inputs = sum(op.num_extra_inputs for op in self.ops)
         self.num_extra_outputs = sum(op.num_extra_outputs for op in self.ops)
         self._plans: dict = {}
+        self._param_slots = [(op._parameters, name) for op in self.ops for name in op.param_names]
 
     def params(self) -> list:
-        return [p for op in self.ops for p in op.fusible_params()]
+        """The ops' parameters, read afresh each call (they may have been swapped)."""
+        return [params[name] for params, name in self._param_slots]
 
     def run(self, x, extra_inputs: tuple):
         """Run the group; returns (output, tuple of extra outputs)."""
@@ -67,35 +79,35 @@ class PipelineRunner:
         if len(extra_inputs) != self.num_extra_inputs:
             raise TypeError(f"{self._name()} expects {self.num_extra_inputs} extra input(s) "
                             f"for its AddExtraInput ops, got {len(extra_inputs)}")
-        params = self.params()
-        plan = self.plan_for_call(x, extra_inputs, params)
+        if torch.is_grad_enabled():
+            params = self.params()
+            rg = (x.requires_grad, tuple([p.requires_grad for p in params]),
+                  tuple([e.requires_grad for e in extra_inputs]))
+        else:
+            rg = None
+        key = (x.dtype, x.device.type, rg)
+        plan = self._plans.get(key) or self._plan_for_key(key)
         if not plan.needs_backward:
             return run_forward(plan, x, extra_inputs, plan.idle_ctxs, save=False)
-        outputs = _PipelineFunction.apply(plan, x, *extra_inputs, *params)
+        outputs = _apply(plan, x, *extra_inputs, *params)
         if self.num_extra_outputs == 0:
             return outputs, ()
         return outputs[0], tuple(outputs[1:])
-
-    def plan_for_call(self, x, extra_inputs, params) -> ExecPlan:
-        grad = torch.is_grad_enabled()
-        if not grad:
-            return self.lookup(x.dtype, x.device.type, False, False, (), ())
-        return self.lookup(x.dtype, x.device.type, True, x.requires_grad,
-                           tuple(p.requires_grad for p in params),
-                           tuple(e.requires_grad for e in extra_inputs))
 
     def lookup(self, dtype, device_type, grad_enabled, input_rg, params_rg, extras_rg) -> ExecPlan:
         """The cached plan for these conditions, planned on first use.
 
         What requires grad matters only with grad enabled; the key ignores it otherwise.
         """
-        key = ((dtype, device_type, input_rg, params_rg, extras_rg) if grad_enabled
-               else (dtype, device_type))
-        plan = self._plans.get(key)
-        if plan is None:
-            extras_rg = extras_rg if grad_enabled else (False,) * self.num_extra_inputs
-            plan = self.prepare(dtype, device_type, grad_enabled, input_rg, extras_rg)
-            self._plans[key] = plan
+        key = (dtype, device_type, (input_rg, tuple(params_rg), tuple(extras_rg))
+               if grad_enabled else None)
+        return self._plans.get(key) or self._plan_for_key(key)
+
+    def _plan_for_key(self, key) -> ExecPlan:
+        dtype, device_type, rg = key
+        input_rg, _, extras_rg = rg or (False, (), (False,) * self.num_extra_inputs)
+        plan = self.prepare(dtype, device_type, rg is not None, input_rg, extras_rg)
+        self._plans[key] = plan
         return plan
 
     def prepare(self, dtype, device_type, grad_enabled, input_rg, extra_rg) -> ExecPlan:
@@ -104,8 +116,8 @@ class PipelineRunner:
         env = PlanEnvironment(device_type, dtype, grad_enabled,
                               {self.start + i: n for i, n in enumerate(needs)})
         group = plan_group(self.ops, self.start, env)
-        forward = tuple(self._exec_stage(s) for s in group.forward)
-        backward = tuple(es for es in (self._exec_stage(s) for s in group.backward)
+        forward = tuple(self._exec_stage(s, False) for s in group.forward)
+        backward = tuple(es for es in (self._exec_stage(s, True) for s in group.backward)
                          if any(n.any for n in needs[es.lo:es.hi]))
         idle = tuple(OperationContext(OpGradNeeds(False, (False,) * len(op.fusible_params()),
                                                   (False,) * op.num_extra_inputs))
@@ -115,17 +127,19 @@ class PipelineRunner:
                         sum(len(op.fusible_params()) for op in self.ops),
                         self.num_extra_inputs, idle)
 
-    def _exec_stage(self, stage) -> _ExecStage:
+    def _exec_stage(self, stage, backward: bool) -> _ExecStage:
         lo, hi = stage.indices[0] - self.start, stage.indices[-1] + 1 - self.start
 
         def span(count):
             a = sum(count(op) for op in self.ops[:lo])
             return slice(a, a + sum(count(op) for op in self.ops[lo:hi]))
 
+        compute = (type(stage.op).forward_compute if backward is False
+                   else type(stage.op).backward_compute)
         return _ExecStage(stage.op, self.ops[lo:hi], lo, hi,
                           span(lambda op: op.num_extra_inputs),
                           span(lambda op: op.num_extra_outputs),
-                          span(lambda op: len(op.fusible_params())))
+                          span(lambda op: len(op.param_names)), compute)
 
     def _name(self) -> str:
         return "Sequential(" + ", ".join(type(op).__name__ for op in self.ops) + ")"
@@ -133,30 +147,41 @@ class PipelineRunner:
 
 def run_forward(plan: ExecPlan, x, extra_inputs, ctxs, *, save: bool):
     """Run the forward stages; returns (output, tuple of extra outputs)."""
+    if (x.shape, x.device) not in plan.validated or extra_inputs:
+        _validate(plan, x, extra_inputs)
     extra_outputs = []
-    dtype, device = x.dtype, x.device
     for st in plan.forward:
-        extras = extra_inputs[st.extra_in]
-        _validate(st, x.shape, dtype, device, extras)
-        op = st.op
-        args = op.forward_args(x, extras, ctxs[st.lo:st.hi])
-        result = type(op).forward_compute(args)
+        op, op_ctxs = st.op, ctxs[st.lo:st.hi]
+        args = op.forward_args(x, extra_inputs[st.extra_in], op_ctxs)
+        result = st.compute(args)
         if save:
-            op.save_for_backward(args, result, ctxs[st.lo:st.hi])
-        if len(result.extra_outputs) != st.extra_out.stop - st.extra_out.start:
+            op.save_for_backward(args, result, op_ctxs)
+        if len(result.extra_outputs) != st.num_extra_out:
             raise RuntimeError(f"{type(op).__name__} returned {len(result.extra_outputs)} extra "
                                f"outputs for ops {[type(o).__name__ for o in st.ops]}")
         x = result.output
-        extra_outputs.extend(result.extra_outputs)
+        if st.num_extra_out:
+            extra_outputs.extend(result.extra_outputs)
     return x, tuple(extra_outputs)
 
 
-def _validate(st, shape, dtype, device, extras) -> None:
-    pos = 0
-    for op in st.ops:
-        k = op.num_extra_inputs
-        shape = op.validate(shape, dtype, device, extras[pos:pos + k])
-        pos += k
+def _validate(plan: ExecPlan, x, extra_inputs) -> None:
+    """Let every op check the shape, dtype and device it will see (once per signature).
+
+    Shapes are inferred op by op, so ops inside a fused stage are checked too.
+    """
+    signature = (x.shape, x.device, *[(e.shape, e.dtype, e.device) for e in extra_inputs])
+    if signature in plan.validated:
+        return
+    shape, pos = tuple(x.shape), 0
+    for st in plan.forward:
+        for op in st.ops:
+            k = op.num_extra_inputs
+            shape = op.validate(shape, x.dtype, x.device, extra_inputs[pos:pos + k])
+            pos += k
+    if len(plan.validated) > 256:  # many distinct shapes: keep the cache small
+        plan.validated.clear()
+    plan.validated[signature] = True
 
 
 def run_backward(plan: ExecPlan, grad_output, grad_extra_outputs, ctxs):
@@ -165,16 +190,17 @@ def run_backward(plan: ExecPlan, grad_output, grad_extra_outputs, ctxs):
     grad_extras = [None] * plan.num_extra_inputs
     dy = grad_output
     for st in plan.backward:
-        op = st.op
-        args = op.backward_args(dy, grad_extra_outputs[st.extra_out], ctxs[st.lo:st.hi])
-        result = type(op).backward_compute(args)
-        if len(result.grad_params) != st.params.stop - st.params.start:
+        op, op_ctxs = st.op, ctxs[st.lo:st.hi]
+        result = st.compute(op.backward_args(dy, grad_extra_outputs[st.extra_out], op_ctxs))
+        if len(result.grad_params) != st.num_params:
             raise RuntimeError(f"{type(op).__name__} returned {len(result.grad_params)} "
                                f"parameter gradients for ops {[type(o).__name__ for o in st.ops]}")
         dy = result.grad_input
-        grad_params[st.params] = result.grad_params
-        grad_extras[st.extra_in] = result.grad_extra_inputs
-        for c in ctxs[st.lo:st.hi]:
+        if st.num_params:
+            grad_params[st.params] = result.grad_params
+        if result.grad_extra_inputs:
+            grad_extras[st.extra_in] = result.grad_extra_inputs
+        for c in op_ctxs:
             c.clear()
     return (dy if plan.input_needs_grad else None), grad_extras, grad_params
 
@@ -199,30 +225,29 @@ def stash_saved(fctx, ctxs, protected) -> None:
     ids = {id(t) for t in protected}
     to_save = []
     for c in ctxs:
-        if any(t is not None and id(t) in ids for t in c.saved):
-            slots = []
-            for t in c.saved:
-                if t is not None and id(t) in ids:
-                    slots.append(_SavedRef(len(to_save)))
-                    to_save.append(t)
-                else:
-                    slots.append(t)
-            c.saved = tuple(slots)
+        saved = c.saved
+        if not saved:
+            continue
+        for k, t in enumerate(saved):
+            if id(t) in ids:  # None is never protected
+                if type(saved) is not list:
+                    saved = c.saved = list(saved)
+                saved[k] = _SavedRef(len(to_save))
+                to_save.append(t)
     fctx.save_for_backward(*to_save)
-    fctx.fusible_ctxs = ctxs
 
 
-def restore_saved(fctx) -> list:
-    ctxs = getattr(fctx, "fusible_ctxs", None)
+def restore_saved(fctx, ctxs) -> list:
     if ctxs is None:
         raise RuntimeError("fusible frees saved intermediates during the backward pass: "
                            "backward through the same graph twice (retain_graph=True) is not "
                            "supported; run the forward again")
     kept = fctx.saved_tensors
-    for c in ctxs:
-        if any(isinstance(t, _SavedRef) for t in c.saved):
-            c.saved = tuple(kept[t.index] if isinstance(t, _SavedRef) else t for t in c.saved)
-    del fctx.fusible_ctxs
+    if kept:
+        for c in ctxs:
+            saved = c.saved
+            if type(saved) is list:  # only contexts stash_saved rewrote hold references
+                c.saved = tuple(kept[t.index] if type(t) is _SavedRef else t for t in saved)
     return ctxs
 
 
@@ -235,12 +260,27 @@ class _PipelineFunction(torch.autograd.Function):
         ctxs = [OperationContext(n) for n in plan.needs]
         y, extra_outputs = run_forward(plan, x, extra_inputs, ctxs, save=True)
         stash_saved(fctx, ctxs, (x, *tensors, y, *extra_outputs))
-        fctx.plan = plan
+        fctx.fusible = plan, ctxs
         return (y, *extra_outputs) if extra_outputs else y
 
     @staticmethod
     def backward(fctx, grad_output, *grad_extra_outputs):
-        plan = fctx.plan
-        ctxs = restore_saved(fctx)
+        plan, ctxs = fctx.fusible
+        fctx.fusible = plan, None  # the contexts are consumed: a second backward is an error
+        ctxs = restore_saved(fctx, ctxs)
         dx, grad_extras, grad_params = run_backward(plan, grad_output, grad_extra_outputs, ctxs)
         return (None, dx, *grad_extras, *grad_params)
+
+
+# torch.autograd.Function.apply wraps the C++ apply in Python for functorch transforms
+# (vmap, grad) and setup_context; plain eager calls can skip that layer (a few us per
+# call). torch.compile and functorch transforms get the public apply.
+_cpp_apply = super(torch.autograd.Function, _PipelineFunction).apply
+if type(_cpp_apply) is not type(torch.ones):  # not the C++ method: keep the public path
+    _cpp_apply = _PipelineFunction.apply
+
+
+def _apply(plan, *tensors):
+    if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
+        return _PipelineFunction.apply(plan, *tensors)
+    return _cpp_apply(plan, *tensors)

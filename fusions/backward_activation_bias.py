@@ -10,7 +10,7 @@ from fusible.kernels.dact_dbias import dact_dbias
 from fusible.ops import GELU, BackwardResult, Bias, ReLU, SiLU
 
 
-@attrs.frozen
+@attrs.define
 class ActivationBiasBackwardArgs:
     grad_output: torch.Tensor
     saved: Optional[torch.Tensor]

@@ -10,7 +10,7 @@ from fusible.ops import BackwardResult, BasicLinear, MakeExtraOutput
 from fusible.ops.basic_linear import linear_dgrad, linear_wgrad
 
 
-@attrs.frozen
+@attrs.define
 class LinearAddBackwardArgs:
     grad_output: torch.Tensor
     grad_extra_output: Optional[torch.Tensor]

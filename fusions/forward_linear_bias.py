@@ -8,7 +8,7 @@ from fusible.ops import BasicLinear, Bias, ForwardResult
 from fusible.ops.basic_linear import linear_forward, save_linear
 
 
-@attrs.frozen
+@attrs.define
 class LinearBiasForwardArgs:
     input: torch.Tensor
     weight: torch.Tensor

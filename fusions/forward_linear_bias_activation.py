@@ -6,14 +6,14 @@ import torch
 from fusible import FusedOperation, Op, Pattern, register_fusion
 from fusible.ops import GELU, BasicLinear, Bias, ForwardResult, ReLU
 from fusible.ops.activation import save_activation
-from fusible.ops.basic_linear import save_linear, tokens_2d
+from fusible.ops.basic_linear import like_tokens, save_linear, tokens_2d
 
 # The GELU each backend's epilogue computes: cuBLASLt's is the tanh form; the CPU
 # kernel applies exact GELU after the GEMM.
 EPILOGUE_GELU = {"cuda": "tanh", "cpu": "none"}
 
 
-@attrs.frozen
+@attrs.define
 class LinearBiasActivationForwardArgs:
     input: torch.Tensor
     weight: torch.Tensor
@@ -62,7 +62,7 @@ class ForwardLinearBiasActivation(FusedOperation):
     def forward_compute(cls, args, *, in_custom_op=False):
         x, w = args.input, args.weight
         y = torch._addmm_activation(args.bias, tokens_2d(x), w.t(), use_gelu=args.use_gelu)
-        return ForwardResult(y.view(*x.shape[:-1], w.shape[0]))
+        return ForwardResult(like_tokens(y, x))
 
     def save_for_backward(self, args, result, ctxs):
         save_linear(ctxs[0], args.input, args.weight)

@@ -7,10 +7,10 @@ import torch
 
 from fusible import FusedOperation, Op, Pattern, register_fusion
 from fusible.ops import AddExtraInput, BasicLinear, Bias, ForwardResult
-from fusible.ops.basic_linear import save_linear, tokens_2d
+from fusible.ops.basic_linear import like_tokens, save_linear, tokens_2d
 
 
-@attrs.frozen
+@attrs.define
 class LinearBiasAddForwardArgs:
     input: torch.Tensor
     weight: torch.Tensor
@@ -42,7 +42,7 @@ class ForwardLinearBiasAdd(FusedOperation):
         y = torch.addmm(tokens_2d(args.extra_input), tokens_2d(x), w.t())
         if args.bias is not None:
             y.add_(args.bias)  # y is fresh: nothing else sees the in-place add
-        return ForwardResult(y.view(*x.shape[:-1], w.shape[0]))
+        return ForwardResult(like_tokens(y, x))
 
     def save_for_backward(self, args, result, ctxs):
         save_linear(ctxs[0], args.input, args.weight)

@@ -15,8 +15,25 @@ def _prepare(model, dtype):
 def test_forward_linear_bias(dtype, lead):
     model = _prepare(ops.Sequential(ops.BasicLinear(6, 10), ops.Bias(10)), dtype)
     x = exact_tensor((*lead, 6), dtype).requires_grad_()
-    check_fusion(model, x, forward=["ForwardLinearBias"])
-    assert stage_names(model.plan(x).backward) == ["Bias", "BasicLinear"]
+    check_fusion(model, x, forward=["ForwardLinearBias"], backward=["BackwardLinearBias"])
+    assert stage_names(model.plan(x).backward) == ["BackwardLinearBias"]
+
+
+def test_backward_linear_bias_frozen_weight_and_input(dtype):
+    """Only dbias is needed: the fusion still runs, computing neither dgrad nor wgrad."""
+    model = _prepare(ops.Sequential(ops.BasicLinear(6, 10), ops.Bias(10)), dtype)
+    model[0].weight.requires_grad_(False)
+    x = exact_tensor((4, 6), dtype)
+    check_fusion(model, x, backward=["BackwardLinearBias"])
+
+
+def test_backward_linear_bias_refused_for_frozen_bias():
+    model = ops.Sequential(ops.BasicLinear(6, 10), ops.Bias(10))
+    model[1].bias.requires_grad_(False)
+    plan = model.plan()
+    assert stage_names(plan.backward) == ["Bias", "BasicLinear"]
+    (cand,) = [c for c in plan.candidates if c.fusion == "BackwardLinearBias"]
+    assert cand.status == "refused" and "needs no gradient" in cand.reason
 
 
 def test_forward_linear_bias_relu_in_training(dtype):

@@ -127,3 +127,15 @@ def test_fusion_inside_model_is_rejected():
     from fusions import ForwardLinearBias
     with pytest.raises(TypeError, match="is a fusion"):
         ops.Sequential(ForwardLinearBias.__new__(ForwardLinearBias))
+
+
+def test_functional_call_and_to_empty_reach_the_basic_ops():
+    model = ops.Sequential(ops.Linear(4, 3), ops.ReLU(), ops.BasicLinear(3, 2))
+    x = torch.randn(2, 4)
+    params = {"0.weight": torch.zeros(3, 4), "0.bias": torch.ones(3),
+              "2.weight": torch.ones(2, 3)}
+    out = torch.func.functional_call(model, params, (x,))
+    torch.testing.assert_close(out, torch.full((2, 2), 3.0))
+    assert not torch.equal(model(x), out)  # the model's own parameters are back
+    model.to_empty(device="meta")
+    assert model[0]._ops[0].weight.device.type == "meta"

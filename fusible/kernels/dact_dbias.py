@@ -1,4 +1,9 @@
-"""Activation gradient fused with the bias gradient (the sum of that gradient over tokens)."""
+"""Activation gradient fused with the bias gradient (the sum of that gradient over tokens).
+
+On CUDA one Triton kernel reads ``dy`` and the saved tensor once, writes
+``dact`` and per-chunk column sums; a small second reduction over the chunks
+gives ``dbias`` (deterministic: no atomics). Elsewhere two PyTorch ops do it.
+"""
 
 from __future__ import annotations
 
@@ -7,8 +12,89 @@ import torch
 from fusible.ops.activation import activation_backward
 from fusible.ops.bias import bias_grad
 
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # Triton is optional: CPU-only installs use the fallback
+    triton = None
+
+_KINDS = {"gelu": 0, "gelu_tanh": 1, "relu": 2, "silu": 3}
+
 
 def dact_dbias(kind: str, grad_output: torch.Tensor, saved: torch.Tensor):
     """Return ``(dact, dbias)`` for the pointwise activation ``kind``."""
+    if triton is not None and grad_output.is_cuda:
+        return dact_dbias_triton(kind, grad_output, saved)
+    return dact_dbias_torch(kind, grad_output, saved)
+
+
+def dact_dbias_torch(kind: str, grad_output: torch.Tensor, saved: torch.Tensor):
+    """The plain-PyTorch version: activation backward, then a sum over tokens."""
     dact = activation_backward(kind, grad_output, saved)
     return dact, bias_grad(dact)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _activation_grad(dy, s, KIND: tl.constexpr):
+        if KIND == 0:  # exact GELU; s is the input
+            cdf = 0.5 * (1.0 + tl.erf(s * 0.7071067811865476))
+            pdf = tl.exp(-0.5 * s * s) * 0.3989422804014327
+            return dy * (cdf + s * pdf)
+        elif KIND == 1:  # tanh GELU; s is the input
+            # (1 + tanh(u)) / 2 = sigmoid(2u) and 1 - tanh(u)^2 = 4 sigmoid(2u)(1 - sigmoid(2u)):
+            # no cancellation in the tails.
+            inner = 0.7978845608028654 * (s + 0.044715 * s * s * s)
+            sig = tl.sigmoid(2.0 * inner)
+            d_inner = 0.7978845608028654 * (1.0 + 3.0 * 0.044715 * s * s)
+            return dy * (sig + 2.0 * s * sig * (1.0 - sig) * d_inner)
+        elif KIND == 2:  # ReLU; s is the output
+            return tl.where(s > 0.0, dy, 0.0)
+        else:  # SiLU; s is the input
+            sig = tl.sigmoid(s)
+            return dy * sig * (1.0 + s * (1.0 - sig))
+
+    @triton.jit
+    def _dact_dbias_kernel(dy_ptr, s_ptr, dact_ptr, partial_ptr, M, N,
+                           KIND: tl.constexpr, ROWS_PER_PROGRAM: tl.constexpr,
+                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+        pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_ok = cols < N
+        acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        for start in range(0, ROWS_PER_PROGRAM, BLOCK_M):
+            rows = pid_m * ROWS_PER_PROGRAM + start + tl.arange(0, BLOCK_M)
+            mask = (rows[:, None] < M) & col_ok[None, :]
+            offs = rows[:, None].to(tl.int64) * N + cols[None, :]
+            dy = tl.load(dy_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            s = tl.load(s_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            d = _activation_grad(dy, s, KIND)
+            d_out = d.to(dact_ptr.dtype.element_ty)
+            tl.store(dact_ptr + offs, d_out, mask=mask)
+            acc += tl.sum(tl.where(mask, d_out.to(tl.float32), 0.0), axis=0)
+        tl.store(partial_ptr + pid_m.to(tl.int64) * N + cols, acc, mask=col_ok)
+
+
+def dact_dbias_triton(kind: str, grad_output: torch.Tensor, saved: torch.Tensor,
+                      rows_per_program: int = 256, block_m: int = 32, block_n: int = 128):
+    """The Triton version; ``dbias`` sums the rounded ``dact`` as the PyTorch version does."""
+    if triton is None:
+        raise RuntimeError("dact_dbias_triton needs Triton (pip install triton)")
+    if grad_output.shape != saved.shape:
+        raise ValueError(f"dact_dbias: grad_output {tuple(grad_output.shape)} and saved "
+                         f"{tuple(saved.shape)} differ")
+    dy = grad_output.contiguous()
+    s = saved.contiguous()
+    n = dy.shape[-1]
+    m = dy.numel() // n
+    dact = torch.empty_like(dy)
+    if m == 0:
+        return dact, torch.zeros(n, device=dy.device, dtype=dy.dtype)
+    chunks = triton.cdiv(m, rows_per_program)
+    partial = torch.empty(chunks, n, device=dy.device, dtype=torch.float32)
+    grid = (chunks, triton.cdiv(n, block_n))
+    _dact_dbias_kernel[grid](dy, s, dact, partial, m, n, KIND=_KINDS[kind],
+                             ROWS_PER_PROGRAM=rows_per_program, BLOCK_M=block_m,
+                             BLOCK_N=block_n)
+    return dact, partial.sum(0).to(dy.dtype)

@@ -34,13 +34,13 @@ def activation_backward(kind: str, grad_output: Tensor, saved: Tensor) -> Tensor
     return _ACTIVATIONS[kind][1](grad_output, saved)
 
 
-@attrs.frozen
+@attrs.define
 class ActivationForwardArgs:
     input: Tensor
     kind: str
 
 
-@attrs.frozen
+@attrs.define
 class ActivationBackwardArgs:
     grad_output: Tensor
     saved: Optional[Tensor]
@@ -132,12 +132,12 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
 
 
-@attrs.frozen
+@attrs.define
 class SwiGLUForwardArgs:
     input: Tensor
 
 
-@attrs.frozen
+@attrs.define
 class SwiGLUBackwardArgs:
     grad_output: Tensor
     input: Optional[Tensor]

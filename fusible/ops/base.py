@@ -33,7 +33,7 @@ from fusible import _epoch
 Tensor = torch.Tensor
 
 
-@attrs.frozen
+@attrs.define
 class ForwardResult:
     """What a forward stage computes.
 
@@ -53,7 +53,7 @@ class ForwardResult:
     aux: tuple = ()
 
 
-@attrs.frozen
+@attrs.define
 class BackwardResult:
     """What a backward stage computes.
 
@@ -181,21 +181,24 @@ class FusibleOperation(nn.Module):
 class BasicOperation(FusibleOperation):
     """An operation that owns its parameters and state.
 
-    Subclasses implement ``validate``, the four compute-interface methods and,
-    where they hold parameters, ``fusible_params``. ``saved_fields`` documents
-    the layout of ``ctx.saved`` that every stage covering the op must fill.
+    Subclasses implement ``validate`` and the compute-interface methods, and
+    list the parameters the fuser passes to autograd in ``param_names``.
+    ``saved_fields`` documents the layout of ``ctx.saved`` that every stage
+    covering the op must fill.
     """
 
     num_extra_inputs: ClassVar[int] = 0
     num_extra_outputs: ClassVar[int] = 0
     saved_fields: ClassVar[tuple[str, ...]] = ()
+    param_names: ClassVar[tuple[str, ...]] = ()
 
     def basic_ops(self) -> tuple["BasicOperation", ...]:
         return (self,)
 
-    def fusible_params(self) -> tuple[Tensor, ...]:
-        """Parameters that receive gradients through the fuser, in a fixed order."""
-        return ()
+    def fusible_params(self) -> list[Tensor]:
+        """Parameters that receive gradients through the fuser: ``param_names``, in order."""
+        params = self._parameters
+        return [params[name] for name in self.param_names]
 
     def describe(self) -> str:
         """Short label with sizes, used in plans and diagrams."""

@@ -16,14 +16,19 @@ Tensor = torch.Tensor
 
 def tokens_2d(t: Tensor) -> Tensor:
     """View a (..., features) tensor as (tokens, features) for a GEMM."""
-    return t.reshape(-1, t.shape[-1])
+    return t if t.dim() == 2 else t.reshape(-1, t.shape[-1])
+
+
+def like_tokens(y2: Tensor, t: Tensor) -> Tensor:
+    """View a (tokens, features) GEMM result with the leading dimensions of ``t``."""
+    return y2 if t.dim() == 2 else y2.view(*t.shape[:-1], y2.shape[-1])
 
 
 def linear_forward(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
     """``x @ weight.T (+ bias)``; with a bias, one GEMM with the bias epilogue."""
     x2 = tokens_2d(x)
     y = torch.mm(x2, weight.t()) if bias is None else torch.addmm(bias, x2, weight.t())
-    return y.view(*x.shape[:-1], weight.shape[0])
+    return like_tokens(y, x)
 
 
 def linear_dgrad(grad_output: Tensor, weight: Tensor,
@@ -34,7 +39,7 @@ def linear_dgrad(grad_output: Tensor, weight: Tensor,
         dx = torch.mm(dy2, weight)
     else:
         dx = torch.addmm(tokens_2d(accumulate_into), dy2, weight)
-    return dx.view(*grad_output.shape[:-1], weight.shape[1])
+    return like_tokens(dx, grad_output)
 
 
 def linear_wgrad(grad_output: Tensor, x: Tensor) -> Tensor:
@@ -42,13 +47,13 @@ def linear_wgrad(grad_output: Tensor, x: Tensor) -> Tensor:
     return torch.mm(tokens_2d(grad_output).t(), tokens_2d(x))
 
 
-@attrs.frozen
+@attrs.define
 class LinearForwardArgs:
     input: Tensor
     weight: Tensor
 
 
-@attrs.frozen
+@attrs.define
 class LinearBackwardArgs:
     grad_output: Tensor
     input: Optional[Tensor]
@@ -86,6 +91,7 @@ class BasicLinear(BasicOperation):
     """
 
     saved_fields = ("input", "weight")
+    param_names = ("weight",)
     fwd_args_type = LinearForwardArgs
     bwd_args_type = LinearBackwardArgs
 
@@ -102,9 +108,6 @@ class BasicLinear(BasicOperation):
         self.weight = nn.Parameter(torch.empty(out_features, in_features, device=device,
                                                dtype=dtype))
         nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
-
-    def fusible_params(self):
-        return (self.weight,)
 
     def describe(self) -> str:
         return f"BasicLinear(in_features={self.in_features}, out_features={self.out_features})"

@@ -17,13 +17,13 @@ def bias_grad(grad_output: Tensor) -> Tensor:
     return tokens_2d(grad_output).sum(0)
 
 
-@attrs.frozen
+@attrs.define
 class BiasForwardArgs:
     input: Tensor
     bias: Tensor
 
 
-@attrs.frozen
+@attrs.define
 class BiasBackwardArgs:
     grad_output: Tensor
     need_grad_input: bool
@@ -47,6 +47,7 @@ class Bias(BasicOperation):
     Saves nothing: ``dbias`` is the gradient summed over tokens and ``dx = dy``.
     """
 
+    param_names = ("bias",)
     fwd_args_type = BiasForwardArgs
     bwd_args_type = BiasBackwardArgs
 
@@ -58,9 +59,6 @@ class Bias(BasicOperation):
         check_not_parallel("Bias", None, False, tensor_parallel)
         self.size = int(size)
         self.bias = nn.Parameter(torch.zeros(size, device=device, dtype=dtype))
-
-    def fusible_params(self):
-        return (self.bias,)
 
     def describe(self) -> str:
         return f"Bias(size={self.size})"

@@ -10,13 +10,13 @@ from fusible.ops.base import BackwardResult, BasicOperation, ForwardResult
 Tensor = torch.Tensor
 
 
-@attrs.frozen
+@attrs.define
 class ScaleForwardArgs:
     input: Tensor
     scale: float
 
 
-@attrs.frozen
+@attrs.define
 class ScaleBackwardArgs:
     grad_output: Tensor
     scale: float

@@ -17,13 +17,13 @@ from fusible.ops.base import BackwardResult, BasicOperation, ForwardResult, pass
 Tensor = torch.Tensor
 
 
-@attrs.frozen
+@attrs.define
 class AddForwardArgs:
     input: Tensor
     extra_input: Tensor
 
 
-@attrs.frozen
+@attrs.define
 class AddBackwardArgs:
     grad_output: Tensor
     need_grad_input: bool
@@ -74,12 +74,12 @@ class AddExtraInput(BasicOperation):
                               (pass_through(dy, args.need_grad_extra_input, in_custom_op),))
 
 
-@attrs.frozen
+@attrs.define
 class BranchForwardArgs:
     input: Tensor
 
 
-@attrs.frozen
+@attrs.define
 class BranchBackwardArgs:
     grad_output: Tensor
     grad_extra_output: Optional[Tensor]

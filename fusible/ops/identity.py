@@ -10,12 +10,12 @@ from fusible.ops.base import BackwardResult, BasicOperation, ForwardResult, pass
 Tensor = torch.Tensor
 
 
-@attrs.frozen
+@attrs.define
 class IdentityForwardArgs:
     input: Tensor
 
 
-@attrs.frozen
+@attrs.define
 class IdentityBackwardArgs:
     grad_output: Tensor
     need_grad_input: bool

@@ -36,7 +36,7 @@ def _compute_copies(*tensors):
     return tensors
 
 
-@attrs.frozen
+@attrs.define
 class LayerNormForwardArgs:
     input: Tensor
     weight: Tensor
@@ -45,7 +45,7 @@ class LayerNormForwardArgs:
     eps: float
 
 
-@attrs.frozen
+@attrs.define
 class LayerNormBackwardArgs:
     grad_output: Tensor
     input: Optional[Tensor]
@@ -77,6 +77,7 @@ class LayerNorm(BasicOperation):
     """
 
     saved_fields = ("input", "mean", "rstd", "weight", "bias")
+    param_names = ("weight", "bias")
     fwd_args_type = LayerNormForwardArgs
     bwd_args_type = LayerNormBackwardArgs
 
@@ -86,9 +87,6 @@ class LayerNorm(BasicOperation):
         self.eps = float(eps)
         self.weight = nn.Parameter(torch.ones(self.normalized_shape, device=device, dtype=dtype))
         self.bias = nn.Parameter(torch.zeros(self.normalized_shape, device=device, dtype=dtype))
-
-    def fusible_params(self):
-        return (self.weight, self.bias)
 
     def describe(self) -> str:
         return f"LayerNorm(normalized_shape={self.normalized_shape})"

@@ -48,7 +48,12 @@ class Linear(FusibleOperation):
             self.bias = nn.Parameter(torch.empty(out_features, device=device, dtype=dtype))
         else:
             self.register_parameter("bias", None)
-        object.__setattr__(self, "_ops", tuple(ops))  # not submodules: no duplicate state
+        # The basic ops share this module's parameter dict, so that every way of replacing
+        # a parameter (assignment, load_state_dict(assign=True), .to_empty(),
+        # torch.func.functional_call) reaches them. They are not submodules: no duplicate state.
+        for op in ops:
+            object.__setattr__(op, "_parameters", self._parameters)
+        object.__setattr__(self, "_ops", tuple(ops))
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -59,12 +64,6 @@ class Linear(FusibleOperation):
             nn.init.uniform_(self.bias, -bound, bound)
 
     def basic_ops(self):
-        # Rebind if a parameter object was replaced (assignment, load with assign=True, ...).
-        linear = self._ops[0]
-        if linear._parameters["weight"] is not self.weight:
-            linear._parameters["weight"] = self.weight
-        if len(self._ops) > 1 and self._ops[1]._parameters["bias"] is not self.bias:
-            self._ops[1]._parameters["bias"] = self.bias
         return self._ops
 
     def extra_repr(self) -> str:

@@ -12,13 +12,13 @@ from fusible.ops.base import BackwardResult, BasicOperation, ForwardResult
 Tensor = torch.Tensor
 
 
-@attrs.frozen
+@attrs.define
 class ReshapeForwardArgs:
     input: Tensor
     shape: list
 
 
-@attrs.frozen
+@attrs.define
 class ReshapeBackwardArgs:
     grad_output: Tensor
     input_shape: list

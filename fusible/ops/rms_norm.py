@@ -18,7 +18,7 @@ def _float(t: Tensor) -> Tensor:
     return t.float() if t.dtype in (torch.bfloat16, torch.float16) else t
 
 
-@attrs.frozen
+@attrs.define
 class RMSNormForwardArgs:
     input: Tensor
     weight: Tensor
@@ -26,7 +26,7 @@ class RMSNormForwardArgs:
     eps: float
 
 
-@attrs.frozen
+@attrs.define
 class RMSNormBackwardArgs:
     grad_output: Tensor
     input: Optional[Tensor]
@@ -56,6 +56,7 @@ class RMSNorm(BasicOperation):
     """
 
     saved_fields = ("input", "rstd", "weight")
+    param_names = ("weight",)
     fwd_args_type = RMSNormForwardArgs
     bwd_args_type = RMSNormBackwardArgs
 
@@ -64,9 +65,6 @@ class RMSNorm(BasicOperation):
         self.normalized_shape = normalized_shape_tuple("RMSNorm", normalized_shape)
         self.eps = float(eps)
         self.weight = nn.Parameter(torch.ones(self.normalized_shape, device=device, dtype=dtype))
-
-    def fusible_params(self):
-        return (self.weight,)
 
     def describe(self) -> str:
         return f"RMSNorm(normalized_shape={self.normalized_shape})"

@@ -127,6 +127,9 @@ class Sequential(nn.Module):
 
     def forward(self, input: torch.Tensor, *extra_inputs: torch.Tensor):
         layout = self._layout()
+        if layout.single is not None:  # one group of fusible ops: the common case
+            output, extra_outputs = layout.single.run(input, extra_inputs)
+            return (output, *extra_outputs) if layout.num_extra_outputs else output
         if len(extra_inputs) != layout.num_extra_inputs:
             raise TypeError(f"Sequential expects {layout.num_extra_inputs} extra input(s) for "
                             f"its AddExtraInput ops, got {len(extra_inputs)}")
@@ -183,5 +186,6 @@ class _Layout:
             if item is not None:
                 self.groups.append((None, item))
         runners = [r for r, _ in self.groups if r is not None]
+        self.single = runners[0] if len(self.groups) == 1 and runners else None
         self.num_extra_inputs = sum(r.num_extra_inputs for r in runners)
         self.num_extra_outputs = sum(r.num_extra_outputs for r in runners)
