@@ -79,8 +79,8 @@ class PipelineRunner:
         if len(extra_inputs) != self.num_extra_inputs:
             raise TypeError(f"{self._name()} expects {self.num_extra_inputs} extra input(s) "
                             f"for its AddExtraInput ops, got {len(extra_inputs)}")
+        params = self.params()
         if torch.is_grad_enabled():
-            params = self.params()
             rg = (x.requires_grad, tuple([p.requires_grad for p in params]),
                   tuple([e.requires_grad for e in extra_inputs]))
         else:
@@ -88,7 +88,7 @@ class PipelineRunner:
         key = (x.dtype, x.device.type, rg)
         plan = self._plans.get(key) or self._plan_for_key(key)
         if not plan.needs_backward:
-            return run_forward(plan, x, extra_inputs, plan.idle_ctxs, save=False)
+            return run_forward(plan, x, params, extra_inputs, plan.idle_ctxs, save=False)
         outputs = _apply(plan, x, *extra_inputs, *params)
         if self.num_extra_outputs == 0:
             return outputs, ()
@@ -145,14 +145,14 @@ class PipelineRunner:
         return "Sequential(" + ", ".join(type(op).__name__ for op in self.ops) + ")"
 
 
-def run_forward(plan: ExecPlan, x, extra_inputs, ctxs, *, save: bool):
+def run_forward(plan: ExecPlan, x, params, extra_inputs, ctxs, *, save: bool):
     """Run the forward stages; returns (output, tuple of extra outputs)."""
     if (x.shape, x.device) not in plan.validated or extra_inputs:
         _validate(plan, x, extra_inputs)
     extra_outputs = []
     for st in plan.forward:
         op, op_ctxs = st.op, ctxs[st.lo:st.hi]
-        args = op.forward_args(x, extra_inputs[st.extra_in], op_ctxs)
+        args = op.forward_args(x, params[st.params], extra_inputs[st.extra_in], op_ctxs)
         result = st.compute(args)
         if save:
             op.save_for_backward(args, result, op_ctxs)
@@ -256,9 +256,9 @@ class _PipelineFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(fctx, plan: ExecPlan, x, *tensors):
-        extra_inputs = tensors[:plan.num_extra_inputs]
+        extra_inputs, params = tensors[:plan.num_extra_inputs], tensors[plan.num_extra_inputs:]
         ctxs = [OperationContext(n) for n in plan.needs]
-        y, extra_outputs = run_forward(plan, x, extra_inputs, ctxs, save=True)
+        y, extra_outputs = run_forward(plan, x, params, extra_inputs, ctxs, save=True)
         stash_saved(fctx, ctxs, (x, *tensors, y, *extra_outputs))
         fctx.fusible = plan, ctxs
         return (y, *extra_outputs) if extra_outputs else y

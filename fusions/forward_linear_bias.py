@@ -28,8 +28,9 @@ class ForwardLinearBias(FusedOperation):
     pattern = Pattern(Op(BasicLinear, name="linear"), Op(Bias, name="bias"))
     fwd_args_type = LinearBiasForwardArgs
 
-    def forward_args(self, input, extra_inputs, ctxs):
-        return LinearBiasForwardArgs(input, self.match["linear"].weight, self.match["bias"].bias)
+    def forward_args(self, input, params, extra_inputs, ctxs):
+        weight, bias = params  # the covered ops' parameters, in order
+        return LinearBiasForwardArgs(input, weight, bias)
 
     @classmethod
     def forward_compute(cls, args, *, in_custom_op=False):

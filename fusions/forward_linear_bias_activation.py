@@ -53,9 +53,9 @@ class ForwardLinearBiasActivation(FusedOperation):
             return "GELU's backward needs the pre-activation, which the epilogue does not return"
         return True
 
-    def forward_args(self, input, extra_inputs, ctxs):
-        return LinearBiasActivationForwardArgs(input, self.match["linear"].weight,
-                                               self.match["bias"].bias,
+    def forward_args(self, input, params, extra_inputs, ctxs):
+        weight, bias = params
+        return LinearBiasActivationForwardArgs(input, weight, bias,
                                                isinstance(self.match["activation"], GELU))
 
     @classmethod

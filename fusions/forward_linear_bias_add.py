@@ -31,10 +31,9 @@ class ForwardLinearBiasAdd(FusedOperation):
                       Op(AddExtraInput, name="add"))
     fwd_args_type = LinearBiasAddForwardArgs
 
-    def forward_args(self, input, extra_inputs, ctxs):
-        bias = self.match["bias"]
-        return LinearBiasAddForwardArgs(input, self.match["linear"].weight,
-                                        None if bias is None else bias.bias, extra_inputs[0])
+    def forward_args(self, input, params, extra_inputs, ctxs):
+        weight, bias = params if len(params) == 2 else (params[0], None)  # Bias is optional
+        return LinearBiasAddForwardArgs(input, weight, bias, extra_inputs[0])
 
     @classmethod
     def forward_compute(cls, args, *, in_custom_op=False):

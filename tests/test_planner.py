@@ -20,7 +20,7 @@ def make_fusion(name, pattern, direction="forward", accepts=None):
     body = {"direction": direction, "pattern": pattern}
     if direction == "forward":
         body.update(fwd_args_type=_Args,
-                    forward_args=lambda self, x, e, c: _Args(x),
+                    forward_args=lambda self, x, p, e, c: _Args(x),
                     forward_compute=classmethod(lambda cls, a, *, in_custom_op=False:
                                                 ForwardResult(a.input)),
                     save_for_backward=lambda self, a, r, c: None)

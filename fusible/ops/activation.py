@@ -69,7 +69,7 @@ class PointwiseActivation(BasicOperation):
     def saves_output(self) -> bool:
         return _ACTIVATIONS[self.kind][2]
 
-    def forward_args(self, input, extra_inputs, ctxs):
+    def forward_args(self, input, params, extra_inputs, ctxs):
         return ActivationForwardArgs(input, self.kind)
 
     @classmethod
@@ -164,7 +164,7 @@ class SwiGLU(BasicOperation):
                              f"{tuple(shape)}")
         return (*shape[:-1], shape[-1] // 2)
 
-    def forward_args(self, input, extra_inputs, ctxs):
+    def forward_args(self, input, params, extra_inputs, ctxs):
         return SwiGLUForwardArgs(input)
 
     @classmethod

@@ -9,7 +9,10 @@ Both kinds of *stage* (a basic op or a fused op the plan runs as one step) share
 one compute interface, used alike by the eager fuser and, later, by the
 registered custom ops:
 
-* ``forward_args(input, extra_inputs, ctxs)`` packs an attrs ``fwd_args_type``;
+* ``forward_args(input, params, extra_inputs, ctxs)`` packs an attrs
+  ``fwd_args_type`` from the stage input, the covered ops' parameters (flat,
+  in op order, each op's ``param_names`` order), the extra inputs they consume
+  and their contexts;
 * ``forward_compute(args, *, in_custom_op=False)`` (classmethod) returns a
   :class:`ForwardResult`;
 * ``save_for_backward(args, result, ctxs)`` stores, per covered basic op, the

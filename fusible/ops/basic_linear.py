@@ -125,8 +125,8 @@ class BasicLinear(BasicOperation):
         self._check_param("weight", self.weight, dtype, device)
         return (*shape[:-1], self.out_features)
 
-    def forward_args(self, input, extra_inputs, ctxs):
-        return LinearForwardArgs(input, self.weight)
+    def forward_args(self, input, params, extra_inputs, ctxs):
+        return LinearForwardArgs(input, params[0])
 
     @classmethod
     def forward_compute(cls, args, *, in_custom_op=False):

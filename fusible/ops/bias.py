@@ -68,8 +68,8 @@ class Bias(BasicOperation):
         self._check_param("bias", self.bias, dtype, device)
         return tuple(shape)
 
-    def forward_args(self, input, extra_inputs, ctxs):
-        return BiasForwardArgs(input, self.bias)
+    def forward_args(self, input, params, extra_inputs, ctxs):
+        return BiasForwardArgs(input, params[0])
 
     @classmethod
     def forward_compute(cls, args, *, in_custom_op=False):

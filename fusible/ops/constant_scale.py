@@ -38,7 +38,7 @@ class ConstantScale(BasicOperation):
     def describe(self) -> str:
         return f"ConstantScale(scale={self.scale})"
 
-    def forward_args(self, input, extra_inputs, ctxs):
+    def forward_args(self, input, params, extra_inputs, ctxs):
         return ScaleForwardArgs(input, self.scale)
 
     @classmethod

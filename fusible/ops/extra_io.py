@@ -53,7 +53,7 @@ class AddExtraInput(BasicOperation):
                             f"{extra.device} for an input of dtype {dtype} on {device}")
         return tuple(shape)
 
-    def forward_args(self, input, extra_inputs, ctxs):
+    def forward_args(self, input, params, extra_inputs, ctxs):
         return AddForwardArgs(input, extra_inputs[0])
 
     @classmethod
@@ -97,7 +97,7 @@ class MakeExtraOutput(BasicOperation):
     fwd_args_type = BranchForwardArgs
     bwd_args_type = BranchBackwardArgs
 
-    def forward_args(self, input, extra_inputs, ctxs):
+    def forward_args(self, input, params, extra_inputs, ctxs):
         return BranchForwardArgs(input)
 
     @classmethod

@@ -27,7 +27,7 @@ class Identity(BasicOperation):
     fwd_args_type = IdentityForwardArgs
     bwd_args_type = IdentityBackwardArgs
 
-    def forward_args(self, input, extra_inputs, ctxs):
+    def forward_args(self, input, params, extra_inputs, ctxs):
         return IdentityForwardArgs(input)
 
     @classmethod

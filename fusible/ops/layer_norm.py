@@ -97,9 +97,9 @@ class LayerNorm(BasicOperation):
         self._check_param("bias", self.bias, dtype, device)
         return tuple(shape)
 
-    def forward_args(self, input, extra_inputs, ctxs):
-        return LayerNormForwardArgs(input, self.weight, self.bias, list(self.normalized_shape),
-                                    self.eps)
+    def forward_args(self, input, params, extra_inputs, ctxs):
+        weight, bias = params
+        return LayerNormForwardArgs(input, weight, bias, list(self.normalized_shape), self.eps)
 
     @classmethod
     def forward_compute(cls, args, *, in_custom_op=False):

@@ -60,7 +60,7 @@ class Reshape(BasicOperation):
                              f"({numel} elements) to {known} elements")
         return self.shape
 
-    def forward_args(self, input, extra_inputs, ctxs):
+    def forward_args(self, input, params, extra_inputs, ctxs):
         return ReshapeForwardArgs(input, list(self.shape))
 
     @classmethod

@@ -74,8 +74,8 @@ class RMSNorm(BasicOperation):
         self._check_param("weight", self.weight, dtype, device)
         return tuple(shape)
 
-    def forward_args(self, input, extra_inputs, ctxs):
-        return RMSNormForwardArgs(input, self.weight, list(self.normalized_shape), self.eps)
+    def forward_args(self, input, params, extra_inputs, ctxs):
+        return RMSNormForwardArgs(input, params[0], list(self.normalized_shape), self.eps)
 
     @classmethod
     def forward_compute(cls, args, *, in_custom_op=False):
