@@ -1,0 +1,98 @@
+"""GPU: fwd+bwd of Linear+Bias+GELU(tanh)+Linear+Bias in bf16, fusible vs torch.nn.
+
+Same method as the anchors in shared/anchors: input and weights require grad, one
+forward + backward with a fixed output gradient, no optimizer; ``ms`` is the median
+of triton.testing.do_bench, ``tflops`` counts the 6 GEMMs, ``peak_gib`` is peak
+allocated memory during a step, ``first3_s`` the wall time of the first three steps.
+
+    python benchmarks/gpu_mlp.py --output benchmarks/results/gpu_mlp_h200.json
+"""
+
+import argparse
+import json
+import time
+
+import torch
+import triton.testing
+from torch import nn
+
+from fusible import ops
+
+SHAPES = [(16384, 4096, 16384), (2048, 1024, 4096)]
+
+
+def build(kind: str, hidden: int, ffn: int) -> nn.Module:
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(hidden, ffn), nn.GELU(approximate="tanh"),
+                        nn.Linear(ffn, hidden))
+    if kind == "torch":
+        return ref.to("cuda", torch.bfloat16)
+    ours = ops.Sequential(ops.Linear(hidden, ffn), ops.GELU(approximate="tanh"),
+                          ops.Linear(ffn, hidden))
+    ours.load_state_dict(ref.state_dict())
+    return ours.to("cuda", torch.bfloat16)
+
+
+def measure(model, tokens: int, hidden: int, ffn: int) -> dict:
+    x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
+    params = list(model.parameters())
+
+    def step():
+        model(x).backward(dy)
+        x.grad = None
+        for p in params:
+            p.grad = None
+
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    first3 = time.perf_counter() - start
+    torch.cuda.reset_peak_memory_stats()
+    step()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() / 2**30
+    ms = triton.testing.do_bench(step, warmup=100, rep=1000, return_mode="median")
+    flops = 3 * 2 * tokens * hidden * ffn * 2
+    return {"ms": ms, "tflops": flops / ms / 1e9, "peak_gib": peak, "first3_s": first3}
+
+
+def check_same(tokens, hidden, ffn) -> float:
+    """Relative difference of fusible's output vs torch.nn's on the same weights."""
+    x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        a, b = build("torch", hidden, ffn)(x).float(), build("fusible", hidden, ffn)(x).float()
+    return ((a - b).norm() / a.norm()).item()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--output", default="benchmarks/results/gpu_mlp.json")
+    args = parser.parse_args()
+    results = {"torch": torch.__version__, "gpu": torch.cuda.get_device_name(),
+               "triton": triton.__version__}
+    for tokens, hidden, ffn in SHAPES:
+        shape = f"T{tokens}_H{hidden}_FF{ffn}"
+        results[f"rel_diff_vs_torch_{shape}"] = check_same(tokens, hidden, ffn)
+        for kind in ("torch", "fusible"):
+            model = build(kind, hidden, ffn)
+            results[f"bf16_eager_{kind}_{shape}"] = measure(model, tokens, hidden, ffn)
+            del model
+            torch.cuda.empty_cache()
+        ratio = (results[f"bf16_eager_fusible_{shape}"]["ms"]
+                 / results[f"bf16_eager_torch_{shape}"]["ms"])
+        results[f"ratio_fusible_over_torch_eager_{shape}"] = ratio
+    with open(args.output, "w") as f:
+        json.dump(results, f, indent=1)
+    for key, value in results.items():
+        if isinstance(value, dict):
+            print(f"{key:<50} {value['ms']:8.3f} ms {value['tflops']:7.1f} TFLOP/s "
+                  f"{value['peak_gib']:6.2f} GiB first3 {value['first3_s']:.2f} s")
+        else:
+            print(f"{key:<50} {value}")
+
+
+if __name__ == "__main__":
+    main()

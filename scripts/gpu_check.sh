@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Everything the GPU machine runs, in one call: the whole test suite (CUDA tests included)
+# under the machine's PyTorch, then the GPU benchmark. Results land in $OUT (or out/).
+# Usage there: bash scripts/gpu_check.sh
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-out}
+mkdir -p "$OUT"
+if ls .whl/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+fi
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+export PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" \
+    | tee -a "$OUT/gpu.txt"
+python3 -m pytest -q -x -p no:cacheprovider tests 2>&1 | tee "$OUT/pytest.log" | tail -15
+tests_rc=${PIPESTATUS[0]}
+python3 benchmarks/gpu_mlp.py --output "$OUT/gpu_mlp.json" 2>&1 | tee "$OUT/bench.log"
+bench_rc=${PIPESTATUS[0]}
+echo "tests rc=$tests_rc bench rc=$bench_rc"
+exit $(( tests_rc || bench_rc ))

@@ -1,0 +1,64 @@
+"""GPU checks, run on the device machine (skipped without CUDA)."""
+
+import pytest
+import torch
+
+from fusible import ops
+from fusible.kernels.dact_dbias import dact_dbias, dact_dbias_torch
+from fusible.testing import assert_close, check_fusion, exact_parameters_, exact_tensor, stage_names
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+GPU_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def _cuda(model, dtype):
+    return exact_parameters_(model.to(device="cuda", dtype=dtype))
+
+
+@pytest.mark.parametrize("dtype", GPU_DTYPES, ids=str)
+def test_mlp_block_on_gpu(dtype):
+    model = _cuda(ops.Sequential(ops.MakeExtraOutput(), ops.LayerNorm(64), ops.Linear(64, 256),
+                                 ops.GELU(approximate="tanh"), ops.Linear(256, 64),
+                                 ops.AddExtraInput()), dtype)
+    x = exact_tensor((4, 32, 64), dtype, device="cuda").requires_grad_()
+    residual = exact_tensor((4, 32, 64), dtype, device="cuda").requires_grad_()
+    check_fusion(model, x, residual, forward=["ForwardLinearBias", "ForwardLinearBiasAdd"],
+                 backward=["BackwardActivationBias"])
+
+
+@pytest.mark.parametrize("dtype", GPU_DTYPES, ids=str)
+@pytest.mark.parametrize("act", ["relu", "gelu_tanh"])
+def test_gemm_activation_epilogue_on_gpu(dtype, act):
+    """CUDA's epilogue is GELU(tanh): the plan fuses it, and the numbers say it is tanh."""
+    act_op = ops.ReLU() if act == "relu" else ops.GELU(approximate="tanh")
+    model = _cuda(ops.Sequential(ops.BasicLinear(64, 128), ops.Bias(128), act_op), dtype)
+    x = exact_tensor((256, 64), dtype, device="cuda")
+    with torch.no_grad():
+        check_fusion(model, x, forward=["ForwardLinearBiasActivation"])
+    exact = ops.Sequential(ops.BasicLinear(64, 128), ops.Bias(128), ops.GELU()).cuda()
+    with torch.no_grad():
+        plan = exact.plan()
+    assert stage_names(plan.forward) == ["ForwardLinearBias", "GELU"]
+
+
+@pytest.mark.parametrize("dtype", GPU_DTYPES, ids=str)
+@pytest.mark.parametrize("kind", ["gelu", "gelu_tanh", "relu", "silu"])
+def test_dact_dbias_triton_on_gpu(dtype, kind):
+    dy = torch.randn(3000, 1000, device="cuda").to(dtype)
+    saved = (3 * torch.randn(3000, 1000, device="cuda")).to(dtype)
+    if kind == "relu":
+        saved = saved.relu()
+    dact, dbias = dact_dbias(kind, dy, saved)
+    ref_dact, ref_dbias = dact_dbias_torch(kind, dy.double(), saved.double())
+    assert_close(dact, ref_dact, dtype, "dact")
+    assert_close(dbias, ref_dbias, dtype, "dbias")
+
+
+def test_backward_activation_bias_uses_triton_on_gpu(monkeypatch):
+    import fusible.kernels.dact_dbias as kernels
+    calls = []
+    real = kernels.dact_dbias_triton
+    monkeypatch.setattr(kernels, "dact_dbias_triton", lambda *a, **k: calls.append(1) or real(*a, **k))
+    model = ops.Sequential(ops.Linear(64, 128), ops.GELU(), ops.Linear(128, 64)).cuda()
+    model(torch.randn(32, 64, device="cuda")).sum().backward()
+    assert calls == [1]
