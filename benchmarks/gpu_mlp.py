@@ -67,10 +67,35 @@ def check_same(tokens, hidden, ffn) -> float:
     return ((a - b).norm() / a.norm()).item()
 
 
+def profile(tokens: int, hidden: int, ffn: int, path: str) -> None:
+    """Write the per-op CPU and GPU time of a few steps of each model to ``path``."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    with open(path, "w") as f:
+        for kind in ("torch", "fusible"):
+            model = build(kind, hidden, ffn)
+            x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16,
+                            requires_grad=True)
+            for _ in range(3):
+                model(x).sum().backward()
+            torch.cuda.synchronize()
+            with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                for _ in range(5):
+                    model(x).sum().backward()
+                torch.cuda.synchronize()
+            f.write(f"== {kind} T={tokens} H={hidden} FF={ffn}, 5 steps\n")
+            f.write(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30))
+            f.write("\n")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--output", default="benchmarks/results/gpu_mlp.json")
+    parser.add_argument("--profile", help="also write a profile of the small shape here")
     args = parser.parse_args()
+    if args.profile:
+        profile(*SHAPES[1], args.profile)
     results = {"torch": torch.__version__, "gpu": torch.cuda.get_device_name(),
                "triton": triton.__version__}
     for tokens, hidden, ffn in SHAPES:

@@ -26,7 +26,8 @@ class BackwardActivationBias(FusedOperation):
     the activation's then the bias's gradient.
     Accepts when the bias needs a gradient (otherwise there is nothing to fuse).
     Reads: the activation's saved tensor (its input, or ReLU's output).
-    Uses a Triton kernel on CUDA, two PyTorch ops elsewhere.
+    Uses one Triton kernel on CUDA for tensors of 2**24 elements or more, two
+    PyTorch ops elsewhere (see ``fusible.kernels.dact_dbias``).
     """
 
     direction = "backward"

@@ -13,11 +13,13 @@ fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
-python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" \
+python3 -c "import os, torch, triton; print('torch', torch.__version__, 'triton', triton.__version__,
+  'tf32', torch.backends.cuda.matmul.allow_tf32, {k: v for k, v in os.environ.items() if 'TF32' in k})" \
     | tee -a "$OUT/gpu.txt"
-python3 -m pytest -q -x -p no:cacheprovider tests 2>&1 | tee "$OUT/pytest.log" | tail -15
+python3 -m pytest -q -p no:cacheprovider tests 2>&1 | tee "$OUT/pytest.log" | tail -15
 tests_rc=${PIPESTATUS[0]}
-python3 benchmarks/gpu_mlp.py --output "$OUT/gpu_mlp.json" 2>&1 | tee "$OUT/bench.log"
+python3 benchmarks/diagnostics/gpu_overhead.py 2>&1 | tee "$OUT/overhead.log"
+python3 benchmarks/gpu_mlp.py --output "$OUT/gpu_mlp.json" --profile "$OUT/profile.txt" 2>&1 | tee "$OUT/bench.log"
 bench_rc=${PIPESTATUS[0]}
 echo "tests rc=$tests_rc bench rc=$bench_rc"
 exit $(( tests_rc || bench_rc ))

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from fusible import ops
-from fusible.kernels.dact_dbias import dact_dbias, dact_dbias_torch
+from fusible.kernels.dact_dbias import dact_dbias_torch, dact_dbias_triton
 from fusible.testing import assert_close, check_fusion, exact_parameters_, exact_tensor, stage_names
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -17,13 +17,14 @@ def _cuda(model, dtype):
 
 @pytest.mark.parametrize("dtype", GPU_DTYPES, ids=str)
 def test_mlp_block_on_gpu(dtype):
-    model = _cuda(ops.Sequential(ops.MakeExtraOutput(), ops.LayerNorm(64), ops.Linear(64, 256),
-                                 ops.GELU(approximate="tanh"), ops.Linear(256, 64),
+    model = _cuda(ops.Sequential(ops.MakeExtraOutput(), ops.LayerNorm(16), ops.Linear(16, 32),
+                                 ops.GELU(approximate="tanh"), ops.Linear(32, 16),
                                  ops.AddExtraInput()), dtype)
-    x = exact_tensor((4, 32, 64), dtype, device="cuda").requires_grad_()
-    residual = exact_tensor((4, 32, 64), dtype, device="cuda").requires_grad_()
+    x = exact_tensor((4, 32, 16), dtype, device="cuda").requires_grad_()
+    residual = exact_tensor((4, 32, 16), dtype, device="cuda").requires_grad_()
+    # Six ops in a row: 16-bit rounding of every intermediate adds up (see assert_close).
     check_fusion(model, x, residual, forward=["ForwardLinearBias", "ForwardLinearBiasAdd"],
-                 backward=["BackwardActivationBias"])
+                 backward=["BackwardActivationBias"], tolerance_scale=4)
 
 
 @pytest.mark.parametrize("dtype", GPU_DTYPES, ids=str)
@@ -34,6 +35,11 @@ def test_gemm_activation_epilogue_on_gpu(dtype, act):
     model = _cuda(ops.Sequential(ops.BasicLinear(64, 128), ops.Bias(128), act_op), dtype)
     x = exact_tensor((256, 64), dtype, device="cuda")
     with torch.no_grad():
+        if act == "gelu_tanh" and dtype == torch.float32:
+            plan = model.plan(x)
+            assert stage_names(plan.forward) == ["ForwardLinearBias", "GELU"]
+            assert any("short of float32" in c.reason for c in plan.candidates)
+            return
         check_fusion(model, x, forward=["ForwardLinearBiasActivation"])
     exact = ops.Sequential(ops.BasicLinear(64, 128), ops.Bias(128), ops.GELU()).cuda()
     with torch.no_grad():
@@ -48,7 +54,7 @@ def test_dact_dbias_triton_on_gpu(dtype, kind):
     saved = (3 * torch.randn(3000, 1000, device="cuda")).to(dtype)
     if kind == "relu":
         saved = saved.relu()
-    dact, dbias = dact_dbias(kind, dy, saved)
+    dact, dbias = dact_dbias_triton(kind, dy, saved)
     ref_dact, ref_dbias = dact_dbias_torch(kind, dy.double(), saved.double())
     assert_close(dact, ref_dact, dtype, "dact")
     assert_close(dbias, ref_dbias, dtype, "dbias")
@@ -59,6 +65,7 @@ def test_backward_activation_bias_uses_triton_on_gpu(monkeypatch):
     calls = []
     real = kernels.dact_dbias_triton
     monkeypatch.setattr(kernels, "dact_dbias_triton", lambda *a, **k: calls.append(1) or real(*a, **k))
-    model = ops.Sequential(ops.Linear(64, 128), ops.GELU(), ops.Linear(128, 64)).cuda()
-    model(torch.randn(32, 64, device="cuda")).sum().backward()
+    model = ops.Sequential(ops.Linear(64, 4096), ops.GELU(), ops.Linear(4096, 64)).cuda()
+    model(torch.randn(32, 64, device="cuda")).sum().backward()       # small: PyTorch ops
+    model(torch.randn(4096, 64, device="cuda")).sum().backward()     # 2**24 elements: Triton
     assert calls == [1]
