@@ -137,10 +137,13 @@ def check_against_reference(model, x, *extra_inputs, seed: int = 0,
     """Compare outputs and all gradients of ``model(x, *extra_inputs)`` with FP64.
 
     Gradients are checked for the input, the extra inputs and the parameters
-    that require grad. Use exactly representable inputs and parameters.
+    that require grad (their ``.grad`` is reset first). Use exactly representable
+    inputs and parameters.
     """
     dtype = x.dtype
     inputs = (x, *extra_inputs)
+    for t in (*inputs, *model.parameters()):
+        t.grad = None
     ref_inputs = [t.detach().double().requires_grad_(t.requires_grad) for t in inputs]
     outputs = _as_tuple(model(*inputs))
     ref_outputs, ref_params = reference_forward(model, *ref_inputs)
