@@ -139,3 +139,18 @@ def test_functional_call_and_to_empty_reach_the_basic_ops():
     assert not torch.equal(model(x), out)  # the model's own parameters are back
     model.to_empty(device="meta")
     assert model[0]._ops[0].weight.device.type == "meta"
+
+
+def test_deepcopy_and_pickle_keep_linear_parameters_shared():
+    import copy
+    import pickle
+    model = ops.Sequential(ops.Linear(4, 3), ops.GELU())
+    x = torch.randn(2, 4)
+    y = model(x)
+    for clone in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
+        torch.testing.assert_close(clone(x), y, rtol=0, atol=0)
+        with torch.no_grad():
+            clone[0].weight.zero_()
+            clone[0].bias.fill_(1.0)
+        torch.testing.assert_close(clone(x), torch.nn.functional.gelu(torch.ones(2, 3)))
+        torch.testing.assert_close(model(x), y, rtol=0, atol=0)

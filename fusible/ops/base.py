@@ -137,7 +137,33 @@ class OperationContext:
         self.info = None
 
 
-class FusibleOperation(nn.Module):
+class PlanCachingModule(nn.Module):
+    """An ``nn.Module`` that caches how it runs (a runner or a layout with its plans).
+
+    The cache carries the epoch it was built in and is rebuilt when the epoch has
+    moved on; ``.to()`` and friends move it on, and pickling leaves the cache out.
+    """
+
+    def _cached(self, build):
+        cache = self.__dict__.get("_fusible_cache")
+        if cache is None or cache.epoch != _epoch.current():
+            cache = build()
+            object.__setattr__(self, "_fusible_cache", cache)
+        return cache
+
+    def _apply(self, fn, recurse=True):
+        # .to(), .cuda(), to_empty() may replace parameter objects behind __setattr__.
+        result = super()._apply(fn, recurse)
+        _epoch.bump()
+        return result
+
+    def __getstate__(self):
+        state = self.__dict__.copy()
+        state.pop("_fusible_cache", None)
+        return state
+
+
+class FusibleOperation(PlanCachingModule):
     """An operation that can stand in a :class:`~fusible.ops.Sequential`.
 
     Subclasses are basic ops (:class:`BasicOperation`), fused ops
@@ -158,25 +184,11 @@ class FusibleOperation(nn.Module):
         super().__setattr__(name, value)
         _epoch.bump()
 
-    def _apply(self, fn, recurse=True):
-        # .to(), .cuda(), to_empty() may replace parameter objects behind __setattr__.
-        result = super()._apply(fn, recurse)
-        _epoch.bump()
-        return result
-
-    def __getstate__(self):
-        state = self.__dict__.copy()
-        state.pop("_fusible_runner", None)  # a cache; rebuilt on first use
-        return state
-
     def forward(self, input: Tensor, *extra_inputs: Tensor):
         """Run this operation alone, planned and fused like a one-element Sequential."""
         from fusible.fuser import PipelineRunner
 
-        runner = self.__dict__.get("_fusible_runner")
-        if runner is None or runner.epoch != _epoch.current():
-            runner = PipelineRunner(self.basic_ops(), start=0)
-            object.__setattr__(self, "_fusible_runner", runner)
+        runner = self._cached(lambda: PipelineRunner(self.basic_ops(), start=0))
         output, extra_outputs = runner.run(input, extra_inputs)
         return (output, *extra_outputs) if runner.num_extra_outputs else output
 

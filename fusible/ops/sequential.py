@@ -9,10 +9,10 @@ from torch import nn
 
 from fusible import _epoch
 from fusible.fuser import PipelineRunner
-from fusible.ops.base import FusedOperation, FusibleOperation
+from fusible.ops.base import FusedOperation, FusibleOperation, PlanCachingModule
 
 
-class Sequential(nn.Module):
+class Sequential(PlanCachingModule):
     """A pipeline of fusible operations, planned and fused as a whole.
 
     Behaves like ``torch.nn.Sequential`` for indexing, iteration, ``len``,
@@ -99,16 +99,6 @@ class Sequential(nn.Module):
             raise TypeError(f"{type(module).__name__} is a fusion; the planner creates fusions, "
                             f"put the basic ops in the Sequential instead")
 
-    def _apply(self, fn, recurse=True):
-        result = super()._apply(fn, recurse)
-        _epoch.bump()
-        return result
-
-    def __getstate__(self):
-        state = self.__dict__.copy()
-        state.pop("_fusible_layout", None)  # a cache; rebuilt on first use
-        return state
-
     # Pipeline ---------------------------------------------------------------------
 
     def pipeline(self) -> tuple:
@@ -119,11 +109,7 @@ class Sequential(nn.Module):
         return self._layout().items
 
     def _layout(self) -> "_Layout":
-        layout = self.__dict__.get("_fusible_layout")
-        if layout is None or layout.epoch != _epoch.current():
-            layout = _Layout(_flatten(self))
-            object.__setattr__(self, "_fusible_layout", layout)
-        return layout
+        return self._cached(lambda: _Layout(_flatten(self)))
 
     def forward(self, input: torch.Tensor, *extra_inputs: torch.Tensor):
         layout = self._layout()
