@@ -16,6 +16,7 @@ import torch
 from fusible import _epoch
 from fusible.ops.base import OperationContext, OpGradNeeds
 from fusible.planner import GroupPlan, PlanEnvironment, op_grad_needs, plan_group
+from fusible.saved import restore_saved, stash_saved
 
 
 @attrs.frozen
@@ -30,14 +31,14 @@ class _ExecStage:
     extra_out: slice    # extra outputs produced by covered ops
     params: slice       # parameters of covered ops
     compute: object     # the op's forward_compute or backward_compute (bound classmethod)
+    num_extra_in: int = attrs.field(init=False)
+    num_extra_out: int = attrs.field(init=False)
+    num_params: int = attrs.field(init=False)
 
-    @property
-    def num_extra_out(self) -> int:
-        return self.extra_out.stop - self.extra_out.start
-
-    @property
-    def num_params(self) -> int:
-        return self.params.stop - self.params.start
+    def __attrs_post_init__(self):  # counts read on the hot path
+        for name, span in (("num_extra_in", self.extra_in), ("num_extra_out", self.extra_out),
+                           ("num_params", self.params)):
+            object.__setattr__(self, name, span.stop - span.start)
 
 
 @attrs.frozen
@@ -45,6 +46,7 @@ class ExecPlan:
     """A :class:`GroupPlan` prepared for execution."""
 
     group: GroupPlan
+    ops: tuple          # the group's basic ops
     forward: tuple
     backward: tuple     # only stages that take part in the backward pass
     needs: tuple        # OpGradNeeds per op
@@ -53,6 +55,8 @@ class ExecPlan:
     num_params: int
     num_extra_inputs: int
     idle_ctxs: tuple    # contexts for calls that save nothing
+    constant_extra_outputs: tuple  # extra outputs that depend on nothing requiring grad
+    backward_stages: tuple  # the public Stages of `backward`
     validated: dict = attrs.field(factory=dict, eq=False)  # input signatures checked already
 
 
@@ -67,6 +71,8 @@ class PipelineRunner:
         self.num_extra_outputs = sum(op.num_extra_outputs for op in self.ops)
         self._plans: dict = {}
         self._param_slots = [(op._parameters, name) for op in self.ops for name in op.param_names]
+        self._extra_output_producers = [i for i, op in enumerate(self.ops)
+                                        for _ in range(op.num_extra_outputs)]
 
     def params(self) -> list:
         """The ops' parameters, read afresh each call (they may have been swapped)."""
@@ -79,13 +85,21 @@ class PipelineRunner:
         if len(extra_inputs) != self.num_extra_inputs:
             raise TypeError(f"{self._name()} expects {self.num_extra_inputs} extra input(s) "
                             f"for its AddExtraInput ops, got {len(extra_inputs)}")
+        if extra_inputs and not all(isinstance(e, torch.Tensor) for e in extra_inputs):
+            raise TypeError(f"{self._name()} expects tensor extra inputs, got "
+                            f"{[type(e).__name__ for e in extra_inputs]}")
+        device_type = x.device.type
+        if torch.is_autocast_enabled(device_type):
+            raise RuntimeError(f"{self._name()} does not run under torch.autocast: its ops take "
+                               f"the dtype of their parameters; convert the model with .to(dtype) "
+                               f"instead")
         params = self.params()
         if torch.is_grad_enabled():
             rg = (x.requires_grad, tuple([p.requires_grad for p in params]),
                   tuple([e.requires_grad for e in extra_inputs]))
         else:
             rg = None
-        key = (x.dtype, x.device.type, rg)
+        key = (x.dtype, device_type, rg)
         plan = self._plans.get(key) or self._plan_for_key(key)
         if not plan.needs_backward:
             return run_forward(plan, x, params, extra_inputs, plan.idle_ctxs, save=False)
@@ -117,15 +131,17 @@ class PipelineRunner:
                               {self.start + i: n for i, n in enumerate(needs)})
         group = plan_group(self.ops, self.start, env)
         forward = tuple(self._exec_stage(s, False) for s in group.forward)
-        backward = tuple(es for es in (self._exec_stage(s, True) for s in group.backward)
-                         if any(n.any for n in needs[es.lo:es.hi]))
+        backward = [(self._exec_stage(s, True), s) for s in group.backward]
+        backward = [(es, s) for es, s in backward if any(n.any for n in needs[es.lo:es.hi])]
         idle = tuple(OperationContext(OpGradNeeds(False, (False,) * len(op.fusible_params()),
                                                   (False,) * op.num_extra_inputs))
                      for op in self.ops)
-        return ExecPlan(group, forward, backward, needs, any(n.any for n in needs),
-                        needs[0].input if needs else False,
-                        sum(len(op.fusible_params()) for op in self.ops),
-                        self.num_extra_inputs, idle)
+        constant = tuple(j for j, i in enumerate(self._extra_output_producers)
+                         if not needs[i].input)
+        return ExecPlan(group, self.ops, forward, tuple(es for es, _ in backward), needs,
+                        any(n.any for n in needs), needs[0].input if needs else False,
+                        sum(len(op.param_names) for op in self.ops), self.num_extra_inputs, idle,
+                        constant, tuple(stage for _, stage in backward))
 
     def _exec_stage(self, stage, backward: bool) -> _ExecStage:
         lo, hi = stage.indices[0] - self.start, stage.indices[-1] + 1 - self.start
@@ -198,57 +214,14 @@ def run_backward(plan: ExecPlan, grad_output, grad_extra_outputs, ctxs):
         dy = result.grad_input
         if st.num_params:
             grad_params[st.params] = result.grad_params
-        if result.grad_extra_inputs:
+        if len(result.grad_extra_inputs) != st.num_extra_in:
+            raise RuntimeError(f"{type(op).__name__} returned {len(result.grad_extra_inputs)} "
+                               f"extra-input gradients for ops {[type(o).__name__ for o in st.ops]}")
+        if st.num_extra_in:
             grad_extras[st.extra_in] = result.grad_extra_inputs
         for c in op_ctxs:
             c.clear()
     return (dy if plan.input_needs_grad else None), grad_extras, grad_params
-
-
-class _SavedRef:
-    """Placeholder in ``ctx.saved`` for a tensor kept through ``save_for_backward``."""
-
-    __slots__ = ("index",)
-
-    def __init__(self, index: int):
-        self.index = index
-
-
-def stash_saved(fctx, ctxs, protected) -> None:
-    """Keep saved tensors for backward.
-
-    Inputs and outputs of the autograd.Function go through
-    ``save_for_backward`` (version checks; no reference cycle through an
-    output's grad_fn). Intermediates stay referenced by the op contexts only, so
-    dropping a context in the backward frees them.
-    """
-    ids = {id(t) for t in protected}
-    to_save = []
-    for c in ctxs:
-        saved = c.saved
-        if not saved:
-            continue
-        for k, t in enumerate(saved):
-            if id(t) in ids:  # None is never protected
-                if type(saved) is not list:
-                    saved = c.saved = list(saved)
-                saved[k] = _SavedRef(len(to_save))
-                to_save.append(t)
-    fctx.save_for_backward(*to_save)
-
-
-def restore_saved(fctx, ctxs) -> list:
-    if ctxs is None:
-        raise RuntimeError("fusible frees saved intermediates during the backward pass: "
-                           "backward through the same graph twice (retain_graph=True) is not "
-                           "supported; run the forward again")
-    kept = fctx.saved_tensors
-    if kept:
-        for c in ctxs:
-            saved = c.saved
-            if type(saved) is list:  # only contexts stash_saved rewrote hold references
-                c.saved = tuple(kept[t.index] if type(t) is _SavedRef else t for t in saved)
-    return ctxs
 
 
 class _PipelineFunction(torch.autograd.Function):
@@ -259,15 +232,21 @@ class _PipelineFunction(torch.autograd.Function):
         extra_inputs, params = tensors[:plan.num_extra_inputs], tensors[plan.num_extra_inputs:]
         ctxs = [OperationContext(n) for n in plan.needs]
         y, extra_outputs = run_forward(plan, x, params, extra_inputs, ctxs, save=True)
-        stash_saved(fctx, ctxs, (x, *tensors, y, *extra_outputs))
+        stash_saved(fctx, ctxs, (x, *tensors), (y, *extra_outputs))
         fctx.fusible = plan, ctxs
+        if plan.constant_extra_outputs:
+            fctx.mark_non_differentiable(*(extra_outputs[j] for j in plan.constant_extra_outputs))
         return (y, *extra_outputs) if extra_outputs else y
 
     @staticmethod
     def backward(fctx, grad_output, *grad_extra_outputs):
+        if torch.is_grad_enabled():
+            raise RuntimeError("fusible pipelines are differentiable once: double backward "
+                               "(create_graph=True) is not supported, since saved "
+                               "intermediates carry no autograd history")
         plan, ctxs = fctx.fusible
         fctx.fusible = plan, None  # the contexts are consumed: a second backward is an error
-        ctxs = restore_saved(fctx, ctxs)
+        ctxs = restore_saved(fctx, ctxs, plan.ops)
         dx, grad_extras, grad_params = run_backward(plan, grad_output, grad_extra_outputs, ctxs)
         return (None, dx, *grad_extras, *grad_params)
 

@@ -19,7 +19,8 @@ class FusionPlan:
     forward : tuple of Stage
         Forward stages in execution order.
     backward : tuple of Stage
-        Backward stages in execution order (empty when no gradient is needed).
+        Backward stages that run, in execution order: ops before the first thing
+        that requires grad have none (empty when no gradient is needed).
     candidates : tuple of Candidate
         Every fusion that matched somewhere: chosen, superseded or refused.
     ops : tuple
@@ -110,7 +111,7 @@ def build_plan(layout, example_inputs, parameters) -> FusionPlan:
                              extras_rg[extra_pos:extra_pos + k])
         extra_pos += k
         forward += plan.group.forward
-        backward_groups.append(plan.group.backward)
+        backward_groups.append(plan.backward_stages)  # the stages that run
         candidates += plan.group.candidates
         upstream = upstream or plan.needs_backward
     backward = tuple(s for group in reversed(backward_groups) for s in group)

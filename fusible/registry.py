@@ -72,14 +72,18 @@ def load_entry_points() -> None:
     global _entry_points_loaded
     if _entry_points_loaded:
         return
-    _entry_points_loaded = True
     for ep in sorted(importlib.metadata.entry_points(group=ENTRY_POINT_GROUP),
                      key=lambda e: e.name):
-        loaded = ep.load()
-        # An entry point may name a fusion class or a module whose classes
-        # register themselves on import.
-        if inspect.isclass(loaded):
-            register_fusion(loaded)
+        try:
+            loaded = ep.load()
+            # An entry point may name a fusion class or a module whose classes
+            # register themselves on import.
+            if inspect.isclass(loaded):
+                register_fusion(loaded)
+        except Exception as error:  # every later planning raises too: nothing is skipped
+            raise RuntimeError(f"fusion plugin {ep.name!r} ({ep.value}) of entry-point group "
+                               f"{ENTRY_POINT_GROUP!r} failed to load: {error}") from error
+    _entry_points_loaded = True
 
 
 def _validate(cls) -> None:

@@ -11,7 +11,6 @@
 
 from __future__ import annotations
 
-import copy
 from typing import Callable, Iterable
 
 import torch
@@ -104,8 +103,11 @@ def reference_forward(model, x, *extra_inputs, dtype=torch.float64):
             x, outs = fn(item, x, extras[:k], [copy_of(p) for p in item.fusible_params()])
             extras = extras[k:]
             extra_outputs += outs
-        else:
-            x = copy.deepcopy(item).to(dtype)(x)
+        else:  # an ordinary module: run it on float64 copies of its parameters and buffers
+            state = {name: copy_of(p) for name, p in item.named_parameters()}
+            state.update({name: b.to(dtype) if b.is_floating_point() else b
+                          for name, b in item.named_buffers()})
+            x = torch.func.functional_call(item, state, (x,))
     return ((x, *extra_outputs) if extra_outputs else x), params
 
 
@@ -144,10 +146,16 @@ def check_against_reference(model, x, *extra_inputs, seed: int = 0,
     inputs = (x, *extra_inputs)
     for t in (*inputs, *model.parameters()):
         t.grad = None
-    ref_inputs = [t.detach().double().requires_grad_(t.requires_grad) for t in inputs]
+    copies: dict = {}  # one copy per distinct input, so that model(x, x) stays aliased
+    for t in inputs:
+        copies.setdefault(id(t), t.detach().double().requires_grad_(t.requires_grad))
+    ref_inputs = [copies[id(t)] for t in inputs]
     outputs = _as_tuple(model(*inputs))
     ref_outputs, ref_params = reference_forward(model, *ref_inputs)
     ref_outputs = _as_tuple(ref_outputs)
+    if len(outputs) != len(ref_outputs):
+        raise AssertionError(f"the model returned {len(outputs)} outputs, the reference "
+                             f"{len(ref_outputs)}")
     gen = torch.Generator().manual_seed(seed)
     grads = [exact_tensor(o.shape, dtype, device=o.device, generator=gen) for o in outputs]
     for i, (out, ref) in enumerate(zip(outputs, ref_outputs)):

@@ -48,9 +48,8 @@ def plan_to_dot(plan) -> str:
     for lane, stages in (("backward", plan.backward), ("forward", plan.forward)):
         if stages:
             lines += _lane(plan, lane, stages)
-    if plan.backward:
-        for i in range(len(plan.ops)):
-            lines.append(f"  {{rank=same; {_node('forward', i)}; {_node('backward', i)};}}")
+    for i in sorted(i for stage in plan.backward for i in stage.indices):
+        lines.append(f"  {{rank=same; {_node('forward', i)}; {_node('backward', i)};}}")
     lines.append("}")
     return "\n".join(lines) + "\n"
 
@@ -63,7 +62,7 @@ def _lane(plan, lane: str, stages) -> list:
            '    style="rounded,dashed"; color="#888888"; fontsize=13;']
     for k, stage in enumerate(sorted(stages, key=lambda s: s.indices[0])):
         out += _stage_cluster(plan, lane, k, stage, colors)
-    ids = [_node(lane, i) for i in range(len(plan.ops))]
+    ids = [_node(lane, i) for i in sorted(i for stage in stages for i in stage.indices)]
     for a, b in zip(ids, ids[1:]):
         direction = ", dir=back" if lane == "backward" else ""
         out.append(f'    {a} -> {b} [color="{colors["edge"]}"{direction}];')

@@ -129,3 +129,60 @@ def test_register_non_fusion_and_duplicate_name():
 def test_invalid_patterns(make, message):
     with pytest.raises((TypeError, ValueError), match=message):
         make()
+
+
+def test_non_tensor_extra_input_and_autocast():
+    model = ops.Sequential(ops.BasicLinear(4, 4), ops.AddExtraInput())
+    with pytest.raises(TypeError, match=r"expects tensor extra inputs, got \['float'\]"):
+        model(torch.randn(2, 4), 3.0)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        with pytest.raises(RuntimeError, match="does not run under torch.autocast"):
+            model(torch.randn(2, 4), torch.randn(2, 4))
+
+
+def test_wrong_number_of_extra_input_gradients_from_a_plugin():
+    import attrs
+    from fusible import unregister_fusion
+    from fusible.ops import BackwardResult
+
+    @attrs.define
+    class Args:
+        grad_output: torch.Tensor
+
+    class ForgetfulAdd(FusedOperation):
+        direction = "backward"
+        pattern = Pattern(Op(ops.ConstantScale), Op(ops.AddExtraInput))
+        bwd_args_type = Args
+
+        def backward_args(self, grad_output, grad_extra_outputs, ctxs):
+            return Args(grad_output)
+
+        @classmethod
+        def backward_compute(cls, args, *, in_custom_op=False):
+            return BackwardResult(args.grad_output * 2)  # forgets the extra input's gradient
+
+    register_fusion(ForgetfulAdd)
+    try:
+        model = ops.Sequential(ops.ConstantScale(2.0), ops.AddExtraInput())
+        y = model(torch.randn(2, requires_grad=True), torch.randn(2, requires_grad=True))
+        with pytest.raises(RuntimeError, match="ForgetfulAdd returned 0 extra-input gradients"):
+            y.sum().backward()
+    finally:
+        unregister_fusion(ForgetfulAdd)
+
+
+def test_failing_entry_point_plugin_is_reported(monkeypatch):
+    import fusible.registry as registry
+
+    class Broken:
+        name, value = "broken", "nowhere:Fusion"
+
+        def load(self):
+            raise ImportError("no module named nowhere")
+
+    monkeypatch.setattr(registry, "_entry_points_loaded", False)
+    monkeypatch.setattr(registry.importlib.metadata, "entry_points",
+                        lambda group: [Broken()] if group == "fusible.fusions" else [])
+    for _ in range(2):  # and again: nothing is skipped silently later
+        with pytest.raises(RuntimeError, match="fusion plugin 'broken'.*failed to load"):
+            ops.Sequential(ops.Identity()).plan()

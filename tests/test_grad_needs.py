@@ -94,3 +94,52 @@ def test_saved_input_is_version_checked():
     h.add_(1.0)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         y.sum().backward()
+
+
+def test_double_backward_is_a_clear_error():
+    """Intermediates carry no autograd history: create_graph would drop terms silently."""
+    model = ops.Sequential(ops.BasicLinear(4, 3), ops.GELU())
+    x = torch.randn(2, 4, requires_grad=True)
+    with pytest.raises(RuntimeError, match=r"differentiable once: double backward "
+                                           r"\(create_graph=True\) is not supported"):
+        torch.autograd.grad(model(x).sum(), x, create_graph=True)
+
+
+def test_saved_views_are_version_checked():
+    model = ops.Sequential(ops.Reshape((-1, 4)), ops.BasicLinear(4, 3))
+    x = torch.randn(2, 2, 4, requires_grad=True)
+    h = x * 1.0
+    y = model(h)
+    h.add_(100.0)  # modifies the Reshape view that BasicLinear saved
+    with pytest.raises(RuntimeError, match=r"saved for the backward of BasicLinear\(in_features=4"
+                                           r".*modified by an inplace operation"):
+        y.sum().backward()
+
+
+def test_modified_extra_output_is_detected():
+    model = ops.Sequential(ops.BasicLinear(4, 4), ops.MakeExtraOutput(), ops.Reshape((-1, 2)),
+                           ops.Reshape((-1, 4)), ops.BasicLinear(4, 3))
+    y, branch = model(torch.randn(2, 4))
+    branch.add_(5.0)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()
+
+
+def test_saved_view_of_an_output_does_not_keep_the_graph_alive():
+    import gc
+    model = ops.Sequential(ops.BasicLinear(4, 4), ops.MakeExtraOutput(), ops.Reshape((-1, 8)),
+                           ops.BasicLinear(8, 2))
+    gc.disable()
+    try:
+        y, branch = model(torch.randn(4, 4))
+        ref = weakref.ref(y.grad_fn.fusible[1][3].saved[0])  # the view BasicLinear saved
+        del y, branch
+        assert ref() is None
+    finally:
+        gc.enable()
+
+
+def test_branch_of_an_input_without_grad_is_not_differentiable():
+    model = ops.Sequential(ops.MakeExtraOutput(), ops.BasicLinear(4, 3))
+    y, branch = model(torch.randn(2, 4))
+    assert y.requires_grad and not branch.requires_grad

@@ -154,3 +154,31 @@ def test_deepcopy_and_pickle_keep_linear_parameters_shared():
             clone[0].bias.fill_(1.0)
         torch.testing.assert_close(clone(x), torch.nn.functional.gelu(torch.ones(2, 3)))
         torch.testing.assert_close(model(x), y, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("edit", ["add_module", "register_module", "del_last", "setattr"])
+def test_every_structural_edit_replans(edit):
+    model = ops.Sequential(ops.ConstantScale(2.0))
+    new = ops.ConstantScale(3.0)  # built first: building an op must not be what re-plans
+    x = torch.ones(1, 2)
+    torch.testing.assert_close(model(x), 2 * x)
+    if edit == "add_module":
+        model.add_module("1", new)
+        expected = 6 * x
+    elif edit == "register_module":
+        model.register_module("1", new)
+        expected = 6 * x
+    elif edit == "setattr":
+        setattr(model, "1", new)
+        expected = 6 * x
+    else:
+        del model[0]
+        expected = x
+    torch.testing.assert_close(model(x), expected)
+
+
+def test_reference_helper_handles_aliased_inputs_and_module_parameters():
+    from fusible.testing import check_against_reference
+    model = ops.Sequential(ops.BasicLinear(4, 4), nn.Linear(4, 4), ops.AddExtraInput())
+    x = exact_tensor((3, 4)).requires_grad_()
+    check_against_reference(model, x, x)   # the README's block(x, x) pattern

@@ -31,8 +31,9 @@ def test_dot_has_lanes_clusters_nodes_and_refusals():
     assert "16 \u2192 64" in dot and "normalized_shape=(16,)" in dot
     assert "Dropout\\n(torch module)" in dot and "shape=box3d" in dot
     assert "ForwardLinearBiasActivation refused" in dot and "shape=note" in dot
-    for i in range(7):                      # every op in both lanes, aligned
+    for i in range(1, 9):                   # ops with a backward: in both lanes, aligned
         assert f"{{rank=same; f{i}; b{i};}}" in dot
+    assert "b0 [" not in dot                # MakeExtraOutput's input needs no gradient
 
 
 def test_inference_plan_has_one_lane():

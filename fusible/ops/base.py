@@ -124,17 +124,19 @@ class OperationContext:
         Non-tensor data the backward needs (e.g. an input shape).
     """
 
-    __slots__ = ("needs", "saved", "info")
+    __slots__ = ("needs", "saved", "info", "versions")
 
     def __init__(self, needs: OpGradNeeds):
         self.needs = needs
         self.saved: tuple = ()
         self.info: Any = None
+        self.versions = ()  # (slot, version) of saved intermediates, set by the fuser
 
     def clear(self) -> None:
         """Drop the saved tensors: their memory is freed once nothing else holds them."""
         self.saved = ()
         self.info = None
+        self.versions = ()
 
 
 class PlanCachingModule(nn.Module):

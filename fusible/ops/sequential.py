@@ -42,8 +42,22 @@ class Sequential(PlanCachingModule):
         """Add a module at the end."""
         self._check_module(module)
         self.add_module(str(len(self)), module)
-        _epoch.bump()
         return self
+
+    def add_module(self, name: str, module) -> None:
+        # Every structural change (append, insert, register_module, attribute
+        # assignment of a module) goes through here or __delattr__: re-plan.
+        super().add_module(name, module)
+        _epoch.bump()
+
+    def __setattr__(self, name: str, value) -> None:
+        super().__setattr__(name, value)
+        if isinstance(value, nn.Module):  # nn.Module stores it without add_module
+            _epoch.bump()
+
+    def __delattr__(self, name: str) -> None:
+        super().__delattr__(name)
+        _epoch.bump()
 
     def extend(self, modules: Iterable[nn.Module]) -> "Sequential":
         for module in modules:
@@ -88,6 +102,7 @@ class Sequential(PlanCachingModule):
     def _reset(self, items: list) -> None:
         for key in list(self._modules):
             del self._modules[key]
+        _epoch.bump()
         for item in items:
             self.append(item)
 
