@@ -13,7 +13,7 @@ from __future__ import annotations
 import attrs
 import torch
 
-from fusible import _epoch
+from fusible import _epoch, custom_ops
 from fusible.ops.base import OperationContext, OpGradNeeds
 from fusible.planner import GroupPlan, PlanEnvironment, op_grad_needs, plan_group
 from fusible.saved import restore_saved, stash_saved
@@ -31,6 +31,8 @@ class _ExecStage:
     extra_out: slice    # extra outputs produced by covered ops
     params: slice       # parameters of covered ops
     compute: object     # the op's forward_compute or backward_compute (bound classmethod)
+    provenance: str     # names the stage in compiled graphs
+    grad_mask: tuple = ()  # backward: (input, params, extra inputs) gradients needed
     num_extra_in: int = attrs.field(init=False)
     num_extra_out: int = attrs.field(init=False)
     num_params: int = attrs.field(init=False)
@@ -78,8 +80,12 @@ class PipelineRunner:
         """The ops' parameters, read afresh each call (they may have been swapped)."""
         return [params[name] for params, name in self._param_slots]
 
-    def run(self, x, extra_inputs: tuple):
-        """Run the group; returns (output, tuple of extra outputs)."""
+    def run(self, x, extra_inputs: tuple, params=None, traced: bool = False):
+        """Run the group; returns (output, tuple of extra outputs).
+
+        ``traced`` runs the stages' custom ops (the compiled path) on the given
+        ``params``, the tensors the compiled graph passes for ``self.params()``.
+        """
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"{self._name()} expects a tensor input, got {type(x).__name__}")
         if len(extra_inputs) != self.num_extra_inputs:
@@ -93,7 +99,7 @@ class PipelineRunner:
             raise RuntimeError(f"{self._name()} does not run under torch.autocast: its ops take "
                                f"the dtype of their parameters; convert the model with .to(dtype) "
                                f"instead")
-        params = self.params()
+        params = self.params() if params is None else list(params)
         if torch.is_grad_enabled():
             rg = (x.requires_grad, tuple([p.requires_grad for p in params]),
                   tuple([e.requires_grad for e in extra_inputs]))
@@ -102,8 +108,9 @@ class PipelineRunner:
         key = (x.dtype, device_type, rg)
         plan = self._plans.get(key) or self._plan_for_key(key)
         if not plan.needs_backward:
-            return run_forward(plan, x, params, extra_inputs, plan.idle_ctxs, save=False)
-        outputs = _apply(plan, x, *extra_inputs, *params)
+            return run_forward(plan, x, params, extra_inputs, plan.idle_ctxs, save=False,
+                               traced=traced)
+        outputs = _apply(plan, traced, x, *extra_inputs, *params)
         if self.num_extra_outputs == 0:
             return outputs, ()
         return outputs[0], tuple(outputs[1:])
@@ -130,8 +137,8 @@ class PipelineRunner:
         env = PlanEnvironment(device_type, dtype, grad_enabled,
                               {self.start + i: n for i, n in enumerate(needs)})
         group = plan_group(self.ops, self.start, env)
-        forward = tuple(self._exec_stage(s, False) for s in group.forward)
-        backward = [(self._exec_stage(s, True), s) for s in group.backward]
+        forward = tuple(self._exec_stage(s, False, needs) for s in group.forward)
+        backward = [(self._exec_stage(s, True, needs), s) for s in group.backward]
         backward = [(es, s) for es, s in backward if any(n.any for n in needs[es.lo:es.hi])]
         idle = tuple(OperationContext(OpGradNeeds(False, (False,) * len(op.fusible_params()),
                                                   (False,) * op.num_extra_inputs))
@@ -143,33 +150,50 @@ class PipelineRunner:
                         sum(len(op.param_names) for op in self.ops), self.num_extra_inputs, idle,
                         constant, tuple(stage for _, stage in backward))
 
-    def _exec_stage(self, stage, backward: bool) -> _ExecStage:
+    def _exec_stage(self, stage, backward: bool, op_needs: tuple) -> _ExecStage:
         lo, hi = stage.indices[0] - self.start, stage.indices[-1] + 1 - self.start
 
         def span(count):
             a = sum(count(op) for op in self.ops[:lo])
             return slice(a, a + sum(count(op) for op in self.ops[lo:hi]))
 
-        compute = (type(stage.op).forward_compute if backward is False
-                   else type(stage.op).backward_compute)
-        return _ExecStage(stage.op, self.ops[lo:hi], lo, hi,
-                          span(lambda op: op.num_extra_inputs),
+        compute = (type(stage.op).backward_compute if backward
+                   else type(stage.op).forward_compute)
+        ops = self.ops[lo:hi]
+        provenance = (f"{stage.name} {list(stage.indices)}: "
+                      + " + ".join(op.describe() for op in ops))
+        mask = ()
+        if backward:
+            needs = [op_needs[i] for i in range(lo, hi)]
+            mask = (needs[0].input, tuple(p for n in needs for p in n.params),
+                    tuple(e for n in needs for e in n.extra_inputs))
+        return _ExecStage(stage.op, ops, lo, hi, span(lambda op: op.num_extra_inputs),
                           span(lambda op: op.num_extra_outputs),
-                          span(lambda op: len(op.param_names)), compute)
+                          span(lambda op: len(op.param_names)), compute, provenance, mask)
 
     def _name(self) -> str:
         return "Sequential(" + ", ".join(type(op).__name__ for op in self.ops) + ")"
 
 
-def run_forward(plan: ExecPlan, x, params, extra_inputs, ctxs, *, save: bool):
-    """Run the forward stages; returns (output, tuple of extra outputs)."""
-    if (x.shape, x.device) not in plan.validated or extra_inputs:
-        _validate(plan, x, extra_inputs)
+def run_forward(plan: ExecPlan, x, params, extra_inputs, ctxs, *, save: bool,
+                traced: bool = False):
+    """Run the forward stages; returns (output, tuple of extra outputs).
+
+    ``traced``: through the stages' custom ops (the compiled path), else by calling
+    the compute methods directly.
+    """
+    if traced or (x.shape, x.device) not in plan.validated or extra_inputs:
+        _validate(plan, x, extra_inputs, cache=not traced)  # symbolic shapes: no cache
+    # Same layouts in eager and compiled runs: the kernels (GEMMs, reductions) and so the
+    # bits can depend on the input's strides, which a compiled graph may change.
+    x = x.contiguous()
+    if extra_inputs:
+        extra_inputs = tuple(e.contiguous() for e in extra_inputs)
     extra_outputs = []
     for st in plan.forward:
         op, op_ctxs = st.op, ctxs[st.lo:st.hi]
         args = op.forward_args(x, params[st.params], extra_inputs[st.extra_in], op_ctxs)
-        result = st.compute(args)
+        result = custom_ops.call_forward(st, args, st.provenance) if traced else st.compute(args)
         if save:
             op.save_for_backward(args, result, op_ctxs)
         if len(result.extra_outputs) != st.num_extra_out:
@@ -181,33 +205,39 @@ def run_forward(plan: ExecPlan, x, params, extra_inputs, ctxs, *, save: bool):
     return x, tuple(extra_outputs)
 
 
-def _validate(plan: ExecPlan, x, extra_inputs) -> None:
+def _validate(plan: ExecPlan, x, extra_inputs, cache: bool = True) -> None:
     """Let every op check the shape, dtype and device it will see (once per signature).
 
     Shapes are inferred op by op, so ops inside a fused stage are checked too.
     """
-    signature = (x.shape, x.device, *[(e.shape, e.dtype, e.device) for e in extra_inputs])
-    if signature in plan.validated:
-        return
+    if cache:
+        signature = (x.shape, x.device, *[(e.shape, e.dtype, e.device) for e in extra_inputs])
+        if signature in plan.validated:
+            return
     shape, pos = tuple(x.shape), 0
     for st in plan.forward:
         for op in st.ops:
             k = op.num_extra_inputs
             shape = op.validate(shape, x.dtype, x.device, extra_inputs[pos:pos + k])
             pos += k
-    if len(plan.validated) > 256:  # many distinct shapes: keep the cache small
-        plan.validated.clear()
-    plan.validated[signature] = True
+    if cache:
+        if len(plan.validated) > 256:  # many distinct shapes: keep the cache small
+            plan.validated.clear()
+        plan.validated[signature] = True
 
 
-def run_backward(plan: ExecPlan, grad_output, grad_extra_outputs, ctxs):
+def run_backward(plan: ExecPlan, grad_output, grad_extra_outputs, ctxs, traced: bool = False):
     """Run the backward stages; returns (grad_input, grad_extra_inputs, grad_params)."""
     grad_params = [None] * plan.num_params
     grad_extras = [None] * plan.num_extra_inputs
-    dy = grad_output
+    dy = grad_output.contiguous()  # e.g. the expanded gradient of .sum(): see run_forward
+    if grad_extra_outputs:
+        grad_extra_outputs = tuple(g.contiguous() for g in grad_extra_outputs)
     for st in plan.backward:
         op, op_ctxs = st.op, ctxs[st.lo:st.hi]
-        result = st.compute(op.backward_args(dy, grad_extra_outputs[st.extra_out], op_ctxs))
+        args = op.backward_args(dy, grad_extra_outputs[st.extra_out], op_ctxs)
+        result = (custom_ops.call_backward(st, args, st.provenance) if traced
+                  else st.compute(args))
         if len(result.grad_params) != st.num_params:
             raise RuntimeError(f"{type(op).__name__} returned {len(result.grad_params)} "
                                f"parameter gradients for ops {[type(o).__name__ for o in st.ops]}")
@@ -228,12 +258,13 @@ class _PipelineFunction(torch.autograd.Function):
     """A whole planned group as one autograd node."""
 
     @staticmethod
-    def forward(fctx, plan: ExecPlan, x, *tensors):
+    def forward(fctx, plan: ExecPlan, traced: bool, x, *tensors):
         extra_inputs, params = tensors[:plan.num_extra_inputs], tensors[plan.num_extra_inputs:]
         ctxs = [OperationContext(n) for n in plan.needs]
-        y, extra_outputs = run_forward(plan, x, params, extra_inputs, ctxs, save=True)
+        y, extra_outputs = run_forward(plan, x, params, extra_inputs, ctxs, save=True,
+                                       traced=traced)
         stash_saved(fctx, ctxs, (x, *tensors), (y, *extra_outputs))
-        fctx.fusible = plan, ctxs
+        fctx.fusible = plan, ctxs, traced
         if plan.constant_extra_outputs:
             fctx.mark_non_differentiable(*(extra_outputs[j] for j in plan.constant_extra_outputs))
         return (y, *extra_outputs) if extra_outputs else y
@@ -244,11 +275,12 @@ class _PipelineFunction(torch.autograd.Function):
             raise RuntimeError("fusible pipelines are differentiable once: double backward "
                                "(create_graph=True) is not supported, since saved "
                                "intermediates carry no autograd history")
-        plan, ctxs = fctx.fusible
-        fctx.fusible = plan, None  # the contexts are consumed: a second backward is an error
+        plan, ctxs, traced = fctx.fusible
+        fctx.fusible = plan, None, traced  # the contexts are consumed: backward runs once
         ctxs = restore_saved(fctx, ctxs, plan.ops)
-        dx, grad_extras, grad_params = run_backward(plan, grad_output, grad_extra_outputs, ctxs)
-        return (None, dx, *grad_extras, *grad_params)
+        dx, grad_extras, grad_params = run_backward(plan, grad_output, grad_extra_outputs, ctxs,
+                                                    traced)
+        return (None, None, dx, *grad_extras, *grad_params)
 
 
 # torch.autograd.Function.apply wraps the C++ apply in Python for functorch transforms

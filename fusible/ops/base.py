@@ -31,7 +31,7 @@ import attrs
 import torch
 from torch import nn
 
-from fusible import _epoch
+from fusible import _epoch, _tokens
 
 Tensor = torch.Tensor
 
@@ -146,6 +146,14 @@ class PlanCachingModule(nn.Module):
     moved on; ``.to()`` and friends move it on, and pickling leaves the cache out.
     """
 
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        _tokens.register(self)
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        _tokens.register(self)
+
     def _cached(self, build):
         cache = self.__dict__.get("_fusible_cache")
         if cache is None or cache.epoch != _epoch.current():
@@ -181,6 +189,16 @@ class FusibleOperation(PlanCachingModule):
         """The basic ops this operation stands for, in forward order."""
         raise NotImplementedError(f"{type(self).__name__} must implement basic_ops()")
 
+    def compile_unsupported_reason(self, direction: str) -> "str | None":
+        """Why this op's ``direction`` ("forward" or "backward") stage cannot be compiled.
+
+        None when it can: its args class maps onto a custom-op schema. Override to
+        add reasons of your own (call ``super()`` too).
+        """
+        from fusible import custom_ops
+
+        return custom_ops.unsupported_reason(type(self), direction)
+
     def __setattr__(self, name: str, value: Any) -> None:
         # Plans depend on op configuration: any change invalidates cached plans.
         super().__setattr__(name, value)
@@ -188,11 +206,16 @@ class FusibleOperation(PlanCachingModule):
 
     def forward(self, input: Tensor, *extra_inputs: Tensor):
         """Run this operation alone, planned and fused like a one-element Sequential."""
-        from fusible.fuser import PipelineRunner
+        if torch.compiler.is_compiling():
+            from fusible.compiled import compiled_forward
 
-        runner = self._cached(lambda: PipelineRunner(self.basic_ops(), start=0))
-        output, extra_outputs = runner.run(input, extra_inputs)
-        return (output, *extra_outputs) if runner.num_extra_outputs else output
+            return compiled_forward(self, input, extra_inputs)
+        return self._layout().run(input, extra_inputs)
+
+    def _layout(self):
+        from fusible.layout import Layout
+
+        return self._cached(lambda: Layout(list(self.basic_ops())))
 
 
 class BasicOperation(FusibleOperation):

@@ -41,7 +41,7 @@ class LayerNormForwardArgs:
     input: Tensor
     weight: Tensor
     bias: Tensor
-    normalized_shape: list
+    normalized_shape: list[int]
     eps: float
 
 
@@ -53,7 +53,7 @@ class LayerNormBackwardArgs:
     rstd: Optional[Tensor]
     weight: Optional[Tensor]
     bias: Optional[Tensor]
-    normalized_shape: list
+    normalized_shape: list[int]
     need_grad_input: bool
     need_grad_weight: bool
     need_grad_bias: bool

@@ -15,13 +15,13 @@ Tensor = torch.Tensor
 @attrs.define
 class ReshapeForwardArgs:
     input: Tensor
-    shape: list
+    shape: list[int]
 
 
 @attrs.define
 class ReshapeBackwardArgs:
     grad_output: Tensor
-    input_shape: list
+    input_shape: list[int]
     need_grad_input: bool
 
 

@@ -22,7 +22,7 @@ def _float(t: Tensor) -> Tensor:
 class RMSNormForwardArgs:
     input: Tensor
     weight: Tensor
-    normalized_shape: list
+    normalized_shape: list[int]
     eps: float
 
 
@@ -32,7 +32,7 @@ class RMSNormBackwardArgs:
     input: Optional[Tensor]
     rstd: Optional[Tensor]
     weight: Optional[Tensor]
-    normalized_shape: list
+    normalized_shape: list[int]
     need_grad_input: bool
     need_grad_weight: bool
 

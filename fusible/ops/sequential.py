@@ -8,7 +8,6 @@ import torch
 from torch import nn
 
 from fusible import _epoch
-from fusible.fuser import PipelineRunner
 from fusible.ops.base import FusedOperation, FusibleOperation, PlanCachingModule
 
 
@@ -123,27 +122,17 @@ class Sequential(PlanCachingModule):
         """
         return self._layout().items
 
-    def _layout(self) -> "_Layout":
-        return self._cached(lambda: _Layout(_flatten(self)))
+    def _layout(self):
+        from fusible.layout import Layout, flatten
+
+        return self._cached(lambda: Layout(flatten(self)))
 
     def forward(self, input: torch.Tensor, *extra_inputs: torch.Tensor):
-        layout = self._layout()
-        if layout.single is not None:  # one group of fusible ops: the common case
-            output, extra_outputs = layout.single.run(input, extra_inputs)
-            return (output, *extra_outputs) if layout.num_extra_outputs else output
-        if len(extra_inputs) != layout.num_extra_inputs:
-            raise TypeError(f"Sequential expects {layout.num_extra_inputs} extra input(s) for "
-                            f"its AddExtraInput ops, got {len(extra_inputs)}")
-        x, extra_outputs, pos = input, [], 0
-        for runner, module in layout.groups:
-            if runner is None:
-                x = module(x)
-                continue
-            k = runner.num_extra_inputs
-            x, outs = runner.run(x, extra_inputs[pos:pos + k])
-            pos += k
-            extra_outputs.extend(outs)
-        return (x, *extra_outputs) if layout.num_extra_outputs else x
+        if torch.compiler.is_compiling():
+            from fusible.compiled import compiled_forward
+
+            return compiled_forward(self, input, extra_inputs)
+        return self._layout().run(input, extra_inputs)
 
     def plan(self, *example_inputs: torch.Tensor):
         """The :class:`~fusible.FusionPlan` for the current grad mode.
@@ -160,33 +149,3 @@ class Sequential(PlanCachingModule):
 
         return build_plan(self._layout(), example_inputs, self.parameters())
 
-
-def _flatten(module: nn.Module) -> list:
-    if isinstance(module, Sequential):
-        return [item for child in module for item in _flatten(child)]
-    if isinstance(module, FusibleOperation):
-        return list(module.basic_ops())
-    return [module]
-
-
-class _Layout:
-    """The flattened pipeline split into groups of basic ops and ordinary modules."""
-
-    def __init__(self, items: list):
-        self.epoch = _epoch.current()
-        self.items = tuple(items)
-        self.groups = []  # (runner, None) or (None, module)
-        run: list = []
-        for i, item in enumerate(items + [None]):
-            if isinstance(item, FusibleOperation):
-                run.append(item)
-                continue
-            if run:
-                self.groups.append((PipelineRunner(tuple(run), i - len(run)), None))
-                run = []
-            if item is not None:
-                self.groups.append((None, item))
-        runners = [r for r, _ in self.groups if r is not None]
-        self.single = runners[0] if len(self.groups) == 1 and runners else None
-        self.num_extra_inputs = sum(r.num_extra_inputs for r in runners)
-        self.num_extra_outputs = sum(r.num_extra_outputs for r in runners)
