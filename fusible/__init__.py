@@ -12,13 +12,14 @@ from fusible.plan import FusionPlan
 from fusible.planner import Candidate, PlanEnvironment, Stage
 from fusible.registry import register_fusion, registered_fusions, unregister_fusion
 from fusible.convert import state_dict_from_torch
+from fusible.report import CompileReport, compile_report
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "Candidate", "Check", "FusedOperation", "FusionPlan", "Op", "OperationContext", "Pattern",
-    "PlanEnvironment", "Stage", "ops", "register_fusion", "registered_fusions",
-    "state_dict_from_torch", "unregister_fusion",
+    "Candidate", "Check", "CompileReport", "FusedOperation", "FusionPlan", "Op",
+    "OperationContext", "Pattern", "PlanEnvironment", "Stage", "compile_report", "ops",
+    "register_fusion", "registered_fusions", "state_dict_from_torch", "unregister_fusion",
 ]
 
 # The built-in fusions register themselves exactly as a plugin would; importing
