@@ -45,8 +45,8 @@ class FusionPlan:
                  + (f", recipe {self.recipe}" if self.recipe is not None else "")]
         for title, stages in (("forward", self.forward), ("backward", self.backward)):
             lines.append(f"{title} ({len(stages)} stages, in execution order):")
-            lines += [f"  {_indices(s.indices):<10} {s.name:<30} {self._covered(s)}"
-                      for s in stages]
+            lines += [f"  {_indices(s.indices):<10} {s.name:<30} {_compile_note(s):<10} "
+                      f"{self._covered(s)}" for s in stages]
             if not stages:
                 lines.append("  (none: no gradient is needed)")
         lines.append("fusions that matched:")
@@ -82,6 +82,13 @@ class FusionPlan:
         return render_dot(self.to_dot(), path, format)
 
 
+def _compile_note(stage) -> str:
+    if stage.is_module:
+        return "(module)"
+    reason = stage.compile_reason
+    return "compiles" if reason is None else f"EAGER ONLY ({reason})"
+
+
 def _indices(indices) -> str:
     return "[" + ", ".join(str(i) for i in indices) + "]"
 
@@ -99,11 +106,11 @@ def build_plan(layout, example_inputs, parameters) -> FusionPlan:
     upstream, extra_pos = input_rg and grad, 0
     for index, (runner, module) in _positions(layout):
         if runner is None:
-            stage = Stage(type(module).__name__, (index,), module)
-            forward.append(stage)
+            forward.append(Stage(type(module).__name__, (index,), module))
             upstream = upstream or (grad and any(p.requires_grad for p in module.parameters()))
             if upstream:
-                backward_groups.append((stage,))
+                backward_groups.append((Stage(type(module).__name__, (index,), module,
+                                              "backward"),))
             continue
         k = runner.num_extra_inputs
         plan = runner.lookup(dtype, device_type, grad, upstream,

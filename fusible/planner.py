@@ -62,11 +62,21 @@ class Stage:
         Positions of the covered ops in the flattened pipeline, ascending.
     op : torch.nn.Module
         The stage's operation (a fused op is built by the planner).
+    direction : str
+        ``"forward"`` or ``"backward"``.
     """
 
     name: str
     indices: tuple
     op: Any = attrs.field(eq=False, repr=False)
+    direction: str = "forward"
+
+    @property
+    def compile_reason(self) -> "str | None":
+        """Why this stage cannot run compiled, or None (ordinary modules: None)."""
+        if self.is_module:
+            return None
+        return self.op.compile_unsupported_reason(self.direction)
 
     @property
     def fused(self) -> bool:
@@ -146,12 +156,12 @@ def _scan(ops, start, env, direction):
                 candidates.append(Candidate(fm[0].__name__, direction, fm[1].indices,
                                             status, why))
             fusion, match = best
-            stages.append(Stage(fusion.__name__, match.indices, fusion(match)))
+            stages.append(Stage(fusion.__name__, match.indices, fusion(match), direction))
             pos += len(match)
         else:
             local = n - 1 - pos if reverse else pos
             op = ops[local]
-            stages.append(Stage(type(op).__name__, (start + local,), op))
+            stages.append(Stage(type(op).__name__, (start + local,), op, direction))
             pos += 1
     return tuple(stages), tuple(candidates)
 

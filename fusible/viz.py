@@ -72,10 +72,16 @@ def _lane(plan, lane: str, stages) -> list:
 
 
 def _stage_cluster(plan, lane, k, stage, colors) -> list:
-    fused = stage.fused
-    style = (f'style="rounded,filled"; fillcolor="{colors["fused"]}"; color="{colors["edge"]}"; '
-             f'label={_quote(stage.name)}; fontsize=12;' if fused
-             else 'style=invis; label="";')
+    reason = stage.compile_reason
+    if reason is not None:  # a stage that cannot be compiled: say so where it stands
+        label = stage.name + "\nnot compilable: " + "\n".join(textwrap.wrap(reason, 44))
+        style = (f'style="rounded,dashed,filled"; fillcolor="#fff5f5"; color="{colors["refused"]}"; '
+                 f'penwidth=2; fontcolor="{colors["refused"]}"; label={_quote(label)}; fontsize=10;')
+    elif stage.fused:
+        style = (f'style="rounded,filled"; fillcolor="{colors["fused"]}"; color="{colors["edge"]}"; '
+                 f'label={_quote(stage.name)}; fontsize=12;')
+    else:
+        style = 'style=invis; label="";'
     out = [f"    subgraph cluster_{lane}_{k} {{", f"      {style}"]
     for i in stage.indices:
         shape = ', shape=box3d, style=filled, fillcolor="#eeeeee"' if stage.is_module else ""

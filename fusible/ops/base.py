@@ -154,12 +154,16 @@ class PlanCachingModule(nn.Module):
         super().__setstate__(state)
         _tokens.register(self)
 
-    def _cached(self, build):
+    def _layout(self):
+        """The cached :class:`~fusible.layout.Layout`, rebuilt when the epoch moved on."""
         cache = self.__dict__.get("_fusible_cache")
         if cache is None or cache.epoch != _epoch.current():
-            cache = build()
+            cache = self._build_layout()
             object.__setattr__(self, "_fusible_cache", cache)
         return cache
+
+    def _build_layout(self):
+        raise NotImplementedError
 
     def _apply(self, fn, recurse=True):
         # .to(), .cuda(), to_empty() may replace parameter objects behind __setattr__.
@@ -212,10 +216,10 @@ class FusibleOperation(PlanCachingModule):
             return compiled_forward(self, input, extra_inputs)
         return self._layout().run(input, extra_inputs)
 
-    def _layout(self):
+    def _build_layout(self):
         from fusible.layout import Layout
 
-        return self._cached(lambda: Layout(list(self.basic_ops())))
+        return Layout(list(self.basic_ops()))
 
 
 class BasicOperation(FusibleOperation):

@@ -122,17 +122,21 @@ class Sequential(PlanCachingModule):
         """
         return self._layout().items
 
-    def _layout(self):
+    def _build_layout(self):
         from fusible.layout import Layout, flatten
 
-        return self._cached(lambda: Layout(flatten(self)))
+        return Layout(flatten(self))
 
     def forward(self, input: torch.Tensor, *extra_inputs: torch.Tensor):
         if torch.compiler.is_compiling():
             from fusible.compiled import compiled_forward
 
             return compiled_forward(self, input, extra_inputs)
-        return self._layout().run(input, extra_inputs)
+        layout = self._layout()
+        if layout.single is not None:  # one group of fusible ops: the common, fast case
+            output, extra_outputs = layout.single.run(input, extra_inputs)
+            return (output, *extra_outputs) if extra_outputs else output
+        return layout.run(input, extra_inputs)
 
     def plan(self, *example_inputs: torch.Tensor):
         """The :class:`~fusible.FusionPlan` for the current grad mode.

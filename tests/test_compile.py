@@ -1,0 +1,151 @@
+"""torch.compile: one custom op per stage, no graph breaks, the same bits as eager."""
+
+import copy
+
+import pytest
+import torch
+
+import fusible
+from fusible import ops
+from compile_models import MODELS, inputs, outputs_of
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    """Every test compiles new models of the same classes: start each with no cache."""
+    torch._dynamo.reset()
+    yield
+
+
+def _stage_ops(stages, suffix):
+    return [f"fusible::{s.name}_{suffix}" for s in stages if not s.is_module]
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_each_stage_is_one_custom_op(name):
+    model, num_extra = MODELS[name]()
+    x, extras = inputs(num_extra)
+    report = fusible.compile_report(model, x, *extras)
+    plan = model.plan(x, *extras)
+    assert report.graph_breaks == ()
+    fwd = [c.op for g in report.forward_graphs for c in g.fusible_ops]
+    bwd = [c.op for g in report.backward_graphs for c in g.fusible_ops]
+    assert fwd == _stage_ops(plan.forward, "fwd")
+    assert bwd == _stage_ops(plan.backward, "bwd")
+    prov = report.forward_graphs[0].fusible_ops[0].provenance
+    assert prov.startswith(f"{plan.forward[0].name} {list(plan.forward[0].indices)}")
+
+
+def _graph_breaks(fn, *args):
+    return torch._dynamo.explain(fn)(*args).graph_break_count
+
+
+@pytest.mark.parametrize("case", ["train", "no_grad", "frozen", "standalone_op", "nested"])
+def test_no_graph_breaks(case):
+    model, num_extra = MODELS["residual"]()
+    x, extras = inputs(num_extra)
+    if case == "no_grad":
+        with torch.no_grad():
+            assert _graph_breaks(model, x, *extras) == 0
+        return
+    if case == "frozen":
+        model.requires_grad_(False)
+        x = x.detach()
+    if case == "standalone_op":
+        model, extras = ops.Linear(8, 8), []
+    if case == "nested":
+        outer = torch.nn.Sequential(torch.nn.Linear(8, 8), ops.Sequential(ops.Linear(8, 8)))
+        model, extras = outer, []
+    assert _graph_breaks(model, x, *extras) == 0
+
+
+class CountingBackend:
+    """aot_eager or inductor, counting compilations."""
+
+    def __init__(self, name):
+        self.name, self.compiles = name, 0
+
+    def __call__(self, gm, example_inputs):
+        self.compiles += 1
+        return torch._dynamo.lookup_backend(self.name)(gm, example_inputs)
+
+
+def _train_steps(model, compiled, num_extra, dtype, steps=3):
+    """Run eager and compiled copies side by side; assert bitwise equality each step."""
+    eager_opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    twin = compiled["model"]
+    twin_opt = torch.optim.SGD(twin.parameters(), lr=0.1)
+    run = compiled["fn"]
+    for step in range(steps):
+        x, extras = inputs(num_extra, dtype, seed=step)
+        x2, extras2 = x.detach().clone().requires_grad_(), [e.detach().clone().requires_grad_()
+                                                          for e in extras]
+        outs, outs2 = outputs_of(model(x, *extras)), outputs_of(run(x2, *extras2))
+        for a, b in zip(outs, outs2):
+            assert torch.equal(a, b), f"step {step}: outputs differ"
+        sum(o.float().square().sum() for o in outs).backward()
+        sum(o.float().square().sum() for o in outs2).backward()
+        for t, t2 in zip([x, *extras], [x2, *extras2]):
+            assert torch.equal(t.grad, t2.grad), f"step {step}: input gradients differ"
+        for (n, p), p2 in zip(model.named_parameters(), twin.parameters()):
+            assert torch.equal(p.grad, p2.grad), f"step {step}: gradient of {n} differs"
+        eager_opt.step(), twin_opt.step()
+        eager_opt.zero_grad(), twin_opt.zero_grad()
+
+
+def _bitwise(name, dtype, backend_name):
+    torch.manual_seed(0)
+    model, num_extra = MODELS[name]()
+    model.to(dtype)
+    twin = copy.deepcopy(model)
+    backend = CountingBackend(backend_name)
+    run = torch.compile(twin, fullgraph=True, backend=backend)
+    _train_steps(model, {"model": twin, "fn": run}, num_extra, dtype)
+    assert backend.compiles == 1, "recompiled between steps"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("name", MODELS)
+def test_same_bits_as_eager_aot_eager(name, dtype):
+    _bitwise(name, dtype, "aot_eager")
+
+
+@pytest.mark.parametrize("name,dtype", [("mlp", torch.bfloat16), ("residual", torch.float32),
+                                        ("branch", torch.bfloat16)], ids=str)
+def test_same_bits_as_eager_inductor(name, dtype):
+    _bitwise(name, dtype, "inductor")
+
+
+def test_inference_same_bits_with_gemm_epilogue():
+    model = ops.Sequential(ops.BasicLinear(8, 16), ops.Bias(16), ops.GELU(), ops.Linear(16, 4))
+    x = torch.randn(5, 8)
+    compiled = torch.compile(model, fullgraph=True, backend="inductor")
+    with torch.no_grad():
+        assert [s.name for s in model.plan(x).forward][0] == "ForwardLinearBiasActivation"
+        assert torch.equal(compiled(x), model(x))
+
+
+def test_shapes_grad_mode_and_dtype():
+    model, _ = MODELS["mlp"]()
+    backend = CountingBackend("aot_eager")
+    compiled = torch.compile(model, fullgraph=True, backend=backend)
+    for tokens in [(4,), (6,), (9,), (2, 7)]:
+        compiled(torch.randn(*tokens, 8)).sum().backward()
+    assert backend.compiles <= 3  # static, dynamic leading dims, then a new rank
+    before = backend.compiles
+    with torch.no_grad():
+        compiled(torch.randn(4, 8))
+    assert backend.compiles == before + 1  # grad mode: recompiled, not broken
+    model.double()
+    assert compiled(torch.randn(4, 8, dtype=torch.float64)).dtype == torch.float64
+
+
+def test_changing_an_op_recompiles():
+    model = ops.Sequential(ops.BasicLinear(8, 8), ops.GELU())
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    x = torch.randn(3, 8)
+    compiled(x)
+    model[1].approximate = "tanh"
+    torch.testing.assert_close(compiled(x), model(x), rtol=0, atol=0)
+    torch.testing.assert_close(compiled(x), torch.nn.functional.gelu(x @ model[0].weight.T,
+                                                                     approximate="tanh"))
