@@ -1,5 +1,8 @@
 """GPU: fwd+bwd of Linear+Bias+GELU(tanh)+Linear+Bias in bf16, fusible vs torch.nn.
 
+Each runs eagerly, under ``torch.compile`` (default mode) and under
+``torch.compile(mode="reduce-overhead")`` (CUDA graphs), all with fullgraph=True.
+
 Same method as the anchors in shared/anchors: input and weights require grad, one
 forward + backward with a fixed output gradient, no optimizer; ``ms`` is the median
 of triton.testing.do_bench, ``tflops`` counts the 6 GEMMs, ``peak_gib`` is peak
@@ -33,13 +36,27 @@ def build(kind: str, hidden: int, ffn: int) -> nn.Module:
     return ours.to("cuda", torch.bfloat16)
 
 
-def measure(model, tokens: int, hidden: int, ffn: int) -> dict:
+MODES = ("eager", "compile", "reduce-overhead")
+
+
+def prepare(model, mode: str):
+    """The model as it runs in ``mode``: eager, torch.compile, or compile with CUDA graphs."""
+    if mode == "eager":
+        return model
+    return torch.compile(model, fullgraph=True, mode=None if mode == "compile" else mode)
+
+
+def measure(model, tokens: int, hidden: int, ffn: int, mode: str = "eager") -> dict:
     x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     dy = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
     params = list(model.parameters())
+    run = prepare(model, mode)
+    graphs = mode == "reduce-overhead"
 
     def step():
-        model(x).backward(dy)
+        if graphs:
+            torch.compiler.cudagraph_mark_step_begin()
+        run(x).backward(dy)
         x.grad = None
         for p in params:
             p.grad = None
@@ -101,14 +118,16 @@ def main() -> None:
     for tokens, hidden, ffn in SHAPES:
         shape = f"T{tokens}_H{hidden}_FF{ffn}"
         results[f"rel_diff_vs_torch_{shape}"] = check_same(tokens, hidden, ffn)
-        for kind in ("torch", "fusible"):
-            model = build(kind, hidden, ffn)
-            results[f"bf16_eager_{kind}_{shape}"] = measure(model, tokens, hidden, ffn)
-            del model
-            torch.cuda.empty_cache()
-        ratio = (results[f"bf16_eager_fusible_{shape}"]["ms"]
-                 / results[f"bf16_eager_torch_{shape}"]["ms"])
-        results[f"ratio_fusible_over_torch_eager_{shape}"] = ratio
+        for mode in MODES:
+            for kind in ("torch", "fusible"):
+                torch._dynamo.reset()
+                model = build(kind, hidden, ffn)
+                results[f"bf16_{mode}_{kind}_{shape}"] = measure(model, tokens, hidden, ffn, mode)
+                del model
+                torch.cuda.empty_cache()
+            ratio = (results[f"bf16_{mode}_fusible_{shape}"]["ms"]
+                     / results[f"bf16_{mode}_torch_{shape}"]["ms"])
+            results[f"ratio_fusible_over_torch_{mode}_{shape}"] = ratio
     with open(args.output, "w") as f:
         json.dump(results, f, indent=1)
     for key, value in results.items():

@@ -81,3 +81,31 @@ def test_backward_activation_bias_uses_triton_on_gpu(monkeypatch):
     model(torch.randn(32, 64, device="cuda")).sum().backward()       # small: PyTorch ops
     model(torch.randn(4096, 64, device="cuda")).sum().backward()     # 2**24 elements: Triton
     assert calls == [1]
+
+
+
+@pytest.mark.parametrize("mode", [None, "reduce-overhead"])
+def test_compiled_block_same_bits_as_eager_on_gpu(mode):
+    """Inductor, and Inductor with CUDA graphs, over optimizer steps."""
+    import copy
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = ops.Sequential(ops.LayerNorm(256), ops.Linear(256, 1024), ops.GELU(approximate="tanh"),
+                           ops.Linear(1024, 256), ops.AddExtraInput()).to("cuda", torch.bfloat16)
+    twin = copy.deepcopy(model)
+    compiled = torch.compile(twin, fullgraph=True, mode=mode)
+    opt, twin_opt = (torch.optim.SGD(m.parameters(), lr=0.01) for m in (model, twin))
+    for step in range(3):
+        x = torch.randn(512, 256, device="cuda", dtype=torch.bfloat16)
+        dy = torch.randn(512, 256, device="cuda", dtype=torch.bfloat16)
+        y = model(x, x)
+        y.backward(dy)
+        if mode:
+            torch.compiler.cudagraph_mark_step_begin()
+        y2 = compiled(x, x)
+        assert torch.equal(y, y2), f"step {step}: outputs differ"
+        y2.backward(dy)
+        for (n, p), p2 in zip(model.named_parameters(), twin.parameters()):
+            assert torch.equal(p.grad, p2.grad), f"step {step}: gradient of {n} differs"
+        opt.step(), twin_opt.step()
+        opt.zero_grad(), twin_opt.zero_grad()
