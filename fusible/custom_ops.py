@@ -29,7 +29,8 @@ import torch
 from fusible.ops.base import BackwardResult, ForwardResult
 
 _LIB = torch.library.Library("fusible", "FRAGMENT")
-_OPS: dict = {}      # (class, direction) -> StageOp, or the TypeError that prevented it
+_OPS: dict = {}      # (class, direction) -> StageOp
+_REASONS: dict = {}  # (class, direction) -> why it cannot be registered
 _NAMES: dict = {}    # op name -> class
 recorder: list | None = None  # when a list, calls append (overload, flat args): for opcheck
 
@@ -174,25 +175,21 @@ def stage_op(cls, direction: str) -> StageOp:
 
     Raises TypeError naming the class when its args cannot become a schema.
     """
-    key = (cls, direction)
-    if key not in _OPS:
-        try:
-            _OPS[key] = _register(cls, direction)
-        except TypeError as error:
-            _OPS[key] = TypeError(f"{cls.__name__} ({direction}): {error}")
-    op = _OPS[key]
-    if isinstance(op, TypeError):
-        raise op
-    return op
+    reason = unsupported_reason(cls, direction)
+    if reason is not None:
+        raise TypeError(reason)
+    return _OPS[(cls, direction)]
 
 
 def unsupported_reason(cls, direction: str) -> str | None:
-    """Why ``cls`` cannot run compiled in ``direction``, or None."""
-    try:
-        stage_op(cls, direction)
-    except TypeError as error:
-        return str(error)
-    return None
+    """Why ``cls`` cannot run compiled in ``direction`` (registering it first), or None."""
+    key = (cls, direction)
+    if key not in _OPS and key not in _REASONS:
+        try:
+            _OPS[key] = _register(cls, direction)
+        except (TypeError, RuntimeError) as error:  # no schema type; a schema torch rejects
+            _REASONS[key] = f"{cls.__name__} ({direction}): {error}"
+    return _REASONS.get(key)
 
 
 def call_forward(stage, args, provenance: str) -> ForwardResult:

@@ -9,6 +9,7 @@ small tensors, two PyTorch ops do it.
 from __future__ import annotations
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 
 from fusible.ops.activation import activation_backward
 from fusible.ops.bias import bias_grad
@@ -31,7 +32,8 @@ TRITON_MIN_NUMEL = 1 << 24
 
 def dact_dbias(kind: str, grad_output: torch.Tensor, saved: torch.Tensor):
     """Return ``(dact, dbias)`` for the pointwise activation ``kind``."""
-    if triton is not None and grad_output.is_cuda and grad_output.numel() >= TRITON_MIN_NUMEL:
+    if (triton is not None and grad_output.is_cuda and grad_output.numel() >= TRITON_MIN_NUMEL
+            and not isinstance(grad_output, FakeTensor)):  # fake kernels: same shapes, no launch
         return dact_dbias_triton(kind, grad_output, saved)
     return dact_dbias_torch(kind, grad_output, saved)
 
