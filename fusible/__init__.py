@@ -5,7 +5,7 @@ operations; a fusion planner fuses patterns such as Linear+Bias in the forward
 and, independently, in the backward. ``model.plan()`` shows what it decided.
 """
 
-from fusible import ops
+from fusible import ops, testing
 from fusible.ops.base import FusedOperation, OperationContext
 from fusible.pattern import Check, Op, Pattern
 from fusible.plan import FusionPlan
@@ -19,7 +19,8 @@ __version__ = "0.1.0"
 __all__ = [
     "Candidate", "Check", "CompileReport", "FusedOperation", "FusionPlan", "Op",
     "OperationContext", "Pattern", "PlanEnvironment", "Stage", "compile_report", "ops",
-    "register_fusion", "registered_fusions", "state_dict_from_torch", "unregister_fusion",
+    "register_fusion", "registered_fusions", "state_dict_from_torch", "testing",
+    "unregister_fusion",
 ]
 
 # The built-in fusions register themselves exactly as a plugin would; importing

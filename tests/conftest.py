@@ -1,5 +1,11 @@
+import pathlib
+import sys
+
 import pytest
 import torch
+
+# The examples are documentation that tests import.
+sys.path.insert(0, str(pathlib.Path(__file__).parent.parent / "examples"))
 
 DTYPES = [torch.float64, torch.float32, torch.bfloat16, torch.float16]
 

@@ -1,8 +1,6 @@
 """Operations written outside the library compile too; those that cannot say why."""
 
 import logging
-from typing import Optional
-
 import attrs
 import pytest
 import torch
@@ -10,57 +8,14 @@ import torch
 import fusible
 from fusible import ops
 from fusible.ops import BackwardResult, BasicOperation, ForwardResult
+from fusible.testing import check_against_reference, exact_tensor
+from custom_operation import ScaledCube  # examples/custom_operation.py, the docs' example
 
 
 @pytest.fixture(autouse=True)
 def _fresh_dynamo():
     torch._dynamo.reset()
     yield
-
-
-@attrs.define
-class CubeArgs:
-    input: torch.Tensor
-    scale: float
-
-
-@attrs.define
-class CubeBackwardArgs:
-    grad_output: torch.Tensor
-    input: Optional[torch.Tensor]
-    scale: float
-    need_grad_input: bool
-
-
-class ScaledCube(BasicOperation):
-    """``y = scale * x**3``: a user-defined op with its own args and compute methods."""
-
-    fwd_args_type = CubeArgs
-    bwd_args_type = CubeBackwardArgs
-    saved_fields = ("input",)
-
-    def __init__(self, scale: float):
-        super().__init__()
-        self.scale = scale
-
-    def forward_args(self, input, params, extra_inputs, ctxs):
-        return CubeArgs(input, self.scale)
-
-    @classmethod
-    def forward_compute(cls, args, *, in_custom_op=False):
-        return ForwardResult(args.scale * args.input ** 3)
-
-    def save_for_backward(self, args, result, ctxs):
-        ctxs[0].saved = (args.input if ctxs[0].needs.input else None,)
-
-    def backward_args(self, grad_output, grad_extra_outputs, ctxs):
-        return CubeBackwardArgs(grad_output, ctxs[0].saved[0], self.scale, ctxs[0].needs.input)
-
-    @classmethod
-    def backward_compute(cls, args, *, in_custom_op=False):
-        if not args.need_grad_input:
-            return BackwardResult(None)
-        return BackwardResult(args.grad_output * 3 * args.scale * args.input ** 2)
 
 
 def test_user_defined_op_compiles_without_graph_breaks():
@@ -73,6 +28,11 @@ def test_user_defined_op_compiles_without_graph_breaks():
     compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
     y = compiled(x)
     assert torch.equal(y, model(x))
+
+
+def test_user_defined_op_matches_its_reference():
+    model = ops.Sequential(ops.BasicLinear(4, 6), ScaledCube(0.5))
+    check_against_reference(model, exact_tensor((3, 4)).requires_grad_())
 
 
 @attrs.define
