@@ -27,7 +27,7 @@ def test_each_stage_is_one_custom_op(name):
     x, extras = inputs(num_extra)
     report = fusible.compile_report(model, x, *extras)
     plan = model.plan(x, *extras)
-    assert report.graph_breaks == ()
+    assert report.graph_breaks == () and report.recompilations == 0
     fwd = [c.op for g in report.forward_graphs for c in g.fusible_ops]
     bwd = [c.op for g in report.backward_graphs for c in g.fusible_ops]
     assert fwd == _stage_ops(plan.forward, "fwd")
@@ -40,9 +40,10 @@ def _graph_breaks(fn, *args):
     return torch._dynamo.explain(fn)(*args).graph_break_count
 
 
-@pytest.mark.parametrize("case", ["train", "no_grad", "frozen", "standalone_op", "nested"])
+@pytest.mark.parametrize("case", ["train", "no_grad", "frozen", "standalone_op", "nested",
+                                  "split"])
 def test_no_graph_breaks(case):
-    model, num_extra = MODELS["residual"]()
+    model, num_extra = MODELS["split" if case == "split" else "residual"]()
     x, extras = inputs(num_extra)
     if case == "no_grad":
         with torch.no_grad():
@@ -111,7 +112,8 @@ def test_same_bits_as_eager_aot_eager(name, dtype):
 
 
 @pytest.mark.parametrize("name,dtype", [("mlp", torch.bfloat16), ("residual", torch.float32),
-                                        ("branch", torch.bfloat16)], ids=str)
+                                        ("branch", torch.bfloat16), ("relu_block", torch.float32),
+                                        ("split", torch.bfloat16)], ids=str)
 def test_same_bits_as_eager_inductor(name, dtype):
     _bitwise(name, dtype, "inductor")
 
