@@ -76,29 +76,19 @@ def _graph_break(message: str) -> None:
 
 def compiled_forward(module, x, extra_inputs: tuple):
     """``module(x, *extra_inputs)`` as dynamo should trace it."""
-    epoch = _epoch.current()  # dynamo guards on it
-    _prepare_layout(id(module), epoch)
-    layout = module._fusible_cache
-    if len(extra_inputs) != layout.num_extra_inputs:
-        raise TypeError(f"{type(module).__name__} expects {layout.num_extra_inputs} extra "
-                        f"input(s) for its AddExtraInput ops, got {len(extra_inputs)}")
-    extra_outputs, pos = [], 0
-    for runner, other in layout.groups:
-        if runner is None:
-            x = other(x)
-            continue
-        k = runner.num_extra_inputs
-        extras, pos = extra_inputs[pos:pos + k], pos + k
-        params = runner.params()
-        grad = torch.is_grad_enabled()
-        key = (x.dtype, x.device.type, grad, x.requires_grad and grad,
-               tuple(p.requires_grad for p in params), tuple(e.requires_grad for e in extras))
-        reason = _prepare_group(id(runner), epoch, key)
-        if reason is not None:
-            _graph_break(reason)
-            out = _run_eagerly(runner, x, extras)
-        else:
-            out = fusible_group(id(runner), k, x, *extras, *params)
-        x = out[0]
-        extra_outputs.extend(out[1:])
-    return (x, *extra_outputs) if layout.num_extra_outputs else x
+    _prepare_layout(id(module), _epoch.current())  # dynamo guards on the epoch
+    return module._fusible_cache.run(x, extra_inputs, _run_group)
+
+
+def _run_group(runner, x, extra_inputs):
+    params = runner.params()
+    grad = torch.is_grad_enabled()
+    key = (x.dtype, x.device.type, grad, x.requires_grad and grad,
+           tuple(p.requires_grad for p in params), tuple(e.requires_grad for e in extra_inputs))
+    reason = _prepare_group(id(runner), _epoch.current(), key)
+    if reason is not None:
+        _graph_break(reason)
+        out = _run_eagerly(runner, x, extra_inputs)
+    else:
+        out = fusible_group(id(runner), len(extra_inputs), x, *extra_inputs, *params)
+    return out[0], out[1:]

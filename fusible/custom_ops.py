@@ -192,24 +192,24 @@ def unsupported_reason(cls, direction: str) -> str | None:
     return _REASONS.get(key)
 
 
-def call_forward(stage, args, provenance: str) -> ForwardResult:
-    """Run a forward stage through its custom op."""
-    op = stage_op(type(stage.op), "forward")
+def _call(stage, direction: str, args, provenance: str):
+    op = stage_op(type(stage.op), direction)
     flat = op.flatten_args(args) + [provenance]
     if recorder is not None:
         recorder.append((op.overload, tuple(flat)))
-    out = op.overload(*flat)
+    return op, op.overload(*flat)
+
+
+def call_forward(stage, args, provenance: str) -> ForwardResult:
+    """Run a forward stage through its custom op."""
+    _, out = _call(stage, "forward", args, provenance)
     k = stage.num_extra_out
     return ForwardResult(out[0], tuple(out[1:1 + k]), tuple(out[1 + k:]))
 
 
 def call_backward(stage, args, provenance: str) -> BackwardResult:
     """Run a backward stage through its custom op; placeholders become None."""
-    op = stage_op(type(stage.op), "backward")
-    flat = op.flatten_args(args) + [provenance]
-    if recorder is not None:
-        recorder.append((op.overload, tuple(flat)))
-    out = op.overload(*flat)
+    op, out = _call(stage, "backward", args, provenance)
     input_needed, params_needed, extras_needed = stage.grad_mask
     expected = 1 + len(params_needed) + len(extras_needed)
     if len(out) != expected:

@@ -192,7 +192,8 @@ def run_forward(plan: ExecPlan, x, params, extra_inputs, ctxs, *, save: bool,
     extra_outputs = []
     for st in plan.forward:
         op, op_ctxs = st.op, ctxs[st.lo:st.hi]
-        args = op.forward_args(x, params[st.params], extra_inputs[st.extra_in], op_ctxs)
+        args = op.forward_args(x, params[st.params],
+                               extra_inputs[st.extra_in] if st.num_extra_in else (), op_ctxs)
         result = custom_ops.call_forward(st, args, st.provenance) if traced else st.compute(args)
         if save:
             op.save_for_backward(args, result, op_ctxs)
@@ -235,7 +236,8 @@ def run_backward(plan: ExecPlan, grad_output, grad_extra_outputs, ctxs, traced: 
         grad_extra_outputs = tuple(g.contiguous() for g in grad_extra_outputs)
     for st in plan.backward:
         op, op_ctxs = st.op, ctxs[st.lo:st.hi]
-        args = op.backward_args(dy, grad_extra_outputs[st.extra_out], op_ctxs)
+        args = op.backward_args(dy, grad_extra_outputs[st.extra_out] if st.num_extra_out else (),
+                                op_ctxs)
         result = (custom_ops.call_backward(st, args, st.provenance) if traced
                   else st.compute(args))
         if len(result.grad_params) != st.num_params:
@@ -291,7 +293,9 @@ if type(_cpp_apply) is not type(torch.ones):  # not the C++ method: keep the pub
     _cpp_apply = _PipelineFunction.apply
 
 
-def _apply(plan, *tensors):
-    if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
-        return _PipelineFunction.apply(plan, *tensors)
-    return _cpp_apply(plan, *tensors)
+def _apply(plan, traced, *tensors):
+    # Traced runs come from fusible.compiled (dynamo, AOTAutograd); eager runs are never
+    # reached while dynamo traces (it traces fusible.compiled instead).
+    if traced or torch._C._are_functorch_transforms_active():
+        return _PipelineFunction.apply(plan, traced, *tensors)
+    return _cpp_apply(plan, traced, *tensors)

@@ -54,11 +54,18 @@ class Layout:
         self.num_extra_inputs = sum(r.num_extra_inputs for r in runners)
         self.num_extra_outputs = sum(r.num_extra_outputs for r in runners)
 
-    def run(self, x, extra_inputs: tuple):
-        """Run eagerly; returns ``(y, *extra_outputs)`` if there are extra outputs, else y."""
-        if self.single is not None:  # one group of fusible ops: the common case
+    def run_eager(self, x, extra_inputs: tuple):
+        """Run eagerly: ``(y, *extra_outputs)`` if there are extra outputs, else ``y``."""
+        if self.single is not None:  # one group of fusible ops: the common, fast case
             output, extra_outputs = self.single.run(x, extra_inputs)
-            return (output, *extra_outputs) if self.num_extra_outputs else output
+            return (output, *extra_outputs) if extra_outputs else output
+        return self.run(x, extra_inputs, _run_group_eagerly)
+
+    def run(self, x, extra_inputs: tuple, run_group):
+        """Run the groups in order; ``run_group(runner, x, extras)`` returns ``(y, extra_outputs)``.
+
+        Ordinary modules are called as they are.
+        """
         if len(extra_inputs) != self.num_extra_inputs:
             raise TypeError(f"Sequential expects {self.num_extra_inputs} extra input(s) for "
                             f"its AddExtraInput ops, got {len(extra_inputs)}")
@@ -68,7 +75,11 @@ class Layout:
                 x = module(x)
                 continue
             k = runner.num_extra_inputs
-            x, outs = runner.run(x, extra_inputs[pos:pos + k])
+            x, outs = run_group(runner, x, extra_inputs[pos:pos + k])
             pos += k
             extra_outputs.extend(outs)
         return (x, *extra_outputs) if self.num_extra_outputs else x
+
+
+def _run_group_eagerly(runner, x, extra_inputs):
+    return runner.run(x, extra_inputs)

@@ -214,7 +214,7 @@ class FusibleOperation(PlanCachingModule):
             from fusible.compiled import compiled_forward
 
             return compiled_forward(self, input, extra_inputs)
-        return self._layout().run(input, extra_inputs)
+        return self._layout().run_eager(input, extra_inputs)
 
     def _build_layout(self):
         from fusible.layout import Layout

@@ -132,11 +132,7 @@ class Sequential(PlanCachingModule):
             from fusible.compiled import compiled_forward
 
             return compiled_forward(self, input, extra_inputs)
-        layout = self._layout()
-        if layout.single is not None:  # one group of fusible ops: the common, fast case
-            output, extra_outputs = layout.single.run(input, extra_inputs)
-            return (output, *extra_outputs) if extra_outputs else output
-        return layout.run(input, extra_inputs)
+        return self._layout().run_eager(input, extra_inputs)
 
     def plan(self, *example_inputs: torch.Tensor):
         """The :class:`~fusible.FusionPlan` for the current grad mode.
