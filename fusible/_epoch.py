@@ -1,14 +1,19 @@
-"""A global counter of configuration changes that cached plans depend on.
+"""A global counter of the changes that cached layouts and plans depend on.
 
-Any change to a fusible op's attributes, a Sequential's structure or the set of
-registered fusions bumps it; cached layouts and plans compare it before use.
+It moves when a module that some layout has been built from changes: an op's
+configuration (a new value for an attribute other than ``training``), a
+Sequential's structure, parameters replaced by ``.to()`` and friends; and when
+the set of registered fusions changes. Cached layouts and plans compare it
+before use, and compiled models guard on it. Changes to modules no layout has
+seen yet (a model being built) do not move it.
 """
 
 _value = 0
+_MISSING = object()
 
 
 def bump() -> None:
-    """Invalidate every cached plan and layout."""
+    """Invalidate every cached layout and plan."""
     global _value
     _value += 1
 
@@ -16,3 +21,23 @@ def bump() -> None:
 def current() -> int:
     """The current epoch."""
     return _value
+
+
+def mark_planned(module) -> None:
+    """Record that a layout was built from ``module``: its changes matter from now on."""
+    module.__dict__["_fusible_planned"] = True
+
+
+def bump_if_planned(module) -> None:
+    """Move the epoch if a layout has been built from ``module``."""
+    if module.__dict__.get("_fusible_planned"):
+        bump()
+
+
+def changed(old, new) -> bool:
+    """Whether an attribute write changes the value (tensors and objects: by identity)."""
+    if old is new:
+        return False
+    if type(old) is type(new) and isinstance(new, (bool, int, float, str, tuple, type(None))):
+        return old != new
+    return True

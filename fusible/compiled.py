@@ -3,9 +3,9 @@
 Dynamo traces ``Sequential.forward`` (or a lone op's ``forward``) into
 :func:`compiled_forward`. There:
 
-* the layout and each group's plan are made eagerly at trace time by functions
-  dynamo treats as constants (``assume_constant_result``), so dynamo never traces
-  the planner; they return why the plan cannot compile, or None;
+* the layout and the plans are made eagerly at trace time by a function dynamo
+  treats as a constant (``assume_constant_result``), so dynamo never traces the
+  planner; it returns why some stage cannot compile, or None;
 * each group of fusible ops becomes one call of :func:`fusible_group`, which
   dynamo puts in its graph as is. AOTAutograd traces through it: the group's
   autograd.Function then contributes one custom op per forward stage to the
@@ -14,8 +14,9 @@ Dynamo traces ``Sequential.forward`` (or a lone op's ``forward``) into
 * ordinary modules between groups are traced by dynamo as usual.
 
 Dynamo guards on the fusible epoch, so a change to the model's structure or an
-op's configuration recompiles; a stage that cannot compile is a graph break
-whose message names it and the reason (an error under ``fullgraph=True``).
+op's configuration recompiles. A model with a stage that cannot compile runs
+eagerly as a whole, after a graph break whose message names the stage and the
+reason (the error under ``fullgraph=True``).
 """
 
 from __future__ import annotations
@@ -27,27 +28,25 @@ import torch
 from fusible import _epoch, _tokens
 
 log = logging.getLogger("fusible")
+_warned: set = set()
 
 
 @torch._dynamo.assume_constant_result
-def _prepare_layout(module_token: int, epoch: int) -> int:
-    """Build the module's layout (eagerly, at trace time); returns its number of groups."""
-    return len(_tokens.lookup(module_token)._layout().groups)
+def _prepare(module_token: int, epoch: int, conditions: tuple):
+    """Build the layout and plans (eagerly, at trace time); why it cannot compile, or None."""
+    from fusible.plan import build_plan
 
-
-@torch._dynamo.assume_constant_result
-def _prepare_group(runner_token: int, epoch: int, key: tuple):
-    """Plan a group for ``key`` (eagerly); returns why it cannot compile, or None."""
-    runner = _tokens.lookup(runner_token)
-    plan = runner.lookup(*key)
-    stages = [("forward", s) for s in plan.group.forward]
-    stages += [("backward", s) for s in plan.backward_stages]
-    for direction, stage in stages:
-        reason = stage.op.compile_unsupported_reason(direction)
+    module = _tokens.lookup(module_token)
+    plan = build_plan(module._layout(), *conditions)
+    for stage in plan.forward + plan.backward:
+        reason = stage.compile_reason
         if reason is not None:
-            message = (f"fusible: {direction} stage {stage.name} at {list(stage.indices)} cannot "
-                       f"be compiled: {reason}")
-            log.warning("%s; it runs eagerly after a graph break", message)
+            message = (f"fusible: {stage.direction} stage {stage.name} at {list(stage.indices)} "
+                       f"cannot be compiled: {reason}")
+            if (module_token, epoch, conditions) not in _warned:
+                _warned.add((module_token, epoch, conditions))
+                log.warning("%s; %s runs eagerly after a graph break", message,
+                            type(module).__name__)
             return message
     return None
 
@@ -62,9 +61,8 @@ def fusible_group(runner_token: int, num_extra: int, x, *tensors):
 
 
 @torch.compiler.disable
-def _run_eagerly(runner, x, extra_inputs):
-    y, extra_outputs = runner.run(x, extra_inputs)
-    return (y, *extra_outputs)
+def _run_eagerly(module, x, extra_inputs):
+    return module._layout().run_eager(x, extra_inputs)
 
 
 def _graph_break(message: str) -> None:
@@ -76,19 +74,17 @@ def _graph_break(message: str) -> None:
 
 def compiled_forward(module, x, extra_inputs: tuple):
     """``module(x, *extra_inputs)`` as dynamo should trace it."""
-    _prepare_layout(id(module), _epoch.current())  # dynamo guards on the epoch
+    grad = torch.is_grad_enabled()
+    conditions = (x.dtype, x.device.type, grad, grad and x.requires_grad,
+                  tuple(grad and e.requires_grad for e in extra_inputs))
+    reason = _prepare(id(module), _epoch.current(), conditions)  # dynamo guards on the epoch
+    if reason is not None:
+        _graph_break(reason)
+        return _run_eagerly(module, x, extra_inputs)
     return module._fusible_cache.run(x, extra_inputs, _run_group)
 
 
 def _run_group(runner, x, extra_inputs):
     params = runner.params()
-    grad = torch.is_grad_enabled()
-    key = (x.dtype, x.device.type, grad, x.requires_grad and grad,
-           tuple(p.requires_grad for p in params), tuple(e.requires_grad for e in extra_inputs))
-    reason = _prepare_group(id(runner), _epoch.current(), key)
-    if reason is not None:
-        _graph_break(reason)
-        out = _run_eagerly(runner, x, extra_inputs)
-    else:
-        out = fusible_group(id(runner), len(extra_inputs), x, *extra_inputs, *params)
+    out = fusible_group(id(runner), len(extra_inputs), x, *extra_inputs, *params)
     return out[0], out[1:]

@@ -31,7 +31,6 @@ from fusible.ops.base import BackwardResult, ForwardResult
 _LIB = torch.library.Library("fusible", "FRAGMENT")
 _OPS: dict = {}      # (class, direction) -> StageOp
 _REASONS: dict = {}  # (class, direction) -> why it cannot be registered
-_NAMES: dict = {}    # op name -> class
 recorder: list | None = None  # when a list, calls append (overload, flat args): for opcheck
 
 
@@ -113,13 +112,19 @@ def _fields(args_type) -> tuple:
     return tuple(out)
 
 
+_BASES: dict = {}    # class -> its op base name, chosen once for both directions
+
+
 def _op_name(cls, direction: str) -> str:
-    base = cls.__name__
-    if _NAMES.get(base + "_fwd", cls) is not cls and _NAMES.get(base + "_bwd", cls) is not cls:
-        base = re.sub(r"\W", "_", f"{cls.__module__}.{cls.__qualname__}")
-        while any(_NAMES.get(f"{base}_{d}", cls) is not cls for d in ("fwd", "bwd")):
-            base += "_"
-    return f"{base}_{'fwd' if direction == 'forward' else 'bwd'}"
+    """``{Class}_fwd|_bwd``; a class whose name another class took gets a qualified name."""
+    if cls not in _BASES:
+        base = cls.__name__
+        if base in _BASES.values():
+            base = re.sub(r"\W", "_", f"{cls.__module__}.{cls.__qualname__}")
+            while base in _BASES.values():
+                base += "_"
+        _BASES[cls] = base
+    return f"{_BASES[cls]}_{'fwd' if direction == 'forward' else 'bwd'}"
 
 
 def _unflatten_args(args_type, fields, values):
@@ -166,7 +171,6 @@ def _register(cls, direction: str) -> StageOp:
               "CompositeExplicitAutograd")
     torch.library.register_fake(f"fusible::{name}",
                                 _kernel(cls, direction, args_type, fields, fake), lib=_LIB)
-    _NAMES[name] = cls
     return StageOp(name, getattr(torch.ops.fusible, name).default, fields)
 
 

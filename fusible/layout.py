@@ -13,6 +13,8 @@ def flatten(module: nn.Module) -> list:
     """Basic ops and ordinary modules of ``module``, nested Sequentials flattened."""
     from fusible.ops.sequential import Sequential
 
+    if isinstance(module, (FusibleOperation, Sequential)):
+        _epoch.mark_planned(module)  # from now on its changes move the epoch
     if isinstance(module, FusibleOperation):
         return list(module.basic_ops())
     if isinstance(module, Sequential):

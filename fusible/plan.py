@@ -98,10 +98,9 @@ def _describe(op) -> str:
     return describe() if describe is not None else type(op).__name__
 
 
-def build_plan(layout, example_inputs, parameters) -> FusionPlan:
-    """Plan every group of a Sequential's layout for the given (or assumed) inputs."""
-    dtype, device_type, input_rg, extras_rg = _conditions(layout, example_inputs, parameters)
-    grad = torch.is_grad_enabled()
+def build_plan(layout, dtype, device_type, grad: bool, input_rg: bool,
+               extras_rg: tuple) -> FusionPlan:
+    """Plan every group of a layout for inputs of this dtype, device type and requires_grad."""
     forward, backward_groups, candidates = [], [], []
     upstream, extra_pos = input_rg and grad, 0
     for index, (runner, module) in _positions(layout):
@@ -134,7 +133,9 @@ def _positions(layout):
         index += 1 if runner is None else len(runner.ops)
 
 
-def _conditions(layout, example_inputs, parameters):
+def plan_conditions(layout, example_inputs, parameters) -> tuple:
+    """``(dtype, device_type, input requires grad, extra inputs require grad)`` of the
+    example inputs, or assumed from the parameters when there are none."""
     if example_inputs:
         x, extras = example_inputs[0], example_inputs[1:]
         if len(extras) != layout.num_extra_inputs:

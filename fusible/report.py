@@ -42,7 +42,7 @@ class CompileReport:
     Attributes
     ----------
     graph_breaks : tuple of str
-        The reason of every graph break.
+        The reasons of the graph breaks, each once.
     graphs : tuple of GraphReport
         Every AOTAutograd graph, in compilation order.
     recompilations : int
@@ -117,24 +117,25 @@ def compile_report(fn, *args, **kwargs) -> CompileReport:
     from functorch.compile import make_boxed_func
     from torch._functorch.aot_autograd import aot_module_simplified
 
-    graphs, recompiles = [], [0]
+    graphs, recompiles, frames_seen = [], [0], set()
 
     def backend(gm, example_inputs):
         compile_id = torch._guards.CompileContext.current_compile_id()
         frame = str(compile_id) if compile_id is not None else "?"
-        if compile_id is not None and compile_id.frame_compile_id:
-            recompiles[0] += 1
-        inference = not torch.is_grad_enabled()
+        if compile_id is not None:
+            recompiles[0] += compile_id.frame_id in frames_seen
+            frames_seen.add(compile_id.frame_id)
 
         def capture(kind):
             @torch.compiler.disable  # runs lazily, maybe inside fn: not something to trace
             def compiler(graph, inputs):
-                graphs.append(_graph_report("inference" if inference else kind, frame, graph))
+                graphs.append(_graph_report(kind, frame, graph))
                 return make_boxed_func(graph.forward)
             return compiler
 
         return aot_module_simplified(gm, example_inputs, fw_compiler=capture("forward"),
-                                     bw_compiler=capture("backward"))
+                                     bw_compiler=capture("backward"),
+                                     inference_compiler=capture("inference"))
 
     before = collections.Counter(counters["graph_break"])
     out = torch.compile(fn, backend=backend)(*args, **kwargs)
@@ -143,5 +144,7 @@ def compile_report(fn, *args, **kwargs) -> CompileReport:
     if outs:
         torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])
     breaks = collections.Counter(counters["graph_break"]) - before
-    return CompileReport(tuple(reason for reason, n in breaks.items() for _ in range(n)),
-                         tuple(graphs), recompiles[0])
+    # Dynamo may meet one break several times (retracing); the call of fusible's eager
+    # fallback follows a fusible break that already says why.
+    reasons = tuple(r for r in breaks if "_run_eagerly" not in r)
+    return CompileReport(reasons, tuple(graphs), recompiles[0])

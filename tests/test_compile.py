@@ -151,3 +151,41 @@ def test_changing_an_op_recompiles():
     torch.testing.assert_close(compiled(x), model(x), rtol=0, atol=0)
     torch.testing.assert_close(compiled(x), torch.nn.functional.gelu(x @ model[0].weight.T,
                                                                      approximate="tanh"))
+
+
+def test_train_eval_slicing_and_new_ops_do_not_recompile():
+    model, _ = MODELS["mlp"]()
+    backend = CountingBackend("aot_eager")
+    compiled = torch.compile(model, fullgraph=True, backend=backend)
+    x = torch.randn(4, 8)
+    for step in range(12):  # more than dynamo's recompile limit of 8
+        model.train() if step % 2 else model.eval()
+        compiled(x).sum().backward()
+    model[:2], ops.Linear(8, 8), ops.GELU(approximate="tanh")  # unrelated new modules
+    compiled(x)
+    assert backend.compiles == 1
+
+
+def test_report_kinds_and_recompilations():
+    frozen, _ = MODELS["mlp"]()
+    frozen.requires_grad_(False)
+    report = fusible.compile_report(frozen, torch.randn(3, 8))  # grad on, nothing requires it
+    assert [g.kind for g in report.graphs] == ["inference"] and report.recompilations == 0
+    other, _ = MODELS["relu_block"]()
+    report = fusible.compile_report(other, torch.randn(3, 8, requires_grad=True))
+    assert [g.kind for g in report.graphs] == ["forward", "backward"]
+    assert report.recompilations == 0
+
+
+
+def test_report_counts_a_recompilation():
+    model, _ = MODELS["mlp"]()
+
+    def helper(x):  # a graph break keeps it a frame of its own, called twice below
+        y = model(x)
+        torch._dynamo.graph_break()
+        return y
+
+    report = fusible.compile_report(lambda x, x3: (helper(x), helper(x3)), torch.randn(3, 8),
+                                    torch.randn(2, 3, 8))  # a new rank: helper recompiles
+    assert report.recompilations >= 1

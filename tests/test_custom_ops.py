@@ -104,3 +104,19 @@ def test_unknown_field_type_is_named():
     assert "field Bad.lookup: no custom-op schema type for <class 'dict'>" in reason
     with pytest.raises(TypeError, match="Bad.lookup"):
         custom_ops.stage_op(Op, "forward")
+
+
+def test_same_class_names_get_distinct_ops():
+    def make():
+        class Twin(EveryType):  # same __name__ each time, like a re-run notebook cell
+            pass
+        return Twin
+
+    first, second = make(), make()
+    assert custom_ops.unsupported_reason(first, "forward") is None  # forward only, first
+    assert custom_ops.unsupported_reason(second, "forward") is None
+    assert custom_ops.unsupported_reason(second, "backward") is None
+    names = {custom_ops.stage_op(c, d).name for c in (first, second) for d in ("forward",)}
+    assert len(names) == 2 and "Twin_fwd" in names
+    assert custom_ops.stage_op(second, "backward").name.endswith("Twin_bwd")
+    assert custom_ops.stage_op(second, "backward").name != "Twin_bwd"

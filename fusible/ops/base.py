@@ -168,7 +168,7 @@ class PlanCachingModule(nn.Module):
     def _apply(self, fn, recurse=True):
         # .to(), .cuda(), to_empty() may replace parameter objects behind __setattr__.
         result = super()._apply(fn, recurse)
-        _epoch.bump()
+        _epoch.bump_if_planned(self)
         return result
 
     def __getstate__(self):
@@ -204,9 +204,11 @@ class FusibleOperation(PlanCachingModule):
         return custom_ops.unsupported_reason(type(self), direction)
 
     def __setattr__(self, name: str, value: Any) -> None:
-        # Plans depend on op configuration: any change invalidates cached plans.
+        # Plans depend on op configuration: a new value invalidates cached plans.
+        old = self.__dict__.get(name, _epoch._MISSING)
         super().__setattr__(name, value)
-        _epoch.bump()
+        if name != "training" and _epoch.changed(old, value):
+            _epoch.bump_if_planned(self)
 
     def forward(self, input: Tensor, *extra_inputs: Tensor):
         """Run this operation alone, planned and fused like a one-element Sequential."""
@@ -219,6 +221,7 @@ class FusibleOperation(PlanCachingModule):
     def _build_layout(self):
         from fusible.layout import Layout
 
+        _epoch.mark_planned(self)
         return Layout(list(self.basic_ops()))
 
 

@@ -47,16 +47,16 @@ class Sequential(PlanCachingModule):
         # Every structural change (append, insert, register_module, attribute
         # assignment of a module) goes through here or __delattr__: re-plan.
         super().add_module(name, module)
-        _epoch.bump()
+        _epoch.bump_if_planned(self)
 
     def __setattr__(self, name: str, value) -> None:
         super().__setattr__(name, value)
         if isinstance(value, nn.Module):  # nn.Module stores it without add_module
-            _epoch.bump()
+            _epoch.bump_if_planned(self)
 
     def __delattr__(self, name: str) -> None:
         super().__delattr__(name)
-        _epoch.bump()
+        _epoch.bump_if_planned(self)
 
     def extend(self, modules: Iterable[nn.Module]) -> "Sequential":
         for module in modules:
@@ -101,7 +101,7 @@ class Sequential(PlanCachingModule):
     def _reset(self, items: list) -> None:
         for key in list(self._modules):
             del self._modules[key]
-        _epoch.bump()
+        _epoch.bump_if_planned(self)
         for item in items:
             self.append(item)
 
@@ -145,7 +145,10 @@ class Sequential(PlanCachingModule):
             input is assumed to have the parameters' dtype and device and not
             to require grad.
         """
-        from fusible.plan import build_plan
+        from fusible.plan import build_plan, plan_conditions
 
-        return build_plan(self._layout(), example_inputs, self.parameters())
+        layout = self._layout()
+        dtype, device_type, input_rg, extras_rg = plan_conditions(layout, example_inputs,
+                                                                  self.parameters())
+        return build_plan(layout, dtype, device_type, torch.is_grad_enabled(), input_rg, extras_rg)
 
