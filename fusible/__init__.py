@@ -13,11 +13,13 @@ from fusible.planner import Candidate, PlanEnvironment, Stage
 from fusible.registry import register_fusion, registered_fusions, unregister_fusion
 from fusible.convert import state_dict_from_torch
 from fusible.report import CompileReport, compile_report
+from fusible.quantization import Float8CurrentScaling, Float8Tensor, autocast, quantize
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "Candidate", "Check", "CompileReport", "FusedOperation", "FusionPlan", "Op",
+    "Candidate", "Check", "CompileReport", "Float8CurrentScaling", "Float8Tensor", "autocast",
+    "quantize", "FusedOperation", "FusionPlan", "Op",
     "OperationContext", "Pattern", "PlanEnvironment", "Stage", "compile_report", "ops",
     "register_fusion", "registered_fusions", "state_dict_from_torch", "testing",
     "unregister_fusion",

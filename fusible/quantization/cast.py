@@ -1,0 +1,63 @@
+"""FP8 casts with per-tensor current scaling, as custom ops so that eager and compiled
+runs compute the same scales and the same bits."""
+
+from __future__ import annotations
+
+import torch
+
+FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
+
+
+def scale_from_amax(amax: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
+    """float32 scale that maps ``amax`` to the largest finite value of ``fp8_dtype``.
+
+    An all-zero tensor gets scale 1; an inf or nan amax propagates (no silent fix).
+    """
+    amax = amax.float()
+    return torch.where(amax > 0, FP8_MAX[fp8_dtype] / amax, torch.ones_like(amax))
+
+
+def cast_to_fp8(x: torch.Tensor, fp8_dtype: torch.dtype, columnwise: bool = False) -> list:
+    """``[data, scale_inv]`` (+ ``transpose``): ``data = saturate(x * scale)`` in FP8.
+
+    ``transpose`` is the (features, tokens) row-major copy of the data seen as
+    (tokens, features), the layout a GEMM needs for the other operand side.
+    """
+    if fp8_dtype not in FP8_MAX:
+        raise ValueError(f"cast_to_fp8: fp8_dtype must be one of {list(FP8_MAX)}, got {fp8_dtype}")
+    xf = x.float().contiguous()  # contiguous outputs, whatever the input's strides
+    scale = scale_from_amax(xf.abs().amax(), fp8_dtype)
+    limit = FP8_MAX[fp8_dtype]
+    data = (xf * scale).clamp_(-limit, limit).to(fp8_dtype)
+    out = [data, scale.reciprocal()]
+    if columnwise:
+        out.append(data.reshape(-1, data.shape[-1]).t().contiguous())
+    return out
+
+
+def dequantize_fp8(data: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``data * scale_inv`` in ``dtype``."""
+    return (data.float() * scale_inv).to(dtype).contiguous()
+
+
+@torch.library.custom_op("fusible::cast_to_fp8", mutates_args=())
+def cast_to_fp8_op(x: torch.Tensor, fp8_dtype: torch.dtype, columnwise: bool) -> list[torch.Tensor]:
+    return cast_to_fp8(x, fp8_dtype, columnwise)
+
+
+@cast_to_fp8_op.register_fake
+def _(x, fp8_dtype, columnwise):
+    out = [x.new_empty(x.shape, dtype=fp8_dtype), x.new_empty((), dtype=torch.float32)]
+    if columnwise:
+        out.append(x.new_empty((x.shape[-1], x.numel() // x.shape[-1]), dtype=fp8_dtype))
+    return out
+
+
+@torch.library.custom_op("fusible::dequantize", mutates_args=())
+def dequantize_op(data: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return dequantize_fp8(data, scale_inv, dtype)
+
+
+@dequantize_op.register_fake
+def _(data, scale_inv, dtype):
+    return data.new_empty(data.shape, dtype=dtype)

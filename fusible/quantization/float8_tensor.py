@@ -1,0 +1,182 @@
+"""Float8Tensor: FP8 data with its per-tensor scale, posing as a tensor of its original dtype."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.utils._pytree as pytree
+
+from fusible.quantization import cast
+
+aten = torch.ops.aten
+
+
+class Float8Tensor(torch.Tensor):
+    """FP8 data, its inverse scale and the original dtype; optionally a transposed copy.
+
+    The tensor has the shape and (outer) dtype of the tensor it quantizes, so it
+    can stand where that tensor stood. ``_data`` holds the FP8 values,
+    ``_scale_inv`` (float32, 0-d) the factor that dequantizes them, and
+    ``_transpose`` an optional row-major (features, tokens) copy made in the same
+    pass for the GEMM that needs the other layout (Hopper's FP8 GEMMs need both
+    operands K-major).
+
+    GEMMs between Float8Tensors run as ``torch._scaled_mm``; views, transposes,
+    detach and clone stay in FP8; any other op dequantizes and runs in the
+    original dtype. :meth:`dequantize` is differentiable, and its backward sends
+    an E5M2 Float8Tensor, so that the gradient of a Float8Tensor is always one
+    (see ``shared/DESIGN.md``).
+    """
+
+    _data: torch.Tensor
+    _scale_inv: torch.Tensor
+    _transpose: Optional[torch.Tensor]
+
+    @staticmethod
+    def __new__(cls, data, scale_inv, dtype, transpose=None, requires_grad=False):
+        self = torch.Tensor._make_wrapper_subclass(cls, data.shape, strides=data.stride(),
+                                                   dtype=dtype, device=data.device,
+                                                   requires_grad=requires_grad)
+        self._data, self._scale_inv, self._transpose = data, scale_inv, transpose
+        return self
+
+    @property
+    def fp8_dtype(self) -> torch.dtype:
+        """``torch.float8_e4m3fn`` or ``torch.float8_e5m2``."""
+        return self._data.dtype
+
+    @property
+    def scale_inv(self) -> torch.Tensor:
+        """The float32 factor that dequantizes the data."""
+        return self._scale_inv
+
+    def __repr__(self) -> str:
+        return (f"Float8Tensor({self.fp8_dtype}, shape={tuple(self.shape)}, dtype={self.dtype}, "
+                f"scale_inv={self._scale_inv.item() if not _is_fake(self._scale_inv) else '?'}, "
+                f"transpose={self._transpose is not None})")
+
+    def __tensor_flatten__(self):
+        inner = ["_data", "_scale_inv"] + (["_transpose"] if self._transpose is not None else [])
+        return inner, (self.dtype, self.fp8_dtype, self._transpose is not None)
+
+    @staticmethod
+    def __tensor_unflatten__(inner, meta, outer_size, outer_stride):
+        return Float8Tensor(inner["_data"], inner["_scale_inv"], meta[0], inner.get("_transpose"))
+
+    def dequantize(self) -> torch.Tensor:
+        """The values in the original dtype; differentiable (its backward quantizes to E5M2)."""
+        from fusible.quantization.autograd import Dequantize
+
+        return Dequantize.apply(self)
+
+    def _dequantize_raw(self) -> torch.Tensor:
+        return cast.dequantize_op(self._data, self._scale_inv, self.dtype)
+
+    def __coerce_tangent_metadata__(self):
+        return self
+
+    def __coerce_same_metadata_as_tangent__(self, expected_meta, expected_type=None):
+        """Turn a gradient into what a compiled backward expects: a plain tensor, or a
+        Float8Tensor of the expected FP8 dtype (requantized) and layout."""
+        if expected_type is not None and expected_type is not Float8Tensor:
+            return self._dequantize_raw()
+        _, fp8_dtype, columnwise = expected_meta
+        return requantize(self, fp8_dtype, columnwise)
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        handler = _HANDLERS.get(func)
+        if handler is not None:
+            out = handler(*args, **kwargs)
+            if out is not NotImplemented:
+                return out
+        # Anything else: dequantize and run in the original dtype. Never through
+        # super().__torch_dispatch__, which would bypass fake and functional tensors.
+        args, kwargs = pytree.tree_map_only(Float8Tensor, Float8Tensor._dequantize_raw,
+                                            (args, kwargs))
+        return func(*args, **kwargs)
+
+
+def _is_fake(t) -> bool:
+    return isinstance(t, torch._subclasses.FakeTensor)
+
+
+def quantize_raw(x: torch.Tensor, fp8_dtype: torch.dtype, columnwise: bool = False,
+                 dtype: Optional[torch.dtype] = None) -> Float8Tensor:
+    """Quantize with current scaling, through the ``fusible::cast_to_fp8`` custom op."""
+    out = cast.cast_to_fp8_op(x, fp8_dtype, columnwise)
+    return Float8Tensor(out[0], out[1], dtype or x.dtype, out[2] if columnwise else None)
+
+
+def requantize(t: Float8Tensor, fp8_dtype: torch.dtype, columnwise: bool) -> Float8Tensor:
+    """``t`` in ``fp8_dtype`` with (or without) the transposed copy; no work when it matches."""
+    if t.fp8_dtype == fp8_dtype and (t._transpose is not None) == columnwise:
+        return t
+    if t.fp8_dtype == fp8_dtype and not columnwise:
+        return Float8Tensor(t._data, t._scale_inv, t.dtype)
+    return quantize_raw(t._dequantize_raw(), fp8_dtype, columnwise, t.dtype)
+
+
+# Handlers for the ops that stay in FP8 ------------------------------------------------
+
+def _same(fn):
+    """Apply ``fn`` to the data and to the transposed copy alike (detach, clone)."""
+    def handler(t, *args, **kwargs):
+        transpose = None if t._transpose is None else fn(t._transpose, *args, **kwargs)
+        return Float8Tensor(fn(t._data, *args, **kwargs), t._scale_inv, t.dtype, transpose)
+    return handler
+
+
+def _view(t, shape, *args):
+    data = t._data.view(shape)
+    keep = t._transpose is not None and data.shape[-1] == t._data.shape[-1]
+    return Float8Tensor(data, t._scale_inv, t.dtype, t._transpose if keep else None)
+
+
+def _t(t):
+    if t._transpose is not None and t._data.dim() == 2:  # the copy is the transpose, row-major
+        return Float8Tensor(t._transpose, t._scale_inv, t.dtype, t._data)
+    return Float8Tensor(t._data.t(), t._scale_inv, t.dtype)
+
+
+def _transpose(t, dim0, dim1):
+    if t.dim() == 2 and {dim0 % 2, dim1 % 2} == {0, 1}:
+        return _t(t)
+    return NotImplemented
+
+
+def scaled_mm(a: Float8Tensor, b: Float8Tensor, bias=None, out_dtype=None) -> torch.Tensor:
+    """``a @ b (+ bias)`` with ``torch._scaled_mm``: ``a`` row-major, ``b`` column-major."""
+    a_data = a._data if a._data.is_contiguous() else a._data.contiguous()
+    b_data = b._data if b._data.t().is_contiguous() else b._data.t().contiguous().t()
+    return torch._scaled_mm(a_data, b_data, scale_a=a._scale_inv, scale_b=b._scale_inv,
+                            bias=bias, out_dtype=out_dtype or a.dtype)
+
+
+def _mm(a, b):
+    if isinstance(a, Float8Tensor) and isinstance(b, Float8Tensor):
+        return scaled_mm(a, b)
+    return NotImplemented
+
+
+def _addmm(bias, a, b, beta=1, alpha=1):
+    if (isinstance(a, Float8Tensor) and isinstance(b, Float8Tensor) and beta == 1 and alpha == 1
+            and not isinstance(bias, Float8Tensor) and bias.dim() == 1):
+        return scaled_mm(a, b, bias=bias)
+    return NotImplemented
+
+
+_HANDLERS = {
+    aten.detach.default: _same(torch.Tensor.detach),
+    aten.clone.default: _same(lambda t, **kw: t.clone(**kw)),
+    aten.view.default: _view,
+    aten._unsafe_view.default: _view,
+    aten.t.default: _t,
+    aten.transpose.int: _transpose,
+    aten.mm.default: _mm,
+    aten.addmm.default: _addmm,
+}
