@@ -26,6 +26,7 @@ import logging
 import torch
 
 from fusible import _epoch, _tokens
+from fusible.quantization import recipe
 
 log = logging.getLogger("fusible")
 _warned: set = set()
@@ -76,7 +77,7 @@ def compiled_forward(module, x, extra_inputs: tuple):
     """``module(x, *extra_inputs)`` as dynamo should trace it."""
     grad = torch.is_grad_enabled()
     conditions = (x.dtype, x.device.type, grad, grad and x.requires_grad,
-                  tuple(grad and e.requires_grad for e in extra_inputs))
+                  tuple(grad and e.requires_grad for e in extra_inputs), recipe.fp8_recipe())
     reason = _prepare(id(module), _epoch.current(), conditions)  # dynamo guards on the epoch
     if reason is not None:
         _graph_break(reason)

@@ -27,6 +27,7 @@ import attrs
 import torch
 
 from fusible.ops.base import BackwardResult, ForwardResult
+from fusible.quantization import boundary
 
 _LIB = torch.library.Library("fusible", "FRAGMENT")
 _OPS: dict = {}      # (class, direction) -> StageOp
@@ -55,6 +56,9 @@ def register_schema_type(pytype, schema_type: SchemaType) -> None:
     _ADAPTERS[pytype] = schema_type
 
 
+boundary.register_schema_types(register_schema_type, SchemaType)
+
+
 def _single(part: str, convert=None) -> SchemaType:
     return SchemaType((part,), lambda v: [v], (lambda vals: convert(vals[0])) if convert
                       else (lambda vals: vals[0]))
@@ -71,8 +75,9 @@ def schema_type(tp) -> SchemaType:
         return _ADAPTERS[tp]
     origin, args = typing.get_origin(tp), typing.get_args(tp)
     if origin in (typing.Union, types.UnionType) and len(args) == 2 and type(None) in args:
-        if torch.Tensor in args:
-            return _single("Tensor?")
+        inner = args[0] if args[1] is type(None) else args[1]
+        if inner in _SCALARS:
+            return _single(_SCALARS[inner] + "?")
     elif origin in (list, tuple) and args:
         if origin is tuple and not (len(args) == 2 and args[1] is Ellipsis):
             raise TypeError(f"fixed-length tuple {tp!r}; use tuple[X, ...] or list[X]")
@@ -136,24 +141,26 @@ def _unflatten_args(args_type, fields, values):
     return args_type(**kwargs)
 
 
-def _flatten_result(result, direction: str, values) -> list:
+def _flatten_result(result, direction: str, values, fp8: bool) -> list:
     if direction == "forward":
         if not isinstance(result, ForwardResult):
             raise TypeError(f"forward_compute must return a ForwardResult, got {result!r}")
-        return [result.output, *result.extra_outputs, *result.aux]
-    if not isinstance(result, BackwardResult):
-        raise TypeError(f"backward_compute must return a BackwardResult, got {result!r}")
+        tensors = [result.output, *result.extra_outputs, *result.aux]
+    else:
+        if not isinstance(result, BackwardResult):
+            raise TypeError(f"backward_compute must return a BackwardResult, got {result!r}")
+        tensors = [result.grad_input, *result.grad_params, *result.grad_extra_inputs]
     like = next(v for v in values if isinstance(v, torch.Tensor))
-    grads = [result.grad_input, *result.grad_params, *result.grad_extra_inputs]
-    return [g if g is not None else like.new_empty(0) for g in grads]
+    return boundary.encode_results(tensors, fp8, like)
 
 
 def _kernel(cls, direction: str, args_type, fields, compute):
     bound = functools.partial(compute, in_custom_op=True)
 
     def kernel(*values):
-        args = _unflatten_args(args_type, fields, values[:-1])  # the last is the provenance
-        return _flatten_result(bound(args), direction, values)
+        # The last two are the FP8-results flag and the provenance.
+        args = _unflatten_args(args_type, fields, values[:-2])
+        return _flatten_result(bound(args), direction, values, values[-2])
 
     return kernel
 
@@ -164,7 +171,7 @@ def _register(cls, direction: str) -> StageOp:
     name = _op_name(cls, direction)
     params = [f"{part} {fname}" if len(st.parts) == 1 else f"{part} {fname}_{i}"
               for fname, st in fields for i, part in enumerate(st.parts)]
-    _LIB.define(f"{name}({', '.join(params + ['str provenance'])}) -> Tensor[]")
+    _LIB.define(f"{name}({', '.join(params + ['bool fp8', 'str provenance'])}) -> Tensor[]")
     compute = getattr(cls, f"{direction}_compute")
     fake = getattr(cls, f"{direction}_fake", None) or compute
     _LIB.impl(name, _kernel(cls, direction, args_type, fields, compute),
@@ -196,24 +203,29 @@ def unsupported_reason(cls, direction: str) -> str | None:
     return _REASONS.get(key)
 
 
-def _call(stage, direction: str, args, provenance: str):
+def _call(stage, direction: str, args, provenance: str, fp8_dtype):
     op = stage_op(type(stage.op), direction)
-    flat = op.flatten_args(args) + [provenance]
+    flat = op.flatten_args(args) + [fp8_dtype is not None, provenance]
     if recorder is not None:
         recorder.append((op.overload, tuple(flat)))
-    return op, op.overload(*flat)
+    out = op.overload(*flat)
+    return op, boundary.decode_results(out, fp8_dtype is not None, fp8_dtype)
 
 
-def call_forward(stage, args, provenance: str) -> ForwardResult:
-    """Run a forward stage through its custom op."""
-    _, out = _call(stage, "forward", args, provenance)
+def call_forward(stage, args, provenance: str, fp8_dtype=None) -> ForwardResult:
+    """Run a forward stage through its custom op.
+
+    ``fp8_dtype``: under an FP8 recipe, the pipeline's dtype (that of the
+    Float8Tensors among the results); None otherwise.
+    """
+    _, out = _call(stage, "forward", args, provenance, fp8_dtype)
     k = stage.num_extra_out
     return ForwardResult(out[0], tuple(out[1:1 + k]), tuple(out[1 + k:]))
 
 
-def call_backward(stage, args, provenance: str) -> BackwardResult:
+def call_backward(stage, args, provenance: str, fp8_dtype=None) -> BackwardResult:
     """Run a backward stage through its custom op; placeholders become None."""
-    op, out = _call(stage, "backward", args, provenance)
+    op, out = _call(stage, "backward", args, provenance, fp8_dtype)
     input_needed, params_needed, extras_needed = stage.grad_mask
     expected = 1 + len(params_needed) + len(extras_needed)
     if len(out) != expected:

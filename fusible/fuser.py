@@ -14,6 +14,7 @@ import attrs
 import torch
 
 from fusible import _epoch, custom_ops
+from fusible.quantization.recipe import fp8_recipe
 from fusible.ops.base import OperationContext, OpGradNeeds
 from fusible.planner import GroupPlan, PlanEnvironment, op_grad_needs, plan_group
 from fusible.saved import restore_saved, stash_saved
@@ -59,7 +60,13 @@ class ExecPlan:
     idle_ctxs: tuple    # contexts for calls that save nothing
     constant_extra_outputs: tuple  # extra outputs that depend on nothing requiring grad
     backward_stages: tuple  # the public Stages of `backward`
+    recipe: object      # the FP8 recipe, or None
     validated: dict = attrs.field(factory=dict, eq=False)  # input signatures checked already
+
+    @property
+    def fp8_dtype(self):
+        """Under an FP8 recipe, the dtype Float8Tensors dequantize to; else None."""
+        return None if self.recipe is None else self.group.env.dtype
 
 
 class PipelineRunner:
@@ -105,7 +112,7 @@ class PipelineRunner:
                   tuple([e.requires_grad for e in extra_inputs]))
         else:
             rg = None
-        key = (x.dtype, device_type, rg)
+        key = (x.dtype, device_type, rg, fp8_recipe())
         plan = self._plans.get(key) or self._plan_for_key(key)
         if not plan.needs_backward:
             return run_forward(plan, x, params, extra_inputs, plan.idle_ctxs, save=False,
@@ -115,40 +122,42 @@ class PipelineRunner:
             return outputs, ()
         return outputs[0], tuple(outputs[1:])
 
-    def lookup(self, dtype, device_type, grad_enabled, input_rg, params_rg, extras_rg) -> ExecPlan:
+    def lookup(self, dtype, device_type, grad_enabled, input_rg, params_rg, extras_rg,
+               recipe=None) -> ExecPlan:
         """The cached plan for these conditions, planned on first use.
 
         What requires grad matters only with grad enabled; the key ignores it otherwise.
         """
         key = (dtype, device_type, (input_rg, tuple(params_rg), tuple(extras_rg))
-               if grad_enabled else None)
+               if grad_enabled else None, recipe)
         return self._plans.get(key) or self._plan_for_key(key)
 
     def _plan_for_key(self, key) -> ExecPlan:
-        dtype, device_type, rg = key
+        dtype, device_type, rg, recipe = key
         input_rg, _, extras_rg = rg or (False, (), (False,) * self.num_extra_inputs)
-        plan = self.prepare(dtype, device_type, rg is not None, input_rg, extras_rg)
+        plan = self.prepare(dtype, device_type, rg is not None, input_rg, extras_rg, recipe)
         self._plans[key] = plan
         return plan
 
-    def prepare(self, dtype, device_type, grad_enabled, input_rg, extra_rg) -> ExecPlan:
+    def prepare(self, dtype, device_type, grad_enabled, input_rg, extra_rg,
+                recipe=None) -> ExecPlan:
         """Plan the group for these conditions (uncached)."""
         needs = op_grad_needs(self.ops, grad_enabled, input_rg, tuple(extra_rg))
         env = PlanEnvironment(device_type, dtype, grad_enabled,
-                              {self.start + i: n for i, n in enumerate(needs)})
+                              {self.start + i: n for i, n in enumerate(needs)}, recipe)
         group = plan_group(self.ops, self.start, env)
         forward = tuple(self._exec_stage(s, False, needs) for s in group.forward)
         backward = [(self._exec_stage(s, True, needs), s) for s in group.backward]
         backward = [(es, s) for es, s in backward if any(n.any for n in needs[es.lo:es.hi])]
         idle = tuple(OperationContext(OpGradNeeds(False, (False,) * len(op.fusible_params()),
-                                                  (False,) * op.num_extra_inputs))
+                                                  (False,) * op.num_extra_inputs), recipe)
                      for op in self.ops)
         constant = tuple(j for j, i in enumerate(self._extra_output_producers)
                          if not needs[i].input)
         return ExecPlan(group, self.ops, forward, tuple(es for es, _ in backward), needs,
                         any(n.any for n in needs), needs[0].input if needs else False,
                         sum(len(op.param_names) for op in self.ops), self.num_extra_inputs, idle,
-                        constant, tuple(stage for _, stage in backward))
+                        constant, tuple(stage for _, stage in backward), recipe)
 
     def _exec_stage(self, stage, backward: bool, op_needs: tuple) -> _ExecStage:
         lo, hi = stage.indices[0] - self.start, stage.indices[-1] + 1 - self.start
@@ -194,7 +203,8 @@ def run_forward(plan: ExecPlan, x, params, extra_inputs, ctxs, *, save: bool,
         op, op_ctxs = st.op, ctxs[st.lo:st.hi]
         args = op.forward_args(x, params[st.params],
                                extra_inputs[st.extra_in] if st.num_extra_in else (), op_ctxs)
-        result = custom_ops.call_forward(st, args, st.provenance) if traced else st.compute(args)
+        result = (custom_ops.call_forward(st, args, st.provenance, plan.fp8_dtype) if traced
+                  else st.compute(args))
         if save:
             op.save_for_backward(args, result, op_ctxs)
         if len(result.extra_outputs) != st.num_extra_out:
@@ -219,6 +229,8 @@ def _validate(plan: ExecPlan, x, extra_inputs, cache: bool = True) -> None:
     for st in plan.forward:
         for op in st.ops:
             k = op.num_extra_inputs
+            if plan.recipe is not None:
+                op.validate_fp8(shape)
             shape = op.validate(shape, x.dtype, x.device, extra_inputs[pos:pos + k])
             pos += k
     if cache:
@@ -238,7 +250,7 @@ def run_backward(plan: ExecPlan, grad_output, grad_extra_outputs, ctxs, traced: 
         op, op_ctxs = st.op, ctxs[st.lo:st.hi]
         args = op.backward_args(dy, grad_extra_outputs[st.extra_out] if st.num_extra_out else (),
                                 op_ctxs)
-        result = (custom_ops.call_backward(st, args, st.provenance) if traced
+        result = (custom_ops.call_backward(st, args, st.provenance, plan.fp8_dtype) if traced
                   else st.compute(args))
         if len(result.grad_params) != st.num_params:
             raise RuntimeError(f"{type(op).__name__} returned {len(result.grad_params)} "
@@ -262,7 +274,7 @@ class _PipelineFunction(torch.autograd.Function):
     @staticmethod
     def forward(fctx, plan: ExecPlan, traced: bool, x, *tensors):
         extra_inputs, params = tensors[:plan.num_extra_inputs], tensors[plan.num_extra_inputs:]
-        ctxs = [OperationContext(n) for n in plan.needs]
+        ctxs = [OperationContext(n, plan.recipe) for n in plan.needs]
         y, extra_outputs = run_forward(plan, x, params, extra_inputs, ctxs, save=True,
                                        traced=traced)
         stash_saved(fctx, ctxs, (x, *tensors), (y, *extra_outputs))

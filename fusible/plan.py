@@ -99,7 +99,7 @@ def _describe(op) -> str:
 
 
 def build_plan(layout, dtype, device_type, grad: bool, input_rg: bool,
-               extras_rg: tuple) -> FusionPlan:
+               extras_rg: tuple, recipe=None) -> FusionPlan:
     """Plan every group of a layout for inputs of this dtype, device type and requires_grad."""
     forward, backward_groups, candidates = [], [], []
     upstream, extra_pos = input_rg and grad, 0
@@ -114,7 +114,7 @@ def build_plan(layout, dtype, device_type, grad: bool, input_rg: bool,
         k = runner.num_extra_inputs
         plan = runner.lookup(dtype, device_type, grad, upstream,
                              tuple(p.requires_grad for p in runner.params()),
-                             extras_rg[extra_pos:extra_pos + k])
+                             extras_rg[extra_pos:extra_pos + k], recipe)
         extra_pos += k
         forward += plan.group.forward
         backward_groups.append(plan.backward_stages)  # the stages that run
@@ -122,7 +122,7 @@ def build_plan(layout, dtype, device_type, grad: bool, input_rg: bool,
         upstream = upstream or plan.needs_backward
     backward = tuple(s for group in reversed(backward_groups) for s in group)
     return FusionPlan(tuple(forward), backward, tuple(candidates), layout.items, device_type,
-                      dtype, grad)
+                      dtype, grad, recipe)
 
 
 def _positions(layout):

@@ -7,15 +7,18 @@ import torch
 
 from fusible import FusedOperation, Op, Pattern, register_fusion
 from fusible.ops import BackwardResult, BasicLinear, MakeExtraOutput
-from fusible.ops.basic_linear import linear_dgrad, linear_wgrad
+from fusible.ops.basic_linear import linear_backward
+from fusible.quantization.float8_tensor import Fp8Able
 
 
 @attrs.define
 class LinearAddBackwardArgs:
-    grad_output: torch.Tensor
+    grad_output: Fp8Able
     grad_extra_output: Optional[torch.Tensor]
-    input: Optional[torch.Tensor]
-    weight: Optional[torch.Tensor]
+    input: Optional[Fp8Able]
+    weight: Optional[Fp8Able]
+    grad_fp8_dtype: Optional[torch.dtype]
+    need_grad_input: bool
     need_grad_weight: bool
 
 
@@ -26,7 +29,8 @@ class BackwardLinearAdd(FusedOperation):
     Pattern (forward order): ``MakeExtraOutput, BasicLinear``; in the backward the
     linear's dgrad is accumulated into the gradient of the extra output.
     Accepts when the input needs a gradient (otherwise there is no dgrad).
-    Reads: BasicLinear's saved ``(input, weight)``; computes its wgrad too.
+    Reads: BasicLinear's saved ``(input, weight)``; computes its wgrad too. Under an FP8
+    recipe the dgrad is an FP8 GEMM followed by the add.
     """
 
     direction = "backward"
@@ -40,12 +44,12 @@ class BackwardLinearAdd(FusedOperation):
         return True
 
     def backward_args(self, grad_output, grad_extra_outputs, ctxs):
-        x, weight = ctxs[1].saved
-        return LinearAddBackwardArgs(grad_output, grad_extra_outputs[0], x, weight,
-                                     ctxs[1].needs.params[0])
+        linear = ctxs[1]
+        x, weight = linear.saved
+        grad_dtype = None if linear.recipe is None else linear.recipe.backward_dtype
+        return LinearAddBackwardArgs(grad_output, grad_extra_outputs[0], x, weight, grad_dtype,
+                                     True, linear.needs.params[0])
 
     @classmethod
     def backward_compute(cls, args, *, in_custom_op=False):
-        dx = linear_dgrad(args.grad_output, args.weight, accumulate_into=args.grad_extra_output)
-        dw = linear_wgrad(args.grad_output, args.input) if args.need_grad_weight else None
-        return BackwardResult(dx, (dw,))
+        return BackwardResult(*linear_backward(args, accumulate_into=args.grad_extra_output))

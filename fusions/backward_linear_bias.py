@@ -1,24 +1,9 @@
 """BackwardLinearBias: the whole backward of a linear layer with bias in one stage."""
 
-from typing import Optional
-
-import attrs
-import torch
-
 from fusible import FusedOperation, Op, Pattern, register_fusion
 from fusible.ops import BackwardResult, BasicLinear, Bias
-from fusible.ops.basic_linear import linear_backward
+from fusible.ops.basic_linear import LinearBackwardArgs, linear_backward, linear_backward_args
 from fusible.ops.bias import bias_grad
-
-
-@attrs.define
-class LinearBiasBackwardArgs:
-    grad_output: torch.Tensor
-    input: Optional[torch.Tensor]
-    weight: Optional[torch.Tensor]
-    need_grad_input: bool
-    need_grad_weight: bool
-    need_grad_bias: bool
 
 
 @register_fusion
@@ -27,14 +12,15 @@ class BackwardLinearBias(FusedOperation):
 
     Pattern (forward order): ``BasicLinear, Bias``. Accepts when the bias needs a
     gradient (otherwise BasicLinear alone does the same work).
-    Reads: BasicLinear's saved ``(input, weight)``; Bias saved nothing.
-    One stage instead of two halves the per-stage overhead of a linear layer's
-    backward; the three kernels are those of the unfused ops.
+    Reads: BasicLinear's saved ``(input, weight)`` (FP8 copies under FP8); Bias saved
+    nothing. dbias comes from the gradient before it is quantized. One stage instead of
+    two halves the per-stage overhead of a linear layer's backward; the kernels are those
+    of the unfused ops.
     """
 
     direction = "backward"
     pattern = Pattern(Op(BasicLinear, name="linear"), Op(Bias, name="bias"))
-    bwd_args_type = LinearBiasBackwardArgs
+    bwd_args_type = LinearBackwardArgs  # BasicLinear's own: dbias is always wanted here
 
     @classmethod
     def accepts(cls, match, env):
@@ -43,9 +29,7 @@ class BackwardLinearBias(FusedOperation):
         return True
 
     def backward_args(self, grad_output, grad_extra_outputs, ctxs):
-        linear = ctxs[0]
-        return LinearBiasBackwardArgs(grad_output, *linear.saved, linear.needs.input,
-                                      linear.needs.params[0], True)
+        return linear_backward_args(ctxs[0], grad_output)
 
     @classmethod
     def backward_compute(cls, args, *, in_custom_op=False):

@@ -1,27 +1,35 @@
 """ForwardLinearBias: BasicLinear + Bias as one GEMM with the bias epilogue."""
 
+from typing import Optional
+
 import attrs
 import torch
 
 from fusible import FusedOperation, Op, Pattern, register_fusion
 from fusible.ops import BasicLinear, Bias, ForwardResult
-from fusible.ops.basic_linear import linear_forward, save_linear
+from fusible.ops.basic_linear import fp8_forward_flags, gemm_forward, linear_aux, save_linear
+from fusible.quantization.float8_tensor import Fp8Able
 
 
 @attrs.define
 class LinearBiasForwardArgs:
-    input: torch.Tensor
+    input: Fp8Able
     weight: torch.Tensor
     bias: torch.Tensor
+    fp8_dtype: Optional[torch.dtype]
+    keep_input_t: bool
+    keep_weight_t: bool
 
 
 @register_fusion
 class ForwardLinearBias(FusedOperation):
-    """``y = x @ weight.T + bias`` in one ``torch.addmm`` (cuBLASLt bias epilogue on CUDA).
+    """``y = x @ weight.T + bias`` in one GEMM with the bias epilogue.
 
+    ``torch.addmm`` (cuBLASLt's bias epilogue on CUDA); under an FP8 recipe
+    ``torch._scaled_mm`` with its bias epilogue.
     Pattern: ``BasicLinear, Bias``. Accepts every match.
-    Saves: BasicLinear's ``(input, weight)`` as BasicLinear itself would; Bias saves
-    nothing. The backward is planned separately.
+    Saves: BasicLinear's ``(input, weight)`` as BasicLinear itself would (their FP8
+    copies under FP8); Bias saves nothing. The backward is planned separately.
     """
 
     direction = "forward"
@@ -30,11 +38,13 @@ class ForwardLinearBias(FusedOperation):
 
     def forward_args(self, input, params, extra_inputs, ctxs):
         weight, bias = params  # the covered ops' parameters, in order
-        return LinearBiasForwardArgs(input, weight, bias)
+        return LinearBiasForwardArgs(input, weight, bias, *fp8_forward_flags(ctxs[0]))
 
     @classmethod
     def forward_compute(cls, args, *, in_custom_op=False):
-        return ForwardResult(linear_forward(args.input, args.weight, args.bias))
+        y, x_saved, w_saved = gemm_forward(args.input, args.weight, args.bias, args.fp8_dtype,
+                                           args.keep_input_t, args.keep_weight_t)
+        return ForwardResult(y, (), linear_aux(args, x_saved, w_saved))
 
     def save_for_backward(self, args, result, ctxs):
-        save_linear(ctxs[0], args.input, args.weight)
+        save_linear(ctxs[0], args, result.aux)

@@ -6,7 +6,7 @@ import torch
 from fusible import FusedOperation, Op, Pattern, register_fusion
 from fusible.ops import GELU, BasicLinear, Bias, ForwardResult, ReLU
 from fusible.ops.activation import save_activation
-from fusible.ops.basic_linear import like_tokens, save_linear, tokens_2d
+from fusible.ops.basic_linear import like_tokens, tokens_2d
 
 # The GELU each backend's epilogue computes: cuBLASLt's is the tanh form; the CPU
 # kernel applies exact GELU after the GEMM.
@@ -32,6 +32,7 @@ class ForwardLinearBiasActivation(FusedOperation):
     its output, so ReLU fuses in training too. On CUDA, GELU fuses for 16-bit
     dtypes only: cuBLASLt's epilogue is less accurate than float32 (measured
     about 6e-5 relative on an H200).
+    Refuses under an FP8 recipe (no FP8 activation epilogue).
     Saves: BasicLinear's ``(input, weight)``; ReLU's ``(output,)``.
     """
 
@@ -43,6 +44,8 @@ class ForwardLinearBiasActivation(FusedOperation):
     @classmethod
     def accepts(cls, match, env):
         act = match["activation"]
+        if env.recipe is not None:
+            return "torch._scaled_mm has no activation epilogue for FP8 GEMMs"
         if env.device_type not in EPILOGUE_GELU:
             return f"no GEMM activation epilogue on {env.device_type}"
         if not isinstance(act, GELU):
@@ -70,6 +73,7 @@ class ForwardLinearBiasActivation(FusedOperation):
         return ForwardResult(like_tokens(y, x))
 
     def save_for_backward(self, args, result, ctxs):
-        save_linear(ctxs[0], args.input, args.weight)
+        ctxs[0].saved = (args.input if ctxs[0].needs.params[0] else None,
+                         args.weight if ctxs[0].needs.input else None)
         # Only ReLU reaches here with a backward (accepts refuses GELU then): it saves y.
         save_activation(self.match["activation"], ctxs[2], None, result.output)

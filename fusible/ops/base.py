@@ -122,12 +122,15 @@ class OperationContext:
         the backward stage covering the op has run.
     info : Any
         Non-tensor data the backward needs (e.g. an input shape).
+    recipe : Float8CurrentScaling or None
+        The FP8 recipe the forward ran under (the backward follows it).
     """
 
-    __slots__ = ("needs", "saved", "info", "versions")
+    __slots__ = ("needs", "recipe", "saved", "info", "versions")
 
-    def __init__(self, needs: OpGradNeeds):
+    def __init__(self, needs: OpGradNeeds, recipe=None):
         self.needs = needs
+        self.recipe = recipe
         self.saved: tuple = ()
         self.info: Any = None
         self.versions = ()  # (slot, version) of saved intermediates, set by the fuser
@@ -256,6 +259,9 @@ class BasicOperation(FusibleOperation):
         text = self.describe()
         name = type(self).__name__
         return text[len(name) + 1:-1] if text.startswith(name + "(") else ""
+
+    def validate_fp8(self, shape: tuple) -> None:
+        """Check an input shape against the op's FP8 constraints (called under a recipe)."""
 
     def validate(self, shape: tuple, dtype: torch.dtype, device: torch.device,
                  extra_inputs: tuple = ()) -> tuple:

@@ -10,54 +10,28 @@ import torch
 from torch import nn
 
 from fusible.ops.base import BackwardResult, BasicOperation, ForwardResult
+from fusible.ops.linear_math import (gemm_backward, gemm_forward, like_tokens,  # noqa: F401
+                                     linear_dgrad, linear_forward, linear_wgrad, tokens_2d)
+from fusible.quantization.float8_tensor import Fp8Able
 
 Tensor = torch.Tensor
 
 
-def tokens_2d(t: Tensor) -> Tensor:
-    """View a (..., features) tensor as (tokens, features) for a GEMM."""
-    return t if t.dim() == 2 else t.reshape(-1, t.shape[-1])
-
-
-def like_tokens(y2: Tensor, t: Tensor) -> Tensor:
-    """View a (tokens, features) GEMM result with the leading dimensions of ``t``."""
-    return y2 if t.dim() == 2 else y2.view(*t.shape[:-1], y2.shape[-1])
-
-
-def linear_forward(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
-    """``x @ weight.T (+ bias)``; with a bias, one GEMM with the bias epilogue."""
-    x2 = tokens_2d(x)
-    y = torch.mm(x2, weight.t()) if bias is None else torch.addmm(bias, x2, weight.t())
-    return like_tokens(y, x)
-
-
-def linear_dgrad(grad_output: Tensor, weight: Tensor,
-                 accumulate_into: Optional[Tensor] = None) -> Tensor:
-    """``dy @ weight``; with ``accumulate_into``, ``that + dy @ weight`` in one GEMM."""
-    dy2 = tokens_2d(grad_output)
-    if accumulate_into is None:
-        dx = torch.mm(dy2, weight)
-    else:
-        dx = torch.addmm(tokens_2d(accumulate_into), dy2, weight)
-    return like_tokens(dx, grad_output)
-
-
-def linear_wgrad(grad_output: Tensor, x: Tensor) -> Tensor:
-    """``dy.T @ x`` summed over all tokens."""
-    return torch.mm(tokens_2d(grad_output).t(), tokens_2d(x))
-
-
 @attrs.define
 class LinearForwardArgs:
-    input: Tensor
+    input: Fp8Able
     weight: Tensor
+    fp8_dtype: Optional[torch.dtype]  # None: high precision
+    keep_input_t: bool                # FP8: keep the input's transposed copy (for wgrad)
+    keep_weight_t: bool               # FP8: keep the weight's transposed copy (for dgrad)
 
 
 @attrs.define
 class LinearBackwardArgs:
-    grad_output: Tensor
-    input: Optional[Tensor]
-    weight: Optional[Tensor]
+    grad_output: Fp8Able
+    input: Optional[Fp8Able]
+    weight: Optional[Fp8Able]
+    grad_fp8_dtype: Optional[torch.dtype]  # None: high precision
     need_grad_input: bool
     need_grad_weight: bool
 
@@ -125,15 +99,26 @@ class BasicLinear(BasicOperation):
         self._check_param("weight", self.weight, dtype, device)
         return (*shape[:-1], self.out_features)
 
+    def validate_fp8(self, shape) -> None:
+        """FP8 GEMMs (Hopper's) need every dimension divisible by 16."""
+        tokens = math.prod(shape[:-1])
+        if self.in_features % 16 or self.out_features % 16 or tokens % 16:
+            raise ValueError(f"{self.describe()} under an FP8 recipe needs in_features, "
+                             f"out_features and the number of tokens divisible by 16, got "
+                             f"{tokens} tokens; pad the tokens or run it outside "
+                             f"fusible.autocast")
+
     def forward_args(self, input, params, extra_inputs, ctxs):
-        return LinearForwardArgs(input, params[0])
+        return LinearForwardArgs(input, params[0], *fp8_forward_flags(ctxs[0]))
 
     @classmethod
     def forward_compute(cls, args, *, in_custom_op=False):
-        return ForwardResult(linear_forward(args.input, args.weight))
+        y, x_saved, w_saved = gemm_forward(args.input, args.weight, None, args.fp8_dtype,
+                                           args.keep_input_t, args.keep_weight_t)
+        return ForwardResult(y, (), linear_aux(args, x_saved, w_saved))
 
     def save_for_backward(self, args, result, ctxs):
-        save_linear(ctxs[0], args.input, args.weight)
+        save_linear(ctxs[0], args, result.aux)
 
     def backward_args(self, grad_output, grad_extra_outputs, ctxs):
         return linear_backward_args(ctxs[0], grad_output)
@@ -146,18 +131,35 @@ class BasicLinear(BasicOperation):
         return f"in_features={self.in_features}, out_features={self.out_features}"
 
 
-def save_linear(ctx, x: Tensor, weight: Tensor) -> None:
-    """BasicLinear's saved layout: input for wgrad, weight for dgrad."""
+def fp8_forward_flags(ctx) -> tuple:
+    """``(fp8_dtype, keep_input_t, keep_weight_t)`` of a BasicLinear's forward args."""
+    recipe = ctx.recipe
+    if recipe is None:
+        return None, False, False
+    return recipe.forward_dtype, ctx.needs.params[0], ctx.needs.input
+
+
+def save_linear(ctx, args, aux: tuple) -> None:
+    """BasicLinear's saved layout ``(input, weight)``: the input for wgrad, the weight for
+    dgrad; under FP8 their FP8 copies, the forward result's first two aux tensors."""
+    x, weight = (args.input, args.weight) if args.fp8_dtype is None else aux[:2]
     ctx.saved = (x if ctx.needs.params[0] else None, weight if ctx.needs.input else None)
+
+
+def linear_aux(args, x_saved, w_saved) -> tuple:
+    """The aux tensors a forward GEMM stage returns: the FP8 copies to save, under FP8."""
+    return () if args.fp8_dtype is None else (x_saved, w_saved)
 
 
 def linear_backward_args(ctx, grad_output) -> LinearBackwardArgs:
     x, weight = ctx.saved
-    return LinearBackwardArgs(grad_output, x, weight, ctx.needs.input, ctx.needs.params[0])
+    grad_dtype = None if ctx.recipe is None else ctx.recipe.backward_dtype
+    return LinearBackwardArgs(grad_output, x, weight, grad_dtype, ctx.needs.input,
+                              ctx.needs.params[0])
 
 
-def linear_backward(args) -> tuple:
+def linear_backward(args, accumulate_into=None) -> tuple:
     """(dgrad or None, (wgrad or None,)) for LinearBackwardArgs-like args."""
-    dx = linear_dgrad(args.grad_output, args.weight) if args.need_grad_input else None
-    dw = linear_wgrad(args.grad_output, args.input) if args.need_grad_weight else None
+    dx, dw = gemm_backward(args.grad_output, args.input, args.weight, args.grad_fp8_dtype,
+                           args.need_grad_input, args.need_grad_weight, accumulate_into)
     return dx, (dw,)

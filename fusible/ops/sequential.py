@@ -9,6 +9,7 @@ from torch import nn
 
 from fusible import _epoch
 from fusible.ops.base import FusedOperation, FusibleOperation, PlanCachingModule
+from fusible.quantization.recipe import fp8_recipe
 
 
 class Sequential(PlanCachingModule):
@@ -150,5 +151,6 @@ class Sequential(PlanCachingModule):
         layout = self._layout()
         dtype, device_type, input_rg, extras_rg = plan_conditions(layout, example_inputs,
                                                                   self.parameters())
-        return build_plan(layout, dtype, device_type, torch.is_grad_enabled(), input_rg, extras_rg)
+        return build_plan(layout, dtype, device_type, torch.is_grad_enabled(), input_rg, extras_rg,
+                          fp8_recipe())
 

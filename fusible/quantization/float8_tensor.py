@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 import torch.utils._pytree as pytree
@@ -180,3 +180,8 @@ _HANDLERS = {
     aten.mm.default: _mm,
     aten.addmm.default: _addmm,
 }
+
+
+# A field type for args that may carry either a tensor or a Float8Tensor; custom ops
+# receive it as (data or tensor, scale_inv, transposed copy, original dtype).
+Fp8Able = Union[torch.Tensor, Float8Tensor]

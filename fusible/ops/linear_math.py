@@ -1,0 +1,110 @@
+"""The GEMMs of a linear layer, in high precision or FP8, shared by BasicLinear and fusions.
+
+FP8 GEMMs use ``torch._scaled_mm`` with the layouts Hopper needs: the first
+operand row-major, the second column-major. The forward reads ``x`` and
+``weight.T`` (a view of the row-major weight); dgrad reads ``dy`` and the
+weight's transposed copy; wgrad reads the transposed copies of ``dy`` and ``x``.
+Each tensor is quantized once, with the copies the backward will need.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from fusible.quantization.float8_tensor import Float8Tensor, quantize_raw
+
+Tensor = torch.Tensor
+
+
+def tokens_2d(t: Tensor) -> Tensor:
+    """View a (..., features) tensor as (tokens, features) for a GEMM."""
+    return t if t.dim() == 2 else t.reshape(-1, t.shape[-1])
+
+
+def like_tokens(y2: Tensor, t: Tensor) -> Tensor:
+    """View a (tokens, features) GEMM result with the leading dimensions of ``t``."""
+    return y2 if t.dim() == 2 else y2.view(*t.shape[:-1], y2.shape[-1])
+
+
+def linear_forward(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
+    """``x @ weight.T (+ bias)``; with a bias, one GEMM with the bias epilogue."""
+    x2 = tokens_2d(x)
+    y = torch.mm(x2, weight.t()) if bias is None else torch.addmm(bias, x2, weight.t())
+    return like_tokens(y, x)
+
+
+def linear_dgrad(grad_output: Tensor, weight: Tensor,
+                 accumulate_into: Optional[Tensor] = None) -> Tensor:
+    """``dy @ weight``; with ``accumulate_into``, ``that + dy @ weight`` in one GEMM."""
+    dy2 = tokens_2d(grad_output)
+    if accumulate_into is None:
+        dx = torch.mm(dy2, weight)
+    else:
+        dx = torch.addmm(tokens_2d(accumulate_into), dy2, weight)
+    return like_tokens(dx, grad_output)
+
+
+def linear_wgrad(grad_output: Tensor, x: Tensor) -> Tensor:
+    """``dy.T @ x`` summed over all tokens."""
+    return torch.mm(tokens_2d(grad_output).t(), tokens_2d(x))
+
+
+def as_fp8(t: Tensor, fp8_dtype: torch.dtype, columnwise: bool) -> Float8Tensor:
+    """``t`` as a 2-D Float8Tensor of ``fp8_dtype``; quantized here unless it is one already."""
+    t2 = tokens_2d(t)
+    if isinstance(t2, Float8Tensor):
+        if t2.fp8_dtype != fp8_dtype or (columnwise and t2._transpose is None):
+            raise ValueError(f"an FP8 input arrived as {t2.fp8_dtype} (transposed copy: "
+                             f"{t2._transpose is not None}); the GEMM needs {fp8_dtype} "
+                             f"(transposed copy: {columnwise})")
+        return t2
+    return quantize_raw(t2.contiguous(), fp8_dtype, columnwise)
+
+
+def fp8_gemm(a: Tensor, a_scale_inv: Tensor, b: Tensor, b_scale_inv: Tensor,
+             bias: Optional[Tensor], out_dtype: torch.dtype) -> Tensor:
+    """``(a * sa) @ (b * sb) (+ bias)``: ``a`` row-major FP8, ``b`` column-major FP8."""
+    epilogue = bias is not None and out_dtype in (torch.bfloat16, torch.float16)
+    y = torch._scaled_mm(a, b, scale_a=a_scale_inv, scale_b=b_scale_inv,
+                         bias=bias if epilogue else None, out_dtype=out_dtype)
+    if bias is not None and not epilogue:  # no bias epilogue for float32 outputs
+        y = y + bias
+    return y
+
+
+def gemm_forward(x: Tensor, weight: Tensor, bias: Optional[Tensor],
+                 fp8_dtype: Optional[torch.dtype], keep_input_t: bool, keep_weight_t: bool):
+    """``(y, input to save, weight to save)``: high precision without ``fp8_dtype``."""
+    if fp8_dtype is None:
+        return linear_forward(x, weight, bias), x, weight
+    x_q = as_fp8(x, fp8_dtype, keep_input_t)
+    w_q = quantize_raw(weight, fp8_dtype, keep_weight_t)
+    out_dtype = weight.dtype
+    y = fp8_gemm(x_q._data, x_q._scale_inv, w_q._data.t(), w_q._scale_inv, bias, out_dtype)
+    return like_tokens(y, x), x_q, w_q
+
+
+def gemm_backward(dy: Tensor, x_saved, w_saved, grad_fp8_dtype: Optional[torch.dtype],
+                  need_dgrad: bool, need_wgrad: bool, accumulate_into: Optional[Tensor] = None):
+    """``(dgrad or None, wgrad or None)`` from what ``gemm_forward`` saved.
+
+    ``accumulate_into`` is added to the dgrad (in the GEMM in high precision).
+    """
+    if grad_fp8_dtype is None:
+        dx = linear_dgrad(dy, w_saved, accumulate_into) if need_dgrad else None
+        dw = linear_wgrad(dy, x_saved) if need_wgrad else None
+        return dx, dw
+    dy_q = as_fp8(dy, grad_fp8_dtype, need_wgrad)
+    dx = dw = None
+    if need_dgrad:
+        dx = fp8_gemm(dy_q._data, dy_q._scale_inv, w_saved._transpose.t(), w_saved._scale_inv,
+                      None, w_saved.dtype)
+        dx = like_tokens(dx, dy)
+        if accumulate_into is not None:
+            dx = dx + accumulate_into
+    if need_wgrad:
+        dw = fp8_gemm(dy_q._transpose, dy_q._scale_inv, x_saved._transpose.t(),
+                      x_saved._scale_inv, None, x_saved.dtype)
+    return dx, dw

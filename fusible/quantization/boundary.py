@@ -1,0 +1,70 @@
+"""Float8Tensors across custom-op boundaries: flattened to their inner tensors and rebuilt.
+
+Arguments: a field annotated ``Fp8Able`` (or ``Optional[Fp8Able]``) becomes four
+schema arguments, ``(data or tensor, scale_inv, transposed copy, original dtype)``.
+Results of a stage that runs under an FP8 recipe: each tensor becomes three,
+``(data or tensor, scale_inv, transposed copy)``, with empty 1-D placeholders
+where a part is missing; a 0-d ``scale_inv`` marks a Float8Tensor.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from fusible.quantization.float8_tensor import Float8Tensor, Fp8Able
+
+
+def _flatten_fp8able(value) -> list:
+    if value is None:
+        return [None, None, None, None]
+    if isinstance(value, Float8Tensor):
+        return [value._data, value._scale_inv, value._transpose, value.dtype]
+    return [value, None, None, None]
+
+
+def _unflatten_fp8able(values):
+    data, scale_inv, transpose, dtype = values
+    if scale_inv is None:
+        return data
+    return Float8Tensor(data, scale_inv, dtype, transpose)
+
+
+def register_schema_types(register, schema_type_cls) -> None:
+    """Teach the custom-op schema derivation the ``Fp8Able`` field types."""
+    st = schema_type_cls(("Tensor?", "Tensor?", "Tensor?", "ScalarType?"), _flatten_fp8able,
+                         _unflatten_fp8able)
+    register(Fp8Able, st)
+    register(Optional[Fp8Able], st)
+
+
+def encode_results(tensors: list, fp8: bool, like: torch.Tensor) -> list:
+    """Flatten stage results for a ``Tensor[]`` return (None becomes an empty placeholder)."""
+    def empty():
+        return like.new_empty(0)
+
+    if not fp8:
+        return [t if t is not None else empty() for t in tensors]
+    out = []
+    for t in tensors:
+        if isinstance(t, Float8Tensor):
+            out += [t._data, t._scale_inv, t._transpose if t._transpose is not None else empty()]
+        else:
+            out += [t if t is not None else empty(), empty(), empty()]
+    return out
+
+
+def decode_results(flat: list, fp8: bool, dtype: torch.dtype) -> list:
+    """Undo :func:`encode_results` (placeholders stay empty tensors)."""
+    if not fp8:
+        return list(flat)
+    out = []
+    for i in range(0, len(flat), 3):
+        data, scale_inv, transpose = flat[i:i + 3]
+        if scale_inv.dim() == 0:
+            out.append(Float8Tensor(data, scale_inv, dtype,
+                                    transpose if transpose.dim() == 2 else None))
+        else:
+            out.append(data)
+    return out
