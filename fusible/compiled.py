@@ -38,7 +38,7 @@ def _prepare(module_token: int, epoch: int, conditions: tuple):
     from fusible.plan import build_plan
 
     module = _tokens.lookup(module_token)
-    plan = build_plan(module._layout(), *conditions)
+    plan = build_plan(module._layout(), *conditions[:-1], recipe.recipe_from_format(conditions[-1]))
     for stage in plan.forward + plan.backward:
         reason = stage.compile_reason
         if reason is not None:
@@ -77,7 +77,7 @@ def compiled_forward(module, x, extra_inputs: tuple):
     """``module(x, *extra_inputs)`` as dynamo should trace it."""
     grad = torch.is_grad_enabled()
     conditions = (x.dtype, x.device.type, grad, grad and x.requires_grad,
-                  tuple(grad and e.requires_grad for e in extra_inputs), recipe.fp8_recipe())
+                  tuple(grad and e.requires_grad for e in extra_inputs), recipe._recipe_format)
     reason = _prepare(id(module), _epoch.current(), conditions)  # dynamo guards on the epoch
     if reason is not None:
         _graph_break(reason)

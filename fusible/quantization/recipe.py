@@ -48,14 +48,20 @@ class Float8CurrentScaling:
         return _FORMATS[self.fp8_format][1]
 
 
-# The recipe in effect: None when FP8 is off. A plain module global, so that a
-# compiled model reads it in traced code and dynamo guards on it.
+# The recipe in effect: None when FP8 is off. Plain module globals: a compiled model
+# reads the format (a string) in traced code, and dynamo guards on its value.
 _recipe = None
+_recipe_format = None
 
 
 def fp8_recipe():
     """The FP8 recipe in effect, or None."""
     return _recipe
+
+
+def recipe_from_format(fp8_format):
+    """The recipe of ``fp8_format``, or None for None (the inverse of ``_recipe_format``)."""
+    return None if fp8_format is None else Float8CurrentScaling(fp8_format)
 
 
 @contextlib.contextmanager
@@ -75,12 +81,13 @@ def autocast(*, enabled: bool = True, recipe=None):
     plan (and a compiled model's graph) depends on: changing it re-plans, and
     recompiles rather than breaks.
     """
-    global _recipe
+    global _recipe, _recipe_format
     if recipe is not None and not isinstance(recipe, Float8CurrentScaling):
         raise TypeError(f"autocast: recipe must be a Float8CurrentScaling, got {recipe!r}")
-    previous = _recipe
+    previous = _recipe, _recipe_format
     _recipe = (recipe or Float8CurrentScaling()) if enabled else None
+    _recipe_format = None if _recipe is None else _recipe.fp8_format
     try:
         yield
     finally:
-        _recipe = previous
+        _recipe, _recipe_format = previous

@@ -1,0 +1,153 @@
+"""FP8 training with current scaling, eager and compiled, on CPU."""
+
+import copy
+
+import pytest
+import torch
+
+import fusible
+from fusible import ops
+from fusible.testing import fp8_snr_floor, reference_forward, snr_db
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+RECIPES = {"hybrid": fusible.Float8CurrentScaling(), "e4m3": fusible.Float8CurrentScaling("e4m3")}
+
+
+def _scaled_mm_calls(fn):
+    with torch.profiler.profile() as prof:
+        fn()
+    return sum(e.name == "aten::_scaled_mm" for e in prof.events())
+
+
+def _run_with_reference(model, x, recipe, dtype):
+    """Outputs and gradients of the FP8 model and of an FP64 reference."""
+    model = model.to(dtype)
+    xs = x.detach().to(dtype).clone().requires_grad_()
+    with fusible.autocast(recipe=recipe):
+        y = model(xs)
+    dy = torch.randn_like(y)
+    y.backward(dy)
+    ref_x = x.double().requires_grad_()
+    ref_y, ref_params = reference_forward(model, ref_x)
+    ref_y.backward(dy.double())
+    return y, xs, ref_y, ref_x, ref_params
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=str)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_linear_layer_against_fp64(recipe, dtype):
+    torch.manual_seed(0)
+    model = ops.Sequential(ops.Linear(64, 48))
+    x = torch.randn(2, 16, 64)
+    y, xs, ref_y, ref_x, ref_params = _run_with_reference(model, x, RECIPES[recipe], dtype)
+    grad_dtype = RECIPES[recipe].backward_dtype
+    assert snr_db(y, ref_y) > fp8_snr_floor(E4M3, E4M3)
+    assert snr_db(xs.grad, ref_x.grad) > fp8_snr_floor(grad_dtype, E4M3)
+    weight, bias = model[0].weight, model[0].bias
+    assert snr_db(weight.grad, ref_params[id(weight)].grad) > fp8_snr_floor(grad_dtype, E4M3)
+    assert snr_db(bias.grad, ref_params[id(bias)].grad) > 40  # dbias: before quantization
+
+
+def test_three_fp8_gemms_per_linear_layer():
+    torch.manual_seed(0)
+    model = ops.Sequential(ops.Linear(64, 128), ops.GELU(), ops.BasicLinear(128, 32),
+                           ops.Bias(32))
+    x = torch.randn(32, 64, requires_grad=True)
+    with fusible.autocast():
+        assert _scaled_mm_calls(lambda: model(x).sum().backward()) == 6
+        with torch.no_grad():
+            assert _scaled_mm_calls(lambda: model(x)) == 2
+    assert _scaled_mm_calls(lambda: model(x).sum().backward()) == 0  # outside autocast
+
+
+def test_fp8_residual_block_against_fp64():
+    torch.manual_seed(0)
+    model = ops.Sequential(ops.MakeExtraOutput(), ops.LayerNorm(64), ops.Linear(64, 128),
+                           ops.GELU(approximate="tanh"), ops.Linear(128, 64),
+                           ops.AddExtraInput()).to(torch.bfloat16)
+    x = torch.randn(32, 64, dtype=torch.bfloat16, requires_grad=True)
+    r = torch.randn(32, 64, dtype=torch.bfloat16, requires_grad=True)
+    with fusible.autocast():
+        plan = model.plan(x, r)
+        y, branch = model(x, r)
+    assert "BackwardLinearAdd" not in [s.name for s in plan.backward]  # LayerNorm in between
+    assert [s.name for s in plan.forward][-1] == "ForwardLinearBiasAdd"
+    (y.float().sum() + branch.float().sum()).backward()
+    ref_in = [t.detach().double().requires_grad_() for t in (x, r)]
+    (ref_y, ref_branch), _ = reference_forward(model, *ref_in)
+    (ref_y.sum() + ref_branch.sum()).backward()
+    two_gemms = fp8_snr_floor(E4M3, E4M3, E4M3, E4M3)  # the second GEMM's input carries noise
+    assert snr_db(y, ref_y) > two_gemms
+    assert snr_db(x.grad, ref_in[0].grad) > fp8_snr_floor(E5M2, E4M3, E5M2, E4M3)
+
+
+def test_fp8_shape_constraints_are_explained():
+    model = ops.Sequential(ops.Linear(64, 48))
+    with fusible.autocast():
+        with pytest.raises(ValueError, match=r"BasicLinear\(in_features=64, out_features=48\) "
+                                             r"under an FP8 recipe needs .* divisible by 16, "
+                                             r"got 10 tokens"):
+            model(torch.randn(10, 64))
+        bad = ops.Sequential(ops.Linear(60, 48))
+        with pytest.raises(ValueError, match="in_features=60"):
+            bad(torch.randn(16, 60))
+
+
+def test_recipe_is_part_of_the_plan():
+    model = ops.Sequential(ops.Linear(64, 64), ops.ReLU())
+    with torch.no_grad():
+        assert [s.name for s in model.plan().forward] == ["ForwardLinearBiasActivation"]
+        with fusible.autocast():
+            plan = model.plan()
+            assert plan.recipe == fusible.Float8CurrentScaling()
+            assert [s.name for s in plan.forward] == ["ForwardLinearBias", "ReLU"]
+
+
+def _fp8_models():
+    return {
+        "mlp": ops.Sequential(ops.Linear(32, 64), ops.GELU(approximate="tanh"),
+                              ops.Linear(64, 32)),
+        "residual": ops.Sequential(ops.MakeExtraOutput(), ops.BasicLinear(32, 32), ops.SiLU(),
+                                   ops.Linear(32, 32), ops.AddExtraInput()),
+    }
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+@pytest.mark.parametrize("name", ["mlp", "residual"])
+def test_fp8_compiled_same_bits_as_eager(name, backend):
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = _fp8_models()[name].to(torch.bfloat16)
+    twin = copy.deepcopy(model)
+    compiled = torch.compile(twin, fullgraph=True, backend=backend)
+    extras = 1 if name == "residual" else 0
+    for step in range(2):
+        inputs = [torch.randn(2, 16, 32, dtype=torch.bfloat16, requires_grad=True)
+                  for _ in range(1 + extras)]
+        inputs2 = [t.detach().clone().requires_grad_() for t in inputs]
+        with fusible.autocast():
+            out, out2 = model(*inputs), compiled(*inputs2)
+        out = out if isinstance(out, tuple) else (out,)
+        out2 = out2 if isinstance(out2, tuple) else (out2,)
+        for a, b in zip(out, out2):
+            assert torch.equal(a, b), f"step {step}: outputs differ"
+        sum(o.float().square().sum() for o in out).backward()
+        sum(o.float().square().sum() for o in out2).backward()
+        for t, t2 in zip(inputs, inputs2):
+            assert torch.equal(t.grad, t2.grad)
+        for (n, p), p2 in zip(model.named_parameters(), twin.parameters()):
+            assert torch.equal(p.grad, p2.grad), f"step {step}: gradient of {n} differs"
+            p.grad = p2.grad = None
+
+
+def test_changing_the_recipe_recompiles():
+    torch._dynamo.reset()
+    model = _fp8_models()["mlp"]
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    x = torch.randn(16, 32)
+    with torch.no_grad():
+        plain = compiled(x)
+        with fusible.autocast():
+            fp8 = compiled(x)
+            assert torch.equal(fp8, model(x))
+        assert torch.equal(compiled(x), plain) and not torch.equal(plain, fp8)
