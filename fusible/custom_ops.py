@@ -28,6 +28,7 @@ import torch
 
 from fusible.ops.base import BackwardResult, ForwardResult
 from fusible.quantization import boundary
+from fusible.quantization.flow import to_fp8_format
 
 _LIB = torch.library.Library("fusible", "FRAGMENT")
 _OPS: dict = {}      # (class, direction) -> StageOp
@@ -141,15 +142,18 @@ def _unflatten_args(args_type, fields, values):
     return args_type(**kwargs)
 
 
-def _flatten_result(result, direction: str, values, fp8: bool) -> list:
+def _flatten_result(result, direction: str, values, fp8: bool, fp8_out) -> list:
     if direction == "forward":
         if not isinstance(result, ForwardResult):
             raise TypeError(f"forward_compute must return a ForwardResult, got {result!r}")
-        tensors = [result.output, *result.extra_outputs, *result.aux]
+        output = to_fp8_format(result.output, fp8_out)
+        tensors = [output, *result.extra_outputs, *result.aux]
     else:
         if not isinstance(result, BackwardResult):
             raise TypeError(f"backward_compute must return a BackwardResult, got {result!r}")
-        tensors = [result.grad_input, *result.grad_params, *result.grad_extra_inputs]
+        grad = result.grad_input
+        grad = grad if grad is None else to_fp8_format(grad, fp8_out)
+        tensors = [grad, *result.grad_params, *result.grad_extra_inputs]
     like = next(v for v in values if isinstance(v, torch.Tensor))
     return boundary.encode_results(tensors, fp8, like)
 
@@ -158,9 +162,11 @@ def _kernel(cls, direction: str, args_type, fields, compute):
     bound = functools.partial(compute, in_custom_op=True)
 
     def kernel(*values):
-        # The last two are the FP8-results flag and the provenance.
-        args = _unflatten_args(args_type, fields, values[:-2])
-        return _flatten_result(bound(args), direction, values, values[-2])
+        # After the args: the format to hand FP8 on in, the FP8-results flag, the provenance.
+        args = _unflatten_args(args_type, fields, values[:-4])
+        out_dtype, out_columnwise, fp8 = values[-4:-1]
+        fp8_out = None if out_dtype is None else (out_dtype, out_columnwise)
+        return _flatten_result(bound(args), direction, values, fp8, fp8_out)
 
     return kernel
 
@@ -171,7 +177,8 @@ def _register(cls, direction: str) -> StageOp:
     name = _op_name(cls, direction)
     params = [f"{part} {fname}" if len(st.parts) == 1 else f"{part} {fname}_{i}"
               for fname, st in fields for i, part in enumerate(st.parts)]
-    _LIB.define(f"{name}({', '.join(params + ['bool fp8', 'str provenance'])}) -> Tensor[]")
+    tail = ["ScalarType? fp8_out_dtype", "bool fp8_out_columnwise", "bool fp8", "str provenance"]
+    _LIB.define(f"{name}({', '.join(params + tail)}) -> Tensor[]")
     compute = getattr(cls, f"{direction}_compute")
     fake = getattr(cls, f"{direction}_fake", None) or compute
     _LIB.impl(name, _kernel(cls, direction, args_type, fields, compute),
@@ -205,7 +212,9 @@ def unsupported_reason(cls, direction: str) -> str | None:
 
 def _call(stage, direction: str, args, provenance: str, fp8_dtype):
     op = stage_op(type(stage.op), direction)
-    flat = op.flatten_args(args) + [fp8_dtype is not None, provenance]
+    out_dtype, out_columnwise = stage.fp8_out or (None, False)
+    flat = op.flatten_args(args) + [out_dtype, out_columnwise, fp8_dtype is not None,
+                                    provenance]
     if recorder is not None:
         recorder.append((op.overload, tuple(flat)))
     out = op.overload(*flat)

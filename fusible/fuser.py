@@ -10,63 +10,14 @@ has run, so intermediates are freed during the backward pass.
 
 from __future__ import annotations
 
-import attrs
 import torch
 
 from fusible import _epoch, custom_ops
 from fusible.quantization.recipe import fp8_recipe
-from fusible.ops.base import OperationContext, OpGradNeeds
-from fusible.planner import GroupPlan, PlanEnvironment, op_grad_needs, plan_group
+from fusible.exec_plan import ExecPlan, prepare
+from fusible.ops.base import OperationContext
+from fusible.quantization.flow import to_fp8_format
 from fusible.saved import restore_saved, stash_saved
-
-
-@attrs.frozen
-class _ExecStage:
-    """A stage with the slices of the group's per-op state it reads and writes."""
-
-    op: object
-    ops: tuple          # covered basic ops, forward order
-    lo: int             # covered ops: [lo, hi) in the group
-    hi: int
-    extra_in: slice     # extra inputs consumed by covered ops
-    extra_out: slice    # extra outputs produced by covered ops
-    params: slice       # parameters of covered ops
-    compute: object     # the op's forward_compute or backward_compute (bound classmethod)
-    provenance: str     # names the stage in compiled graphs
-    grad_mask: tuple = ()  # backward: (input, params, extra inputs) gradients needed
-    num_extra_in: int = attrs.field(init=False)
-    num_extra_out: int = attrs.field(init=False)
-    num_params: int = attrs.field(init=False)
-
-    def __attrs_post_init__(self):  # counts read on the hot path
-        for name, span in (("num_extra_in", self.extra_in), ("num_extra_out", self.extra_out),
-                           ("num_params", self.params)):
-            object.__setattr__(self, name, span.stop - span.start)
-
-
-@attrs.frozen
-class ExecPlan:
-    """A :class:`GroupPlan` prepared for execution."""
-
-    group: GroupPlan
-    ops: tuple          # the group's basic ops
-    forward: tuple
-    backward: tuple     # only stages that take part in the backward pass
-    needs: tuple        # OpGradNeeds per op
-    needs_backward: bool
-    input_needs_grad: bool
-    num_params: int
-    num_extra_inputs: int
-    idle_ctxs: tuple    # contexts for calls that save nothing
-    constant_extra_outputs: tuple  # extra outputs that depend on nothing requiring grad
-    backward_stages: tuple  # the public Stages of `backward`
-    recipe: object      # the FP8 recipe, or None
-    validated: dict = attrs.field(factory=dict, eq=False)  # input signatures checked already
-
-    @property
-    def fp8_dtype(self):
-        """Under an FP8 recipe, the dtype Float8Tensors dequantize to; else None."""
-        return None if self.recipe is None else self.group.env.dtype
 
 
 class PipelineRunner:
@@ -80,8 +31,6 @@ class PipelineRunner:
         self.num_extra_outputs = sum(op.num_extra_outputs for op in self.ops)
         self._plans: dict = {}
         self._param_slots = [(op._parameters, name) for op in self.ops for name in op.param_names]
-        self._extra_output_producers = [i for i, op in enumerate(self.ops)
-                                        for _ in range(op.num_extra_outputs)]
 
     def params(self) -> list:
         """The ops' parameters, read afresh each call (they may have been swapped)."""
@@ -142,43 +91,8 @@ class PipelineRunner:
     def prepare(self, dtype, device_type, grad_enabled, input_rg, extra_rg,
                 recipe=None) -> ExecPlan:
         """Plan the group for these conditions (uncached)."""
-        needs = op_grad_needs(self.ops, grad_enabled, input_rg, tuple(extra_rg))
-        env = PlanEnvironment(device_type, dtype, grad_enabled,
-                              {self.start + i: n for i, n in enumerate(needs)}, recipe)
-        group = plan_group(self.ops, self.start, env)
-        forward = tuple(self._exec_stage(s, False, needs) for s in group.forward)
-        backward = [(self._exec_stage(s, True, needs), s) for s in group.backward]
-        backward = [(es, s) for es, s in backward if any(n.any for n in needs[es.lo:es.hi])]
-        idle = tuple(OperationContext(OpGradNeeds(False, (False,) * len(op.fusible_params()),
-                                                  (False,) * op.num_extra_inputs), recipe)
-                     for op in self.ops)
-        constant = tuple(j for j, i in enumerate(self._extra_output_producers)
-                         if not needs[i].input)
-        return ExecPlan(group, self.ops, forward, tuple(es for es, _ in backward), needs,
-                        any(n.any for n in needs), needs[0].input if needs else False,
-                        sum(len(op.param_names) for op in self.ops), self.num_extra_inputs, idle,
-                        constant, tuple(stage for _, stage in backward), recipe)
-
-    def _exec_stage(self, stage, backward: bool, op_needs: tuple) -> _ExecStage:
-        lo, hi = stage.indices[0] - self.start, stage.indices[-1] + 1 - self.start
-
-        def span(count):
-            a = sum(count(op) for op in self.ops[:lo])
-            return slice(a, a + sum(count(op) for op in self.ops[lo:hi]))
-
-        compute = (type(stage.op).backward_compute if backward
-                   else type(stage.op).forward_compute)
-        ops = self.ops[lo:hi]
-        provenance = (f"{stage.name} {list(stage.indices)}: "
-                      + " + ".join(op.describe() for op in ops))
-        mask = ()
-        if backward:
-            needs = [op_needs[i] for i in range(lo, hi)]
-            mask = (needs[0].input, tuple(p for n in needs for p in n.params),
-                    tuple(e for n in needs for e in n.extra_inputs))
-        return _ExecStage(stage.op, ops, lo, hi, span(lambda op: op.num_extra_inputs),
-                          span(lambda op: op.num_extra_outputs),
-                          span(lambda op: len(op.param_names)), compute, provenance, mask)
+        return prepare(self.ops, self.start, dtype, device_type, grad_enabled, input_rg,
+                       extra_rg, recipe)
 
     def _name(self) -> str:
         return "Sequential(" + ", ".join(type(op).__name__ for op in self.ops) + ")"
@@ -203,8 +117,12 @@ def run_forward(plan: ExecPlan, x, params, extra_inputs, ctxs, *, save: bool,
         op, op_ctxs = st.op, ctxs[st.lo:st.hi]
         args = op.forward_args(x, params[st.params],
                                extra_inputs[st.extra_in] if st.num_extra_in else (), op_ctxs)
-        result = (custom_ops.call_forward(st, args, st.provenance, plan.fp8_dtype) if traced
-                  else st.compute(args))
+        if traced:
+            result = custom_ops.call_forward(st, args, st.provenance, plan.fp8_dtype)
+        else:
+            result = st.compute(args)
+            if st.fp8_out is not None:  # what the custom op does inside, when compiled
+                result.output = to_fp8_format(result.output, st.fp8_out)
         if save:
             op.save_for_backward(args, result, op_ctxs)
         if len(result.extra_outputs) != st.num_extra_out:
@@ -250,8 +168,12 @@ def run_backward(plan: ExecPlan, grad_output, grad_extra_outputs, ctxs, traced: 
         op, op_ctxs = st.op, ctxs[st.lo:st.hi]
         args = op.backward_args(dy, grad_extra_outputs[st.extra_out] if st.num_extra_out else (),
                                 op_ctxs)
-        result = (custom_ops.call_backward(st, args, st.provenance, plan.fp8_dtype) if traced
-                  else st.compute(args))
+        if traced:
+            result = custom_ops.call_backward(st, args, st.provenance, plan.fp8_dtype)
+        else:
+            result = st.compute(args)
+            if st.fp8_out is not None and result.grad_input is not None:
+                result.grad_input = to_fp8_format(result.grad_input, st.fp8_out)
         if len(result.grad_params) != st.num_params:
             raise RuntimeError(f"{type(op).__name__} returned {len(result.grad_params)} "
                                f"parameter gradients for ops {[type(o).__name__ for o in st.ops]}")

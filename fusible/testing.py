@@ -48,6 +48,7 @@ _ref(ops.ReLU)(lambda op, x, e, p: (F.relu(x), ()))
 _ref(ops.SiLU)(lambda op, x, e, p: (F.silu(x), ()))
 _ref(ops.SwiGLU)(lambda op, x, e, p: (F.silu(x.chunk(2, -1)[0]) * x.chunk(2, -1)[1], ()))
 _ref(ops.Identity)(lambda op, x, e, p: (x, ()))
+_ref(ops.Quantize)(lambda op, x, e, p: (x, ()))  # the reference does not quantize
 _ref(ops.Reshape)(lambda op, x, e, p: (x.reshape(op.shape), ()))
 _ref(ops.ConstantScale)(lambda op, x, e, p: (x * op.scale, ()))
 _ref(ops.AddExtraInput)(lambda op, x, e, p: (x + e[0], ()))

@@ -36,6 +36,7 @@ class BackwardLinearAdd(FusedOperation):
     direction = "backward"
     pattern = Pattern(Op(MakeExtraOutput, name="branch"), Op(BasicLinear, name="linear"))
     bwd_args_type = LinearAddBackwardArgs
+    fp8_grad_consumer = True
 
     @classmethod
     def accepts(cls, match, env):

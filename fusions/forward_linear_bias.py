@@ -35,6 +35,7 @@ class ForwardLinearBias(FusedOperation):
     direction = "forward"
     pattern = Pattern(Op(BasicLinear, name="linear"), Op(Bias, name="bias"))
     fwd_args_type = LinearBiasForwardArgs
+    fp8_input_consumer = True
 
     def forward_args(self, input, params, extra_inputs, ctxs):
         weight, bias = params  # the covered ops' parameters, in order

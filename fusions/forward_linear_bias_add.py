@@ -38,6 +38,7 @@ class ForwardLinearBiasAdd(FusedOperation):
     pattern = Pattern(Op(BasicLinear, name="linear"), Op(Bias, name="bias", optional=True),
                       Op(AddExtraInput, name="add"))
     fwd_args_type = LinearBiasAddForwardArgs
+    fp8_input_consumer = True
 
     def forward_args(self, input, params, extra_inputs, ctxs):
         weight, bias = params if len(params) == 2 else (params[0], None)  # Bias is optional

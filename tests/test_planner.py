@@ -124,7 +124,7 @@ def test_accepts_reason_and_bad_verdict(registered):
 
 
 def test_plan_is_cached_and_replanned_when_conditions_change(monkeypatch):
-    import fusible.fuser as fuser
+    import fusible.exec_plan as fuser
     calls = []
     real = fuser.plan_group
     monkeypatch.setattr(fuser, "plan_group", lambda *a: calls.append(a[2]) or real(*a))

@@ -10,6 +10,7 @@ from fusible.ops.extra_io import AddExtraInput, MakeExtraOutput
 from fusible.ops.identity import Identity
 from fusible.ops.layer_norm import LayerNorm
 from fusible.ops.linear import Linear
+from fusible.ops.quantize import Quantize
 from fusible.ops.reshape import Reshape
 from fusible.ops.rms_norm import RMSNorm
 from fusible.ops.sequential import Sequential
@@ -17,6 +18,6 @@ from fusible.ops.sequential import Sequential
 __all__ = [
     "AddExtraInput", "BackwardResult", "BasicLinear", "BasicOperation", "Bias", "ConstantScale",
     "ForwardResult", "FusedOperation", "FusibleOperation", "GELU", "Identity", "LayerNorm",
-    "Linear", "MakeExtraOutput", "OperationContext", "RMSNorm", "ReLU", "Reshape", "SiLU",
+    "Linear", "MakeExtraOutput", "OperationContext", "Quantize", "RMSNorm", "ReLU", "Reshape", "SiLU",
     "Sequential", "SwiGLU",
 ]

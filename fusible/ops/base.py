@@ -191,6 +191,11 @@ class FusibleOperation(PlanCachingModule):
 
     fwd_args_type: ClassVar[Optional[type]] = None
     bwd_args_type: ClassVar[Optional[type]] = None
+    # Under an FP8 recipe, whether this op's (or fusion's) forward stage takes its input,
+    # and its backward stage its incoming gradient, as a Float8Tensor: the stage before
+    # it then hands it over already quantized.
+    fp8_input_consumer: ClassVar[bool] = False
+    fp8_grad_consumer: ClassVar[bool] = False
 
     def basic_ops(self) -> tuple["BasicOperation", ...]:
         """The basic ops this operation stands for, in forward order."""

@@ -65,6 +65,7 @@ class BasicLinear(BasicOperation):
     """
 
     saved_fields = ("input", "weight")
+    fp8_input_consumer = fp8_grad_consumer = True
     param_names = ("weight",)
     fwd_args_type = LinearForwardArgs
     bwd_args_type = LinearBackwardArgs

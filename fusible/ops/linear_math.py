@@ -13,7 +13,8 @@ from typing import Optional
 
 import torch
 
-from fusible.quantization.float8_tensor import Float8Tensor, quantize_raw
+from fusible.quantization.float8_tensor import quantize_raw
+from fusible.quantization.flow import to_fp8_format
 
 Tensor = torch.Tensor
 
@@ -52,15 +53,9 @@ def linear_wgrad(grad_output: Tensor, x: Tensor) -> Tensor:
 
 
 def as_fp8(t: Tensor, fp8_dtype: torch.dtype, columnwise: bool) -> Float8Tensor:
-    """``t`` as a 2-D Float8Tensor of ``fp8_dtype``; quantized here unless it is one already."""
-    t2 = tokens_2d(t)
-    if isinstance(t2, Float8Tensor):
-        if t2.fp8_dtype != fp8_dtype or (columnwise and t2._transpose is None):
-            raise ValueError(f"an FP8 input arrived as {t2.fp8_dtype} (transposed copy: "
-                             f"{t2._transpose is not None}); the GEMM needs {fp8_dtype} "
-                             f"(transposed copy: {columnwise})")
-        return t2
-    return quantize_raw(t2.contiguous(), fp8_dtype, columnwise)
+    """``t`` as a 2-D Float8Tensor of ``fp8_dtype`` (with the transposed copy if asked);
+    a Float8Tensor handed over by the previous stage is used as it is."""
+    return to_fp8_format(tokens_2d(t), (fp8_dtype, columnwise))
 
 
 def fp8_gemm(a: Tensor, a_scale_inv: Tensor, b: Tensor, b_scale_inv: Tensor,

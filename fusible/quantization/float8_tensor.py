@@ -74,7 +74,8 @@ class Float8Tensor(torch.Tensor):
         return cast.dequantize_op(self._data, self._scale_inv, self.dtype)
 
     def __coerce_tangent_metadata__(self):
-        return self
+        """The gradient a compiled backward is traced with: E5M2, as dequantize() sends."""
+        return requantize(self, torch.float8_e5m2, False)
 
     def __coerce_same_metadata_as_tangent__(self, expected_meta, expected_type=None):
         """Turn a gradient into what a compiled backward expects: a plain tensor, or a
