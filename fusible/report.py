@@ -19,10 +19,14 @@ class OpCall:
         The custom op, e.g. ``"fusible::ForwardLinearBias_fwd"``.
     provenance : str
         The stage it runs: fusion or op name, pipeline indices, the basic ops.
+    gemm : str
+        ``"fp8"`` or ``"high precision"`` for a stage with a linear layer's GEMMs,
+        else ``""``.
     """
 
     op: str
     provenance: str
+    gemm: str = ""
 
 
 @attrs.frozen
@@ -67,7 +71,8 @@ class CompileReport:
         lines += [f"  graph break: {reason}" for reason in self.graph_breaks]
         for g in self.graphs:
             lines.append(f"  {g.kind} graph (frame {g.frame}): {len(g.fusible_ops)} fusible op(s)")
-            lines += [f"    {c.op:<42} {c.provenance}" for c in g.fusible_ops]
+            lines += [f"    {c.op:<42} {(c.gemm + ' GEMM') if c.gemm else '':<20} {c.provenance}"
+                      for c in g.fusible_ops]
             if g.other_ops:
                 other = collections.Counter(g.other_ops)
                 lines.append("    other ops: " + ", ".join(f"{k} x{n}" for k, n in other.items()))
@@ -85,10 +90,22 @@ def _graph_report(kind: str, frame: str, gm: torch.fx.GraphModule) -> GraphRepor
         name = str(node.target)
         if name.startswith("fusible."):
             op = "fusible::" + name.split(".")[1]
-            fusible.append(OpCall(op, str(node.args[-1])))
+            fusible.append(OpCall(op, str(node.args[-1]), _gemm_precision(node)))
         elif name not in _IGNORED:
             other.append(name)
     return GraphReport(kind, frame, tuple(fusible), tuple(other))
+
+
+def _gemm_precision(node) -> str:
+    """From a stage op's arguments: its GEMMs' precision (the linear args' FP8 dtype)."""
+    schema = getattr(node.target, "_schema", None)
+    if schema is None:
+        return ""
+    names = [a.name for a in schema.arguments]
+    for key in ("fp8_dtype", "grad_fp8_dtype"):
+        if key in names and any(n.startswith("weight") for n in names):
+            return "high precision" if node.args[names.index(key)] is None else "fp8"
+    return ""
 
 
 def compile_report(fn, *args, **kwargs) -> CompileReport:

@@ -1,6 +1,7 @@
 """FP8 training with current scaling, eager and compiled, on CPU."""
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -261,3 +262,21 @@ def test_externally_quantized_input(compiled):
     y.sum().backward(), y_twin.sum().backward()
     assert torch.equal(x.grad, x_twin.grad)
     assert snr_db(y, _pipeline()(x)) > fp8_snr_floor(E4M3, E4M3, E4M3, E4M3)
+
+
+def test_compile_report_says_which_gemms_ran_in_fp8():
+    torch._dynamo.reset()
+    model = _pipeline()
+    x = torch.randn(16, 32, requires_grad=True)
+    with fusible.autocast(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fp8 = fusible.compile_report(model, x)
+    # The second GEMM stage gets its input in FP8 and must not hand those buffers back.
+    assert not [w for w in caught if "alias" in str(w.message)]
+    plain = fusible.compile_report(model, x)
+    linear_calls = lambda report: [(c.op.split("::")[1], c.gemm)  # noqa: E731
+                                   for g in report.graphs for c in g.fusible_ops if c.gemm]
+    assert {g for _, g in linear_calls(fp8)} == {"fp8"}
+    assert {g for _, g in linear_calls(plain)} == {"high precision"}
+    assert len(linear_calls(fp8)) == len(linear_calls(plain)) >= 4  # 2 GEMM stages each way
+    assert "fp8 GEMM" in str(fp8) and "fp8 GEMM" not in str(plain)

@@ -10,7 +10,8 @@ import torch
 from torch import nn
 
 from fusible.ops.base import BackwardResult, BasicOperation, ForwardResult
-from fusible.ops.linear_math import (gemm_backward, gemm_forward, like_tokens,  # noqa: F401
+from fusible.ops.linear_math import (as_fp8, gemm_backward, gemm_forward, handed_in_fp8,  # noqa: F401
+                                     like_tokens,
                                      linear_dgrad, linear_forward, linear_wgrad, tokens_2d)
 from fusible.quantization.float8_tensor import Fp8Able
 
@@ -142,14 +143,20 @@ def fp8_forward_flags(ctx) -> tuple:
 
 def save_linear(ctx, args, aux: tuple) -> None:
     """BasicLinear's saved layout ``(input, weight)``: the input for wgrad, the weight for
-    dgrad; under FP8 their FP8 copies, the forward result's first two aux tensors."""
+    dgrad; under FP8 their FP8 copies, the forward result's first two aux tensors (an
+    input that arrived in FP8 is saved from the args, with its transposed copy)."""
     x, weight = (args.input, args.weight) if args.fp8_dtype is None else aux[:2]
+    if handed_in_fp8(args.input, args.fp8_dtype):
+        x = as_fp8(args.input, args.fp8_dtype, args.keep_input_t)
     ctx.saved = (x if ctx.needs.params[0] else None, weight if ctx.needs.input else None)
 
 
 def linear_aux(args, x_saved, w_saved) -> tuple:
-    """The aux tensors a forward GEMM stage returns: the FP8 copies to save, under FP8."""
-    return () if args.fp8_dtype is None else (x_saved, w_saved)
+    """The aux tensors a forward GEMM stage returns: the FP8 copies to save, under FP8;
+    ``None`` for an input that arrived in FP8 (see :func:`handed_in_fp8`)."""
+    if args.fp8_dtype is None:
+        return ()
+    return (None if handed_in_fp8(args.input, args.fp8_dtype) else x_saved, w_saved)
 
 
 def linear_backward_args(ctx, grad_output) -> LinearBackwardArgs:

@@ -13,7 +13,7 @@ from typing import Optional
 
 import torch
 
-from fusible.quantization.float8_tensor import quantize_raw
+from fusible.quantization.float8_tensor import Float8Tensor, quantize_raw
 from fusible.quantization.flow import to_fp8_format
 
 Tensor = torch.Tensor
@@ -52,6 +52,15 @@ def linear_wgrad(grad_output: Tensor, x: Tensor) -> Tensor:
     return torch.mm(tokens_2d(grad_output).t(), tokens_2d(x))
 
 
+def handed_in_fp8(x, fp8_dtype: Optional[torch.dtype]) -> bool:
+    """Whether the GEMM input ``x`` arrived already quantized to ``fp8_dtype``.
+
+    The stage then shares the caller's FP8 buffers; it must not return them (a custom
+    op's outputs may not alias its inputs), so the caller saves ``x`` itself.
+    """
+    return isinstance(x, Float8Tensor) and x.fp8_dtype == fp8_dtype
+
+
 def as_fp8(t: Tensor, fp8_dtype: torch.dtype, columnwise: bool) -> Float8Tensor:
     """``t`` as a 2-D Float8Tensor of ``fp8_dtype`` (with the transposed copy if asked);
     a Float8Tensor handed over by the previous stage is used as it is."""
@@ -74,7 +83,7 @@ def gemm_forward(x: Tensor, weight: Tensor, bias: Optional[Tensor],
     """``(y, input to save, weight to save)``: high precision without ``fp8_dtype``."""
     if fp8_dtype is None:
         return linear_forward(x, weight, bias), x, weight
-    x_q = as_fp8(x, fp8_dtype, keep_input_t)
+    x_q = as_fp8(x, fp8_dtype, keep_input_t and not handed_in_fp8(x, fp8_dtype))
     w_q = quantize_raw(weight, fp8_dtype, keep_weight_t)
     out_dtype = weight.dtype
     y = fp8_gemm(x_q._data, x_q._scale_inv, w_q._data.t(), w_q._scale_inv, bias, out_dtype)
