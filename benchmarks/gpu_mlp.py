@@ -12,6 +12,7 @@ allocated memory during a step, ``first3_s`` the wall time of the first three st
 """
 
 import argparse
+import contextlib
 import json
 import time
 
@@ -46,7 +47,9 @@ def prepare(model, mode: str):
     return torch.compile(model, fullgraph=True, mode=None if mode == "compile" else mode)
 
 
-def measure(model, tokens: int, hidden: int, ffn: int, mode: str = "eager") -> dict:
+def measure(model, tokens: int, hidden: int, ffn: int, mode: str = "eager",
+            context=contextlib.nullcontext) -> dict:
+    """Time and peak memory of fwd+bwd steps; each step runs inside ``context()``."""
     x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     dy = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
     params = list(model.parameters())
@@ -56,7 +59,9 @@ def measure(model, tokens: int, hidden: int, ffn: int, mode: str = "eager") -> d
     def step():
         if graphs:
             torch.compiler.cudagraph_mark_step_begin()
-        run(x).backward(dy)
+        with context():
+            y = run(x)
+        y.backward(dy)
         x.grad = None
         for p in params:
             p.grad = None

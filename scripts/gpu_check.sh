@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything the GPU machine runs, in one call: the whole test suite (CUDA tests included)
-# under the machine's PyTorch, then the GPU benchmark. Results land in $OUT (or out/).
-# Usage there: bash scripts/gpu_check.sh
+# under the machine's PyTorch, then the GPU benchmarks. Results land in $OUT (or out/).
+# Usage there: bash scripts/gpu_check.sh [bf16] [fp8]   (no argument: both benchmarks)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out}
@@ -18,8 +18,17 @@ python3 -c "import os, torch, triton; print('torch', torch.__version__, 'triton'
     | tee -a "$OUT/gpu.txt"
 python3 -m pytest -q -p no:cacheprovider tests 2>&1 | tee "$OUT/pytest.log" | tail -15
 tests_rc=${PIPESTATUS[0]}
-python3 benchmarks/diagnostics/gpu_overhead.py 2>&1 | tee "$OUT/overhead.log"
-python3 benchmarks/gpu_mlp.py --output "$OUT/gpu_mlp.json" --profile "$OUT/profile.txt" 2>&1 | tee "$OUT/bench.log"
-bench_rc=${PIPESTATUS[0]}
+benches=${*:-bf16 fp8}
+bench_rc=0
+if [[ " $benches " == *" bf16 "* ]]; then
+    python3 benchmarks/diagnostics/gpu_overhead.py 2>&1 | tee "$OUT/overhead.log"
+    python3 benchmarks/gpu_mlp.py --output "$OUT/gpu_mlp.json" --profile "$OUT/profile.txt" \
+        2>&1 | tee "$OUT/bench.log"
+    bench_rc=$(( bench_rc || PIPESTATUS[0] ))
+fi
+if [[ " $benches " == *" fp8 "* ]]; then
+    python3 benchmarks/gpu_fp8.py --output "$OUT/gpu_fp8.json" 2>&1 | tee "$OUT/bench_fp8.log"
+    bench_rc=$(( bench_rc || PIPESTATUS[0] ))
+fi
 echo "tests rc=$tests_rc bench rc=$bench_rc"
 exit $(( tests_rc || bench_rc ))

@@ -109,3 +109,31 @@ def test_compiled_block_same_bits_as_eager_on_gpu(mode):
             assert torch.equal(p.grad, p2.grad), f"step {step}: gradient of {n} differs"
         opt.step(), twin_opt.step()
         opt.zero_grad(), twin_opt.zero_grad()
+
+
+@pytest.mark.parametrize("fp8_dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_fp8_cast_triton_same_bits_as_pytorch(dtype, fp8_dtype):
+    """Subnormal, saturating and special values included; odd shapes for the masks."""
+    from fusible.kernels.fp8_cast import cast_to_fp8_triton
+    from fusible.quantization.cast import FP8_MAX, cast_to_fp8_torch
+    torch.manual_seed(0)
+    for shape in ((4096, 1024), (3, 77, 200)):
+        x = torch.randn(shape, device="cuda") * torch.logspace(-9, 3, shape[-1], device="cuda")
+        x.view(-1)[:2] = torch.tensor([0.0, -0.0])
+        x = x.to(dtype)
+        for columnwise in (False, True):
+            ours = cast_to_fp8_triton(x, fp8_dtype, FP8_MAX[fp8_dtype], columnwise)
+            ref = cast_to_fp8_torch(x, fp8_dtype, columnwise)
+            assert torch.equal(ours[1], ref[1])
+            for a, b in zip(ours[::2], ref[::2]):  # data and transposed copy
+                assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), (shape, columnwise)
+    for special in (float("inf"), float("nan")):
+        x = torch.randn(64, 64, device="cuda", dtype=dtype)
+        x[1, 2] = special
+        ours = cast_to_fp8_triton(x, fp8_dtype, FP8_MAX[fp8_dtype], True)
+        ref = cast_to_fp8_torch(x, fp8_dtype, True)
+        assert torch.equal(ours[1], ref[1]), (special, ours[1], ref[1])
+        same_or_both_nan = ((ours[0].view(torch.uint8) == ref[0].view(torch.uint8))
+                            | (ours[0].float().isnan() & ref[0].float().isnan()))
+        assert same_or_both_nan.all(), special

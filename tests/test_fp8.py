@@ -11,7 +11,15 @@ from fusible import ops
 from fusible.testing import fp8_snr_floor, reference_forward, snr_db
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+DEVICES = ["cpu", "cuda"] if torch.cuda.is_available() else ["cpu"]
 RECIPES = {"hybrid": fusible.Float8CurrentScaling(), "e4m3": fusible.Float8CurrentScaling("e4m3")}
+
+
+@pytest.fixture(params=DEVICES)
+def device(request):
+    """Run the test with this default device (CPU here; CPU and CUDA on a GPU machine)."""
+    with torch.device(request.param):
+        yield request.param
 
 
 def _scaled_mm_calls(fn):
@@ -36,7 +44,7 @@ def _run_with_reference(model, x, recipe, dtype):
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=str)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
-def test_linear_layer_against_fp64(recipe, dtype):
+def test_linear_layer_against_fp64(recipe, dtype, device):
     torch.manual_seed(0)
     model = ops.Sequential(ops.Linear(64, 48))
     x = torch.randn(2, 16, 64)
@@ -49,7 +57,7 @@ def test_linear_layer_against_fp64(recipe, dtype):
     assert snr_db(bias.grad, ref_params[id(bias)].grad) > 40  # dbias: before quantization
 
 
-def test_three_fp8_gemms_per_linear_layer():
+def test_three_fp8_gemms_per_linear_layer(device):
     torch.manual_seed(0)
     model = ops.Sequential(ops.Linear(64, 128), ops.GELU(), ops.BasicLinear(128, 32),
                            ops.Bias(32))
@@ -61,7 +69,7 @@ def test_three_fp8_gemms_per_linear_layer():
     assert _scaled_mm_calls(lambda: model(x).sum().backward()) == 0  # outside autocast
 
 
-def test_fp8_residual_block_against_fp64():
+def test_fp8_residual_block_against_fp64(device):
     torch.manual_seed(0)
     model = ops.Sequential(ops.MakeExtraOutput(), ops.LayerNorm(64), ops.Linear(64, 128),
                            ops.GELU(approximate="tanh"), ops.Linear(128, 64),
@@ -115,7 +123,7 @@ def _fp8_models():
 
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
 @pytest.mark.parametrize("name", ["mlp", "residual"])
-def test_fp8_compiled_same_bits_as_eager(name, backend):
+def test_fp8_compiled_same_bits_as_eager(name, backend, device):
     torch._dynamo.reset()
     torch.manual_seed(0)
     model = _fp8_models()[name].to(torch.bfloat16)
@@ -185,7 +193,7 @@ def test_quantized_tensors_flow_between_stages():
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 @pytest.mark.parametrize("gradient", ["dequantize", "e4m3", "plain"])
-def test_fp8_output(compiled, gradient):
+def test_fp8_output(compiled, gradient, device):
     if compiled and gradient == "plain":
         pytest.xfail("PyTorch cannot turn a plain gradient into the Float8Tensor tangent a "
                      "compiled graph with a Float8Tensor output expects: call .dequantize() "
@@ -211,7 +219,7 @@ def test_fp8_output(compiled, gradient):
 
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
-def test_fp8_grad_consumed_in_graph(compiled):
+def test_fp8_grad_consumed_in_graph(compiled, device):
     """Quantize(backward=True) after a linear layer: the layer's backward takes E5M2."""
     torch._dynamo.reset()
     def make():
@@ -229,7 +237,7 @@ def test_fp8_grad_consumed_in_graph(compiled):
     assert torch.equal(model[0].weight.grad, twin[0].weight.grad)
 
 
-def test_fp8_grad_crossing_the_graph_boundary_eager():
+def test_fp8_grad_crossing_the_graph_boundary_eager(device):
     model = _pipeline(ops.Quantize(forward=False, backward=True))
     x = torch.randn(16, 32, requires_grad=True)
     with fusible.autocast():
@@ -250,7 +258,7 @@ def test_fp8_grad_crossing_the_graph_boundary_compiled():
 
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
-def test_externally_quantized_input(compiled):
+def test_externally_quantized_input(compiled, device):
     torch._dynamo.reset()
     model, twin = _pipeline(), _pipeline()
     run = torch.compile(model, fullgraph=True, backend="aot_eager") if compiled else model
@@ -280,3 +288,27 @@ def test_compile_report_says_which_gemms_ran_in_fp8():
     assert {g for _, g in linear_calls(plain)} == {"high precision"}
     assert len(linear_calls(fp8)) == len(linear_calls(plain)) >= 4  # 2 GEMM stages each way
     assert "fp8 GEMM" in str(fp8) and "fp8 GEMM" not in str(plain)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need CUDA")
+def test_fp8_cuda_graphs_same_bits_as_eager():
+    """Inductor with CUDA graphs (reduce-overhead) over optimizer steps, FP8 all the way."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = ops.Sequential(ops.LayerNorm(256), ops.Linear(256, 1024), ops.GELU(approximate="tanh"),
+                           ops.Linear(1024, 256), ops.AddExtraInput()).to("cuda", torch.bfloat16)
+    twin = copy.deepcopy(model)
+    compiled = torch.compile(twin, fullgraph=True, mode="reduce-overhead")
+    opt, twin_opt = (torch.optim.SGD(m.parameters(), lr=0.01) for m in (model, twin))
+    for step in range(3):
+        x, dy = (torch.randn(512, 256, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        with fusible.autocast():
+            y = model(x, x)
+            torch.compiler.cudagraph_mark_step_begin()
+            y2 = compiled(x, x)
+        assert torch.equal(y, y2), f"step {step}: outputs differ"
+        y.backward(dy), y2.backward(dy)
+        for (n, p), p2 in zip(model.named_parameters(), twin.parameters()):
+            assert torch.equal(p.grad, p2.grad), f"step {step}: gradient of {n} differs"
+        opt.step(), twin_opt.step()
+        opt.zero_grad(), twin_opt.zero_grad()

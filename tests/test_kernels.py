@@ -36,3 +36,41 @@ def test_dact_dbias_triton_matches_reference():
                             text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.strip().endswith("ok")
+
+
+# Triton's interpreter rounds to FP8 differently from GPUs, so this checks the scale, the
+# masking and the transposed layout; tests/test_cuda.py checks the bits on a GPU.
+_CAST_SCRIPT = textwrap.dedent("""
+    import torch
+    from fusible.kernels.fp8_cast import cast_to_fp8_triton
+    from fusible.quantization.cast import FP8_MAX, cast_to_fp8_torch
+    torch.manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16):
+        for fp8_dtype in FP8_MAX:
+            for shape in ((70, 200), (3, 5, 48)):
+                x = (torch.randn(shape).sign() * (1 + torch.rand(shape))).to(dtype)
+                data, scale_inv, transpose = cast_to_fp8_triton(
+                    x, fp8_dtype, FP8_MAX[fp8_dtype], True, block=256, block_m=16, block_n=32)
+                ref = cast_to_fp8_torch(x, fp8_dtype, True)
+                assert data.shape == ref[0].shape and data.dtype == fp8_dtype
+                assert torch.equal(scale_inv, ref[1]), (scale_inv, ref[1])
+                bits = data.view(torch.uint8)
+                assert torch.equal(transpose.view(torch.uint8), bits.reshape(-1, shape[-1]).t())
+                assert (bits != 0).all()  # every tile was written (no |x| rounds to 0 here)
+    x = torch.randn(40, 32)
+    x[3, 5] = float("inf")
+    assert torch.equal(cast_to_fp8_triton(x, torch.float8_e4m3fn, 448.0, False)[1],
+                       cast_to_fp8_torch(x, torch.float8_e4m3fn)[1])
+    x[7, 1] = float("nan")  # a nan amax gives scale 1, as in PyTorch
+    assert torch.equal(cast_to_fp8_triton(x, torch.float8_e4m3fn, 448.0, False)[1],
+                       cast_to_fp8_torch(x, torch.float8_e4m3fn)[1])
+    print("ok")
+""")
+
+
+def test_fp8_cast_triton_scale_and_layout():
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    result = subprocess.run([sys.executable, "-c", _CAST_SCRIPT], env=env, capture_output=True,
+                            text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip().endswith("ok")

@@ -11,8 +11,8 @@ from torch import nn
 
 from fusible.ops.base import BackwardResult, BasicOperation, ForwardResult
 from fusible.ops.linear_math import (as_fp8, gemm_backward, gemm_forward, handed_in_fp8,  # noqa: F401
-                                     like_tokens,
-                                     linear_dgrad, linear_forward, linear_wgrad, tokens_2d)
+                                     like_tokens, linear_dgrad, linear_forward, linear_wgrad,
+                                     tokens_2d, transposed_only)
 from fusible.quantization.float8_tensor import Fp8Able
 
 Tensor = torch.Tensor
@@ -143,20 +143,31 @@ def fp8_forward_flags(ctx) -> tuple:
 
 def save_linear(ctx, args, aux: tuple) -> None:
     """BasicLinear's saved layout ``(input, weight)``: the input for wgrad, the weight for
-    dgrad; under FP8 their FP8 copies, the forward result's first two aux tensors (an
-    input that arrived in FP8 is saved from the args, with its transposed copy)."""
-    x, weight = (args.input, args.weight) if args.fp8_dtype is None else aux[:2]
-    if handed_in_fp8(args.input, args.fp8_dtype):
-        x = as_fp8(args.input, args.fp8_dtype, args.keep_input_t)
+    dgrad. Under FP8 only their transposed FP8 copies are kept (the backward GEMMs read
+    nothing else), from the forward result's aux (see :func:`linear_aux`)."""
+    if args.fp8_dtype is None:
+        x, weight = args.input, args.weight
+    else:
+        x_t, x_scale_inv, w_t, w_scale_inv = aux[:4]
+        if handed_in_fp8(args.input, args.fp8_dtype):
+            x_q = as_fp8(args.input, args.fp8_dtype, args.keep_input_t)
+            x_t, x_scale_inv = x_q._transpose, x_q._scale_inv
+        x = transposed_only(x_t, x_scale_inv, args.input.dtype) if args.keep_input_t else None
+        weight = (transposed_only(w_t, w_scale_inv, args.weight.dtype) if args.keep_weight_t
+                  else None)
     ctx.saved = (x if ctx.needs.params[0] else None, weight if ctx.needs.input else None)
 
 
-def linear_aux(args, x_saved, w_saved) -> tuple:
-    """The aux tensors a forward GEMM stage returns: the FP8 copies to save, under FP8;
-    ``None`` for an input that arrived in FP8 (see :func:`handed_in_fp8`)."""
+def linear_aux(args, x_q, w_q) -> tuple:
+    """The aux tensors a forward GEMM stage returns under FP8: the transposed copies and
+    scales the backward GEMMs read, ``(x_t, x_scale_inv, w_t, w_scale_inv)`` (None where
+    not kept). An input that arrived in FP8 is the caller's to save (see
+    :func:`handed_in_fp8`)."""
     if args.fp8_dtype is None:
         return ()
-    return (None if handed_in_fp8(args.input, args.fp8_dtype) else x_saved, w_saved)
+    x_parts = ((None, None) if handed_in_fp8(args.input, args.fp8_dtype)
+               else (x_q._transpose, x_q._scale_inv))
+    return (*x_parts, w_q._transpose, w_q._scale_inv)
 
 
 def linear_backward_args(ctx, grad_output) -> LinearBackwardArgs:

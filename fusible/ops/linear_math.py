@@ -61,6 +61,12 @@ def handed_in_fp8(x, fp8_dtype: Optional[torch.dtype]) -> bool:
     return isinstance(x, Float8Tensor) and x.fp8_dtype == fp8_dtype
 
 
+def transposed_only(transpose: Tensor, scale_inv: Tensor, dtype: torch.dtype) -> Float8Tensor:
+    """A Float8Tensor holding only the transposed copy (its data is a view of it): what
+    the backward GEMMs read of a saved input or weight, at half the memory."""
+    return Float8Tensor(transpose.t(), scale_inv, dtype, transpose)
+
+
 def as_fp8(t: Tensor, fp8_dtype: torch.dtype, columnwise: bool) -> Float8Tensor:
     """``t`` as a 2-D Float8Tensor of ``fp8_dtype`` (with the transposed copy if asked);
     a Float8Tensor handed over by the previous stage is used as it is."""
@@ -68,11 +74,17 @@ def as_fp8(t: Tensor, fp8_dtype: torch.dtype, columnwise: bool) -> Float8Tensor:
 
 
 def fp8_gemm(a: Tensor, a_scale_inv: Tensor, b: Tensor, b_scale_inv: Tensor,
-             bias: Optional[Tensor], out_dtype: torch.dtype) -> Tensor:
-    """``(a * sa) @ (b * sb) (+ bias)``: ``a`` row-major FP8, ``b`` column-major FP8."""
+             bias: Optional[Tensor], out_dtype: torch.dtype, fast_accum: bool = False) -> Tensor:
+    """``(a * sa) @ (b * sb) (+ bias)``: ``a`` row-major FP8, ``b`` column-major FP8.
+
+    ``fast_accum`` lets Hopper accumulate in its faster, less precise FP8 mode; like
+    TransformerEngine and torchao we take it for the forward GEMM only (gradients sum
+    over many more products).
+    """
     epilogue = bias is not None and out_dtype in (torch.bfloat16, torch.float16)
     y = torch._scaled_mm(a, b, scale_a=a_scale_inv, scale_b=b_scale_inv,
-                         bias=bias if epilogue else None, out_dtype=out_dtype)
+                         bias=bias if epilogue else None, out_dtype=out_dtype,
+                         use_fast_accum=fast_accum)
     if bias is not None and not epilogue:  # no bias epilogue for float32 outputs
         y = y + bias
     return y
@@ -86,7 +98,8 @@ def gemm_forward(x: Tensor, weight: Tensor, bias: Optional[Tensor],
     x_q = as_fp8(x, fp8_dtype, keep_input_t and not handed_in_fp8(x, fp8_dtype))
     w_q = quantize_raw(weight, fp8_dtype, keep_weight_t)
     out_dtype = weight.dtype
-    y = fp8_gemm(x_q._data, x_q._scale_inv, w_q._data.t(), w_q._scale_inv, bias, out_dtype)
+    y = fp8_gemm(x_q._data, x_q._scale_inv, w_q._data.t(), w_q._scale_inv, bias, out_dtype,
+                 fast_accum=True)
     return like_tokens(y, x), x_q, w_q
 
 

@@ -1,9 +1,15 @@
 """FP8 casts with per-tensor current scaling, as custom ops so that eager and compiled
-runs compute the same scales and the same bits."""
+runs compute the same scales and the same bits.
+
+On CUDA with Triton the cast is two Triton kernels (``fusible.kernels.fp8_cast``);
+elsewhere, PyTorch ops with the same arithmetic.
+"""
 
 from __future__ import annotations
 
 import torch
+
+from fusible.kernels import fp8_cast
 
 FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
 
@@ -11,7 +17,8 @@ FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
 def scale_from_amax(amax: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
     """float32 scale that maps ``amax`` to the largest finite value of ``fp8_dtype``.
 
-    An all-zero tensor gets scale 1; an inf or nan amax propagates (no silent fix).
+    An all-zero tensor gets scale 1. An inf amax gives scale 0 (the data becomes nan and
+    zeros, scale_inv inf); a nan amax gives scale 1 with the nans kept in the data.
     """
     amax = amax.float()
     return torch.where(amax > 0, FP8_MAX[fp8_dtype] / amax, torch.ones_like(amax))
@@ -25,6 +32,13 @@ def cast_to_fp8(x: torch.Tensor, fp8_dtype: torch.dtype, columnwise: bool = Fals
     """
     if fp8_dtype not in FP8_MAX:
         raise ValueError(f"cast_to_fp8: fp8_dtype must be one of {list(FP8_MAX)}, got {fp8_dtype}")
+    if x.is_cuda and fp8_cast.triton is not None and x.numel() > 0:
+        return fp8_cast.cast_to_fp8_triton(x, fp8_dtype, FP8_MAX[fp8_dtype], columnwise)
+    return cast_to_fp8_torch(x, fp8_dtype, columnwise)
+
+
+def cast_to_fp8_torch(x: torch.Tensor, fp8_dtype: torch.dtype, columnwise: bool = False) -> list:
+    """:func:`cast_to_fp8` in PyTorch ops."""
     xf = x.float().contiguous()  # contiguous outputs, whatever the input's strides
     scale = scale_from_amax(xf.abs().amax(), fp8_dtype)
     limit = FP8_MAX[fp8_dtype]

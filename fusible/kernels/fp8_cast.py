@@ -1,0 +1,82 @@
+"""FP8 cast with per-tensor current scaling: two Triton kernels instead of ~10 PyTorch ops.
+
+The first kernel reads ``x`` once for its absolute maximum (an atomic max per program:
+order-independent, so deterministic). The second reads ``x`` again, derives the scale
+from that maximum on the device, and writes the FP8 data and, in the same pass, its
+transposed copy. The arithmetic is the PyTorch version's step by step (IEEE division,
+float32 multiply, clamp that keeps NaN, round-to-nearest-even conversion), so both
+give the same bits; ``tests/test_cuda.py`` checks that on the GPU.
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError as error:  # Triton is optional: CPU-only installs use PyTorch ops
+    triton, _TRITON_IMPORT_ERROR = None, error
+
+
+if triton is not None:
+
+    @triton.jit
+    def _max_keep_nan(a, b):
+        return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+    @triton.jit
+    def _amax_kernel(x_ptr, amax_ptr, n, per_program, BLOCK: tl.constexpr):
+        start = tl.program_id(0).to(tl.int64) * per_program
+        acc = tl.zeros((BLOCK,), dtype=tl.float32)
+        for offset in range(0, per_program, BLOCK):
+            offs = start + offset + tl.arange(0, BLOCK)
+            x = tl.load(x_ptr + offs, mask=offs < n, other=0.0).to(tl.float32)
+            acc = tl.maximum(acc, tl.abs(x), propagate_nan=tl.PropagateNan.ALL)
+        tl.atomic_max(amax_ptr, tl.reduce(acc, 0, _max_keep_nan))
+
+    @triton.jit
+    def _cast_kernel(x_ptr, amax_ptr, data_ptr, t_ptr, scale_inv_ptr, M, N, FP8_MAX,
+                     HAS_T: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+        pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+        amax = tl.load(amax_ptr)
+        scale = tl.where(amax > 0.0, tl.math.div_rn(FP8_MAX, amax), 1.0)
+        if (pid_m == 0) & (pid_n == 0):
+            tl.store(scale_inv_ptr, tl.math.div_rn(1.0, scale))
+        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask = (rows[:, None] < M) & (cols[None, :] < N)
+        offs = rows[:, None].to(tl.int64) * N + cols[None, :]
+        x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        v = tl.maximum(x * scale, -FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
+        v = tl.minimum(v, FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
+        q = v.to(data_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
+        tl.store(data_ptr + offs, q, mask=mask)
+        if HAS_T:
+            t_offs = cols[None, :].to(tl.int64) * M + rows[:, None]
+            tl.store(t_ptr + t_offs, q, mask=mask)
+
+
+def cast_to_fp8_triton(x: torch.Tensor, fp8_dtype: torch.dtype, fp8_max: float,
+                       columnwise: bool, block: int = 4096, block_m: int = 64,
+                       block_n: int = 128) -> list:
+    """``[data, scale_inv]`` (+ ``transpose``) as ``fusible.quantization.cast.cast_to_fp8``."""
+    if triton is None:
+        raise RuntimeError(f"cast_to_fp8_triton needs Triton, which failed to import: "
+                           f"{_TRITON_IMPORT_ERROR!r}")
+    x = x.contiguous()
+    n_cols = x.shape[-1]
+    n_rows = x.numel() // n_cols
+    data = torch.empty(x.shape, device=x.device, dtype=fp8_dtype)
+    transpose = (torch.empty((n_cols, n_rows), device=x.device, dtype=fp8_dtype)
+                 if columnwise else data)  # data: an unused pointer for HAS_T=False
+    amax = torch.zeros((), device=x.device, dtype=torch.float32)
+    scale_inv = torch.empty((), device=x.device, dtype=torch.float32)
+    # Few enough programs that the atomics on one address stay cheap.
+    programs = min(triton.cdiv(x.numel(), block), 2048)
+    per_program = triton.cdiv(triton.cdiv(x.numel(), programs), block) * block
+    _amax_kernel[(programs,)](x, amax, x.numel(), per_program, BLOCK=block)
+    grid = (triton.cdiv(n_rows, block_m), triton.cdiv(n_cols, block_n))
+    _cast_kernel[grid](x, amax, data, transpose, scale_inv, n_rows, n_cols, fp8_max,
+                       HAS_T=columnwise, BLOCK_M=block_m, BLOCK_N=block_n)
+    return [data, scale_inv, transpose] if columnwise else [data, scale_inv]
