@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Everything the GPU machine runs, in one call: the whole test suite (CUDA tests included)
 # under the machine's PyTorch, then the GPU benchmarks. Results land in $OUT (or out/).
-# Usage there: bash scripts/gpu_check.sh [bf16] [fp8]   (no argument: both benchmarks)
+# Usage there: [TESTS="tests/test_fp8.py ..."] bash scripts/gpu_check.sh [bf16] [fp8]
+# (no argument: both benchmarks; TESTS: which tests, default all)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out}
@@ -16,7 +17,7 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | t
 python3 -c "import os, torch, triton; print('torch', torch.__version__, 'triton', triton.__version__,
   'tf32', torch.backends.cuda.matmul.allow_tf32, {k: v for k, v in os.environ.items() if 'TF32' in k})" \
     | tee -a "$OUT/gpu.txt"
-python3 -m pytest -q -p no:cacheprovider tests 2>&1 | tee "$OUT/pytest.log" | tail -15
+python3 -m pytest -q -p no:cacheprovider ${TESTS:-tests} 2>&1 | tee "$OUT/pytest.log" | tail -15
 tests_rc=${PIPESTATUS[0]}
 benches=${*:-bf16 fp8}
 bench_rc=0
