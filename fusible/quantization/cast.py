@@ -21,7 +21,10 @@ def scale_from_amax(amax: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
     zeros, scale_inv inf); a nan amax gives scale 1 with the nans kept in the data.
     """
     amax = amax.float()
-    return torch.where(amax > 0, FP8_MAX[fp8_dtype] / amax, torch.ones_like(amax))
+    # A true division (``scalar / tensor`` would multiply by a rounded reciprocal), as
+    # the Triton kernel computes it.
+    return torch.where(amax > 0, amax.new_full((), FP8_MAX[fp8_dtype]) / amax,
+                       torch.ones_like(amax))
 
 
 def cast_to_fp8(x: torch.Tensor, fp8_dtype: torch.dtype, columnwise: bool = False) -> list:
@@ -43,7 +46,7 @@ def cast_to_fp8_torch(x: torch.Tensor, fp8_dtype: torch.dtype, columnwise: bool 
     scale = scale_from_amax(xf.abs().amax(), fp8_dtype)
     limit = FP8_MAX[fp8_dtype]
     data = (xf * scale).clamp_(-limit, limit).to(fp8_dtype)
-    out = [data, scale.reciprocal()]
+    out = [data, torch.ones_like(scale) / scale]
     if columnwise:
         out.append(data.reshape(-1, data.shape[-1]).t().contiguous())
     return out
