@@ -160,13 +160,15 @@ def _flatten_result(result, direction: str, values, fp8: bool, fp8_out) -> list:
 
 def _kernel(cls, direction: str, args_type, fields, compute):
     bound = functools.partial(compute, in_custom_op=True)
+    own_cast = cls.quantizes_own_output
 
     def kernel(*values):
         # After the args: the format to hand FP8 on in, the FP8-results flag, the provenance.
         args = _unflatten_args(args_type, fields, values[:-4])
         out_dtype, out_columnwise, fp8 = values[-4:-1]
         fp8_out = None if out_dtype is None else (out_dtype, out_columnwise)
-        return _flatten_result(bound(args), direction, values, fp8, fp8_out)
+        result = bound(args, fp8_out=fp8_out) if own_cast else bound(args)
+        return _flatten_result(result, direction, values, fp8, fp8_out)
 
     return kernel
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import attrs
 
 from fusible.ops.base import OperationContext, OpGradNeeds
@@ -107,6 +109,13 @@ def _exec_stage(ops, start, stage, backward: bool, op_needs: tuple) -> ExecStage
                      compute, provenance, mask)
 
 
+def _with_fp8_out(stage: ExecStage, fmt) -> ExecStage:
+    compute = stage.compute
+    if type(stage.op).quantizes_own_output:
+        compute = functools.partial(compute, fp8_out=fmt)
+    return attrs.evolve(stage, fp8_out=fmt, compute=compute)
+
+
 def _fp8_formats(forward: list, backward: list, needs: tuple, recipe):
     """Let each stage hand FP8 to a next stage that consumes it (the cast then happens in
     the producer's own compute, inside its custom op when compiled)."""
@@ -116,10 +125,10 @@ def _fp8_formats(forward: list, backward: list, needs: tuple, recipe):
         nxt = forward[k + 1]
         if type(nxt.op).fp8_input_consumer:  # it keeps the copy its wgrad needs
             fmt = (recipe.forward_dtype, needs[nxt.lo].params[0])
-            forward[k] = attrs.evolve(forward[k], fp8_out=fmt)
+            forward[k] = _with_fp8_out(forward[k], fmt)
     for k in range(len(backward) - 1):
         nxt = backward[k + 1]
         if type(nxt.op).fp8_grad_consumer:  # its last op takes the gradient (wgrad: dy.T)
             fmt = (recipe.backward_dtype, needs[nxt.hi - 1].params[0])
-            backward[k] = attrs.evolve(backward[k], fp8_out=fmt)
+            backward[k] = _with_fp8_out(backward[k], fmt)
     return forward, backward

@@ -27,7 +27,8 @@ class BackwardActivationBias(FusedOperation):
     Accepts when the bias needs a gradient (otherwise there is nothing to fuse).
     Reads: the activation's saved tensor (its input, or ReLU's output).
     Uses one Triton kernel on CUDA for tensors of 2**24 elements or more, two
-    PyTorch ops elsewhere (see ``fusible.kernels.dact_dbias``).
+    PyTorch ops elsewhere (see ``fusible.kernels.dact_dbias``). When the next stage
+    takes the gradient in FP8, the Triton version writes it in FP8 directly.
     """
 
     direction = "backward"
@@ -35,6 +36,7 @@ class BackwardActivationBias(FusedOperation):
                       Op(GELU, name="activation") | Op(ReLU, name="activation")
                       | Op(SiLU, name="activation"))
     bwd_args_type = ActivationBiasBackwardArgs
+    quantizes_own_output = True
 
     @classmethod
     def accepts(cls, match, env):
@@ -47,6 +49,7 @@ class BackwardActivationBias(FusedOperation):
                                           self.match["activation"].kind, ctxs[0].needs.input)
 
     @classmethod
-    def backward_compute(cls, args, *, in_custom_op=False):
-        dact, dbias = dact_dbias(args.kind, args.grad_output, args.saved)
+    def backward_compute(cls, args, *, in_custom_op=False, fp8_out=None):
+        fp8_out = fp8_out if args.need_grad_input else None
+        dact, dbias = dact_dbias(args.kind, args.grad_output, args.saved, fp8_out)
         return BackwardResult(dact if args.need_grad_input else None, (dbias,))

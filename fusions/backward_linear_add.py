@@ -7,7 +7,7 @@ import torch
 
 from fusible import FusedOperation, Op, Pattern, register_fusion
 from fusible.ops import BackwardResult, BasicLinear, MakeExtraOutput
-from fusible.ops.basic_linear import linear_backward
+from fusible.ops.basic_linear import linear_backward, linear_saved
 from fusible.quantization.float8_tensor import Fp8Able
 
 
@@ -46,8 +46,7 @@ class BackwardLinearAdd(FusedOperation):
 
     def backward_args(self, grad_output, grad_extra_outputs, ctxs):
         linear = ctxs[1]
-        x, weight = linear.saved
-        grad_dtype = None if linear.recipe is None else linear.recipe.backward_dtype
+        x, weight, grad_dtype = linear_saved(linear)
         return LinearAddBackwardArgs(grad_output, grad_extra_outputs[0], x, weight, grad_dtype,
                                      True, linear.needs.params[0])
 

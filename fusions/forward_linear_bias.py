@@ -18,7 +18,6 @@ class LinearBiasForwardArgs:
     bias: torch.Tensor
     fp8_dtype: Optional[torch.dtype]
     keep_input_t: bool
-    keep_weight_t: bool
 
 
 @register_fusion
@@ -43,9 +42,9 @@ class ForwardLinearBias(FusedOperation):
 
     @classmethod
     def forward_compute(cls, args, *, in_custom_op=False):
-        y, x_saved, w_saved = gemm_forward(args.input, args.weight, args.bias, args.fp8_dtype,
-                                           args.keep_input_t, args.keep_weight_t)
-        return ForwardResult(y, (), linear_aux(args, x_saved, w_saved))
+        y, x_q = gemm_forward(args.input, args.weight, args.bias, args.fp8_dtype,
+                              args.keep_input_t)
+        return ForwardResult(y, (), linear_aux(args, x_q))
 
     def save_for_backward(self, args, result, ctxs):
         save_linear(ctxs[0], args, result.aux)

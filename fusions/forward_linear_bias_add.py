@@ -20,7 +20,6 @@ class LinearBiasAddForwardArgs:
     extra_input: torch.Tensor
     fp8_dtype: Optional[torch.dtype]
     keep_input_t: bool
-    keep_weight_t: bool
 
 
 @register_fusion
@@ -49,9 +48,8 @@ class ForwardLinearBiasAdd(FusedOperation):
     def forward_compute(cls, args, *, in_custom_op=False):
         x, w = args.input, args.weight
         if args.fp8_dtype is not None:
-            y, x_saved, w_saved = gemm_forward(x, w, args.bias, args.fp8_dtype,
-                                               args.keep_input_t, args.keep_weight_t)
-            return ForwardResult(y + args.extra_input, (), linear_aux(args, x_saved, w_saved))
+            y, x_q = gemm_forward(x, w, args.bias, args.fp8_dtype, args.keep_input_t)
+            return ForwardResult(y + args.extra_input, (), linear_aux(args, x_q))
         y = torch.addmm(tokens_2d(args.extra_input), tokens_2d(x), w.t())
         if args.bias is not None:
             y.add_(args.bias)  # y is fresh: nothing else sees the in-place add

@@ -137,3 +137,35 @@ def test_fp8_cast_triton_same_bits_as_pytorch(dtype, fp8_dtype):
         same_or_both_nan = ((ours[0].view(torch.uint8) == ref[0].view(torch.uint8))
                             | (ours[0].float().isnan() & ref[0].float().isnan()))
         assert same_or_both_nan.all(), special
+
+
+@pytest.mark.parametrize("kind", ["gelu_tanh", "silu"])
+def test_dact_dbias_fp8_triton_same_bits_as_dact_then_cast(kind):
+    from fusible.kernels.dact_dbias import dact_dbias_fp8_triton
+    from fusible.kernels.fp8_cast import cast_to_fp8_triton
+    dy = torch.randn(3000, 1024, device="cuda").to(torch.bfloat16)
+    saved = (3 * torch.randn(3000, 1024, device="cuda")).to(torch.bfloat16)
+    dact, dbias = dact_dbias_fp8_triton(kind, dy, saved, torch.float8_e5m2, True)
+    ref_dact, ref_dbias = dact_dbias_triton(kind, dy, saved)
+    data, scale_inv, transpose = cast_to_fp8_triton(ref_dact, torch.float8_e5m2, 57344.0, True)
+    assert torch.equal(dact._scale_inv, scale_inv)
+    assert torch.equal(dact._data.view(torch.uint8), data.view(torch.uint8))
+    assert torch.equal(dact._transpose.view(torch.uint8), transpose.view(torch.uint8))
+    # Same per-chunk sums; only the tile reduction's order may differ.
+    assert_close(dbias, ref_dbias.double(), torch.bfloat16, "dbias")
+
+
+def test_backward_activation_bias_writes_fp8_directly_on_gpu(monkeypatch):
+    import fusible
+    import fusible.kernels.dact_dbias as kernels
+    calls = []
+    real = kernels.dact_dbias_fp8_triton
+    monkeypatch.setattr(kernels, "dact_dbias_fp8_triton",
+                        lambda *a, **k: calls.append(a[3]) or real(*a, **k))
+    model = ops.Sequential(ops.Linear(64, 4096), ops.GELU(), ops.Linear(4096, 64)).to(
+        "cuda", torch.bfloat16)
+    x = torch.randn(4096, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    with fusible.autocast():
+        model(x).sum().backward()
+    assert calls == [torch.float8_e5m2]
+    assert torch.isfinite(x.grad).all() and x.grad.abs().sum() > 0

@@ -74,3 +74,38 @@ def test_fp8_cast_triton_scale_and_layout():
                             text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.strip().endswith("ok")
+
+
+_DACT_FP8_SCRIPT = textwrap.dedent("""
+    import torch
+    from fusible.kernels.dact_dbias import dact_dbias_fp8_triton, dact_dbias_triton
+    from fusible.kernels.fp8_cast import cast_to_fp8_triton
+    from fusible.quantization.cast import FP8_MAX
+    torch.manual_seed(0)
+    for kind in ("gelu_tanh", "relu"):
+        for shape in ((70, 200), (3, 5, 48)):
+            dy = torch.randn(shape).to(torch.bfloat16)
+            saved = torch.randn(shape).to(torch.bfloat16)
+            dact, dbias = dact_dbias_fp8_triton(kind, dy, saved, torch.float8_e5m2, True,
+                                                rows_per_program=64, block_m=16, block_n=64,
+                                                cast_block_m=16, cast_block_n=32)
+            ref_dact, ref_dbias = dact_dbias_triton(kind, dy, saved, rows_per_program=64,
+                                                    block_m=16, block_n=64)
+            data, scale_inv, transpose = cast_to_fp8_triton(
+                ref_dact, torch.float8_e5m2, FP8_MAX[torch.float8_e5m2], True, block=256,
+                block_m=16, block_n=32)
+            assert dact.shape == dy.shape and dact.dtype == torch.bfloat16
+            assert torch.equal(dact._scale_inv, scale_inv)
+            assert torch.equal(dact._data.view(torch.uint8), data.view(torch.uint8))
+            assert torch.equal(dact._transpose.view(torch.uint8), transpose.view(torch.uint8))
+            assert torch.equal(dbias, ref_dbias)
+    print("ok")
+""")
+
+
+def test_dact_dbias_fp8_triton_matches_dact_then_cast():
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    result = subprocess.run([sys.executable, "-c", _DACT_FP8_SCRIPT], env=env,
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip().endswith("ok")

@@ -4,6 +4,11 @@ On CUDA, for large tensors, one Triton kernel reads ``dy`` and the saved tensor
 once, writes ``dact`` and per-chunk column sums; a small second reduction over
 the chunks gives ``dbias`` (deterministic: no atomics). Elsewhere, and for
 small tensors, two PyTorch ops do it.
+
+When the next stage takes the gradient in FP8, the Triton version never writes
+``dact`` in high precision: a first pass computes it for its absolute maximum and
+the column sums, a second computes it again and writes the FP8 data and its
+transposed copy. Same bits as the Triton ``dact`` followed by the FP8 cast.
 """
 
 from __future__ import annotations
@@ -17,6 +22,8 @@ from fusible.ops.bias import bias_grad
 try:
     import triton
     import triton.language as tl
+
+    from fusible.kernels.fp8_cast import max_keep_nan, scale_from_amax, store_fp8_tile
 except ImportError as error:  # Triton is optional: CPU-only installs use the fallback
     triton, _TRITON_IMPORT_ERROR = None, error
 
@@ -30,10 +37,17 @@ _KINDS = {"gelu": 0, "gelu_tanh": 1, "relu": 2, "silu": 3}
 TRITON_MIN_NUMEL = 1 << 24
 
 
-def dact_dbias(kind: str, grad_output: torch.Tensor, saved: torch.Tensor):
-    """Return ``(dact, dbias)`` for the pointwise activation ``kind``."""
+def dact_dbias(kind: str, grad_output: torch.Tensor, saved: torch.Tensor, fp8_out=None):
+    """Return ``(dact, dbias)`` for the pointwise activation ``kind``.
+
+    ``fp8_out``: the ``(fp8_dtype, transposed copy)`` format the caller wants ``dact``
+    in; where the Triton kernels run, ``dact`` comes back as that Float8Tensor, else
+    in high precision (the caller quantizes it).
+    """
     if (triton is not None and grad_output.is_cuda and grad_output.numel() >= TRITON_MIN_NUMEL
             and not isinstance(grad_output, FakeTensor)):  # fake kernels: same shapes, no launch
+        if fp8_out is not None:
+            return dact_dbias_fp8_triton(kind, grad_output, saved, *fp8_out)
         return dact_dbias_triton(kind, grad_output, saved)
     return dact_dbias_torch(kind, grad_output, saved)
 
@@ -85,6 +99,45 @@ if triton is not None:
             acc += tl.sum(tl.where(mask, d_out.to(tl.float32), 0.0), axis=0)
         tl.store(partial_ptr + pid_m.to(tl.int64) * N + cols, acc, mask=col_ok)
 
+    @triton.jit
+    def _dact_amax_dbias_kernel(dy_ptr, s_ptr, partial_ptr, amax_ptr, M, N,
+                                KIND: tl.constexpr, ROWS_PER_PROGRAM: tl.constexpr,
+                                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+        """``_dact_dbias_kernel`` that keeps the amax of the rounded ``dact``, not ``dact``."""
+        pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_ok = cols < N
+        acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        amax = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        for start in range(0, ROWS_PER_PROGRAM, BLOCK_M):
+            rows = pid_m * ROWS_PER_PROGRAM + start + tl.arange(0, BLOCK_M)
+            mask = (rows[:, None] < M) & col_ok[None, :]
+            offs = rows[:, None].to(tl.int64) * N + cols[None, :]
+            dy = tl.load(dy_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            s = tl.load(s_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            d = _activation_grad(dy, s, KIND).to(dy_ptr.dtype.element_ty).to(tl.float32)
+            d = tl.where(mask, d, 0.0)
+            acc += tl.sum(d, axis=0)
+            amax = tl.maximum(amax, tl.reduce(tl.abs(d), 0, max_keep_nan),
+                              propagate_nan=tl.PropagateNan.ALL)
+        tl.store(partial_ptr + pid_m.to(tl.int64) * N + cols, acc, mask=col_ok)
+        tl.atomic_max(amax_ptr, tl.reduce(amax, 0, max_keep_nan))
+
+    @triton.jit
+    def _dact_cast_kernel(dy_ptr, s_ptr, amax_ptr, data_ptr, t_ptr, scale_inv_ptr, M, N,
+                          FP8_MAX, KIND: tl.constexpr, HAS_T: tl.constexpr,
+                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+        scale = scale_from_amax(amax_ptr, FP8_MAX)
+        rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask = (rows[:, None] < M) & (cols[None, :] < N)
+        offs = rows[:, None].to(tl.int64) * N + cols[None, :]
+        dy = tl.load(dy_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        s = tl.load(s_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        d = _activation_grad(dy, s, KIND).to(dy_ptr.dtype.element_ty).to(tl.float32)
+        store_fp8_tile(d, scale, rows, cols, mask, data_ptr, t_ptr, scale_inv_ptr, M, N,
+                       FP8_MAX, HAS_T)
+
 
 def dact_dbias_triton(kind: str, grad_output: torch.Tensor, saved: torch.Tensor,
                       rows_per_program: int = 256, block_m: int = 32, block_n: int = 128):
@@ -108,4 +161,37 @@ def dact_dbias_triton(kind: str, grad_output: torch.Tensor, saved: torch.Tensor,
     _dact_dbias_kernel[grid](dy, s, dact, partial, m, n, KIND=_KINDS[kind],
                              ROWS_PER_PROGRAM=rows_per_program, BLOCK_M=block_m,
                              BLOCK_N=block_n)
+    return dact, partial.sum(0).to(dy.dtype)
+
+
+def dact_dbias_fp8_triton(kind: str, grad_output: torch.Tensor, saved: torch.Tensor,
+                          fp8_dtype: torch.dtype, columnwise: bool, rows_per_program: int = 256,
+                          block_m: int = 32, block_n: int = 128, cast_block_m: int = 64,
+                          cast_block_n: int = 128):
+    """``(dact as a Float8Tensor of fp8_dtype, dbias)``: :func:`dact_dbias_triton`
+    followed by the FP8 cast, without writing ``dact`` in high precision."""
+    from fusible.quantization.cast import FP8_MAX
+    from fusible.quantization.float8_tensor import Float8Tensor
+    if triton is None:
+        raise RuntimeError(f"dact_dbias_fp8_triton needs Triton, which failed to import: "
+                           f"{_TRITON_IMPORT_ERROR!r}")
+    if grad_output.shape != saved.shape or grad_output.numel() == 0:
+        raise ValueError(f"dact_dbias_fp8: grad_output {tuple(grad_output.shape)} and saved "
+                         f"{tuple(saved.shape)} must match and not be empty")
+    dy, s = grad_output.contiguous(), saved.contiguous()
+    n = dy.shape[-1]
+    m = dy.numel() // n
+    chunks = triton.cdiv(m, rows_per_program)
+    partial = torch.empty(chunks, n, device=dy.device, dtype=torch.float32)
+    amax = torch.zeros((), device=dy.device, dtype=torch.float32)
+    _dact_amax_dbias_kernel[(chunks, triton.cdiv(n, block_n))](
+        dy, s, partial, amax, m, n, KIND=_KINDS[kind], ROWS_PER_PROGRAM=rows_per_program,
+        BLOCK_M=block_m, BLOCK_N=block_n)
+    data = torch.empty(dy.shape, device=dy.device, dtype=fp8_dtype)
+    transpose = torch.empty((n, m), device=dy.device, dtype=fp8_dtype) if columnwise else data
+    scale_inv = torch.empty((), device=dy.device, dtype=torch.float32)
+    _dact_cast_kernel[(triton.cdiv(m, cast_block_m), triton.cdiv(n, cast_block_n))](
+        dy, s, amax, data, transpose, scale_inv, m, n, FP8_MAX[fp8_dtype], KIND=_KINDS[kind],
+        HAS_T=columnwise, BLOCK_M=cast_block_m, BLOCK_N=cast_block_n)
+    dact = Float8Tensor(data, scale_inv, dy.dtype, transpose if columnwise else None)
     return dact, partial.sum(0).to(dy.dtype)

@@ -22,7 +22,7 @@ except ImportError as error:  # Triton is optional: CPU-only installs use PyTorc
 if triton is not None:
 
     @triton.jit
-    def _max_keep_nan(a, b):
+    def max_keep_nan(a, b):
         return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
 
     @triton.jit
@@ -33,28 +33,42 @@ if triton is not None:
             offs = start + offset + tl.arange(0, BLOCK)
             x = tl.load(x_ptr + offs, mask=offs < n, other=0.0).to(tl.float32)
             acc = tl.maximum(acc, tl.abs(x), propagate_nan=tl.PropagateNan.ALL)
-        tl.atomic_max(amax_ptr, tl.reduce(acc, 0, _max_keep_nan))
+        tl.atomic_max(amax_ptr, tl.reduce(acc, 0, max_keep_nan))
+
+    @triton.jit
+    def scale_from_amax(amax_ptr, FP8_MAX):
+        """The current scale from the amax on the device: ``FP8_MAX / amax``, 1 for 0."""
+        amax = tl.load(amax_ptr)
+        return tl.where(amax > 0.0, tl.math.div_rn(FP8_MAX, amax), 1.0)
+
+    @triton.jit
+    def store_fp8_tile(x, scale, rows, cols, mask, data_ptr, t_ptr, scale_inv_ptr, M, N,
+                       FP8_MAX, HAS_T: tl.constexpr):
+        """Quantize the float32 tile ``x`` (rows x cols of an M x N tensor) and store it,
+        and its transpose into the N x M copy; the first program stores ``1 / scale``."""
+        if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
+            tl.store(scale_inv_ptr, tl.math.div_rn(1.0, scale))
+        v = tl.maximum(x * scale, -FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
+        v = tl.minimum(v, FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
+        offs = rows[:, None].to(tl.int64) * N + cols[None, :]
+        tl.store(data_ptr + offs, v.to(data_ptr.dtype.element_ty, fp_downcast_rounding="rtne"),
+                 mask=mask)
+        if HAS_T:  # the float32 tile transposed, then converted: stores along the copy's rows
+            t_offs = cols[:, None].to(tl.int64) * M + rows[None, :]
+            q_t = tl.trans(v).to(t_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
+            tl.store(t_ptr + t_offs, q_t, mask=tl.trans(mask))
 
     @triton.jit
     def _cast_kernel(x_ptr, amax_ptr, data_ptr, t_ptr, scale_inv_ptr, M, N, FP8_MAX,
                      HAS_T: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-        pid_m, pid_n = tl.program_id(0), tl.program_id(1)
-        amax = tl.load(amax_ptr)
-        scale = tl.where(amax > 0.0, tl.math.div_rn(FP8_MAX, amax), 1.0)
-        if (pid_m == 0) & (pid_n == 0):
-            tl.store(scale_inv_ptr, tl.math.div_rn(1.0, scale))
-        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        scale = scale_from_amax(amax_ptr, FP8_MAX)
+        rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         mask = (rows[:, None] < M) & (cols[None, :] < N)
         offs = rows[:, None].to(tl.int64) * N + cols[None, :]
         x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        v = tl.maximum(x * scale, -FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
-        v = tl.minimum(v, FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
-        q = v.to(data_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
-        tl.store(data_ptr + offs, q, mask=mask)
-        if HAS_T:
-            t_offs = cols[None, :].to(tl.int64) * M + rows[:, None]
-            tl.store(t_ptr + t_offs, q, mask=mask)
+        store_fp8_tile(x, scale, rows, cols, mask, data_ptr, t_ptr, scale_inv_ptr, M, N,
+                       FP8_MAX, HAS_T)
 
 
 def cast_to_fp8_triton(x: torch.Tensor, fp8_dtype: torch.dtype, fp8_max: float,

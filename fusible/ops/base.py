@@ -196,6 +196,11 @@ class FusibleOperation(PlanCachingModule):
     # it then hands it over already quantized.
     fp8_input_consumer: ClassVar[bool] = False
     fp8_grad_consumer: ClassVar[bool] = False
+    # Whether this op's compute takes ``fp8_out``, the ``(fp8_dtype, transposed copy)``
+    # format the next stage wants (None: a plain tensor), to fuse the cast into its own
+    # kernels. It may return the output (forward) or input gradient (backward) in that
+    # format or plain; a plain one is quantized after the compute.
+    quantizes_own_output: ClassVar[bool] = False
 
     def basic_ops(self) -> tuple["BasicOperation", ...]:
         """The basic ops this operation stands for, in forward order."""

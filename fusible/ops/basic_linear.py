@@ -13,7 +13,7 @@ from fusible.ops.base import BackwardResult, BasicOperation, ForwardResult
 from fusible.ops.linear_math import (as_fp8, gemm_backward, gemm_forward, handed_in_fp8,  # noqa: F401
                                      like_tokens, linear_dgrad, linear_forward, linear_wgrad,
                                      tokens_2d, transposed_only)
-from fusible.quantization.float8_tensor import Fp8Able
+from fusible.quantization.float8_tensor import Fp8Able, quantize_raw
 
 Tensor = torch.Tensor
 
@@ -24,7 +24,6 @@ class LinearForwardArgs:
     weight: Tensor
     fp8_dtype: Optional[torch.dtype]  # None: high precision
     keep_input_t: bool                # FP8: keep the input's transposed copy (for wgrad)
-    keep_weight_t: bool               # FP8: keep the weight's transposed copy (for dgrad)
 
 
 @attrs.define
@@ -115,9 +114,8 @@ class BasicLinear(BasicOperation):
 
     @classmethod
     def forward_compute(cls, args, *, in_custom_op=False):
-        y, x_saved, w_saved = gemm_forward(args.input, args.weight, None, args.fp8_dtype,
-                                           args.keep_input_t, args.keep_weight_t)
-        return ForwardResult(y, (), linear_aux(args, x_saved, w_saved))
+        y, x_q = gemm_forward(args.input, args.weight, None, args.fp8_dtype, args.keep_input_t)
+        return ForwardResult(y, (), linear_aux(args, x_q))
 
     def save_for_backward(self, args, result, ctxs):
         save_linear(ctxs[0], args, result.aux)
@@ -134,45 +132,56 @@ class BasicLinear(BasicOperation):
 
 
 def fp8_forward_flags(ctx) -> tuple:
-    """``(fp8_dtype, keep_input_t, keep_weight_t)`` of a BasicLinear's forward args."""
+    """``(fp8_dtype, keep_input_t)`` of a BasicLinear's forward args."""
     recipe = ctx.recipe
     if recipe is None:
-        return None, False, False
-    return recipe.forward_dtype, ctx.needs.params[0], ctx.needs.input
+        return None, False
+    return recipe.forward_dtype, ctx.needs.params[0]
 
 
 def save_linear(ctx, args, aux: tuple) -> None:
     """BasicLinear's saved layout ``(input, weight)``: the input for wgrad, the weight for
-    dgrad. Under FP8 only their transposed FP8 copies are kept (the backward GEMMs read
-    nothing else), from the forward result's aux (see :func:`linear_aux`)."""
-    if args.fp8_dtype is None:
-        x, weight = args.input, args.weight
-    else:
-        x_t, x_scale_inv, w_t, w_scale_inv = aux[:4]
+    dgrad. Under FP8 the input is kept as its transposed FP8 copy only (all wgrad reads),
+    from the forward result's aux (see :func:`linear_aux`); the weight is kept as the
+    parameter itself and quantized again in the backward (see :func:`linear_saved`)."""
+    x = args.input
+    if args.fp8_dtype is not None:
         if handed_in_fp8(args.input, args.fp8_dtype):
             x_q = as_fp8(args.input, args.fp8_dtype, args.keep_input_t)
             x_t, x_scale_inv = x_q._transpose, x_q._scale_inv
+        else:
+            x_t, x_scale_inv = aux[:2]
         x = transposed_only(x_t, x_scale_inv, args.input.dtype) if args.keep_input_t else None
-        weight = (transposed_only(w_t, w_scale_inv, args.weight.dtype) if args.keep_weight_t
-                  else None)
-    ctx.saved = (x if ctx.needs.params[0] else None, weight if ctx.needs.input else None)
+    ctx.saved = (x if ctx.needs.params[0] else None, args.weight if ctx.needs.input else None)
 
 
-def linear_aux(args, x_q, w_q) -> tuple:
-    """The aux tensors a forward GEMM stage returns under FP8: the transposed copies and
-    scales the backward GEMMs read, ``(x_t, x_scale_inv, w_t, w_scale_inv)`` (None where
-    not kept). An input that arrived in FP8 is the caller's to save (see
-    :func:`handed_in_fp8`)."""
-    if args.fp8_dtype is None:
+def linear_aux(args, x_q) -> tuple:
+    """The aux tensors a forward GEMM stage returns under FP8: the input's transposed copy
+    and scale, ``(x_t, x_scale_inv)`` (None where not kept). An input that arrived in FP8
+    is the caller's to save (see :func:`handed_in_fp8`)."""
+    if args.fp8_dtype is None or handed_in_fp8(args.input, args.fp8_dtype):
         return ()
-    x_parts = ((None, None) if handed_in_fp8(args.input, args.fp8_dtype)
-               else (x_q._transpose, x_q._scale_inv))
-    return (*x_parts, w_q._transpose, w_q._scale_inv)
+    return (x_q._transpose, x_q._scale_inv)
+
+
+def linear_saved(ctx) -> tuple:
+    """``(input, weight, grad_fp8_dtype)`` for a BasicLinear's backward GEMMs.
+
+    Under FP8 the weight is quantized again, with its transposed copy for dgrad: the
+    same bits as in the forward (current scaling of an unchanged parameter; autograd
+    checks its version), and no FP8 copy of every weight held between the passes.
+    """
+    x, weight = ctx.saved
+    if ctx.recipe is None:
+        return x, weight, None
+    if weight is not None:
+        w_q = quantize_raw(weight, ctx.recipe.forward_dtype, columnwise=True)
+        weight = transposed_only(w_q._transpose, w_q._scale_inv, weight.dtype)
+    return x, weight, ctx.recipe.backward_dtype
 
 
 def linear_backward_args(ctx, grad_output) -> LinearBackwardArgs:
-    x, weight = ctx.saved
-    grad_dtype = None if ctx.recipe is None else ctx.recipe.backward_dtype
+    x, weight, grad_dtype = linear_saved(ctx)
     return LinearBackwardArgs(grad_output, x, weight, grad_dtype, ctx.needs.input,
                               ctx.needs.params[0])
 

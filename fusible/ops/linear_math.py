@@ -91,21 +91,22 @@ def fp8_gemm(a: Tensor, a_scale_inv: Tensor, b: Tensor, b_scale_inv: Tensor,
 
 
 def gemm_forward(x: Tensor, weight: Tensor, bias: Optional[Tensor],
-                 fp8_dtype: Optional[torch.dtype], keep_input_t: bool, keep_weight_t: bool):
-    """``(y, input to save, weight to save)``: high precision without ``fp8_dtype``."""
+                 fp8_dtype: Optional[torch.dtype], keep_input_t: bool):
+    """``(y, FP8 input or None)``: high precision without ``fp8_dtype``."""
     if fp8_dtype is None:
-        return linear_forward(x, weight, bias), x, weight
+        return linear_forward(x, weight, bias), None
     x_q = as_fp8(x, fp8_dtype, keep_input_t and not handed_in_fp8(x, fp8_dtype))
-    w_q = quantize_raw(weight, fp8_dtype, keep_weight_t)
+    w_q = quantize_raw(weight, fp8_dtype)
     out_dtype = weight.dtype
     y = fp8_gemm(x_q._data, x_q._scale_inv, w_q._data.t(), w_q._scale_inv, bias, out_dtype,
                  fast_accum=True)
-    return like_tokens(y, x), x_q, w_q
+    return like_tokens(y, x), x_q
 
 
 def gemm_backward(dy: Tensor, x_saved, w_saved, grad_fp8_dtype: Optional[torch.dtype],
                   need_dgrad: bool, need_wgrad: bool, accumulate_into: Optional[Tensor] = None):
-    """``(dgrad or None, wgrad or None)`` from what ``gemm_forward`` saved.
+    """``(dgrad or None, wgrad or None)`` from the saved input and weight (under FP8,
+    Float8Tensors with their transposed copies).
 
     ``accumulate_into`` is added to the dgrad (in the GEMM in high precision).
     """
