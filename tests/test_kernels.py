@@ -31,12 +31,17 @@ _SCRIPT = textwrap.dedent("""
 """)
 
 
-def test_dact_dbias_triton_matches_reference():
+def _run_interpreted(script: str) -> None:
+    """Run ``script`` in a fresh process with Triton's interpreter; it prints "ok"."""
     env = dict(os.environ, TRITON_INTERPRET="1")
-    result = subprocess.run([sys.executable, "-c", _SCRIPT], env=env, capture_output=True,
+    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
                             text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.strip().endswith("ok")
+
+
+def test_dact_dbias_triton_matches_reference():
+    _run_interpreted(_SCRIPT)
 
 
 # Triton's interpreter rounds to FP8 differently from GPUs, so this checks the scale, the
@@ -76,11 +81,7 @@ _GPU_COVERS = pytest.mark.skipif(
 
 @_GPU_COVERS
 def test_fp8_cast_triton_scale_and_layout():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    result = subprocess.run([sys.executable, "-c", _CAST_SCRIPT], env=env, capture_output=True,
-                            text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert result.stdout.strip().endswith("ok")
+    _run_interpreted(_CAST_SCRIPT)
 
 
 _DACT_FP8_SCRIPT = textwrap.dedent("""
@@ -112,8 +113,4 @@ _DACT_FP8_SCRIPT = textwrap.dedent("""
 
 @_GPU_COVERS
 def test_dact_dbias_fp8_triton_matches_dact_then_cast():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    result = subprocess.run([sys.executable, "-c", _DACT_FP8_SCRIPT], env=env,
-                            capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert result.stdout.strip().endswith("ok")
+    _run_interpreted(_DACT_FP8_SCRIPT)

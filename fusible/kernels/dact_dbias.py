@@ -81,30 +81,12 @@ if triton is not None:
             return dy * sig * (1.0 + s * (1.0 - sig))
 
     @triton.jit
-    def _dact_dbias_kernel(dy_ptr, s_ptr, dact_ptr, partial_ptr, M, N,
-                           KIND: tl.constexpr, ROWS_PER_PROGRAM: tl.constexpr,
-                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-        pid_m, pid_n = tl.program_id(0), tl.program_id(1)
-        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        col_ok = cols < N
-        acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-        for start in range(0, ROWS_PER_PROGRAM, BLOCK_M):
-            rows = pid_m * ROWS_PER_PROGRAM + start + tl.arange(0, BLOCK_M)
-            mask = (rows[:, None] < M) & col_ok[None, :]
-            offs = rows[:, None].to(tl.int64) * N + cols[None, :]
-            dy = tl.load(dy_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-            s = tl.load(s_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-            d = _activation_grad(dy, s, KIND)
-            d_out = d.to(dact_ptr.dtype.element_ty)
-            tl.store(dact_ptr + offs, d_out, mask=mask)
-            acc += tl.sum(tl.where(mask, d_out.to(tl.float32), 0.0), axis=0)
-        tl.store(partial_ptr + pid_m.to(tl.int64) * N + cols, acc, mask=col_ok)
-
-    @triton.jit
-    def _dact_amax_dbias_kernel(dy_ptr, s_ptr, partial_ptr, amax_ptr, M, N,
-                                KIND: tl.constexpr, ROWS_PER_PROGRAM: tl.constexpr,
-                                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-        """``_dact_dbias_kernel`` that keeps the amax of the rounded ``dact``, not ``dact``."""
+    def _dact_dbias_kernel(dy_ptr, s_ptr, dact_ptr, partial_ptr, amax_ptr, M, N,
+                           KIND: tl.constexpr, KEEP_AMAX: tl.constexpr,
+                           ROWS_PER_PROGRAM: tl.constexpr, BLOCK_M: tl.constexpr,
+                           BLOCK_N: tl.constexpr):
+        """Column sums of the rounded ``dact``, and ``dact`` itself or (``KEEP_AMAX``, the
+        first FP8 pass) only its absolute maximum."""
         pid_m, pid_n = tl.program_id(0), tl.program_id(1)
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         col_ok = cols < N
@@ -116,13 +98,17 @@ if triton is not None:
             offs = rows[:, None].to(tl.int64) * N + cols[None, :]
             dy = tl.load(dy_ptr + offs, mask=mask, other=0.0).to(tl.float32)
             s = tl.load(s_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-            d = _activation_grad(dy, s, KIND).to(dy_ptr.dtype.element_ty).to(tl.float32)
-            d = tl.where(mask, d, 0.0)
+            d_out = _activation_grad(dy, s, KIND).to(dy_ptr.dtype.element_ty)
+            d = tl.where(mask, d_out.to(tl.float32), 0.0)
             acc += tl.sum(d, axis=0)
-            amax = tl.maximum(amax, tl.reduce(tl.abs(d), 0, max_keep_nan),
-                              propagate_nan=tl.PropagateNan.ALL)
+            if KEEP_AMAX:
+                amax = tl.maximum(amax, tl.reduce(tl.abs(d), 0, max_keep_nan),
+                                  propagate_nan=tl.PropagateNan.ALL)
+            else:
+                tl.store(dact_ptr + offs, d_out, mask=mask)
         tl.store(partial_ptr + pid_m.to(tl.int64) * N + cols, acc, mask=col_ok)
-        tl.atomic_max(amax_ptr, tl.reduce(amax, 0, max_keep_nan))
+        if KEEP_AMAX:
+            tl.atomic_max(amax_ptr, tl.reduce(amax, 0, max_keep_nan))
 
     @triton.jit
     def _dact_cast_kernel(dy_ptr, s_ptr, amax_ptr, data_ptr, t_ptr, scale_inv_ptr, M, N,
@@ -159,9 +145,9 @@ def dact_dbias_triton(kind: str, grad_output: torch.Tensor, saved: torch.Tensor,
     chunks = triton.cdiv(m, rows_per_program)
     partial = torch.empty(chunks, n, device=dy.device, dtype=torch.float32)
     grid = (chunks, triton.cdiv(n, block_n))
-    _dact_dbias_kernel[grid](dy, s, dact, partial, m, n, KIND=_KINDS[kind],
-                             ROWS_PER_PROGRAM=rows_per_program, BLOCK_M=block_m,
-                             BLOCK_N=block_n)
+    _dact_dbias_kernel[grid](dy, s, dact, partial, partial, m, n, KIND=_KINDS[kind],
+                             KEEP_AMAX=False, ROWS_PER_PROGRAM=rows_per_program,
+                             BLOCK_M=block_m, BLOCK_N=block_n)
     return dact, partial.sum(0).to(dy.dtype)
 
 
@@ -185,9 +171,9 @@ def dact_dbias_fp8_triton(kind: str, grad_output: torch.Tensor, saved: torch.Ten
     chunks = triton.cdiv(m, rows_per_program)
     partial = torch.empty(chunks, n, device=dy.device, dtype=torch.float32)
     amax = torch.zeros((), device=dy.device, dtype=torch.float32)
-    _dact_amax_dbias_kernel[(chunks, triton.cdiv(n, block_n))](
-        dy, s, partial, amax, m, n, KIND=_KINDS[kind], ROWS_PER_PROGRAM=rows_per_program,
-        BLOCK_M=block_m, BLOCK_N=block_n)
+    _dact_dbias_kernel[(chunks, triton.cdiv(n, block_n))](  # dact_ptr: unused
+        dy, s, partial, partial, amax, m, n, KIND=_KINDS[kind], KEEP_AMAX=True,
+        ROWS_PER_PROGRAM=rows_per_program, BLOCK_M=block_m, BLOCK_N=block_n)
     data = torch.empty(dy.shape, device=dy.device, dtype=fp8_dtype)
     in_kernel_t = columnwise and transposes_in_kernel(dy.dtype)
     transpose = torch.empty((n, m), device=dy.device, dtype=fp8_dtype) if in_kernel_t else data
