@@ -1,5 +1,8 @@
 """One-off GPU diagnostics for FP8: _scaled_mm output dtypes and layouts, cast bits,
-and memory allocated after each stage of the MLP block's forward and backward."""
+and memory allocated after each stage of the MLP block's forward and backward.
+
+    PYTHONPATH=. python3 benchmarks/diagnostics/fp8_diag.py   (from the repository root)
+"""
 
 import functools
 
