@@ -23,8 +23,8 @@ try:
     import triton
     import triton.language as tl
 
-    from fusible.kernels.fp8_cast import (max_keep_nan, scale_from_amax, store_fp8_tile,
-                                          transposes_in_kernel)
+    from fusible.kernels.fp8_cast import (fp8_buffers, fp8_results, max_keep_nan,
+                                          scale_from_amax, store_fp8_tile)
 except ImportError as error:  # Triton is optional: CPU-only installs use the fallback
     triton, _TRITON_IMPORT_ERROR = None, error
 
@@ -174,14 +174,10 @@ def dact_dbias_fp8_triton(kind: str, grad_output: torch.Tensor, saved: torch.Ten
     _dact_dbias_kernel[(chunks, triton.cdiv(n, block_n))](  # dact_ptr: unused
         dy, s, partial, partial, amax, m, n, KIND=_KINDS[kind], KEEP_AMAX=True,
         ROWS_PER_PROGRAM=rows_per_program, BLOCK_M=block_m, BLOCK_N=block_n)
-    data = torch.empty(dy.shape, device=dy.device, dtype=fp8_dtype)
-    in_kernel_t = columnwise and transposes_in_kernel(dy.dtype)
-    transpose = torch.empty((n, m), device=dy.device, dtype=fp8_dtype) if in_kernel_t else data
-    scale_inv = torch.empty((), device=dy.device, dtype=torch.float32)
+    data, transpose, scale_inv, in_kernel_t = fp8_buffers(dy, fp8_dtype, columnwise)
     _dact_cast_kernel[(triton.cdiv(m, cast_block_m), triton.cdiv(n, cast_block_n))](
         dy, s, amax, data, transpose, scale_inv, m, n, FP8_MAX[fp8_dtype], KIND=_KINDS[kind],
         HAS_T=in_kernel_t, BLOCK_M=cast_block_m, BLOCK_N=cast_block_n)
-    if columnwise and not in_kernel_t:
-        transpose = data.view(m, n).t().contiguous()
-    dact = Float8Tensor(data, scale_inv, dy.dtype, transpose if columnwise else None)
+    data, scale_inv, *transpose = fp8_results(data, scale_inv, transpose, columnwise, in_kernel_t)
+    dact = Float8Tensor(data, scale_inv, dy.dtype, transpose[0] if transpose else None)
     return dact, partial.sum(0).to(dy.dtype)

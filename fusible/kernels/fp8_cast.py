@@ -81,12 +81,8 @@ def cast_to_fp8_triton(x: torch.Tensor, fp8_dtype: torch.dtype, fp8_max: float,
     x = x.contiguous()
     n_cols = x.shape[-1]
     n_rows = x.numel() // n_cols
-    data = torch.empty(x.shape, device=x.device, dtype=fp8_dtype)
-    in_kernel_t = columnwise and transposes_in_kernel(x.dtype)
-    transpose = (torch.empty((n_cols, n_rows), device=x.device, dtype=fp8_dtype)
-                 if in_kernel_t else data)  # data: an unused pointer for HAS_T=False
+    data, transpose, scale_inv, in_kernel_t = fp8_buffers(x, fp8_dtype, columnwise)
     amax = torch.zeros((), device=x.device, dtype=torch.float32)
-    scale_inv = torch.empty((), device=x.device, dtype=torch.float32)
     # Few enough programs that the atomics on one address stay cheap.
     programs = min(triton.cdiv(x.numel(), block), 2048)
     per_program = triton.cdiv(triton.cdiv(x.numel(), programs), block) * block
@@ -94,9 +90,12 @@ def cast_to_fp8_triton(x: torch.Tensor, fp8_dtype: torch.dtype, fp8_max: float,
     grid = (triton.cdiv(n_rows, block_m), triton.cdiv(n_cols, block_n))
     _cast_kernel[grid](x, amax, data, transpose, scale_inv, n_rows, n_cols, fp8_max,
                        HAS_T=in_kernel_t, BLOCK_M=block_m, BLOCK_N=block_n)
-    if columnwise and not in_kernel_t:
-        transpose = data.view(n_rows, n_cols).t().contiguous()
-    return [data, scale_inv, transpose] if columnwise else [data, scale_inv]
+    return fp8_results(data, scale_inv, transpose, columnwise, in_kernel_t)
+
+
+def transposed_copy(data: torch.Tensor) -> torch.Tensor:
+    """The (features, tokens) row-major copy of ``data`` seen as (tokens, features)."""
+    return data.reshape(-1, data.shape[-1]).t().contiguous()
 
 
 def transposes_in_kernel(dtype: torch.dtype) -> bool:
@@ -107,3 +106,24 @@ def transposes_in_kernel(dtype: torch.dtype) -> bool:
     PyTorch transpose of the FP8 data (one more pass over it, same bits).
     """
     return dtype == torch.bfloat16
+
+
+def fp8_buffers(source: torch.Tensor, fp8_dtype: torch.dtype, columnwise: bool) -> tuple:
+    """``(data, transpose, scale_inv, HAS_T)``: what a cast kernel writes for ``source``.
+
+    ``transpose`` is ``data`` (an unused pointer) when the kernel does not write it.
+    """
+    n = source.shape[-1]
+    data = torch.empty(source.shape, device=source.device, dtype=fp8_dtype)
+    in_kernel_t = columnwise and transposes_in_kernel(source.dtype)
+    transpose = (torch.empty((n, source.numel() // n), device=source.device, dtype=fp8_dtype)
+                 if in_kernel_t else data)
+    scale_inv = torch.empty((), device=source.device, dtype=torch.float32)
+    return data, transpose, scale_inv, in_kernel_t
+
+
+def fp8_results(data, scale_inv, transpose, columnwise: bool, in_kernel_t: bool) -> list:
+    """``[data, scale_inv]`` (+ the transposed copy, made here if the kernel did not)."""
+    if not columnwise:
+        return [data, scale_inv]
+    return [data, scale_inv, transpose if in_kernel_t else transposed_copy(data)]

@@ -48,7 +48,7 @@ def cast_to_fp8_torch(x: torch.Tensor, fp8_dtype: torch.dtype, columnwise: bool 
     data = (xf * scale).clamp_(-limit, limit).to(fp8_dtype)
     out = [data, torch.ones_like(scale) / scale]
     if columnwise:
-        out.append(data.reshape(-1, data.shape[-1]).t().contiguous())
+        out.append(fp8_cast.transposed_copy(data))
     return out
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from fusible.kernels.fp8_cast import transposed_copy
 from fusible.quantization.float8_tensor import Float8Tensor, quantize_raw
 
 
@@ -20,7 +21,5 @@ def to_fp8_format(t, fmt):
     if t.fp8_dtype != fp8_dtype:
         return quantize_raw(t._dequantize_raw(), fp8_dtype, columnwise, t.dtype)
     if columnwise and t._transpose is None:
-        data = t._data
-        transpose = data.reshape(-1, data.shape[-1]).t().contiguous()
-        return Float8Tensor(data, t._scale_inv, t.dtype, transpose)
+        return Float8Tensor(t._data, t._scale_inv, t.dtype, transposed_copy(t._data))
     return t
