@@ -100,7 +100,38 @@ def memory_by_stage(fp8: bool, tokens=16384, hidden=4096, ffn=16384):
             setattr(cls, name, classmethod(original))
 
 
-scaled_mm_checks()
-cast_checks()
-memory_by_stage(False)
-memory_by_stage(True)
+def snapshot(fp8: bool, path: str, tokens=16384, hidden=4096, ffn=16384):
+    """Allocator history of the second fwd+bwd step, for reading the peak offline."""
+    model = ops.Sequential(ops.Linear(hidden, ffn), ops.GELU(approximate="tanh"),
+                           ops.Linear(ffn, hidden)).to("cuda", torch.bfloat16)
+    x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
+    for step in range(2):
+        if step == 1:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            torch.cuda.memory._record_memory_history(max_entries=100000)
+        with fusible.autocast(enabled=fp8):
+            y = model(x)
+        y.backward(dy)
+        x.grad = None
+        for p in model.parameters():
+            p.grad = None
+    torch.cuda.synchronize()
+    torch.cuda.memory._dump_snapshot(path)
+    torch.cuda.memory._record_memory_history(enabled=None)
+    print(f"snapshot fp8={fp8}: peak {torch.cuda.max_memory_allocated() / 2**30:.3f} GiB -> {path}")
+
+
+if __name__ == "__main__":
+    import os
+    import sys
+    if "--snapshot" in sys.argv:
+        out = os.environ.get("OUT", "out")
+        snapshot(False, f"{out}/mem_bf16.pickle")
+        snapshot(True, f"{out}/mem_fp8.pickle")
+    else:
+        scaled_mm_checks()
+        cast_checks()
+        memory_by_stage(False)
+        memory_by_stage(True)
