@@ -131,6 +131,7 @@ def run_forward(plan: ExecPlan, x, params, extra_inputs, ctxs, *, save: bool,
         x = result.output
         if st.num_extra_out:
             extra_outputs.extend(result.extra_outputs)
+        del args, result  # free this stage's temporaries before the next stage allocates
     return x, tuple(extra_outputs)
 
 
@@ -187,6 +188,9 @@ def run_backward(plan: ExecPlan, grad_output, grad_extra_outputs, ctxs, traced: 
             grad_extras[st.extra_in] = result.grad_extra_inputs
         for c in op_ctxs:
             c.clear()
+        # The next stage's backward_args may allocate (an FP8 weight cast): this stage's
+        # inputs (the incoming gradient, saved activations) must be gone by then.
+        del args, result
     return (dy if plan.input_needs_grad else None), grad_extras, grad_params
 
 

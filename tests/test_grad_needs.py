@@ -64,17 +64,24 @@ def test_only_needed_tensors_are_saved():
 
 
 def test_intermediates_are_freed_during_backward(monkeypatch):
-    """When the first layer's backward runs, the GELU output saved by the second layer
-    and the pre-activation saved by GELU are already gone."""
+    """When the first layer's backward starts (backward_args, where an FP8 recipe casts the
+    weight), the GELU output saved by the second layer, the pre-activation saved by GELU and
+    the gradient GELU received are already gone."""
     seen, refs = {}, {}
-    real = ops.BasicLinear.backward_compute.__func__
+    real_args = ops.BasicLinear.backward_args
+    real_gelu = ops.GELU.backward_compute.__func__
 
-    def spy(cls, args, *, in_custom_op=False):
-        if args.grad_output.shape[-1] == 8:  # the first layer
-            seen["alive"] = tuple(ref() is not None for ref in refs.values())
-        return real(cls, args, in_custom_op=in_custom_op)
+    def spy_args(self, grad_output, grad_extra_outputs, ctxs):
+        if grad_output.shape[-1] == 8:  # the first layer
+            seen["alive"] = {name: ref() is not None for name, ref in refs.items()}
+        return real_args(self, grad_output, grad_extra_outputs, ctxs)
 
-    monkeypatch.setattr(ops.BasicLinear, "backward_compute", classmethod(spy))
+    def spy_gelu(cls, args, *, in_custom_op=False):
+        refs["gelu_grad_output"] = weakref.ref(args.grad_output)
+        return real_gelu(cls, args, in_custom_op=in_custom_op)
+
+    monkeypatch.setattr(ops.BasicLinear, "backward_args", spy_args)
+    monkeypatch.setattr(ops.GELU, "backward_compute", classmethod(spy_gelu))
     model = _mlp()
     x = torch.randn(3, 4, requires_grad=True)
     y = model(x)
@@ -82,7 +89,8 @@ def test_intermediates_are_freed_during_backward(monkeypatch):
     refs["gelu_output"] = weakref.ref(ctxs[2].saved[0])
     refs["pre_activation"] = weakref.ref(ctxs[1].saved[0])
     y.sum().backward()
-    assert seen["alive"] == (False, False)
+    assert seen["alive"] == {"gelu_output": False, "pre_activation": False,
+                             "gelu_grad_output": False}
     assert x.grad is not None
 
 
