@@ -8,6 +8,8 @@ median of triton.testing.do_bench, peak allocated memory during a step), rows:
   graphs; torchao float8 tensorwise (``convert_to_float8_training``) eager and compiled.
 
 ``snr_db_*`` compares each FP8 model's output with the bf16 model's on the same weights.
+With ``SNAPSHOT_DIR`` set, each row at the large shape also writes the allocator history
+of its measured step there (``{row}.pickle``), to read what is alive at the peak.
 
     python benchmarks/gpu_fp8.py --output benchmarks/results/gpu_fp8_h200.json
 """
@@ -15,6 +17,7 @@ median of triton.testing.do_bench, peak allocated memory during a step), rows:
 import argparse
 import contextlib
 import json
+import os
 
 import torch
 import triton
@@ -58,12 +61,15 @@ def output_snr(tokens: int, hidden: int, ffn: int) -> dict:
 
 def run_rows(tokens: int, hidden: int, ffn: int) -> dict:
     results, shape = {}, f"T{tokens}_H{hidden}_FF{ffn}"
+    snapshot_dir = os.environ.get("SNAPSHOT_DIR") if (tokens, hidden, ffn) == SHAPES[0] else None
     for name, make, mode, fp8 in ROWS:
         torch._dynamo.reset()
         model = make(hidden, ffn)
         context = fusible.autocast if fp8 else contextlib.nullcontext
+        snapshot = f"{snapshot_dir}/{name}.pickle" if snapshot_dir else None
         try:
-            results[f"{name}_{shape}"] = measure(model, tokens, hidden, ffn, mode, context)
+            results[f"{name}_{shape}"] = measure(model, tokens, hidden, ffn, mode, context,
+                                                 snapshot)
         except Exception as error:  # one failing row must not hide the others
             results[f"{name}_{shape}"] = {"error": repr(error)[:500]}
         del model

@@ -48,8 +48,12 @@ def prepare(model, mode: str):
 
 
 def measure(model, tokens: int, hidden: int, ffn: int, mode: str = "eager",
-            context=contextlib.nullcontext) -> dict:
-    """Time and peak memory of fwd+bwd steps; each step runs inside ``context()``."""
+            context=contextlib.nullcontext, snapshot: str | None = None) -> dict:
+    """Time and peak memory of fwd+bwd steps; each step runs inside ``context()``.
+
+    ``snapshot``: a path for the allocator history of the step whose peak is reported
+    (``torch.cuda.memory._dump_snapshot``), to see what is alive at the peak.
+    """
     x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     dy = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
     params = list(model.parameters())
@@ -73,9 +77,14 @@ def measure(model, tokens: int, hidden: int, ffn: int, mode: str = "eager",
     torch.cuda.synchronize()
     first3 = time.perf_counter() - start
     torch.cuda.reset_peak_memory_stats()
+    if snapshot:
+        torch.cuda.memory._record_memory_history(max_entries=100000)
     step()
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated() / 2**30
+    if snapshot:
+        torch.cuda.memory._dump_snapshot(snapshot)
+        torch.cuda.memory._record_memory_history(enabled=None)
     ms = triton.testing.do_bench(step, warmup=100, rep=1000, return_mode="median")
     flops = 3 * 2 * tokens * hidden * ffn * 2
     return {"ms": ms, "tflops": flops / ms / 1e9, "peak_gib": peak, "first3_s": first3}

@@ -100,20 +100,22 @@ def memory_by_stage(fp8: bool, tokens=16384, hidden=4096, ffn=16384):
             setattr(cls, name, classmethod(original))
 
 
-def snapshot(fp8: bool, path: str, tokens=16384, hidden=4096, ffn=16384):
-    """Allocator history of the second fwd+bwd step, for reading the peak offline."""
+def snapshot(fp8: bool, path: str, compiled=False, tokens=16384, hidden=4096, ffn=16384):
+    """Allocator history of the last of four fwd+bwd steps, for reading the peak offline."""
     model = ops.Sequential(ops.Linear(hidden, ffn), ops.GELU(approximate="tanh"),
                            ops.Linear(ffn, hidden)).to("cuda", torch.bfloat16)
+    run = torch.compile(model) if compiled else model
     x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     dy = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
-    for step in range(2):
-        if step == 1:
+    for step in range(4):
+        if step == 3:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
             torch.cuda.memory._record_memory_history(max_entries=100000)
         with fusible.autocast(enabled=fp8):
-            y = model(x)
+            y = run(x)
         y.backward(dy)
+        del y
         x.grad = None
         for p in model.parameters():
             p.grad = None
@@ -128,8 +130,10 @@ if __name__ == "__main__":
     import sys
     if "--snapshot" in sys.argv:
         out = os.environ.get("OUT", "out")
-        snapshot(False, f"{out}/mem_bf16.pickle")
-        snapshot(True, f"{out}/mem_fp8.pickle")
+        for compiled in (False, True):
+            suffix = "_compiled" if compiled else ""
+            snapshot(False, f"{out}/mem_bf16{suffix}.pickle", compiled)
+            snapshot(True, f"{out}/mem_fp8{suffix}.pickle", compiled)
     else:
         scaled_mm_checks()
         cast_checks()
