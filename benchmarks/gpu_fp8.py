@@ -16,6 +16,7 @@ of its measured step there (``{row}.pickle``), to read what is alive at the peak
 
 import argparse
 import contextlib
+import gc
 import json
 import os
 
@@ -64,6 +65,7 @@ def run_rows(tokens: int, hidden: int, ffn: int) -> dict:
     snapshot_dir = os.environ.get("SNAPSHOT_DIR") if (tokens, hidden, ffn) == SHAPES[0] else None
     for name, make, mode, fp8 in ROWS:
         torch._dynamo.reset()
+        gc.collect()  # earlier compiled models are freed by the cyclic GC: not counted here
         model = make(hidden, ffn)
         context = fusible.autocast if fp8 else contextlib.nullcontext
         snapshot = f"{snapshot_dir}/{name}.pickle" if snapshot_dir else None

@@ -13,6 +13,7 @@ allocated memory during a step, ``first3_s`` the wall time of the first three st
 
 import argparse
 import contextlib
+import gc
 import json
 import time
 
@@ -135,6 +136,7 @@ def main() -> None:
         for mode in MODES:
             for kind in ("torch", "fusible"):
                 torch._dynamo.reset()
+                gc.collect()  # earlier compiled models are freed by the cyclic GC
                 model = build(kind, hidden, ffn)
                 results[f"bf16_{mode}_{kind}_{shape}"] = measure(model, tokens, hidden, ffn, mode)
                 del model

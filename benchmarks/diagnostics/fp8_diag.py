@@ -5,6 +5,7 @@ and memory allocated after each stage of the MLP block's forward and backward.
 """
 
 import functools
+import gc
 
 import torch
 
@@ -107,11 +108,12 @@ def snapshot(fp8: bool, path: str, compiled=False, tokens=16384, hidden=4096, ff
     run = torch.compile(model) if compiled else model
     x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     dy = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
+    gc.collect()  # a compiled model lives until the cyclic GC runs: not the one measured
+    torch.cuda.memory._record_memory_history(max_entries=100000)  # all steps: see leaks too
     for step in range(4):
         if step == 3:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
-            torch.cuda.memory._record_memory_history(max_entries=100000)
         with fusible.autocast(enabled=fp8):
             y = run(x)
         y.backward(dy)
@@ -125,15 +127,43 @@ def snapshot(fp8: bool, path: str, compiled=False, tokens=16384, hidden=4096, ff
     print(f"snapshot fp8={fp8}: peak {torch.cuda.max_memory_allocated() / 2**30:.3f} GiB -> {path}")
 
 
+def host_profile(tokens=2048, hidden=1024, ffn=4096, steps=20):
+    """cProfile of eager FP8 fwd+bwd steps at a small, host-bound shape: where the host
+    time goes (Python functions by own time)."""
+    import cProfile
+    import pstats
+    model = ops.Sequential(ops.Linear(hidden, ffn), ops.GELU(approximate="tanh"),
+                           ops.Linear(ffn, hidden)).to("cuda", torch.bfloat16)
+    x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
+
+    def step():
+        with fusible.autocast():
+            model(x).backward(dy)
+
+    for _ in range(5):
+        step()
+    torch.cuda.synchronize()
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(steps):
+        step()
+    torch.cuda.synchronize()
+    profiler.disable()
+    pstats.Stats(profiler).sort_stats("tottime").print_stats(30)
+
+
 if __name__ == "__main__":
     import os
     import sys
-    if "--snapshot" in sys.argv:
+    if "--host" in sys.argv:
+        host_profile()
+    elif "--snapshot" in sys.argv:
         out = os.environ.get("OUT", "out")
         for compiled in (False, True):
             suffix = "_compiled" if compiled else ""
-            snapshot(False, f"{out}/mem_bf16{suffix}.pickle", compiled)
-            snapshot(True, f"{out}/mem_fp8{suffix}.pickle", compiled)
+            for fp8 in (False, True):
+                snapshot(fp8, f"{out}/mem_{'fp8' if fp8 else 'bf16'}{suffix}.pickle", compiled)
     else:
         scaled_mm_checks()
         cast_checks()
