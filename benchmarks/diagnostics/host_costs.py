@@ -53,5 +53,35 @@ def main():
         print(f"{name:<32} {per_call_us(fn):8.1f} us")
 
 
+def profile_step(path: str, tokens=2048, hidden=1024, ffn=4096):
+    """torch.profiler trace (Chrome JSON at ``path``) and table of eager FP8 steps."""
+    import fusible
+    from fusible import ops
+    from torch.profiler import ProfilerActivity, profile
+
+    model = ops.Sequential(ops.Linear(hidden, ffn), ops.GELU(approximate="tanh"),
+                           ops.Linear(ffn, hidden)).to("cuda", torch.bfloat16)
+    x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
+
+    def step():
+        with fusible.autocast():
+            model(x).backward(dy)
+
+    for fp8 in (False, True):
+        run = step if fp8 else (lambda: model(x).backward(dy))
+        print(f"== fp8={fp8}: {per_call_us(run, 50):.0f} us per step (host)")
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(5):
+            step()
+        torch.cuda.synchronize()
+    prof.export_chrome_trace(path)
+    print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=40))
+
+
 if __name__ == "__main__":
+    import os
+    import sys
     main()
+    if "--profile" in sys.argv:
+        profile_step(os.path.join(os.environ.get("OUT", "out"), "fp8_step_trace.json"))
