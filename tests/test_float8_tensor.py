@@ -107,3 +107,36 @@ def test_recipe_and_autocast():
         with autocast(recipe="fp8"):
             pass
     assert fusible.Float8Tensor is Float8Tensor and fusible.quantize is quantize
+
+
+def _custom_op_calls(fn) -> int:
+    """How many fusible::cast_to_fp8 / fusible::dequantize calls a profiler sees."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        fn()
+    return sum(e.count for e in prof.key_averages()
+               if e.key in ("fusible::cast_to_fp8", "fusible::dequantize"))
+
+
+def test_eager_casts_skip_the_custom_op_dispatch():
+    """Eagerly the cast kernels are called directly (host time); traced, through the ops."""
+    x = torch.randn(8, 4)
+    assert _custom_op_calls(lambda: quantize(x, E4M3).dequantize()) == 0
+    compiled = torch.compile(lambda t: quantize(t, E4M3).dequantize(), backend="aot_eager",
+                             fullgraph=True)
+    compiled(x)  # compile first, then count what the compiled graph calls
+    assert _custom_op_calls(lambda: compiled(x)) == 2
+
+
+def test_plain_eager_sees_tracing():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from fusible.quantization.cast import plain_eager
+    seen = []
+    assert plain_eager(torch.ones(2))
+    with FakeTensorMode() as mode:
+        assert not plain_eager(mode.from_tensor(torch.ones(2)))
+    make_fx(lambda t: seen.append(plain_eager(t)) or t + 1)(torch.ones(2))
+    torch.vmap(lambda t: seen.append(plain_eager(t)) or t)(torch.ones(2, 2))
+    assert seen == [False, False]
+    assert not plain_eager(quantize(torch.ones(2), E4M3))  # a subclass: through the op

@@ -71,7 +71,7 @@ class Float8Tensor(torch.Tensor):
         return Dequantize.apply(self)
 
     def _dequantize_raw(self) -> torch.Tensor:
-        return cast.dequantize_op(self._data, self._scale_inv, self.dtype)
+        return cast.dequantize_any(self._data, self._scale_inv, self.dtype)
 
     def __coerce_tangent_metadata__(self):
         """The gradient a compiled backward is traced with: E5M2, as dequantize() sends."""
@@ -108,8 +108,8 @@ def _is_fake(t) -> bool:
 
 def quantize_raw(x: torch.Tensor, fp8_dtype: torch.dtype, columnwise: bool = False,
                  dtype: Optional[torch.dtype] = None) -> Float8Tensor:
-    """Quantize with current scaling, through the ``fusible::cast_to_fp8`` custom op."""
-    out = cast.cast_to_fp8_op(x, fp8_dtype, columnwise)
+    """Quantize with current scaling (the ``fusible::cast_to_fp8`` custom op's kernel)."""
+    out = cast.cast_to_fp8_any(x, fp8_dtype, columnwise)
     return Float8Tensor(out[0], out[1], dtype or x.dtype, out[2] if columnwise else None)
 
 
