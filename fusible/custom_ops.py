@@ -26,6 +26,7 @@ from typing import Any, Callable
 import attrs
 import torch
 
+from fusible import distributed
 from fusible.ops.base import BackwardResult, ForwardResult
 from fusible.quantization import boundary
 from fusible.quantization.flow import to_fp8_format
@@ -58,6 +59,7 @@ def register_schema_type(pytype, schema_type: SchemaType) -> None:
 
 
 boundary.register_schema_types(register_schema_type, SchemaType)
+distributed.register_schema_types(register_schema_type, SchemaType)
 
 
 def _single(part: str, convert=None) -> SchemaType:

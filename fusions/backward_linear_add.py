@@ -7,7 +7,8 @@ import torch
 
 from fusible import FusedOperation, Op, Pattern, register_fusion
 from fusible.ops import BackwardResult, BasicLinear, MakeExtraOutput
-from fusible.ops.basic_linear import linear_backward, linear_saved
+from fusible.distributed import NOT_PARALLEL, TensorParallel
+from fusible.ops.basic_linear import linear_backward, linear_saved, parallel_refusal
 from fusible.quantization.float8_tensor import Fp8Able
 
 
@@ -20,6 +21,7 @@ class LinearAddBackwardArgs:
     grad_fp8_dtype: Optional[torch.dtype]
     need_grad_input: bool
     need_grad_weight: bool
+    tp: TensorParallel = NOT_PARALLEL
 
 
 @register_fusion
@@ -42,13 +44,13 @@ class BackwardLinearAdd(FusedOperation):
     def accepts(cls, match, env):
         if not env.needs[match.indices[0]].input:
             return "MakeExtraOutput's input needs no gradient: there is no dgrad to accumulate"
-        return True
+        return parallel_refusal(match["linear"], ("", "row"))
 
     def backward_args(self, grad_output, grad_extra_outputs, ctxs):
         linear = ctxs[1]
         x, weight, grad_dtype = linear_saved(linear)
         return LinearAddBackwardArgs(grad_output, grad_extra_outputs[0], x, weight, grad_dtype,
-                                     True, linear.needs.params[0])
+                                     True, linear.needs.params[0], self.match["linear"].tp)
 
     @classmethod
     def backward_compute(cls, args, *, in_custom_op=False):

@@ -26,10 +26,12 @@ class BackwardLinearBias(FusedOperation):
     def accepts(cls, match, env):
         if not env.needs[match.indices[1]].params[0]:
             return "the Bias needs no gradient: BasicLinear's own backward does the rest"
+        if match["bias"].sequence_parallel:
+            return "the Bias is sequence-parallel: its gradient is summed over the group by Bias"
         return True
 
     def backward_args(self, grad_output, grad_extra_outputs, ctxs):
-        return linear_backward_args(ctxs[0], grad_output)
+        return linear_backward_args(ctxs[0], grad_output, self.match["linear"].tp)
 
     @classmethod
     def backward_compute(cls, args, *, in_custom_op=False):

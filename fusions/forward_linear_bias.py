@@ -7,7 +7,9 @@ import torch
 
 from fusible import FusedOperation, Op, Pattern, register_fusion
 from fusible.ops import BasicLinear, Bias, ForwardResult
-from fusible.ops.basic_linear import fp8_forward_flags, gemm_forward, linear_aux, save_linear
+from fusible.distributed import NOT_PARALLEL, TensorParallel
+from fusible.ops.basic_linear import (fp8_forward_flags, gemm_forward, linear_aux,
+                                      parallel_refusal, save_linear)
 from fusible.quantization.float8_tensor import Fp8Able
 
 
@@ -18,6 +20,7 @@ class LinearBiasForwardArgs:
     bias: torch.Tensor
     fp8_dtype: Optional[torch.dtype]
     keep_input_t: bool
+    tp: TensorParallel = NOT_PARALLEL
 
 
 @register_fusion
@@ -26,7 +29,9 @@ class ForwardLinearBias(FusedOperation):
 
     ``torch.addmm`` (cuBLASLt's bias epilogue on CUDA); under an FP8 recipe
     ``torch._scaled_mm`` with its bias epilogue.
-    Pattern: ``BasicLinear, Bias``. Accepts every match.
+    Pattern: ``BasicLinear, Bias``. Accepts every match but row-parallel layers (their
+    bias is added once, after the reduction); column-parallel ones gather their input
+    first under sequence parallelism, as BasicLinear does.
     Saves: BasicLinear's ``(input, weight)`` as BasicLinear itself would (their FP8
     copies under FP8); Bias saves nothing. The backward is planned separately.
     """
@@ -36,14 +41,19 @@ class ForwardLinearBias(FusedOperation):
     fwd_args_type = LinearBiasForwardArgs
     fp8_input_consumer = True
 
+    @classmethod
+    def accepts(cls, match, env):
+        return parallel_refusal(match["linear"], ("", "column"))
+
     def forward_args(self, input, params, extra_inputs, ctxs):
         weight, bias = params  # the covered ops' parameters, in order
-        return LinearBiasForwardArgs(input, weight, bias, *fp8_forward_flags(ctxs[0]))
+        return LinearBiasForwardArgs(input, weight, bias, *fp8_forward_flags(ctxs[0]),
+                                     self.match["linear"].tp)
 
     @classmethod
     def forward_compute(cls, args, *, in_custom_op=False):
         y, x_q = gemm_forward(args.input, args.weight, args.bias, args.fp8_dtype,
-                              args.keep_input_t)
+                              args.keep_input_t, args.tp)
         return ForwardResult(y, (), linear_aux(args, x_q))
 
     def save_for_backward(self, args, result, ctxs):

@@ -6,7 +6,7 @@ import torch
 from fusible import FusedOperation, Op, Pattern, register_fusion
 from fusible.ops import GELU, BasicLinear, Bias, ForwardResult, ReLU
 from fusible.ops.activation import save_activation
-from fusible.ops.basic_linear import like_tokens, tokens_2d
+from fusible.ops.basic_linear import like_tokens, parallel_refusal, tokens_2d
 
 # The GELU each backend's epilogue computes: cuBLASLt's is the tanh form; the CPU
 # kernel applies exact GELU after the GEMM.
@@ -32,7 +32,7 @@ class ForwardLinearBiasActivation(FusedOperation):
     its output, so ReLU fuses in training too. On CUDA, GELU fuses for 16-bit
     dtypes only: cuBLASLt's epilogue is less accurate than float32 (measured
     about 6e-5 relative on an H200).
-    Refuses under an FP8 recipe (no FP8 activation epilogue).
+    Refuses under an FP8 recipe (no FP8 activation epilogue) and with tensor parallelism.
     Saves: BasicLinear's ``(input, weight)``; ReLU's ``(output,)``.
     """
 
@@ -44,6 +44,8 @@ class ForwardLinearBiasActivation(FusedOperation):
     @classmethod
     def accepts(cls, match, env):
         act = match["activation"]
+        if parallel_refusal(match["linear"]) is not True:
+            return parallel_refusal(match["linear"])
         if env.recipe is not None:
             return "torch._scaled_mm has no activation epilogue for FP8 GEMMs"
         if env.device_type not in EPILOGUE_GELU:

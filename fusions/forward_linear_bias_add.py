@@ -8,7 +8,7 @@ import torch
 from fusible import FusedOperation, Op, Pattern, register_fusion
 from fusible.ops import AddExtraInput, BasicLinear, Bias, ForwardResult
 from fusible.ops.basic_linear import (fp8_forward_flags, gemm_forward, like_tokens, linear_aux,
-                                      save_linear, tokens_2d)
+                                      parallel_refusal, save_linear, tokens_2d)
 from fusible.quantization.float8_tensor import Fp8Able
 
 
@@ -26,7 +26,8 @@ class LinearBiasAddForwardArgs:
 class ForwardLinearBiasAdd(FusedOperation):
     """``y = residual + x @ weight.T (+ bias)``: the GEMM reads the residual as its C matrix.
 
-    Pattern: ``BasicLinear, Bias (optional), AddExtraInput``. Accepts every match.
+    Pattern: ``BasicLinear, Bias (optional), AddExtraInput``. Accepts every match without
+    tensor parallelism.
     Under an FP8 recipe: ``torch._scaled_mm`` with the bias epilogue, then the residual add
     (``_scaled_mm`` cannot accumulate into C).
     Saves: BasicLinear's ``(input, weight)`` (FP8 copies under FP8); Bias and
@@ -38,6 +39,10 @@ class ForwardLinearBiasAdd(FusedOperation):
                       Op(AddExtraInput, name="add"))
     fwd_args_type = LinearBiasAddForwardArgs
     fp8_input_consumer = True
+
+    @classmethod
+    def accepts(cls, match, env):
+        return parallel_refusal(match["linear"])
 
     def forward_args(self, input, params, extra_inputs, ctxs):
         weight, bias = params if len(params) == 2 else (params[0], None)  # Bias is optional

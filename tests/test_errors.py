@@ -8,8 +8,8 @@ from fusible import FusedOperation, Op, Pattern, ops, register_fusion
 
 def test_wrong_feature_size():
     model = ops.Sequential(ops.BasicLinear(16, 8))
-    with pytest.raises(ValueError, match=r"BasicLinear\(in_features=16\) got input with last "
-                                         r"dimension 15"):
+    with pytest.raises(ValueError, match=r"BasicLinear\(in_features=16, out_features=8\) got "
+                                         r"input with last dimension 15; expected 16"):
         model(torch.randn(2, 15))
     with pytest.raises(ValueError, match=r"Bias\(size=8\) got input with last dimension 4"):
         ops.Sequential(ops.BasicLinear(3, 4), ops.Bias(8))(torch.randn(2, 3))
@@ -54,14 +54,20 @@ def test_wrong_number_of_extra_inputs():
 @pytest.mark.parametrize("make,message", [
     (lambda: ops.BasicLinear(0, 3), "BasicLinear needs positive sizes, got in_features=0"),
     (lambda: ops.BasicLinear(4, 4, tensor_parallel_mode="column"),
-     "tensor_parallel_mode='column'"),
+     "BasicLinear(in_features=4, out_features=4) needs torch.distributed: call "
+     "torch.distributed.init_process_group() first"),
+    (lambda: ops.BasicLinear(4, 4, tensor_parallel_mode="diagonal"),
+     "tensor_parallel_mode must be one of (None, 'column', 'row'), got 'diagonal'"),
+    (lambda: ops.BasicLinear(4, 4, sequence_parallel=True),
+     "sequence_parallel=True needs tensor_parallel_mode 'column' or 'row'"),
+    (lambda: ops.AllReduce(), "AllReduce needs torch.distributed"),
     (lambda: ops.GELU(approximate="fast"), "approximate must be 'none' or 'tanh', got 'fast'"),
     (lambda: ops.Reshape((-1, -1)), "one -1"),
     (lambda: ops.ConstantScale("2"), "ConstantScale needs a Python float, got scale='2'"),
     (lambda: ops.LayerNorm(0), "LayerNorm needs positive sizes"),
 ])
 def test_bad_constructor_arguments(make, message):
-    with pytest.raises((ValueError, TypeError, NotImplementedError), match=message.replace(
+    with pytest.raises((ValueError, TypeError, RuntimeError), match=message.replace(
             "(", r"\(").replace(")", r"\)")):
         make()
 

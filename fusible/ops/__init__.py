@@ -5,6 +5,7 @@ from fusible.ops.base import (BackwardResult, BasicOperation, ForwardResult, Fus
                               FusibleOperation, OperationContext)
 from fusible.ops.basic_linear import BasicLinear
 from fusible.ops.bias import Bias
+from fusible.ops.collectives import AllGather, AllReduce, ReduceScatter
 from fusible.ops.constant_scale import ConstantScale
 from fusible.ops.extra_io import AddExtraInput, MakeExtraOutput
 from fusible.ops.identity import Identity
@@ -16,8 +17,8 @@ from fusible.ops.rms_norm import RMSNorm
 from fusible.ops.sequential import Sequential
 
 __all__ = [
-    "AddExtraInput", "BackwardResult", "BasicLinear", "BasicOperation", "Bias", "ConstantScale",
+    "AddExtraInput", "AllGather", "AllReduce", "BackwardResult", "BasicLinear", "BasicOperation", "Bias", "ConstantScale",
     "ForwardResult", "FusedOperation", "FusibleOperation", "GELU", "Identity", "LayerNorm",
-    "Linear", "MakeExtraOutput", "OperationContext", "Quantize", "RMSNorm", "ReLU", "Reshape", "SiLU",
+    "Linear", "MakeExtraOutput", "OperationContext", "Quantize", "RMSNorm", "ReLU", "ReduceScatter", "Reshape", "SiLU",
     "Sequential", "SwiGLU",
 ]

@@ -9,6 +9,8 @@ import attrs
 import torch
 from torch import nn
 
+from fusible import distributed
+from fusible.distributed import NOT_PARALLEL, TensorParallel
 from fusible.ops.base import BackwardResult, BasicOperation, ForwardResult
 from fusible.ops.linear_math import (as_fp8, gemm_backward, gemm_forward, handed_in_fp8,  # noqa: F401
                                      like_tokens, linear_dgrad, linear_forward, linear_wgrad,
@@ -24,6 +26,7 @@ class LinearForwardArgs:
     weight: Tensor
     fp8_dtype: Optional[torch.dtype]  # None: high precision
     keep_input_t: bool                # FP8: keep the input's transposed copy (for wgrad)
+    tp: TensorParallel = NOT_PARALLEL
 
 
 @attrs.define
@@ -34,15 +37,18 @@ class LinearBackwardArgs:
     grad_fp8_dtype: Optional[torch.dtype]  # None: high precision
     need_grad_input: bool
     need_grad_weight: bool
+    tp: TensorParallel = NOT_PARALLEL
 
 
-def check_not_parallel(op_name: str, tensor_parallel_mode, sequence_parallel,
-                       tensor_parallel=False) -> None:
-    if tensor_parallel_mode is not None or sequence_parallel or tensor_parallel:
-        raise NotImplementedError(
-            f"{op_name}: tensor parallelism (tensor_parallel_mode={tensor_parallel_mode!r}, "
-            f"sequence_parallel={sequence_parallel!r}) is not available in this version of "
-            f"fusible")
+def parallel_refusal(linear: "BasicLinear", modes=("",)) -> "bool | str":
+    """True when a fusion covering ``linear`` handles its tensor-parallel mode (one of
+    ``modes``; ``""`` for none), else the reason for the plan."""
+    tp = linear.tp
+    if not tp.active or tp.mode in modes:
+        return True
+    return (f"tensor_parallel_mode={tp.mode!r} (world size {tp.world_size}) is handled by "
+            f"BasicLinear itself: its collectives sit between the GEMM and what this fusion "
+            f"fuses")
 
 
 class BasicLinear(BasicOperation):
@@ -52,16 +58,27 @@ class BasicLinear(BasicOperation):
     ----------
     in_features, out_features : int
         Sizes of the last dimension of the input and of the output.
-    tensor_parallel_mode, tensor_parallel_group, sequence_parallel
-        Reserved for tensor parallelism; only the defaults are accepted now.
+    tensor_parallel_mode : {None, "column", "row"}
+        Split the weight over ``tensor_parallel_group``: "column" keeps rows
+        ``rank*out/ws ...`` of it (this rank's slice of the output features), "row"
+        columns ``rank*in/ws ...`` (the input is this rank's slice of the features).
+        Sizes stay global; ``weight`` is the local shard.
+    tensor_parallel_group : torch.distributed.ProcessGroup, optional
+        The group; the default group when None.
+    sequence_parallel : bool
+        Tokens (dim 0) are split over the group outside this layer: column
+        all-gathers its input (and reduce-scatters its dgrad), row reduce-scatters
+        its output (and all-gathers its incoming gradient). Without it, column
+        all-reduces its dgrad and row all-reduces its output.
     device, dtype
         Where and in which dtype to create ``weight``.
 
     Notes
     -----
     Saves ``(input, weight)`` for backward: the input only when the weight
-    needs a gradient (wgrad), the weight only when the input does (dgrad).
-    Initialised like ``torch.nn.Linear``.
+    needs a gradient (wgrad), the weight only when the input does (dgrad); with
+    column + sequence_parallel, the gathered input.
+    Initialised like ``torch.nn.Linear`` of the global sizes.
     """
 
     saved_fields = ("input", "weight")
@@ -77,31 +94,47 @@ class BasicLinear(BasicOperation):
         if in_features <= 0 or out_features <= 0:
             raise ValueError(f"BasicLinear needs positive sizes, got {in_features=}, "
                              f"{out_features=}")
-        check_not_parallel("BasicLinear", tensor_parallel_mode, sequence_parallel)
         self.in_features, self.out_features = int(in_features), int(out_features)
-        self.tensor_parallel_mode = tensor_parallel_mode
-        self.weight = nn.Parameter(torch.empty(out_features, in_features, device=device,
+        if sequence_parallel and tensor_parallel_mode is None:
+            raise ValueError(f"{self.describe()}: sequence_parallel=True needs "
+                             f"tensor_parallel_mode 'column' or 'row'")
+        self.tensor_parallel_mode, self.sequence_parallel = tensor_parallel_mode, sequence_parallel
+        self.tensor_parallel_group = tensor_parallel_group
+        self.tp = distributed.tensor_parallel(self.describe(), tensor_parallel_mode,
+                                              sequence_parallel, tensor_parallel_group)
+        self.local_in, self.local_out = local_linear_sizes(self)
+        self.weight = nn.Parameter(torch.empty(self.local_out, self.local_in, device=device,
                                                dtype=dtype))
-        nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
+        init_linear_weight(self.weight, self.in_features)
 
     def describe(self) -> str:
-        return f"BasicLinear(in_features={self.in_features}, out_features={self.out_features})"
+        tp = getattr(self, "tp", NOT_PARALLEL)
+        mode = (f", tensor_parallel_mode={tp.mode!r}, sequence_parallel={tp.sequence_parallel}"
+                if tp.mode else "")
+        return (f"BasicLinear(in_features={self.in_features}, out_features={self.out_features}"
+                f"{mode})")
 
     def diagram_label(self) -> str:
-        return f"{self.in_features} \u2192 {self.out_features}"
+        tp = self.tp
+        mode = f"\n{tp.mode}{' + SP' if tp.sequence_parallel else ''} /{tp.world_size}"
+        return f"{self.in_features} \u2192 {self.out_features}" + (mode if tp.mode else "")
 
     def validate(self, shape, dtype, device, extra_inputs=()):
         if not shape:
             raise ValueError(f"{self.describe()} got a 0-d input; it needs (..., "
                              f"{self.in_features})")
-        if shape[-1] != self.in_features:
-            raise ValueError(f"BasicLinear(in_features={self.in_features}) got input with last "
-                             f"dimension {shape[-1]}")
+        if shape[-1] != self.local_in:
+            shard = " (this rank's shard)" if self.local_in != self.in_features else ""
+            raise ValueError(f"{self.describe()} got input with last dimension {shape[-1]}; "
+                             f"expected {self.local_in}{shard}")
         self._check_param("weight", self.weight, dtype, device)
-        return (*shape[:-1], self.out_features)
+        return (*parallel_tokens(self, shape), self.local_out)
 
     def validate_fp8(self, shape) -> None:
         """FP8 GEMMs (Hopper's) need every dimension divisible by 16."""
+        if self.tp.active and self.tp.sequence_parallel:
+            raise NotImplementedError(f"{self.describe()}: FP8 with sequence parallelism is not "
+                                      f"available yet; run it outside fusible.autocast")
         tokens = math.prod(shape[:-1])
         if self.in_features % 16 or self.out_features % 16 or tokens % 16:
             raise ValueError(f"{self.describe()} under an FP8 recipe needs in_features, "
@@ -110,25 +143,62 @@ class BasicLinear(BasicOperation):
                              f"fusible.autocast")
 
     def forward_args(self, input, params, extra_inputs, ctxs):
-        return LinearForwardArgs(input, params[0], *fp8_forward_flags(ctxs[0]))
+        return LinearForwardArgs(input, params[0], *fp8_forward_flags(ctxs[0]), self.tp)
 
     @classmethod
     def forward_compute(cls, args, *, in_custom_op=False):
-        y, x_q = gemm_forward(args.input, args.weight, None, args.fp8_dtype, args.keep_input_t)
+        y, x_q = gemm_forward(args.input, args.weight, None, args.fp8_dtype, args.keep_input_t,
+                              args.tp)
         return ForwardResult(y, (), linear_aux(args, x_q))
 
     def save_for_backward(self, args, result, ctxs):
         save_linear(ctxs[0], args, result.aux)
 
     def backward_args(self, grad_output, grad_extra_outputs, ctxs):
-        return linear_backward_args(ctxs[0], grad_output)
+        return linear_backward_args(ctxs[0], grad_output, self.tp)
 
     @classmethod
     def backward_compute(cls, args, *, in_custom_op=False):
         return BackwardResult(*linear_backward(args))
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}"
+        return self.describe()[len("BasicLinear("):-1]
+
+
+def local_linear_sizes(op) -> tuple:
+    """``(local in_features, local out_features)``: the weight shard's shape, reversed."""
+    tp, name = op.tp, op.describe()
+    if tp.mode == "column":
+        return op.in_features, distributed.shard_size(name, "out_features", op.out_features, tp)
+    if tp.mode == "row":
+        return distributed.shard_size(name, "in_features", op.in_features, tp), op.out_features
+    return op.in_features, op.out_features
+
+
+def init_linear_weight(weight: Tensor, in_features: int) -> None:
+    """``torch.nn.Linear``'s initialisation (kaiming uniform, a=sqrt(5)) with the global
+    fan-in, so that a shard is distributed as the same slice of a full layer would be."""
+    gain = math.sqrt(2.0 / (1 + 5))
+    bound = math.sqrt(3.0) * gain / math.sqrt(in_features)
+    with torch.no_grad():
+        weight.uniform_(-bound, bound)
+
+
+def parallel_tokens(op, shape) -> tuple:
+    """The leading dimensions of a linear layer's output: dim 0 gathered (column + SP)
+    or scattered (row + SP) over the group."""
+    tp, lead = op.tp, tuple(shape[:-1])
+    if not (tp.active and tp.sequence_parallel):
+        return lead
+    if not lead:
+        raise ValueError(f"{op.describe()} splits tokens along dim 0; got a 1-D input")
+    if tp.mode == "column":
+        return (lead[0] * tp.world_size, *lead[1:])
+    if lead[0] % tp.world_size:
+        raise ValueError(f"{op.describe()} reduce-scatters its output along dim 0: got "
+                         f"{lead[0]} rows, which do not divide by the world size "
+                         f"{tp.world_size}")
+    return (lead[0] // tp.world_size, *lead[1:])
 
 
 def fp8_forward_flags(ctx) -> tuple:
@@ -144,7 +214,7 @@ def save_linear(ctx, args, aux: tuple) -> None:
     dgrad. Under FP8 the input is kept as its transposed FP8 copy only (all wgrad reads),
     from the forward result's aux (see :func:`linear_aux`); the weight is kept as the
     parameter itself and quantized again in the backward (see :func:`linear_saved`)."""
-    x = args.input
+    x = aux[0] if args.fp8_dtype is None and aux else args.input
     if args.fp8_dtype is not None:
         if handed_in_fp8(args.input, args.fp8_dtype):
             x_q = as_fp8(args.input, args.fp8_dtype, args.keep_input_t)
@@ -156,10 +226,13 @@ def save_linear(ctx, args, aux: tuple) -> None:
 
 
 def linear_aux(args, x_q) -> tuple:
-    """The aux tensors a forward GEMM stage returns under FP8: the input's transposed copy
-    and scale, ``(x_t, x_scale_inv)`` (None where not kept). An input that arrived in FP8
-    is the caller's to save (see :func:`handed_in_fp8`)."""
-    if args.fp8_dtype is None or handed_in_fp8(args.input, args.fp8_dtype):
+    """The aux tensors a forward GEMM stage returns: in high precision the gathered input
+    (column + sequence parallel) if any; under FP8 the input's transposed copy and scale,
+    ``(x_t, x_scale_inv)`` (None where not kept). An input that arrived in FP8 is the
+    caller's to save (see :func:`handed_in_fp8`)."""
+    if args.fp8_dtype is None:
+        return () if x_q is None else (x_q,)
+    if handed_in_fp8(args.input, args.fp8_dtype):
         return ()
     return (x_q._transpose, x_q._scale_inv)
 
@@ -180,14 +253,14 @@ def linear_saved(ctx) -> tuple:
     return x, weight, ctx.recipe.backward_dtype
 
 
-def linear_backward_args(ctx, grad_output) -> LinearBackwardArgs:
+def linear_backward_args(ctx, grad_output, tp: TensorParallel) -> LinearBackwardArgs:
     x, weight, grad_dtype = linear_saved(ctx)
     return LinearBackwardArgs(grad_output, x, weight, grad_dtype, ctx.needs.input,
-                              ctx.needs.params[0])
+                              ctx.needs.params[0], tp)
 
 
 def linear_backward(args, accumulate_into=None) -> tuple:
     """(dgrad or None, (wgrad or None,)) for LinearBackwardArgs-like args."""
     dx, dw = gemm_backward(args.grad_output, args.input, args.weight, args.grad_fp8_dtype,
-                           args.need_grad_input, args.need_grad_weight, accumulate_into)
+                           args.need_grad_input, args.need_grad_weight, accumulate_into, args.tp)
     return dx, (dw,)

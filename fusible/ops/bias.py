@@ -6,8 +6,10 @@ import attrs
 import torch
 from torch import nn
 
+from fusible import distributed
+from fusible.distributed import NOT_PARALLEL, TensorParallel
 from fusible.ops.base import BackwardResult, BasicOperation, ForwardResult, pass_through
-from fusible.ops.basic_linear import check_not_parallel, tokens_2d
+from fusible.ops.basic_linear import tokens_2d
 
 Tensor = torch.Tensor
 
@@ -28,6 +30,7 @@ class BiasBackwardArgs:
     grad_output: Tensor
     need_grad_input: bool
     need_grad_bias: bool
+    tp: TensorParallel = NOT_PARALLEL
 
 
 class Bias(BasicOperation):
@@ -37,8 +40,15 @@ class Bias(BasicOperation):
     ----------
     size : int
         Size of the last dimension.
-    tensor_parallel, tensor_parallel_group
-        Reserved for tensor parallelism; only the defaults are accepted now.
+    tensor_parallel : bool
+        The input is a column-parallel output: ``bias`` holds this rank's slice,
+        ``size / world_size`` values from ``rank * size / world_size`` (``size`` is global).
+    tensor_parallel_group : torch.distributed.ProcessGroup, optional
+        The group of ``tensor_parallel`` or ``sequence_parallel``; the default group when None.
+    sequence_parallel : bool
+        The input's tokens (dim 0) are split over the group, as after a row-parallel
+        layer's reduce-scatter: each rank sums only its tokens, so ``dbias`` is summed
+        over the group too (an all-reduce in the backward).
     device, dtype
         Where and in which dtype to create ``bias`` (initialised to zeros).
 
@@ -52,19 +62,32 @@ class Bias(BasicOperation):
     bwd_args_type = BiasBackwardArgs
 
     def __init__(self, size: int, *, tensor_parallel: bool = False, tensor_parallel_group=None,
-                 device=None, dtype=None):
+                 sequence_parallel: bool = False, device=None, dtype=None):
         super().__init__()
         if size <= 0:
             raise ValueError(f"Bias needs a positive size, got {size=}")
-        check_not_parallel("Bias", None, False, tensor_parallel)
         self.size = int(size)
-        self.bias = nn.Parameter(torch.zeros(size, device=device, dtype=dtype))
+        if tensor_parallel and sequence_parallel:
+            raise ValueError(f"Bias({size=}): a column-parallel output (tensor_parallel) has "
+                             f"all tokens; sequence_parallel is for a replicated bias after a "
+                             f"row-parallel reduce-scatter")
+        self.tensor_parallel, self.sequence_parallel = bool(tensor_parallel), sequence_parallel
+        self.tensor_parallel_group = tensor_parallel_group
+        self.tp = distributed.tensor_parallel(
+            self.describe(), "column" if tensor_parallel else None, sequence_parallel,
+            tensor_parallel_group)
+        self.local_size = (distributed.shard_size(self.describe(), "size", self.size, self.tp)
+                           if tensor_parallel else self.size)
+        self.bias = nn.Parameter(torch.zeros(self.local_size, device=device, dtype=dtype))
 
     def describe(self) -> str:
-        return f"Bias(size={self.size})"
+        flags = "".join(f", {name}=True" for name in ("tensor_parallel", "sequence_parallel")
+                        if getattr(self, name, False))
+        return f"Bias(size={self.size}{flags})"
 
     def validate(self, shape, dtype, device, extra_inputs=()):
-        self._check_last_dim(shape, self.size, "size")
+        self._check_last_dim(shape, self.local_size,
+                             "size / world_size" if self.tensor_parallel else "size")
         self._check_param("bias", self.bias, dtype, device)
         return tuple(shape)
 
@@ -80,13 +103,18 @@ class Bias(BasicOperation):
 
     def backward_args(self, grad_output, grad_extra_outputs, ctxs):
         needs = ctxs[0].needs
-        return BiasBackwardArgs(grad_output, needs.input, needs.params[0])
+        return BiasBackwardArgs(grad_output, needs.input, needs.params[0], self.tp)
 
     @classmethod
     def backward_compute(cls, args, *, in_custom_op=False):
+        dbias = None
+        if args.need_grad_bias:
+            dbias = bias_grad(args.grad_output)
+            if args.tp.sequence_parallel:  # each rank summed its own tokens only
+                dbias = distributed.all_reduce(dbias, args.tp)
         return BackwardResult(pass_through(args.grad_output, args.need_grad_input, in_custom_op),
-                              (bias_grad(args.grad_output) if args.need_grad_bias else None,))
+                              (dbias,))
 
     def extra_repr(self) -> str:
-        return f"size={self.size}"
+        return self.describe()[len("Bias("):-1]
 

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from fusible.ops.base import FusibleOperation
-from fusible.ops.basic_linear import BasicLinear, check_not_parallel
+from fusible.ops.basic_linear import BasicLinear, init_linear_weight
 from fusible.ops.bias import Bias
 
 
@@ -28,7 +28,9 @@ class Linear(FusibleOperation):
     bias : bool
         Whether to add a bias.
     tensor_parallel_mode, tensor_parallel_group, sequence_parallel
-        Reserved for tensor parallelism; only the defaults are accepted now.
+        As :class:`BasicLinear`; ``weight`` and (column) ``bias`` hold this rank's
+        shards. Row-parallel layers add their full bias once, after the reduction (a
+        separate Bias op; with sequence_parallel its gradient is summed over the group).
     device, dtype
         Where and in which dtype to create the parameters.
     """
@@ -37,15 +39,19 @@ class Linear(FusibleOperation):
                  tensor_parallel_mode=None, tensor_parallel_group=None,
                  sequence_parallel: bool = False, device=None, dtype=None):
         super().__init__()
-        check_not_parallel("Linear", tensor_parallel_mode, sequence_parallel)
-        linear = BasicLinear(in_features, out_features, device="meta")
+        linear = BasicLinear(in_features, out_features, tensor_parallel_mode=tensor_parallel_mode,
+                             tensor_parallel_group=tensor_parallel_group,
+                             sequence_parallel=sequence_parallel, device="meta")
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.weight = nn.Parameter(torch.empty(out_features, in_features, device=device,
-                                               dtype=dtype))
+        self.weight = nn.Parameter(torch.empty(linear.weight.shape, device=device, dtype=dtype))
         ops = [linear]
         if bias:
-            ops.append(Bias(out_features, device="meta"))
-            self.bias = nn.Parameter(torch.empty(out_features, device=device, dtype=dtype))
+            row = tensor_parallel_mode == "row"
+            ops.append(Bias(out_features, tensor_parallel=tensor_parallel_mode == "column",
+                            sequence_parallel=row and sequence_parallel,
+                            tensor_parallel_group=tensor_parallel_group, device="meta"))
+            self.bias = nn.Parameter(torch.empty(ops[1].bias.shape, device=device,
+                                                dtype=dtype))
         else:
             self.register_parameter("bias", None)
         # The basic ops share this module's parameter dict, so that every way of replacing
@@ -57,8 +63,8 @@ class Linear(FusibleOperation):
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        """Initialise like ``torch.nn.Linear``."""
-        nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
+        """Initialise like ``torch.nn.Linear`` (of the global sizes)."""
+        init_linear_weight(self.weight, self.in_features)
         if self.bias is not None:
             bound = 1 / math.sqrt(self.in_features)
             nn.init.uniform_(self.bias, -bound, bound)
@@ -67,5 +73,8 @@ class Linear(FusibleOperation):
         return self._ops
 
     def extra_repr(self) -> str:
+        tp = self._ops[0].tp
+        mode = (f", tensor_parallel_mode={tp.mode!r}, sequence_parallel={tp.sequence_parallel}"
+                if tp.mode else "")
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"bias={self.bias is not None}")
+                f"bias={self.bias is not None}{mode}")

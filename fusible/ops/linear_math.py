@@ -13,6 +13,8 @@ from typing import Optional
 
 import torch
 
+from fusible import distributed
+from fusible.distributed import NOT_PARALLEL, TensorParallel
 from fusible.quantization.float8_tensor import Float8Tensor, quantize_raw
 from fusible.quantization.flow import to_fp8_format
 
@@ -91,29 +93,65 @@ def fp8_gemm(a: Tensor, a_scale_inv: Tensor, b: Tensor, b_scale_inv: Tensor,
 
 
 def gemm_forward(x: Tensor, weight: Tensor, bias: Optional[Tensor],
-                 fp8_dtype: Optional[torch.dtype], keep_input_t: bool):
-    """``(y, FP8 input or None)``: high precision without ``fp8_dtype``."""
+                 fp8_dtype: Optional[torch.dtype], keep_input_t: bool,
+                 tp: TensorParallel = NOT_PARALLEL):
+    """``(y, the input as saved)``: in high precision the gathered input (column +
+    sequence parallel) or None, under ``fp8_dtype`` the FP8 input.
+
+    Tensor parallelism: column + sequence parallel all-gathers ``x`` first; row sums
+    the output over the group (all-reduce, or reduce-scatter with sequence parallel),
+    so a row-parallel ``bias`` would be added on every rank: callers refuse it.
+    """
+    gathered = tp.active and tp.mode == "column" and tp.sequence_parallel
+    if gathered:
+        x = distributed.all_gather(x, tp)
+    if tp.active and tp.mode == "row" and bias is not None:
+        raise ValueError(f"a row-parallel GEMM cannot add a bias before its reduction ({tp})")
     if fp8_dtype is None:
-        return linear_forward(x, weight, bias), None
+        return _reduce_output(linear_forward(x, weight, bias), tp), (x if gathered else None)
     x_q = as_fp8(x, fp8_dtype, keep_input_t and not handed_in_fp8(x, fp8_dtype))
     w_q = quantize_raw(weight, fp8_dtype)
     out_dtype = weight.dtype
     y = fp8_gemm(x_q._data, x_q._scale_inv, w_q._data.t(), w_q._scale_inv, bias, out_dtype,
                  fast_accum=True)
-    return like_tokens(y, x), x_q
+    return _reduce_output(like_tokens(y, x), tp), x_q
+
+
+def _reduce_output(y: Tensor, tp: TensorParallel) -> Tensor:
+    """A row-parallel output summed over the group; others unchanged."""
+    if not (tp.active and tp.mode == "row"):
+        return y
+    return distributed.reduce_scatter(y, tp) if tp.sequence_parallel else \
+        distributed.all_reduce(y, tp)
+
+
+def _reduce_dgrad(dx: Optional[Tensor], tp: TensorParallel) -> Optional[Tensor]:
+    """A column-parallel dgrad (a partial sum) summed over the group."""
+    if dx is None or not (tp.active and tp.mode == "column"):
+        return dx
+    return distributed.reduce_scatter(dx, tp) if tp.sequence_parallel else \
+        distributed.all_reduce(dx, tp)
 
 
 def gemm_backward(dy: Tensor, x_saved, w_saved, grad_fp8_dtype: Optional[torch.dtype],
-                  need_dgrad: bool, need_wgrad: bool, accumulate_into: Optional[Tensor] = None):
+                  need_dgrad: bool, need_wgrad: bool, accumulate_into: Optional[Tensor] = None,
+                  tp: TensorParallel = NOT_PARALLEL):
     """``(dgrad or None, wgrad or None)`` from the saved input and weight (under FP8,
     Float8Tensors with their transposed copies).
 
-    ``accumulate_into`` is added to the dgrad (in the GEMM in high precision).
+    ``accumulate_into`` is added to the dgrad (in the GEMM in high precision); not with
+    a column-parallel ``tp``, whose dgrad is summed over the group afterwards. Row +
+    sequence parallel all-gathers ``dy`` first.
     """
+    if tp.active and tp.mode == "column" and accumulate_into is not None:
+        raise ValueError(f"a column-parallel dgrad is summed over the group: it cannot "
+                         f"accumulate into a local tensor ({tp})")
+    if tp.active and tp.mode == "row" and tp.sequence_parallel:
+        dy = distributed.all_gather(dy, tp)
     if grad_fp8_dtype is None:
         dx = linear_dgrad(dy, w_saved, accumulate_into) if need_dgrad else None
         dw = linear_wgrad(dy, x_saved) if need_wgrad else None
-        return dx, dw
+        return _reduce_dgrad(dx, tp), dw
     dy_q = as_fp8(dy, grad_fp8_dtype, need_wgrad)
     dx = dw = None
     if need_dgrad:
@@ -125,4 +163,4 @@ def gemm_backward(dy: Tensor, x_saved, w_saved, grad_fp8_dtype: Optional[torch.d
     if need_wgrad:
         dw = fp8_gemm(dy_q._transpose, dy_q._scale_inv, x_saved._transpose.t(),
                       x_saved._scale_inv, None, x_saved.dtype)
-    return dx, dw
+    return _reduce_dgrad(dx, tp), dw

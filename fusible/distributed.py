@@ -1,0 +1,131 @@
+"""Process groups for tensor and sequence parallelism, and the collectives the ops run.
+
+Collectives go through PyTorch's functional collectives (``torch.ops._c10d_functional``):
+one code path for eager runs and for custom-op kernels, fake implementations that know the
+shape changes (so the ops' fake kernels need nothing of their own), and process groups
+named by string, which is how a group crosses a custom-op boundary.
+All gathers and scatters are along dim 0 (tokens, or sequence for (S, B, H) inputs).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import attrs
+import torch
+import torch.distributed as dist
+
+Tensor = torch.Tensor
+_c10d = torch.ops._c10d_functional
+
+MODES = (None, "column", "row")
+
+
+@attrs.frozen
+class TensorParallel:
+    """How one op is split over a process group; hashable, crosses custom ops by value.
+
+    Attributes
+    ----------
+    mode : str
+        ``""`` (not split), ``"column"`` or ``"row"``; collectives use only
+        ``sequence_parallel`` (tokens split) with ``mode=""``.
+    sequence_parallel : bool
+        Whether tokens (dim 0) are split over the group outside the op.
+    group_name : str
+        The process group's name (``ProcessGroup.group_name``); ``""`` when alone.
+    world_size : int
+        The group's size.
+    """
+
+    mode: str = ""
+    sequence_parallel: bool = False
+    group_name: str = ""
+    world_size: int = 1
+
+    @property
+    def active(self) -> bool:
+        """Whether any communication happens (a group of more than one rank)."""
+        return self.world_size > 1
+
+
+NOT_PARALLEL = TensorParallel()
+
+
+def resolve_group(op_name: str, group) -> dist.ProcessGroup:
+    """``group``, or the default group for None; a clear error without torch.distributed."""
+    if group is not None:
+        return group
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError(f"{op_name} needs torch.distributed: call "
+                           f"torch.distributed.init_process_group() first, or pass a group")
+    return dist.group.WORLD
+
+
+def tensor_parallel(op_name: str, mode: Optional[str], sequence_parallel: bool,
+                    group) -> TensorParallel:
+    """The :class:`TensorParallel` of an op's constructor arguments."""
+    if mode not in MODES:
+        raise ValueError(f"{op_name}: tensor_parallel_mode must be one of {MODES}, got {mode!r}")
+    if mode is None and not sequence_parallel:
+        if group is not None:
+            raise ValueError(f"{op_name}: tensor_parallel_group given without "
+                             f"tensor_parallel_mode or sequence_parallel")
+        return NOT_PARALLEL
+    pg = resolve_group(op_name, group)
+    return TensorParallel(mode or "", bool(sequence_parallel), pg.group_name,
+                          dist.get_world_size(pg))
+
+
+def group_rank(tp: TensorParallel) -> int:
+    """This process's rank in ``tp``'s group (0 when alone)."""
+    if not tp.group_name:
+        return 0
+    return dist.get_rank(dist.distributed_c10d._resolve_process_group(tp.group_name))
+
+
+def shard_size(op_name: str, what: str, size: int, tp: TensorParallel) -> int:
+    """``size / world_size``, or an error naming the op and the sizes."""
+    if size % tp.world_size:
+        raise ValueError(f"{op_name}: {what}={size} does not divide by the tensor-parallel "
+                         f"world size {tp.world_size}")
+    return size // tp.world_size
+
+
+def _as_bytes(x: Tensor):
+    """FP8 crosses collectives as bytes (not every backend knows FP8 types)."""
+    if x.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        return x.view(torch.uint8), x.dtype
+    return x, None
+
+
+def all_gather(x: Tensor, tp: TensorParallel) -> Tensor:
+    """Concatenate every rank's ``x`` along dim 0."""
+    if not tp.active:
+        return x
+    data, fp8 = _as_bytes(x.contiguous())
+    out = _c10d.wait_tensor(_c10d.all_gather_into_tensor(data, tp.world_size, tp.group_name))
+    return out.view(fp8) if fp8 is not None else out
+
+
+def reduce_scatter(x: Tensor, tp: TensorParallel) -> Tensor:
+    """Sum over ranks, each keeping its slice of dim 0."""
+    if not tp.active:
+        return x
+    return _c10d.wait_tensor(_c10d.reduce_scatter_tensor(x.contiguous(), "sum", tp.world_size,
+                                                         tp.group_name))
+
+
+def all_reduce(x: Tensor, tp: TensorParallel, op: str = "sum") -> Tensor:
+    """Sum (or ``op``) over ranks, out of place."""
+    if not tp.active:
+        return x
+    return _c10d.wait_tensor(_c10d.all_reduce(x.contiguous(), op, tp.group_name))
+
+
+def register_schema_types(register, schema_type_cls) -> None:
+    """Teach the custom-op schema derivation the :class:`TensorParallel` field type."""
+    register(TensorParallel, schema_type_cls(
+        ("str", "bool", "str", "int"),
+        lambda tp: [tp.mode, tp.sequence_parallel, tp.group_name, tp.world_size],
+        lambda vals: TensorParallel(*vals)))
