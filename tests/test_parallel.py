@@ -1,0 +1,190 @@
+"""Tensor and sequence parallelism on CPU with gloo, world sizes 1 and 2 (spawned processes).
+
+Every rank builds the same full FP64 reference from one seed, runs its shard of the layer,
+and compares its outputs and gradients with the matching slices of the reference. Failures
+are collected per case and reported together by the parent.
+"""
+
+import traceback
+
+import pytest
+import torch
+
+import fusible
+from fusible import ops
+from fusible.distributed_testing import run_distributed
+from fusible.testing import assert_close, exact_tensor, fp8_snr_floor, snr_db
+
+TOKENS, IN, OUT = 32, 32, 48  # FP8 GEMMs need multiples of 16; shards need multiples of ws
+
+
+def _full_problem(bias: bool, out_features: int = OUT):
+    g = torch.Generator().manual_seed(1234)
+    return {"x": exact_tensor((TOKENS, IN), torch.float64, generator=g),
+            "w": exact_tensor((out_features, IN), torch.float64, generator=g),
+            "b": exact_tensor((out_features,), torch.float64, generator=g) if bias else None,
+            "dy": exact_tensor((TOKENS, out_features), torch.float64, generator=g)}
+
+
+def _reference_linear(p):
+    x, w = p["x"].clone().requires_grad_(), p["w"].clone().requires_grad_()
+    b = p["b"].clone().requires_grad_() if p["b"] is not None else None
+    y = x @ w.t() + (b if b is not None else 0)
+    y.backward(p["dy"])
+    return {"y": y.detach(), "dx": x.grad, "dw": w.grad, "db": b.grad if b is not None else None}
+
+
+def _slices(mode, sp, rank, ws):
+    """(rows of the input, features of the input, rows of the output, output features)."""
+    def part(n):
+        return slice(rank * n // ws, (rank + 1) * n // ws)
+    every = slice(None)
+    if mode == "column":
+        return (part(TOKENS) if sp else every), every, every, part(OUT)
+    return every, part(IN), (part(TOKENS) if sp else every), every
+
+
+def _run_linear(rank, ws, mode, sp, bias, dtype, compiled, fp8=False):
+    p, ref = _full_problem(bias), None
+    ref = _reference_linear(p)
+    x_rows, x_cols, y_rows, y_cols = _slices(mode, sp, rank, ws)
+    layer = ops.Linear(IN, OUT, bias=bias, tensor_parallel_mode=mode, sequence_parallel=sp,
+                       dtype=dtype)
+    w_rows, w_cols = (y_cols, slice(None)) if mode == "column" else (slice(None), x_cols)
+    with torch.no_grad():
+        layer.weight.copy_(p["w"][w_rows, w_cols])
+        if bias:
+            layer.bias.copy_(p["b"][y_cols])
+    x = p["x"][x_rows, x_cols].to(dtype).requires_grad_()
+    run = torch.compile(layer, backend="aot_eager", fullgraph=True) if compiled else layer
+    with fusible.autocast(enabled=fp8):
+        y = run(x)
+    y.backward(p["dy"][y_rows, y_cols].to(dtype))
+    got = {"y": y, "dx": x.grad, "dw": layer.weight.grad, "db": layer.bias.grad if bias else None}
+    want = {"y": ref["y"][y_rows, y_cols], "dx": ref["dx"][x_rows, x_cols],
+            "dw": ref["dw"][w_rows, w_cols], "db": ref["db"][y_cols] if bias else None}
+    return got, want
+
+
+def _check_linear(rank, ws, mode, sp, bias, dtype):
+    eager, want = _run_linear(rank, ws, mode, sp, bias, dtype, compiled=False)
+    compiled, _ = _run_linear(rank, ws, mode, sp, bias, dtype, compiled=True)
+    for key, ref in want.items():
+        if ref is None:
+            continue
+        assert_close(eager[key], ref, dtype, f"{key} eager", scale=2.0)
+        if not torch.equal(eager[key], compiled[key]):
+            raise AssertionError(f"{key}: compiled differs from eager")
+
+
+def _check_linear_fp8(rank, ws, mode, bias):
+    floor = fp8_snr_floor(torch.float8_e4m3fn, torch.float8_e5m2)
+    for compiled in (False, True):
+        got, want = _run_linear(rank, ws, mode, False, bias, torch.bfloat16, compiled, fp8=True)
+        for key in ("y", "dx", "dw"):
+            if snr_db(got[key], want[key]) < floor:
+                raise AssertionError(f"FP8 {key} compiled={compiled}: SNR "
+                                     f"{snr_db(got[key], want[key]):.1f} dB < {floor:.1f}")
+
+
+def _check_mlp(rank, ws, sp, dtype):
+    """Column Linear + GELU + row Linear against FP64, eager and compiled bitwise."""
+    hidden, ffn = IN, OUT
+    g = torch.Generator().manual_seed(7)
+    full = ops.Sequential(ops.Linear(hidden, ffn), ops.GELU(), ops.Linear(ffn, hidden))
+    full.double()
+    fusible.testing.exact_parameters_(full, generator=g)
+    x_full = exact_tensor((TOKENS, hidden), torch.float64, generator=g)
+    dy_full = exact_tensor((TOKENS, hidden), torch.float64, generator=g)
+    xr = x_full.clone().requires_grad_()
+    y_ref = full(xr)
+    y_ref.backward(dy_full)
+    part = slice(rank * TOKENS // ws, (rank + 1) * TOKENS // ws)
+    cols = slice(rank * ffn // ws, (rank + 1) * ffn // ws)
+    rows = part if sp else slice(None)
+    results = []
+    for compiled in (False, True):
+        model = ops.Sequential(
+            ops.Linear(hidden, ffn, tensor_parallel_mode="column", sequence_parallel=sp),
+            ops.GELU(),
+            ops.Linear(ffn, hidden, tensor_parallel_mode="row", sequence_parallel=sp)).to(dtype)
+        with torch.no_grad():
+            model[0].weight.copy_(full[0].weight[cols])
+            model[0].bias.copy_(full[0].bias[cols])
+            model[2].weight.copy_(full[2].weight[:, cols])
+            model[2].bias.copy_(full[2].bias)
+        x = x_full[rows].to(dtype).requires_grad_()
+        run = torch.compile(model, backend="aot_eager", fullgraph=True) if compiled else model
+        y = run(x)
+        y.backward(dy_full[rows].to(dtype))
+        results.append([y, x.grad, model[0].weight.grad, model[0].bias.grad,
+                        model[2].weight.grad, model[2].bias.grad])
+    refs = [y_ref[rows], xr.grad[rows], full[0].weight.grad[cols], full[0].bias.grad[cols],
+            full[2].weight.grad[:, cols], full[2].bias.grad]
+    names = ["y", "dx", "dw1", "db1", "dw2", "db2"]
+    for name, got, again, ref in zip(names, results[0], results[1], refs):
+        assert_close(got, ref, dtype, f"MLP {name}", scale=4.0)
+        if not torch.equal(got, again):
+            raise AssertionError(f"MLP {name}: compiled differs from eager")
+
+
+def _check_collectives(rank, ws):
+    g = torch.Generator().manual_seed(3)
+    parts = [exact_tensor((4, 3), torch.float64, generator=g) for _ in range(ws)]
+    grads = [exact_tensor((4 * ws, 3), torch.float64, generator=g) for _ in range(ws)]
+    mine = parts[rank]
+    cases = {
+        "AllReduce": (ops.AllReduce(), sum(parts), grads[rank][:4], lambda: grads[rank][:4]),
+        "AllGather": (ops.AllGather(), torch.cat(parts), grads[rank],
+                      lambda: sum(grads)[rank * 4:(rank + 1) * 4]),
+        "ReduceScatter": (ops.ReduceScatter(), None, None, None),
+    }
+    for name, (op, want_y, dy, want_dx) in cases.items():
+        if name == "ReduceScatter":
+            full = [exact_tensor((4 * ws, 3), torch.float64, generator=g) for _ in range(ws)]
+            x_in, want_y = full[rank], sum(full)[rank * 4:(rank + 1) * 4]
+            dys = [exact_tensor((4, 3), torch.float64, generator=g) for _ in range(ws)]
+            dy, want = dys[rank], torch.cat(dys)
+        else:
+            x_in, want = mine, want_dx()
+        for compiled in (False, True):
+            x = x_in.clone().requires_grad_()
+            run = torch.compile(op, backend="aot_eager", fullgraph=True) if compiled else op
+            y = run(x)
+            y.backward(dy)
+            if not (torch.equal(y, want_y) and torch.equal(x.grad, want)):
+                raise AssertionError(f"{name} compiled={compiled}: wrong output or gradient")
+
+
+def parallel_cases(rank, ws):
+    """Every case on this rank: ``{case: None or the failure's traceback}``."""
+    torch.set_num_threads(1)
+    cases = {"collectives": lambda: _check_collectives(rank, ws)}
+    for mode in ("column", "row"):
+        for sp in (False, True):
+            for bias in (False, True):
+                for dtype in (torch.float64, torch.float32, torch.bfloat16):
+                    cases[f"linear {mode} sp={sp} bias={bias} {dtype}"] = (
+                        lambda m=mode, s=sp, b=bias, d=dtype: _check_linear(rank, ws, m, s, b, d))
+        cases[f"linear fp8 {mode}"] = lambda m=mode: _check_linear_fp8(rank, ws, m, True)
+    for sp in (False, True):
+        for dtype in (torch.float64, torch.bfloat16):
+            cases[f"mlp sp={sp} {dtype}"] = lambda s=sp, d=dtype: _check_mlp(rank, ws, s, d)
+    failures = {}
+    for name, check in cases.items():
+        torch._dynamo.reset()  # each case compiles afresh (no recompile limits across cases)
+        try:
+            check()
+            failures[name] = None
+        except Exception:
+            failures[name] = traceback.format_exc(limit=-3)
+    return failures
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_tensor_parallel(world_size):
+    results = run_distributed(parallel_cases, world_size)
+    failed = {f"rank {rank}: {name}": error for rank, result in enumerate(results)
+              for name, error in result.items() if error is not None}
+    assert not failed, "\n".join(f"{name}\n{error}" for name, error in failed.items())
+    assert len(results[0]) == 31
