@@ -45,8 +45,12 @@ class FusionPlan:
                  + (f", recipe {self.recipe}" if self.recipe is not None else "")]
         for title, stages in (("forward", self.forward), ("backward", self.backward)):
             lines.append(f"{title} ({len(stages)} stages, in execution order):")
-            lines += [f"  {_indices(s.indices):<10} {s.name:<30} {_compile_note(s):<10} "
-                      f"{self._covered(s)}" for s in stages]
+            for s in stages:
+                lines.append(f"  {_indices(s.indices):<10} {s.name:<30} {_compile_note(s):<10} "
+                             f"{self._covered(s)}")
+                comm = self.communication(s, title)
+                if comm:
+                    lines.append(f"  {'':<10} communicates: {'; '.join(comm)}")
             if not stages:
                 lines.append("  (none: no gradient is needed)")
         lines.append("fusions that matched:")
@@ -57,6 +61,16 @@ class FusionPlan:
         if not self.candidates:
             lines.append("  (none)")
         return "\n".join(lines)
+
+    def communication(self, stage: Stage, direction: str) -> list:
+        """``["Op: what (where)", ...]``: the collectives a stage runs."""
+        out = []
+        for i in stage.indices:
+            op = self.ops[i]
+            for where, what in getattr(op, "communication", lambda d: ())(direction):
+                out.append(f"{type(op).__name__}: {what}" + ("" if where == "is" else
+                                                           f" ({where} its compute)"))
+        return out
 
     def _covered(self, stage: Stage) -> str:
         return " + ".join(_describe(self.ops[i]) for i in stage.indices)

@@ -84,9 +84,31 @@ def _stage_cluster(plan, lane, k, stage, colors) -> list:
         style = 'style=invis; label="";'
     out = [f"    subgraph cluster_{lane}_{k} {{", f"      {style}"]
     for i in stage.indices:
+        op = plan.ops[i]
+        comm = getattr(op, "communication", lambda d: ())(lane)
         shape = ', shape=box3d, style=filled, fillcolor="#eeeeee"' if stage.is_module else ""
-        out.append(f"      {_node(lane, i)} [label={_quote(_op_label(plan.ops[i]))}{shape}];")
+        if any(where == "is" for where, _ in comm):
+            shape = f', shape=cds, style=filled, fillcolor="{_COMM}"'
+        out.append(f"      {_node(lane, i)} [label={_quote(_op_label(op))}{shape}];")
+        out += _comm_nodes(lane, i, comm)
     out.append("    }")
+    return out
+
+
+_COMM = "#d7f5dd"
+
+
+def _comm_nodes(lane: str, i: int, comm) -> list:
+    """An op's own collectives as nodes stacked with it; dotted arrows follow the data
+    (into the op for a collective before its compute, out of it for one after)."""
+    out = []
+    for k, (where, what) in enumerate(c for c in comm if c[0] != "is"):
+        node, op = f"{_node(lane, i)}c{k}", _node(lane, i)
+        out.append(f'      {node} [label={_quote(what)}, shape=cds, style=filled, '
+                   f'fillcolor="{_COMM}", fontsize=9];')
+        a, b = (node, op) if where == "before" else (op, node)
+        out.append(f'      {a} -> {b} [style=dotted];')
+        out.append(f"      {{rank=same; {op}; {node};}}")
     return out
 
 

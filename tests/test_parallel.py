@@ -15,7 +15,8 @@ from fusible import ops
 from fusible.distributed_testing import run_distributed
 from fusible.testing import assert_close, exact_tensor, fp8_snr_floor, snr_db
 
-TOKENS, IN, OUT = 32, 32, 48  # FP8 GEMMs need multiples of 16; shards need multiples of ws
+TOKENS, IN, OUT = 32, 32, 64  # FP8 GEMMs need shards in multiples of 16
+DEVICE = ["cpu"]  # set per worker: "cuda" under NCCL
 
 
 def _full_problem(bias: bool, out_features: int = OUT):
@@ -49,17 +50,17 @@ def _run_linear(rank, ws, mode, sp, bias, dtype, compiled, fp8=False):
     ref = _reference_linear(p)
     x_rows, x_cols, y_rows, y_cols = _slices(mode, sp, rank, ws)
     layer = ops.Linear(IN, OUT, bias=bias, tensor_parallel_mode=mode, sequence_parallel=sp,
-                       dtype=dtype)
+                       dtype=dtype, device=DEVICE[0])
     w_rows, w_cols = (y_cols, slice(None)) if mode == "column" else (slice(None), x_cols)
     with torch.no_grad():
         layer.weight.copy_(p["w"][w_rows, w_cols])
         if bias:
             layer.bias.copy_(p["b"][y_cols])
-    x = p["x"][x_rows, x_cols].to(dtype).requires_grad_()
+    x = p["x"][x_rows, x_cols].to(DEVICE[0], dtype).requires_grad_()
     run = torch.compile(layer, backend="aot_eager", fullgraph=True) if compiled else layer
     with fusible.autocast(enabled=fp8):
         y = run(x)
-    y.backward(p["dy"][y_rows, y_cols].to(dtype))
+    y.backward(p["dy"][y_rows, y_cols].to(DEVICE[0], dtype))
     got = {"y": y, "dx": x.grad, "dw": layer.weight.grad, "db": layer.bias.grad if bias else None}
     want = {"y": ref["y"][y_rows, y_cols], "dx": ref["dx"][x_rows, x_cols],
             "dw": ref["dw"][w_rows, w_cols], "db": ref["db"][y_cols] if bias else None}
@@ -107,16 +108,17 @@ def _check_mlp(rank, ws, sp, dtype):
         model = ops.Sequential(
             ops.Linear(hidden, ffn, tensor_parallel_mode="column", sequence_parallel=sp),
             ops.GELU(),
-            ops.Linear(ffn, hidden, tensor_parallel_mode="row", sequence_parallel=sp)).to(dtype)
+            ops.Linear(ffn, hidden, tensor_parallel_mode="row", sequence_parallel=sp)
+        ).to(DEVICE[0], dtype)
         with torch.no_grad():
             model[0].weight.copy_(full[0].weight[cols])
             model[0].bias.copy_(full[0].bias[cols])
             model[2].weight.copy_(full[2].weight[:, cols])
             model[2].bias.copy_(full[2].bias)
-        x = x_full[rows].to(dtype).requires_grad_()
+        x = x_full[rows].to(DEVICE[0], dtype).requires_grad_()
         run = torch.compile(model, backend="aot_eager", fullgraph=True) if compiled else model
         y = run(x)
-        y.backward(dy_full[rows].to(dtype))
+        y.backward(dy_full[rows].to(DEVICE[0], dtype))
         results.append([y, x.grad, model[0].weight.grad, model[0].bias.grad,
                         model[2].weight.grad, model[2].bias.grad])
     refs = [y_ref[rows], xr.grad[rows], full[0].weight.grad[cols], full[0].bias.grad[cols],
@@ -148,18 +150,65 @@ def _check_collectives(rank, ws):
         else:
             x_in, want = mine, want_dx()
         for compiled in (False, True):
-            x = x_in.clone().requires_grad_()
+            x = x_in.to(DEVICE[0]).clone().requires_grad_()
             run = torch.compile(op, backend="aot_eager", fullgraph=True) if compiled else op
             y = run(x)
-            y.backward(dy)
-            if not (torch.equal(y, want_y) and torch.equal(x.grad, want)):
+            y.backward(dy.to(DEVICE[0]))
+            if not (torch.equal(y.cpu(), want_y) and torch.equal(x.grad.cpu(), want)):
                 raise AssertionError(f"{name} compiled={compiled}: wrong output or gradient")
 
 
-def parallel_cases(rank, ws):
+def _check_plan(rank, ws):
+    """Collectives in explain() and to_dot(); the chosen and refused fusions."""
+    model = ops.Sequential(
+        ops.Linear(IN, OUT, tensor_parallel_mode="column", sequence_parallel=True), ops.GELU(),
+        ops.Linear(OUT, IN, tensor_parallel_mode="row", sequence_parallel=True))
+    plan = model.plan(torch.randn(8, IN, requires_grad=True))
+    text, dot = plan.explain(), plan.to_dot()
+    row = ["BasicLinear", "Bias"] if ws > 1 else ["ForwardLinearBias"]  # alone: no reduction
+    assert [s.name for s in plan.forward] == ["ForwardLinearBias", "GELU", *row]
+    if ws == 1:
+        assert "communicates" not in text and "shape=cds" not in dot
+        return
+    for line in ("BasicLinear: all-gather input /2 (before its compute)",
+                 "BasicLinear: reduce-scatter output /2 (after its compute)",
+                 "Bias: all-reduce dbias /2 (after its compute)",
+                 "BasicLinear: all-gather grad /2 (before its compute)",
+                 "BasicLinear: reduce-scatter dgrad /2 (after its compute)",
+                 "ForwardLinearBias              [3, 4]     refused: "
+                 "tensor_parallel_mode='row' (world size 2)"):
+        assert line in text, line
+    for label in ("all-gather input /2", "reduce-scatter output /2", "all-reduce dbias /2"):
+        assert f'[label="{label}", shape=cds' in dot, label
+    collectives = ops.Sequential(ops.AllGather(), ops.ReduceScatter()).plan(torch.randn(4, 2))
+    assert collectives.to_dot().count("shape=cds") == 2
+    assert "AllGather: all-gather /2" in collectives.explain()
+
+
+def _check_size_errors(rank, ws):
+    if ws == 1:
+        return
+    with pytest.raises(ValueError, match=r"out_features=3 does not divide by the "
+                                         r"tensor-parallel world size 2"):
+        ops.BasicLinear(4, 3, tensor_parallel_mode="column")
+    with pytest.raises(ValueError, match=r"size=5 does not divide by the tensor-parallel"):
+        ops.Bias(5, tensor_parallel=True)
+    row = ops.BasicLinear(4, 4, tensor_parallel_mode="row", sequence_parallel=True)
+    with pytest.raises(ValueError, match=r"reduce-scatters its output along dim 0: got 3 rows, "
+                                         r"which do not divide by the world size 2"):
+        row(torch.randn(3, 2))
+    with pytest.raises(ValueError, match=r"ReduceScatter\(world_size=2\) splits dim 0 over the "
+                                         r"group, got input of shape \(3, 2\)"):
+        ops.ReduceScatter()(torch.randn(3, 2))
+
+
+def parallel_cases(rank, ws, device="cpu"):
     """Every case on this rank: ``{case: None or the failure's traceback}``."""
     torch.set_num_threads(1)
-    cases = {"collectives": lambda: _check_collectives(rank, ws)}
+    DEVICE[0] = device
+    cases = {"collectives": lambda: _check_collectives(rank, ws),
+             "plan": lambda: _check_plan(rank, ws),
+             "size errors": lambda: _check_size_errors(rank, ws)}
     for mode in ("column", "row"):
         for sp in (False, True):
             for bias in (False, True):
@@ -183,8 +232,16 @@ def parallel_cases(rank, ws):
 
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_tensor_parallel(world_size):
-    results = run_distributed(parallel_cases, world_size)
+    _report(run_distributed(parallel_cases, world_size))
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs (NCCL)")
+def test_tensor_parallel_nccl():
+    _report(run_distributed(parallel_cases, 2, "cuda", backend="nccl"))
+
+
+def _report(results):
     failed = {f"rank {rank}: {name}": error for rank, result in enumerate(results)
               for name, error in result.items() if error is not None}
     assert not failed, "\n".join(f"{name}\n{error}" for name, error in failed.items())
-    assert len(results[0]) == 31
+    assert len(results[0]) == 33

@@ -270,6 +270,12 @@ class BasicOperation(FusibleOperation):
         name = type(self).__name__
         return text[len(name) + 1:-1] if text.startswith(name + "(") else ""
 
+    def communication(self, direction: str) -> tuple:
+        """The collectives this op runs in ``direction`` ("forward" or "backward"), as
+        ``(where, what)`` pairs for plans: ``where`` is "before" or "after" the op's own
+        compute, or "is" for a collective op; ``what`` says which tensor and how."""
+        return ()
+
     def validate_fp8(self, shape: tuple) -> None:
         """Check an input shape against the op's FP8 constraints (called under a recipe)."""
 

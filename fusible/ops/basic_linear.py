@@ -136,9 +136,10 @@ class BasicLinear(BasicOperation):
             raise NotImplementedError(f"{self.describe()}: FP8 with sequence parallelism is not "
                                       f"available yet; run it outside fusible.autocast")
         tokens = math.prod(shape[:-1])
-        if self.in_features % 16 or self.out_features % 16 or tokens % 16:
+        if self.local_in % 16 or self.local_out % 16 or tokens % 16:
             raise ValueError(f"{self.describe()} under an FP8 recipe needs in_features, "
-                             f"out_features and the number of tokens divisible by 16, got "
+                             f"out_features (of this rank's shard: {self.local_in}, "
+                             f"{self.local_out}) and the number of tokens divisible by 16, got "
                              f"{tokens} tokens; pad the tokens or run it outside "
                              f"fusible.autocast")
 
@@ -160,6 +161,18 @@ class BasicLinear(BasicOperation):
     @classmethod
     def backward_compute(cls, args, *, in_custom_op=False):
         return BackwardResult(*linear_backward(args))
+
+    def communication(self, direction):
+        tp = self.tp
+        if not tp.active:
+            return ()
+        sp, ws = tp.sequence_parallel, tp.world_size
+        reduce = "reduce-scatter" if sp else "all-reduce"
+        if direction == "forward":
+            return ((("before", f"all-gather input /{ws}"),) if tp.mode == "column" and sp
+                    else (("after", f"{reduce} output /{ws}"),) if tp.mode == "row" else ())
+        return ((("before", f"all-gather grad /{ws}"),) if tp.mode == "row" and sp
+                else (("after", f"{reduce} dgrad /{ws}"),) if tp.mode == "column" else ())
 
     def extra_repr(self) -> str:
         return self.describe()[len("BasicLinear("):-1]

@@ -115,6 +115,11 @@ class Bias(BasicOperation):
         return BackwardResult(pass_through(args.grad_output, args.need_grad_input, in_custom_op),
                               (dbias,))
 
+    def communication(self, direction):
+        if direction == "backward" and self.tp.active and self.sequence_parallel:
+            return (("after", f"all-reduce dbias /{self.tp.world_size}"),)
+        return ()
+
     def extra_repr(self) -> str:
         return self.describe()[len("Bias("):-1]
 

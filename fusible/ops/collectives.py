@@ -63,6 +63,14 @@ class _Collective(BasicOperation):
     def backward_args(self, grad_output, grad_extra_outputs, ctxs):
         return CollectiveBackwardArgs(grad_output, self.group, ctxs[0].needs.input)
 
+    def communication(self, direction):
+        if not self.group.active:
+            return ()
+        what = {"AllReduce": ("all-reduce", None), "ReduceScatter": ("reduce-scatter",
+                "all-gather"), "AllGather": ("all-gather", "reduce-scatter")}[type(self).__name__]
+        name = what[0] if direction == "forward" else what[1]
+        return (("is", f"{name} /{self.group.world_size}"),) if name else ()
+
     def _check_rows(self, shape) -> None:
         if not shape or shape[0] % self.group.world_size:
             raise ValueError(f"{self.describe()} splits dim 0 over the group, got input of "

@@ -1,0 +1,98 @@
+"""GPU: tensor-parallel MLP block (column Linear + GELU(tanh) + row Linear) on two GPUs
+against the same block on one GPU, fwd+bwd, compiled.
+
+The same global batch in both: one GPU runs T tokens through the full block; with TP=2 and
+sequence parallelism each GPU holds T/2 tokens of the input and half of every weight.
+``throughput_vs_one_gpu`` is one GPU's time over the TP step's time (2.0 would be perfect
+scaling). FP8 runs without sequence parallelism (FP8 with SP is not available yet), so each
+GPU holds all T input tokens there.
+
+    python benchmarks/gpu_tp.py --output benchmarks/results/gpu_tp_h200x2.json
+"""
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import fusible  # noqa: E402
+from fusible import ops  # noqa: E402
+from fusible.distributed_testing import run_distributed  # noqa: E402
+
+TOKENS, HIDDEN, FFN = 16384, 8192, 28672
+
+
+def _block(tp: bool, sp: bool):
+    kwargs = ({"sequence_parallel": sp} if tp else {})
+    col = {"tensor_parallel_mode": "column", **kwargs} if tp else {}
+    row = {"tensor_parallel_mode": "row", **kwargs} if tp else {}
+    return ops.Sequential(ops.Linear(HIDDEN, FFN, **col), ops.GELU(approximate="tanh"),
+                          ops.Linear(FFN, HIDDEN, **row)).to("cuda", torch.bfloat16)
+
+
+def _measure(model, tokens: int, fp8: bool) -> dict:
+    import triton.testing
+    run = torch.compile(model, fullgraph=True)
+    x = torch.randn(tokens, HIDDEN, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(tokens, HIDDEN, device="cuda", dtype=torch.bfloat16)
+
+    def step():
+        with fusible.autocast(enabled=fp8):
+            y = run(x)
+        y.backward(dy)
+        x.grad = None
+        for p in model.parameters():
+            p.grad = None
+
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    ms = triton.testing.do_bench(step, warmup=50, rep=1000, return_mode="median")
+    return {"ms": ms, "peak_gib": torch.cuda.max_memory_allocated() / 2**30}
+
+
+def bench(rank, world_size):
+    results = {}
+    for fp8 in (False, True):
+        name = "fp8" if fp8 else "bf16"
+        dist.barrier()
+        if rank == 0:  # one GPU, the whole batch, no communication
+            torch._dynamo.reset()
+            results[f"{name}_one_gpu"] = _measure(_block(False, False), TOKENS, fp8)
+        dist.barrier()
+        torch._dynamo.reset()
+        sp = not fp8
+        local_tokens = TOKENS // world_size if sp else TOKENS
+        results[f"{name}_tp{world_size}{'_sp' if sp else ''}"] = _measure(
+            _block(True, sp), local_tokens, fp8)
+        torch.cuda.empty_cache()
+    return results
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--output", default="benchmarks/results/gpu_tp.json")
+    args = parser.parse_args()
+    for var in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS"):
+        os.environ.setdefault(var, "0" if var == "NCCL_NVLS_ENABLE" else "1")  # no multicast
+    import gpu_tp  # the children import bench by module name, not from __main__
+    per_rank = run_distributed(gpu_tp.bench, 2, backend="nccl")
+    out = {"torch": torch.__version__, "gpu": torch.cuda.get_device_name(),
+           "shape": {"tokens": TOKENS, "hidden": HIDDEN, "ffn": FFN}, "ranks": per_rank}
+    for name in ("bf16", "fp8"):
+        one = per_rank[0][f"{name}_one_gpu"]["ms"]
+        tp = max(r[k]["ms"] for r in per_rank for k in r if k.startswith(f"{name}_tp"))
+        out[f"throughput_vs_one_gpu_{name}"] = one / tp
+    with open(args.output, "w") as f:
+        json.dump(out, f, indent=1)
+    print(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()
