@@ -48,6 +48,16 @@ class TensorParallel:
         """Whether any communication happens (a group of more than one rank)."""
         return self.world_size > 1
 
+    @property
+    def gathers_input(self) -> bool:
+        """A linear layer that all-gathers its input (column + sequence parallel)."""
+        return self.active and self.mode == "column" and self.sequence_parallel
+
+    @property
+    def gathers_grad(self) -> bool:
+        """A linear layer that all-gathers its incoming gradient (row + sequence parallel)."""
+        return self.active and self.mode == "row" and self.sequence_parallel
+
 
 NOT_PARALLEL = TensorParallel()
 

@@ -116,6 +116,14 @@ def _with_fp8_out(stage: ExecStage, fmt) -> ExecStage:
     return attrs.evolve(stage, fp8_out=fmt, compute=compute)
 
 
+def _gathers(stage: ExecStage, direction: str) -> bool:
+    """Whether a stage communicates what it receives before computing (an all-gather):
+    it quantizes that itself, with one scale for the whole group (see
+    ``linear_math.gather_fp8``), so the stage before must hand it over unquantized."""
+    return any(where == "before" for op in stage.ops
+               for where, _ in op.communication(direction))
+
+
 def _fp8_formats(forward: list, backward: list, needs: tuple, recipe):
     """Let each stage hand FP8 to a next stage that consumes it (the cast then happens in
     the producer's own compute, inside its custom op when compiled)."""
@@ -123,12 +131,14 @@ def _fp8_formats(forward: list, backward: list, needs: tuple, recipe):
         return forward, backward
     for k in range(len(forward) - 1):
         nxt = forward[k + 1]
-        if type(nxt.op).fp8_input_consumer:  # it keeps the copy its wgrad needs
+        if type(nxt.op).fp8_input_consumer and not _gathers(nxt, "forward"):
+            # it keeps the copy its wgrad needs
             fmt = (recipe.forward_dtype, needs[nxt.lo].params[0])
             forward[k] = _with_fp8_out(forward[k], fmt)
     for k in range(len(backward) - 1):
         nxt = backward[k + 1]
-        if type(nxt.op).fp8_grad_consumer:  # its last op takes the gradient (wgrad: dy.T)
+        if type(nxt.op).fp8_grad_consumer and not _gathers(nxt, "backward"):
+            # its last op takes the gradient (wgrad: dy.T)
             fmt = (recipe.backward_dtype, needs[nxt.hi - 1].params[0])
             backward[k] = _with_fp8_out(backward[k], fmt)
     return forward, backward

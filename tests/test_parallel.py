@@ -78,18 +78,40 @@ def _check_linear(rank, ws, mode, sp, bias, dtype):
             raise AssertionError(f"{key}: compiled differs from eager")
 
 
-def _check_linear_fp8(rank, ws, mode, bias):
+def _check_linear_fp8(rank, ws, mode, sp, bias):
+    """SNR against FP64; compiled bitwise equal to eager."""
     floor = fp8_snr_floor(torch.float8_e4m3fn, torch.float8_e5m2)
-    for compiled in (False, True):
-        got, want = _run_linear(rank, ws, mode, False, bias, torch.bfloat16, compiled, fp8=True)
-        for key in ("y", "dx", "dw"):
-            if snr_db(got[key], want[key]) < floor:
-                raise AssertionError(f"FP8 {key} compiled={compiled}: SNR "
-                                     f"{snr_db(got[key], want[key]):.1f} dB < {floor:.1f}")
+    runs = [_run_linear(rank, ws, mode, sp, bias, torch.bfloat16, c, fp8=True)
+            for c in (False, True)]
+    (eager, want), (compiled, _) = runs
+    for key in ("y", "dx", "dw"):
+        if snr_db(eager[key], want[key]) < floor:
+            raise AssertionError(f"FP8 {key}: SNR {snr_db(eager[key], want[key]):.1f} dB "
+                                 f"< {floor:.1f}")
+        if not torch.equal(eager[key], compiled[key]):
+            raise AssertionError(f"FP8 {key}: compiled differs from eager")
 
 
-def _check_mlp(rank, ws, sp, dtype):
-    """Column Linear + GELU + row Linear against FP64, eager and compiled bitwise."""
+def _check_fp8_gather(rank, ws):
+    """An FP8 all-gather gives the bits of gathering in high precision, then quantizing."""
+    from fusible.distributed import all_gather
+    from fusible.ops.linear_math import gather_fp8
+    tp = ops.BasicLinear(IN, OUT, tensor_parallel_mode="column", sequence_parallel=True).tp
+    g = torch.Generator().manual_seed(11)
+    parts = [torch.randn(16, IN, generator=g, dtype=torch.float64) * 4 ** r for r in range(ws)]
+    x = parts[rank].to(DEVICE[0], torch.bfloat16)
+    ours = gather_fp8(x, tp, torch.float8_e4m3fn, True)
+    ref = fusible.quantize(all_gather(x, tp), torch.float8_e4m3fn, columnwise=True)
+    for a, b in ((ours._data, ref._data), (ours._transpose, ref._transpose),
+                 (ours._scale_inv, ref._scale_inv)):
+        if not torch.equal(a.view(torch.uint8) if a.dim() else a,
+                           b.view(torch.uint8) if b.dim() else b):
+            raise AssertionError("FP8 all-gather differs from gather-then-quantize")
+
+
+def _check_mlp(rank, ws, sp, dtype, fp8=False):
+    """Column Linear + GELU + row Linear against FP64 (FP8: by SNR), eager and compiled
+    bitwise."""
     hidden, ffn = IN, OUT
     g = torch.Generator().manual_seed(7)
     full = ops.Sequential(ops.Linear(hidden, ffn), ops.GELU(), ops.Linear(ffn, hidden))
@@ -117,15 +139,20 @@ def _check_mlp(rank, ws, sp, dtype):
             model[2].bias.copy_(full[2].bias)
         x = x_full[rows].to(DEVICE[0], dtype).requires_grad_()
         run = torch.compile(model, backend="aot_eager", fullgraph=True) if compiled else model
-        y = run(x)
+        with fusible.autocast(enabled=fp8):
+            y = run(x)
         y.backward(dy_full[rows].to(DEVICE[0], dtype))
         results.append([y, x.grad, model[0].weight.grad, model[0].bias.grad,
                         model[2].weight.grad, model[2].bias.grad])
     refs = [y_ref[rows], xr.grad[rows], full[0].weight.grad[cols], full[0].bias.grad[cols],
             full[2].weight.grad[:, cols], full[2].bias.grad]
     names = ["y", "dx", "dw1", "db1", "dw2", "db2"]
+    floor = fp8_snr_floor(torch.float8_e4m3fn, torch.float8_e5m2, margin_db=6.0)
     for name, got, again, ref in zip(names, results[0], results[1], refs):
-        assert_close(got, ref, dtype, f"MLP {name}", scale=4.0)
+        if not fp8:
+            assert_close(got, ref, dtype, f"MLP {name}", scale=4.0)
+        elif snr_db(got, ref) < floor:
+            raise AssertionError(f"FP8 MLP {name}: SNR {snr_db(got, ref):.1f} dB < {floor:.1f}")
         if not torch.equal(got, again):
             raise AssertionError(f"MLP {name}: compiled differs from eager")
 
@@ -208,17 +235,21 @@ def parallel_cases(rank, ws, device="cpu"):
     DEVICE[0] = device
     cases = {"collectives": lambda: _check_collectives(rank, ws),
              "plan": lambda: _check_plan(rank, ws),
-             "size errors": lambda: _check_size_errors(rank, ws)}
+             "size errors": lambda: _check_size_errors(rank, ws),
+             "fp8 gather": lambda: _check_fp8_gather(rank, ws)}
     for mode in ("column", "row"):
         for sp in (False, True):
             for bias in (False, True):
                 for dtype in (torch.float64, torch.float32, torch.bfloat16):
                     cases[f"linear {mode} sp={sp} bias={bias} {dtype}"] = (
                         lambda m=mode, s=sp, b=bias, d=dtype: _check_linear(rank, ws, m, s, b, d))
-        cases[f"linear fp8 {mode}"] = lambda m=mode: _check_linear_fp8(rank, ws, m, True)
+        for sp in (False, True):
+            cases[f"linear fp8 {mode} sp={sp}"] = (
+                lambda m=mode, s=sp: _check_linear_fp8(rank, ws, m, s, True))
     for sp in (False, True):
         for dtype in (torch.float64, torch.bfloat16):
             cases[f"mlp sp={sp} {dtype}"] = lambda s=sp, d=dtype: _check_mlp(rank, ws, s, d)
+        cases[f"mlp fp8 sp={sp}"] = lambda s=sp: _check_mlp(rank, ws, s, torch.bfloat16, True)
     failures = {}
     for name, check in cases.items():
         torch._dynamo.reset()  # each case compiles afresh (no recompile limits across cases)
@@ -244,4 +275,4 @@ def _report(results):
     failed = {f"rank {rank}: {name}": error for rank, result in enumerate(results)
               for name, error in result.items() if error is not None}
     assert not failed, "\n".join(f"{name}\n{error}" for name, error in failed.items())
-    assert len(results[0]) == 33
+    assert len(results[0]) == 38

@@ -73,8 +73,9 @@ if triton is not None:
 
 def cast_to_fp8_triton(x: torch.Tensor, fp8_dtype: torch.dtype, fp8_max: float,
                        columnwise: bool, block: int = 4096, block_m: int = 64,
-                       block_n: int = 128) -> list:
-    """``[data, scale_inv]`` (+ ``transpose``) as ``fusible.quantization.cast.cast_to_fp8``."""
+                       block_n: int = 128, amax: torch.Tensor | None = None) -> list:
+    """``[data, scale_inv]`` (+ ``transpose``) as ``fusible.quantization.cast.cast_to_fp8``;
+    a given ``amax`` (float32, 0-d) skips the amax kernel."""
     if triton is None:
         raise RuntimeError(f"cast_to_fp8_triton needs Triton, which failed to import: "
                            f"{_TRITON_IMPORT_ERROR!r}")
@@ -82,11 +83,14 @@ def cast_to_fp8_triton(x: torch.Tensor, fp8_dtype: torch.dtype, fp8_max: float,
     n_cols = x.shape[-1]
     n_rows = x.numel() // n_cols
     data, transpose, scale_inv, in_kernel_t = fp8_buffers(x, fp8_dtype, columnwise)
-    amax = torch.zeros((), device=x.device, dtype=torch.float32)
-    # Few enough programs that the atomics on one address stay cheap.
-    programs = min(triton.cdiv(x.numel(), block), 2048)
-    per_program = triton.cdiv(triton.cdiv(x.numel(), programs), block) * block
-    _amax_kernel[(programs,)](x, amax, x.numel(), per_program, BLOCK=block)
+    if amax is None:
+        amax = torch.zeros((), device=x.device, dtype=torch.float32)
+        # Few enough programs that the atomics on one address stay cheap.
+        programs = min(triton.cdiv(x.numel(), block), 2048)
+        per_program = triton.cdiv(triton.cdiv(x.numel(), programs), block) * block
+        _amax_kernel[(programs,)](x, amax, x.numel(), per_program, BLOCK=block)
+    else:
+        amax = amax.to(torch.float32).contiguous()
     grid = (triton.cdiv(n_rows, block_m), triton.cdiv(n_cols, block_n))
     _cast_kernel[grid](x, amax, data, transpose, scale_inv, n_rows, n_cols, fp8_max,
                        HAS_T=in_kernel_t, BLOCK_M=block_m, BLOCK_N=block_n)

@@ -132,9 +132,6 @@ class BasicLinear(BasicOperation):
 
     def validate_fp8(self, shape) -> None:
         """FP8 GEMMs (Hopper's) need every dimension divisible by 16."""
-        if self.tp.active and self.tp.sequence_parallel:
-            raise NotImplementedError(f"{self.describe()}: FP8 with sequence parallelism is not "
-                                      f"available yet; run it outside fusible.autocast")
         tokens = math.prod(shape[:-1])
         if self.local_in % 16 or self.local_out % 16 or tokens % 16:
             raise ValueError(f"{self.describe()} under an FP8 recipe needs in_features, "
@@ -229,7 +226,7 @@ def save_linear(ctx, args, aux: tuple) -> None:
     parameter itself and quantized again in the backward (see :func:`linear_saved`)."""
     x = aux[0] if args.fp8_dtype is None and aux else args.input
     if args.fp8_dtype is not None:
-        if handed_in_fp8(args.input, args.fp8_dtype):
+        if handed_in_fp8(args.input, args.fp8_dtype) and not args.tp.gathers_input:
             x_q = as_fp8(args.input, args.fp8_dtype, args.keep_input_t)
             x_t, x_scale_inv = x_q._transpose, x_q._scale_inv
         else:
@@ -245,7 +242,7 @@ def linear_aux(args, x_q) -> tuple:
     caller's to save (see :func:`handed_in_fp8`)."""
     if args.fp8_dtype is None:
         return () if x_q is None else (x_q,)
-    if handed_in_fp8(args.input, args.fp8_dtype):
+    if handed_in_fp8(args.input, args.fp8_dtype) and not args.tp.gathers_input:
         return ()
     return (x_q._transpose, x_q._scale_inv)
 

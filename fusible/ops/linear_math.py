@@ -15,6 +15,7 @@ import torch
 
 from fusible import distributed
 from fusible.distributed import NOT_PARALLEL, TensorParallel
+from fusible.kernels.fp8_cast import transposed_copy
 from fusible.quantization.float8_tensor import Float8Tensor, quantize_raw
 from fusible.quantization.flow import to_fp8_format
 
@@ -102,19 +103,46 @@ def gemm_forward(x: Tensor, weight: Tensor, bias: Optional[Tensor],
     the output over the group (all-reduce, or reduce-scatter with sequence parallel),
     so a row-parallel ``bias`` would be added on every rank: callers refuse it.
     """
-    gathered = tp.active and tp.mode == "column" and tp.sequence_parallel
-    if gathered:
-        x = distributed.all_gather(x, tp)
     if tp.active and tp.mode == "row" and bias is not None:
         raise ValueError(f"a row-parallel GEMM cannot add a bias before its reduction ({tp})")
     if fp8_dtype is None:
-        return _reduce_output(linear_forward(x, weight, bias), tp), (x if gathered else None)
-    x_q = as_fp8(x, fp8_dtype, keep_input_t and not handed_in_fp8(x, fp8_dtype))
+        x = distributed.all_gather(x, tp) if tp.gathers_input else x
+        return (_reduce_output(linear_forward(x, weight, bias), tp),
+                x if tp.gathers_input else None)
+    if tp.gathers_input:
+        x_q, lead = gather_fp8(x, tp, fp8_dtype, keep_input_t), _gathered_lead(x, tp)
+    else:
+        x_q, lead = as_fp8(x, fp8_dtype, keep_input_t and not handed_in_fp8(x, fp8_dtype)), \
+            x.shape[:-1]
     w_q = quantize_raw(weight, fp8_dtype)
-    out_dtype = weight.dtype
-    y = fp8_gemm(x_q._data, x_q._scale_inv, w_q._data.t(), w_q._scale_inv, bias, out_dtype,
+    y = fp8_gemm(x_q._data, x_q._scale_inv, w_q._data.t(), w_q._scale_inv, bias, weight.dtype,
                  fast_accum=True)
-    return _reduce_output(like_tokens(y, x), tp), x_q
+    return _reduce_output(y.view(*lead, y.shape[-1]), tp), x_q
+
+
+def gather_fp8(x: Tensor, tp: TensorParallel, fp8_dtype: torch.dtype,
+               columnwise: bool) -> Float8Tensor:
+    """All-gather ``x`` along dim 0 in FP8, as a 2-D Float8Tensor (tokens, features).
+
+    One scale for the whole group: the absolute maxima are all-reduced first, each rank
+    casts its own part with it, and the FP8 bytes are gathered (half of bf16's). The
+    same bits as gathering in high precision and then quantizing. An FP8 ``x`` with its
+    own scale is dequantized first. The transposed copy (for wgrad) is made from the
+    gathered data.
+    """
+    if isinstance(x, Float8Tensor):
+        x = x._dequantize_raw()
+    x2 = tokens_2d(x)
+    amax = distributed.all_reduce(x2.abs().amax().float(), tp, "max")
+    local = quantize_raw(x2, fp8_dtype, False, amax=amax)
+    data = distributed.all_gather(local._data, tp)
+    return Float8Tensor(data, local._scale_inv, x.dtype,
+                        transposed_copy(data) if columnwise else None)
+
+
+def _gathered_lead(x: Tensor, tp: TensorParallel) -> tuple:
+    """The leading dimensions of ``x`` gathered along dim 0."""
+    return (x.shape[0] * tp.world_size, *x.shape[1:-1])
 
 
 def _reduce_output(y: Tensor, tp: TensorParallel) -> Tensor:
@@ -146,18 +174,20 @@ def gemm_backward(dy: Tensor, x_saved, w_saved, grad_fp8_dtype: Optional[torch.d
     if tp.active and tp.mode == "column" and accumulate_into is not None:
         raise ValueError(f"a column-parallel dgrad is summed over the group: it cannot "
                          f"accumulate into a local tensor ({tp})")
-    if tp.active and tp.mode == "row" and tp.sequence_parallel:
-        dy = distributed.all_gather(dy, tp)
     if grad_fp8_dtype is None:
+        dy = distributed.all_gather(dy, tp) if tp.gathers_grad else dy
         dx = linear_dgrad(dy, w_saved, accumulate_into) if need_dgrad else None
         dw = linear_wgrad(dy, x_saved) if need_wgrad else None
         return _reduce_dgrad(dx, tp), dw
-    dy_q = as_fp8(dy, grad_fp8_dtype, need_wgrad)
+    if tp.gathers_grad:
+        dy_q, lead = gather_fp8(dy, tp, grad_fp8_dtype, need_wgrad), _gathered_lead(dy, tp)
+    else:
+        dy_q, lead = as_fp8(dy, grad_fp8_dtype, need_wgrad), dy.shape[:-1]
     dx = dw = None
     if need_dgrad:
         dx = fp8_gemm(dy_q._data, dy_q._scale_inv, w_saved._transpose.t(), w_saved._scale_inv,
                       None, w_saved.dtype)
-        dx = like_tokens(dx, dy)
+        dx = dx.view(*lead, dx.shape[-1])
         if accumulate_into is not None:
             dx = dx + accumulate_into
     if need_wgrad:

@@ -27,23 +27,28 @@ def scale_from_amax(amax: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
                        torch.ones_like(amax))
 
 
-def cast_to_fp8(x: torch.Tensor, fp8_dtype: torch.dtype, columnwise: bool = False) -> list:
+def cast_to_fp8(x: torch.Tensor, fp8_dtype: torch.dtype, columnwise: bool = False,
+                amax: torch.Tensor | None = None) -> list:
     """``[data, scale_inv]`` (+ ``transpose``): ``data = saturate(x * scale)`` in FP8.
 
     ``transpose`` is the (features, tokens) row-major copy of the data seen as
     (tokens, features), the layout a GEMM needs for the other operand side.
+    ``amax`` (float32, 0-d) replaces ``x``'s own absolute maximum, e.g. the maximum
+    over a process group, so that every rank quantizes its part with one scale.
     """
     if fp8_dtype not in FP8_MAX:
         raise ValueError(f"cast_to_fp8: fp8_dtype must be one of {list(FP8_MAX)}, got {fp8_dtype}")
     if x.is_cuda and fp8_cast.triton is not None and x.numel() > 0:
-        return fp8_cast.cast_to_fp8_triton(x, fp8_dtype, FP8_MAX[fp8_dtype], columnwise)
-    return cast_to_fp8_torch(x, fp8_dtype, columnwise)
+        return fp8_cast.cast_to_fp8_triton(x, fp8_dtype, FP8_MAX[fp8_dtype], columnwise,
+                                           amax=amax)
+    return cast_to_fp8_torch(x, fp8_dtype, columnwise, amax)
 
 
-def cast_to_fp8_torch(x: torch.Tensor, fp8_dtype: torch.dtype, columnwise: bool = False) -> list:
+def cast_to_fp8_torch(x: torch.Tensor, fp8_dtype: torch.dtype, columnwise: bool = False,
+                      amax: torch.Tensor | None = None) -> list:
     """:func:`cast_to_fp8` in PyTorch ops."""
     xf = x.float().contiguous()  # contiguous outputs, whatever the input's strides
-    scale = scale_from_amax(xf.abs().amax(), fp8_dtype)
+    scale = scale_from_amax(xf.abs().amax() if amax is None else amax, fp8_dtype)
     limit = FP8_MAX[fp8_dtype]
     data = (xf * scale).clamp_(-limit, limit).to(fp8_dtype)
     out = [data, torch.ones_like(scale) / scale]
@@ -70,11 +75,12 @@ def plain_eager(*tensors: torch.Tensor) -> bool:
             and not torch._C._are_functorch_transforms_active())
 
 
-def cast_to_fp8_any(x: torch.Tensor, fp8_dtype: torch.dtype, columnwise: bool) -> list:
+def cast_to_fp8_any(x: torch.Tensor, fp8_dtype: torch.dtype, columnwise: bool,
+                    amax: torch.Tensor | None = None) -> list:
     """:func:`cast_to_fp8`, through its custom op wherever something may be tracing."""
-    if plain_eager(x):
-        return cast_to_fp8(x, fp8_dtype, columnwise)
-    return cast_to_fp8_op(x, fp8_dtype, columnwise)
+    if plain_eager(x) and (amax is None or plain_eager(amax)):
+        return cast_to_fp8(x, fp8_dtype, columnwise, amax)
+    return cast_to_fp8_op(x, fp8_dtype, columnwise, amax)
 
 
 def dequantize_any(data: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype):
@@ -85,12 +91,13 @@ def dequantize_any(data: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dty
 
 
 @torch.library.custom_op("fusible::cast_to_fp8", mutates_args=())
-def cast_to_fp8_op(x: torch.Tensor, fp8_dtype: torch.dtype, columnwise: bool) -> list[torch.Tensor]:
-    return cast_to_fp8(x, fp8_dtype, columnwise)
+def cast_to_fp8_op(x: torch.Tensor, fp8_dtype: torch.dtype, columnwise: bool,
+                   amax: torch.Tensor | None = None) -> list[torch.Tensor]:
+    return cast_to_fp8(x, fp8_dtype, columnwise, amax)
 
 
 @cast_to_fp8_op.register_fake
-def _(x, fp8_dtype, columnwise):
+def _(x, fp8_dtype, columnwise, amax=None):
     out = [x.new_empty(x.shape, dtype=fp8_dtype), x.new_empty((), dtype=torch.float32)]
     if columnwise:
         out.append(x.new_empty((x.shape[-1], x.numel() // x.shape[-1]), dtype=fp8_dtype))

@@ -107,9 +107,11 @@ def _is_fake(t) -> bool:
 
 
 def quantize_raw(x: torch.Tensor, fp8_dtype: torch.dtype, columnwise: bool = False,
-                 dtype: Optional[torch.dtype] = None) -> Float8Tensor:
-    """Quantize with current scaling (the ``fusible::cast_to_fp8`` custom op's kernel)."""
-    out = cast.cast_to_fp8_any(x, fp8_dtype, columnwise)
+                 dtype: Optional[torch.dtype] = None,
+                 amax: Optional[torch.Tensor] = None) -> Float8Tensor:
+    """Quantize with current scaling (the ``fusible::cast_to_fp8`` custom op's kernel);
+    ``amax`` replaces ``x``'s own absolute maximum (see ``cast.cast_to_fp8``)."""
+    out = cast.cast_to_fp8_any(x, fp8_dtype, columnwise, amax)
     return Float8Tensor(out[0], out[1], dtype or x.dtype, out[2] if columnwise else None)
 
 
