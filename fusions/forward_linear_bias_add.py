@@ -6,6 +6,7 @@ import attrs
 import torch
 
 from fusible import FusedOperation, Op, Pattern, register_fusion
+from fusible.distributed import NOT_PARALLEL, TensorParallel
 from fusible.ops import AddExtraInput, BasicLinear, Bias, ForwardResult
 from fusible.ops.basic_linear import (fp8_forward_flags, gemm_forward, like_tokens, linear_aux,
                                       parallel_refusal, save_linear, tokens_2d)
@@ -20,6 +21,7 @@ class LinearBiasAddForwardArgs:
     extra_input: torch.Tensor
     fp8_dtype: Optional[torch.dtype]
     keep_input_t: bool
+    tp: TensorParallel = NOT_PARALLEL  # always: the fusion refuses tensor parallelism
 
 
 @register_fusion
