@@ -4,13 +4,13 @@ against the same block on one GPU, fwd+bwd, compiled.
 The same global batch in both: one GPU runs T tokens through the full block; with TP=2 and
 sequence parallelism each GPU holds T/2 tokens of the input and half of every weight.
 ``throughput_vs_one_gpu`` is one GPU's time over the TP step's time (2.0 would be perfect
-scaling). FP8 runs without sequence parallelism (FP8 with SP is not available yet), so each
-GPU holds all T input tokens there.
+scaling). Under FP8 the input is gathered in FP8 (one scale for the group).
 
     python benchmarks/gpu_tp.py --output benchmarks/results/gpu_tp_h200x2.json
 """
 
 import argparse
+import gc
 import json
 import os
 import sys
@@ -63,16 +63,20 @@ def bench(rank, world_size):
         name = "fp8" if fp8 else "bf16"
         dist.barrier()
         if rank == 0:  # one GPU, the whole batch, no communication
-            torch._dynamo.reset()
+            _fresh()
             results[f"{name}_one_gpu"] = _measure(_block(False, False), TOKENS, fp8)
         dist.barrier()
-        torch._dynamo.reset()
-        sp = not fp8
-        local_tokens = TOKENS // world_size if sp else TOKENS
-        results[f"{name}_tp{world_size}{'_sp' if sp else ''}"] = _measure(
-            _block(True, sp), local_tokens, fp8)
-        torch.cuda.empty_cache()
+        _fresh()
+        results[f"{name}_tp{world_size}_sp"] = _measure(_block(True, True),
+                                                        TOKENS // world_size, fp8)
     return results
+
+
+def _fresh():
+    """Earlier compiled models are freed (by the cyclic GC) and not in the next peak."""
+    torch._dynamo.reset()
+    gc.collect()
+    torch.cuda.empty_cache()
 
 
 def main():
