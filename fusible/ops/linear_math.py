@@ -133,7 +133,9 @@ def gather_fp8(x: Tensor, tp: TensorParallel, fp8_dtype: torch.dtype,
     if isinstance(x, Float8Tensor):
         x = x._dequantize_raw()
     x2 = tokens_2d(x)
-    amax = distributed.all_reduce(x2.abs().amax().float(), tp, "max")
+    # One reduction kernel, no |x| temporary; NaN propagates as in the cast's own amax.
+    local_amax = torch.linalg.vector_norm(x2, float("inf"), dtype=torch.float32)
+    amax = distributed.all_reduce(local_amax, tp, "max")
     local = quantize_raw(x2, fp8_dtype, False, amax=amax)
     data = distributed.all_gather(local._data, tp)
     return Float8Tensor(data, local._scale_inv, x.dtype,
