@@ -43,7 +43,10 @@ class ForwardLinearBias(FusedOperation):
 
     @classmethod
     def accepts(cls, match, env):
-        return parallel_refusal(match["linear"], ("", "column"))
+        return parallel_refusal(match["linear"], ("", "column"),
+                                "a row-parallel output is summed over the group after the "
+                                "GEMM: the bias is added once, after the sum, not by every "
+                                "rank's GEMM epilogue")
 
     def forward_args(self, input, params, extra_inputs, ctxs):
         weight, bias = params  # the covered ops' parameters, in order

@@ -40,15 +40,15 @@ class LinearBackwardArgs:
     tp: TensorParallel = NOT_PARALLEL
 
 
-def parallel_refusal(linear: "BasicLinear", modes=("",)) -> "bool | str":
+def parallel_refusal(linear: "BasicLinear", modes=("",), why: str = "") -> "bool | str":
     """True when a fusion covering ``linear`` handles its tensor-parallel mode (one of
-    ``modes``; ``""`` for none), else the reason for the plan."""
+    ``modes``; ``""`` for none), else the reason for the plan (``why``, or a default)."""
     tp = linear.tp
     if not tp.active or tp.mode in modes:
         return True
-    return (f"tensor_parallel_mode={tp.mode!r} (world size {tp.world_size}) is handled by "
-            f"BasicLinear itself: its collectives sit between the GEMM and what this fusion "
-            f"fuses")
+    return why or (f"this fusion does not run BasicLinear's collectives "
+                   f"(tensor_parallel_mode={tp.mode!r}, sequence_parallel="
+                   f"{tp.sequence_parallel}, world size {tp.world_size})")
 
 
 class BasicLinear(BasicOperation):
