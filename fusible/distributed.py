@@ -87,6 +87,18 @@ def tensor_parallel(op_name: str, mode: Optional[str], sequence_parallel: bool,
                           dist.get_world_size(pg))
 
 
+def sequence_parallel(op_name: str, enabled: bool, group) -> TensorParallel:
+    """The group over which an op's tokens are split (for its gradient all-reduce), or
+    :data:`NOT_PARALLEL` when they are not."""
+    if not enabled:
+        if group is not None:
+            raise ValueError(f"{op_name}: tensor_parallel_group given without "
+                             f"sequence_parallel=True")
+        return NOT_PARALLEL
+    pg = resolve_group(op_name, group)
+    return TensorParallel("", True, pg.group_name, dist.get_world_size(pg))
+
+
 def group_rank(tp: TensorParallel) -> int:
     """This process's rank in ``tp``'s group (0 when alone)."""
     if not tp.group_name:

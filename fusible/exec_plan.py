@@ -30,6 +30,7 @@ class ExecStage:
     provenance: str     # names the stage in compiled graphs
     grad_mask: tuple = ()  # backward: (input, params, extra inputs) gradients needed
     fp8_out: object = None
+    grad_sync: tuple = ()  # backward: (parameter index in the stage, group) to all-reduce
     num_extra_in: int = attrs.field(init=False)
     num_extra_out: int = attrs.field(init=False)
     num_params: int = attrs.field(init=False)
@@ -71,6 +72,7 @@ def prepare(ops: tuple, start: int, dtype, device_type, grad_enabled, input_rg, 
     needs = op_grad_needs(ops, grad_enabled, input_rg, tuple(extra_rg))
     env = PlanEnvironment(device_type, dtype, grad_enabled,
                           {start + i: n for i, n in enumerate(needs)}, recipe)
+    check_sequence_parallel(ops)
     group = plan_group(ops, start, env)
     forward = [_exec_stage(ops, start, s, False, needs) for s in group.forward]
     backward = [(_exec_stage(ops, start, s, True, needs), s) for s in group.backward]
@@ -104,9 +106,50 @@ def _exec_stage(ops, start, stage, backward: bool, op_needs: tuple) -> ExecStage
         needs = op_needs[lo:hi]
         mask = (needs[0].input, tuple(p for n in needs for p in n.params),
                 tuple(e for n in needs for e in n.extra_inputs))
+    sync, offset = [], 0
+    for op in ops[lo:hi] if backward else ():
+        tp = op.grad_reduction()
+        sync += [(offset + k, tp) for k in range(len(op.param_names))] if tp else []
+        offset += len(op.param_names)
     return ExecStage(stage.op, ops[lo:hi], lo, hi, span(lambda op: op.num_extra_inputs),
                      span(lambda op: op.num_extra_outputs), span(lambda op: len(op.param_names)),
-                     compute, provenance, mask)
+                     compute, provenance, mask, grad_sync=tuple(sync))
+
+
+def check_sequence_parallel(ops) -> None:
+    """Ops with parameters that see tokens split over a group (before a column + SP
+    linear layer, after a row + SP one) must all-reduce their gradients: an error names
+    any that would not, rather than letting ranks' replicated parameters drift apart."""
+    split = [None] * len(ops)  # per op: the group its input's tokens are split over
+    state = None
+    for i, op in enumerate(ops):  # after a row + SP layer, until a column + SP one
+        tp = getattr(op, "tp", None)
+        if tp is not None and tp.gathers_input:
+            state = None
+        split[i] = state
+        if tp is not None and tp.mode == "row" and tp.sequence_parallel and tp.active:
+            state = tp
+    state = None
+    for i in reversed(range(len(ops))):  # before a column + SP layer, back to a row + SP one
+        tp = getattr(ops[i], "tp", None)
+        if tp is not None and tp.gathers_input:
+            state = tp
+            continue
+        if tp is not None and tp.mode == "row" and tp.sequence_parallel:
+            state = None
+        split[i] = split[i] or state
+    for op, tp in zip(ops, split):
+        if tp is not None and op.param_names and not _parallel_param_op(op):
+            raise ValueError(f"{op.describe()} sees tokens split over the tensor-parallel group "
+                             f"(sequence parallelism around it), so each rank would sum only "
+                             f"its own tokens into its parameter gradients: construct it with "
+                             f"sequence_parallel=True")
+
+
+def _parallel_param_op(op) -> bool:
+    """An op whose parameters are shards, or whose gradients the fuser all-reduces."""
+    tp = getattr(op, "tp", None)
+    return op.grad_reduction() is not None or (tp is not None and tp.mode != "")
 
 
 def _with_fp8_out(stage: ExecStage, fmt) -> ExecStage:

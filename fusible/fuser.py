@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from fusible import _epoch, custom_ops
+from fusible import _epoch, custom_ops, distributed
 from fusible.quantization.recipe import fp8_recipe
 from fusible.exec_plan import ExecPlan, prepare
 from fusible.ops.base import OperationContext
@@ -180,7 +180,8 @@ def run_backward(plan: ExecPlan, grad_output, grad_extra_outputs, ctxs, traced: 
                                f"parameter gradients for ops {[type(o).__name__ for o in st.ops]}")
         dy = result.grad_input
         if st.num_params:
-            grad_params[st.params] = result.grad_params
+            grad_params[st.params] = (_all_reduce_grads(result.grad_params, st.grad_sync)
+                                      if st.grad_sync else result.grad_params)
         if len(result.grad_extra_inputs) != st.num_extra_in:
             raise RuntimeError(f"{type(op).__name__} returned {len(result.grad_extra_inputs)} "
                                f"extra-input gradients for ops {[type(o).__name__ for o in st.ops]}")
@@ -192,6 +193,16 @@ def run_backward(plan: ExecPlan, grad_output, grad_extra_outputs, ctxs, traced: 
         # inputs (the incoming gradient, saved activations) must be gone by then.
         del args, result
     return (dy if plan.input_needs_grad else None), grad_extras, grad_params
+
+
+def _all_reduce_grads(grads, sync) -> tuple:
+    """Parameter gradients of replicated parameters that saw split tokens, summed over
+    their group (functional collectives: traced like any op when compiled)."""
+    grads = list(grads)
+    for k, tp in sync:
+        if grads[k] is not None:
+            grads[k] = distributed.all_reduce(grads[k], tp)
+    return tuple(grads)
 
 
 class _PipelineFunction(torch.autograd.Function):

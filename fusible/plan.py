@@ -67,7 +67,7 @@ class FusionPlan:
         out = []
         for i in stage.indices:
             op = self.ops[i]
-            for where, what in getattr(op, "communication", lambda d: ())(direction):
+            for where, what in op_communication(op, direction):
                 out.append(f"{type(op).__name__}: {what}" + ("" if where == "is" else
                                                            f" ({where} its compute)"))
         return out
@@ -160,3 +160,15 @@ def plan_conditions(layout, example_inputs, parameters) -> tuple:
     dtype = first.dtype if first is not None else torch.get_default_dtype()
     device_type = first.device.type if first is not None else "cpu"
     return dtype, device_type, False, (False,) * layout.num_extra_inputs
+
+
+def op_communication(op, direction: str) -> tuple:
+    """``(where, what)`` collectives of ``op`` in ``direction``: those of its compute, and
+    the all-reduce of its parameter gradients (``grad_reduction``) after a backward stage.
+    Ordinary modules: none."""
+    comm = tuple(getattr(op, "communication", lambda d: ())(direction))
+    tp = getattr(op, "grad_reduction", lambda: None)()
+    if direction == "backward" and tp is not None:
+        grads = ", ".join("d" + name for name in op.param_names)
+        comm += (("after", f"all-reduce {grads} /{tp.world_size}"),)
+    return comm

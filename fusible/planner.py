@@ -175,6 +175,12 @@ def _make_match(ops, start, seq, pos, length, names, reverse) -> Match:
 
 
 def _ask(fusion, match, env):
+    if not fusion.handles_communication:
+        talking = [op.describe() for op in match.ops if op.communication(fusion.direction)]
+        if talking:
+            return (f"it covers {' and '.join(talking)}, whose {fusion.direction} compute "
+                    f"communicates, and does not run collectives itself "
+                    f"(handles_communication=False)")
     verdict = fusion.accepts(match, env)
     if verdict is True:
         return True

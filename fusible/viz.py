@@ -12,6 +12,8 @@ import os
 import shutil
 import textwrap
 
+from fusible.plan import op_communication
+
 _LANES = {
     "forward": {"fused": "#cfe2ff", "edge": "#1f4e9c", "refused": "#b02a37"},
     "backward": {"fused": "#ffe5c2", "edge": "#a35200", "refused": "#b02a37"},
@@ -85,7 +87,7 @@ def _stage_cluster(plan, lane, k, stage, colors) -> list:
     out = [f"    subgraph cluster_{lane}_{k} {{", f"      {style}"]
     for i in stage.indices:
         op = plan.ops[i]
-        comm = getattr(op, "communication", lambda d: ())(lane)
+        comm = op_communication(op, lane)
         shape = ', shape=box3d, style=filled, fillcolor="#eeeeee"' if stage.is_module else ""
         if any(where == "is" for where, _ in comm):
             shape = f', shape=cds, style=filled, fillcolor="{_COMM}"'

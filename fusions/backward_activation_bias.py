@@ -42,8 +42,6 @@ class BackwardActivationBias(FusedOperation):
     def accepts(cls, match, env):
         if not env.needs[match.indices[0]].params[0]:
             return "the Bias needs no gradient: nothing to fuse with the activation's"
-        if match["bias"].sequence_parallel:
-            return "the Bias is sequence-parallel: its gradient is summed over the group by Bias"
         return True
 
     def backward_args(self, grad_output, grad_extra_outputs, ctxs):

@@ -39,6 +39,7 @@ class BackwardLinearAdd(FusedOperation):
     pattern = Pattern(Op(MakeExtraOutput, name="branch"), Op(BasicLinear, name="linear"))
     bwd_args_type = LinearAddBackwardArgs
     fp8_grad_consumer = True
+    handles_communication = True  # row layers: gemm_backward gathers (accepts refuses column)
 
     @classmethod
     def accepts(cls, match, env):

@@ -21,13 +21,12 @@ class BackwardLinearBias(FusedOperation):
     direction = "backward"
     pattern = Pattern(Op(BasicLinear, name="linear"), Op(Bias, name="bias"))
     bwd_args_type = LinearBackwardArgs  # BasicLinear's own: dbias is always wanted here
+    handles_communication = True  # BasicLinear's collectives run in linear_backward
 
     @classmethod
     def accepts(cls, match, env):
         if not env.needs[match.indices[1]].params[0]:
             return "the Bias needs no gradient: BasicLinear's own backward does the rest"
-        if match["bias"].sequence_parallel:
-            return "the Bias is sequence-parallel: its gradient is summed over the group by Bias"
         return True
 
     def backward_args(self, grad_output, grad_extra_outputs, ctxs):

@@ -40,6 +40,7 @@ class ForwardLinearBias(FusedOperation):
     pattern = Pattern(Op(BasicLinear, name="linear"), Op(Bias, name="bias"))
     fwd_args_type = LinearBiasForwardArgs
     fp8_input_consumer = True
+    handles_communication = True  # column layers: gemm_forward gathers (accepts refuses row)
 
     @classmethod
     def accepts(cls, match, env):

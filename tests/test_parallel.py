@@ -204,8 +204,10 @@ def _check_plan(rank, ws):
                  "BasicLinear: reduce-scatter dgrad /2 (after its compute)",
                  "ForwardLinearBias              [3, 4]     refused: a row-parallel output "
                  "is summed over the group after the GEMM",
-                 "ForwardLinearBiasActivation    [0, 1, 2]  refused: this fusion does not run "
-                 "BasicLinear's collectives (tensor_parallel_mode='column'"):
+                 "ForwardLinearBiasActivation    [0, 1, 2]  refused: it covers BasicLinear("
+                 "in_features=32, out_features=64, tensor_parallel_mode='column', "
+                 "sequence_parallel=True), whose forward compute communicates",
+                 "BackwardLinearBias             [3, 4]     chosen"):
         assert line in text, line
     for label in ("all-gather input /2", "reduce-scatter output /2", "all-reduce dbias /2"):
         assert f'[label="{label}", shape=cds' in dot, label

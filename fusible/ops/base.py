@@ -271,10 +271,19 @@ class BasicOperation(FusibleOperation):
         return text[len(name) + 1:-1] if text.startswith(name + "(") else ""
 
     def communication(self, direction: str) -> tuple:
-        """The collectives this op runs in ``direction`` ("forward" or "backward"), as
-        ``(where, what)`` pairs for plans: ``where`` is "before" or "after" the op's own
-        compute, or "is" for a collective op; ``what`` says which tensor and how."""
+        """The collectives this op's compute runs in ``direction`` ("forward" or
+        "backward"), as ``(where, what)`` pairs for plans: ``where`` is "before" or
+        "after" the op's own compute, or "is" for a collective op; ``what`` says which
+        tensor and how. A fusion covering an op that communicates must run these itself
+        (``handles_communication``)."""
         return ()
+
+    def grad_reduction(self):
+        """The group over which the fuser all-reduces this op's parameter gradients after
+        its backward stage (a replicated parameter seeing tokens split over the group,
+        ``sequence_parallel=True``), or None."""
+        tp = getattr(self, "sequence_parallel_group", None)
+        return tp if tp is not None and tp.active else None
 
     def validate_fp8(self, shape: tuple) -> None:
         """Check an input shape against the op's FP8 constraints (called under a recipe)."""
@@ -327,6 +336,10 @@ class FusedOperation(FusibleOperation):
 
     direction: ClassVar[str] = ""
     pattern: ClassVar[Any] = None
+    # Whether the fusion runs the collectives of the ops it covers (see
+    # BasicOperation.communication); the planner refuses it over ops that communicate
+    # otherwise.
+    handles_communication: ClassVar[bool] = False
 
     def __init__(self, match):
         super().__init__()

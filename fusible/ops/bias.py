@@ -7,7 +7,6 @@ import torch
 from torch import nn
 
 from fusible import distributed
-from fusible.distributed import NOT_PARALLEL, TensorParallel
 from fusible.ops.base import BackwardResult, BasicOperation, ForwardResult, pass_through
 from fusible.ops.basic_linear import tokens_2d
 
@@ -30,7 +29,6 @@ class BiasBackwardArgs:
     grad_output: Tensor
     need_grad_input: bool
     need_grad_bias: bool
-    tp: TensorParallel = NOT_PARALLEL
 
 
 class Bias(BasicOperation):
@@ -48,7 +46,7 @@ class Bias(BasicOperation):
     sequence_parallel : bool
         The input's tokens (dim 0) are split over the group, as after a row-parallel
         layer's reduce-scatter: each rank sums only its tokens, so ``dbias`` is summed
-        over the group too (an all-reduce in the backward).
+        over the group too (the fuser all-reduces it after the backward stage).
     device, dtype
         Where and in which dtype to create ``bias`` (initialised to zeros).
 
@@ -74,8 +72,10 @@ class Bias(BasicOperation):
         self.tensor_parallel, self.sequence_parallel = bool(tensor_parallel), sequence_parallel
         self.tensor_parallel_group = tensor_parallel_group
         self.tp = distributed.tensor_parallel(
-            self.describe(), "column" if tensor_parallel else None, sequence_parallel,
-            tensor_parallel_group)
+            self.describe(), "column" if tensor_parallel else None, False,
+            tensor_parallel_group if tensor_parallel else None)
+        self.sequence_parallel_group = distributed.sequence_parallel(
+            self.describe(), sequence_parallel, None if tensor_parallel else tensor_parallel_group)
         self.local_size = (distributed.shard_size(self.describe(), "size", self.size, self.tp)
                            if tensor_parallel else self.size)
         self.bias = nn.Parameter(torch.zeros(self.local_size, device=device, dtype=dtype))
@@ -103,22 +103,12 @@ class Bias(BasicOperation):
 
     def backward_args(self, grad_output, grad_extra_outputs, ctxs):
         needs = ctxs[0].needs
-        return BiasBackwardArgs(grad_output, needs.input, needs.params[0], self.tp)
+        return BiasBackwardArgs(grad_output, needs.input, needs.params[0])
 
     @classmethod
     def backward_compute(cls, args, *, in_custom_op=False):
-        dbias = None
-        if args.need_grad_bias:
-            dbias = bias_grad(args.grad_output)
-            if args.tp.sequence_parallel:  # each rank summed its own tokens only
-                dbias = distributed.all_reduce(dbias, args.tp)
         return BackwardResult(pass_through(args.grad_output, args.need_grad_input, in_custom_op),
-                              (dbias,))
-
-    def communication(self, direction):
-        if direction == "backward" and self.tp.active and self.sequence_parallel:
-            return (("after", f"all-reduce dbias /{self.tp.world_size}"),)
-        return ()
+                              (bias_grad(args.grad_output) if args.need_grad_bias else None,))
 
     def extra_repr(self) -> str:
         return self.describe()[len("Bias("):-1]

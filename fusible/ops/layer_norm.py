@@ -8,6 +8,7 @@ import attrs
 import torch
 from torch import nn
 
+from fusible import distributed
 from fusible.ops.base import BackwardResult, BasicOperation, ForwardResult
 
 Tensor = torch.Tensor
@@ -68,6 +69,12 @@ class LayerNorm(BasicOperation):
         Trailing dimensions to normalise over.
     eps : float
         Added to the variance.
+    sequence_parallel : bool
+        The input's tokens (dim 0) are split over ``tensor_parallel_group`` (as around
+        sequence-parallel linear layers): the parameter gradients, summed by each rank over
+        its own tokens, are all-reduced over the group after the backward stage.
+    tensor_parallel_group : torch.distributed.ProcessGroup, optional
+        The group of ``sequence_parallel``; the default group when None.
     device, dtype
         Where and in which dtype to create ``weight`` (ones) and ``bias`` (zeros).
 
@@ -81,15 +88,20 @@ class LayerNorm(BasicOperation):
     fwd_args_type = LayerNormForwardArgs
     bwd_args_type = LayerNormBackwardArgs
 
-    def __init__(self, normalized_shape, *, eps: float = 1e-5, device=None, dtype=None):
+    def __init__(self, normalized_shape, *, eps: float = 1e-5, sequence_parallel: bool = False,
+                 tensor_parallel_group=None, device=None, dtype=None):
         super().__init__()
         self.normalized_shape = normalized_shape_tuple("LayerNorm", normalized_shape)
+        self.sequence_parallel = sequence_parallel
+        self.sequence_parallel_group = distributed.sequence_parallel(
+            self.describe(), sequence_parallel, tensor_parallel_group)
         self.eps = float(eps)
         self.weight = nn.Parameter(torch.ones(self.normalized_shape, device=device, dtype=dtype))
         self.bias = nn.Parameter(torch.zeros(self.normalized_shape, device=device, dtype=dtype))
 
     def describe(self) -> str:
-        return f"LayerNorm(normalized_shape={self.normalized_shape})"
+        sp = ", sequence_parallel=True" if getattr(self, "sequence_parallel", False) else ""
+        return f"LayerNorm(normalized_shape={self.normalized_shape}{sp})"
 
     def validate(self, shape, dtype, device, extra_inputs=()):
         check_trailing(self, shape, self.normalized_shape)

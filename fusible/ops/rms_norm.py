@@ -8,6 +8,7 @@ import attrs
 import torch
 from torch import nn
 
+from fusible import distributed
 from fusible.ops.base import BackwardResult, BasicOperation, ForwardResult
 from fusible.ops.layer_norm import check_trailing, normalized_shape_tuple
 
@@ -46,6 +47,12 @@ class RMSNorm(BasicOperation):
         Trailing dimensions to normalise over.
     eps : float
         Added to the mean square.
+    sequence_parallel : bool
+        The input's tokens (dim 0) are split over ``tensor_parallel_group`` (as around
+        sequence-parallel linear layers): the parameter gradients, summed by each rank over
+        its own tokens, are all-reduced over the group after the backward stage.
+    tensor_parallel_group : torch.distributed.ProcessGroup, optional
+        The group of ``sequence_parallel``; the default group when None.
     device, dtype
         Where and in which dtype to create ``weight`` (ones).
 
@@ -60,14 +67,19 @@ class RMSNorm(BasicOperation):
     fwd_args_type = RMSNormForwardArgs
     bwd_args_type = RMSNormBackwardArgs
 
-    def __init__(self, normalized_shape, *, eps: float = 1e-5, device=None, dtype=None):
+    def __init__(self, normalized_shape, *, eps: float = 1e-5, sequence_parallel: bool = False,
+                 tensor_parallel_group=None, device=None, dtype=None):
         super().__init__()
         self.normalized_shape = normalized_shape_tuple("RMSNorm", normalized_shape)
+        self.sequence_parallel = sequence_parallel
+        self.sequence_parallel_group = distributed.sequence_parallel(
+            self.describe(), sequence_parallel, tensor_parallel_group)
         self.eps = float(eps)
         self.weight = nn.Parameter(torch.ones(self.normalized_shape, device=device, dtype=dtype))
 
     def describe(self) -> str:
-        return f"RMSNorm(normalized_shape={self.normalized_shape})"
+        sp = ", sequence_parallel=True" if getattr(self, "sequence_parallel", False) else ""
+        return f"RMSNorm(normalized_shape={self.normalized_shape}{sp})"
 
     def validate(self, shape, dtype, device, extra_inputs=()):
         check_trailing(self, shape, self.normalized_shape)
