@@ -7,6 +7,7 @@ are collected per case and reported together by the parent.
 
 import traceback
 
+import attrs
 import pytest
 import torch
 
@@ -165,7 +166,7 @@ def _check_collectives(rank, ws):
     cases = {
         "AllReduce": (ops.AllReduce(), sum(parts), grads[rank][:4], lambda: grads[rank][:4]),
         "AllGather": (ops.AllGather(), torch.cat(parts), grads[rank],
-                      lambda: sum(grads)[rank * 4:(rank + 1) * 4]),
+                      lambda: grads[rank][rank * 4:(rank + 1) * 4]),
         "ReduceScatter": (ops.ReduceScatter(), None, None, None),
     }
     for name, (op, want_y, dy, want_dx) in cases.items():
@@ -233,6 +234,136 @@ def _check_size_errors(rank, ws):
         ops.ReduceScatter()(torch.randn(3, 2))
 
 
+def _check_init(rank, ws):
+    """With one seed, shards are slices of what a single-process layer gets."""
+    torch.manual_seed(0)
+    full = ops.Linear(IN, OUT)
+    for mode, rows, cols in (("column", slice(rank * OUT // ws, (rank + 1) * OUT // ws),
+                              slice(None)),
+                             ("row", slice(None), slice(rank * IN // ws, (rank + 1) * IN // ws))):
+        torch.manual_seed(0)
+        layer = ops.Linear(IN, OUT, tensor_parallel_mode=mode)
+        assert torch.equal(layer.weight, full.weight[rows, cols]), mode
+        assert torch.equal(layer.bias, full.bias[rows]), mode
+
+
+def _check_norm_sp(rank, ws):
+    """A pre-norm block: LayerNorm(sequence_parallel=True) gradients are summed over ranks."""
+    g = torch.Generator().manual_seed(5)
+    full = ops.Sequential(ops.LayerNorm(IN), ops.Linear(IN, OUT), ops.GELU(),
+                          ops.Linear(OUT, IN)).double()
+    fusible.testing.exact_parameters_(full, generator=g)
+    x_full = exact_tensor((TOKENS, IN), torch.float64, generator=g)
+    dy = exact_tensor((TOKENS, IN), torch.float64, generator=g)
+    full(x_full).backward(dy)
+    rows = slice(rank * TOKENS // ws, (rank + 1) * TOKENS // ws)
+    cols = slice(rank * OUT // ws, (rank + 1) * OUT // ws)
+    for compiled in (False, True):
+        model = ops.Sequential(
+            ops.LayerNorm(IN, sequence_parallel=True),
+            ops.Linear(IN, OUT, tensor_parallel_mode="column", sequence_parallel=True),
+            ops.GELU(),
+            ops.Linear(OUT, IN, tensor_parallel_mode="row", sequence_parallel=True)).double()
+        with torch.no_grad():
+            model[0].weight.copy_(full[0].weight)
+            model[0].bias.copy_(full[0].bias)
+            model[1].weight.copy_(full[1].weight[cols])
+            model[1].bias.copy_(full[1].bias[cols])
+            model[3].weight.copy_(full[3].weight[:, cols])
+            model[3].bias.copy_(full[3].bias)
+        run = torch.compile(model, backend="aot_eager", fullgraph=True) if compiled else model
+        run(x_full[rows].to(DEVICE[0])).backward(dy[rows].to(DEVICE[0]))
+        for name, got, ref in (("LayerNorm weight", model[0].weight.grad, full[0].weight.grad),
+                               ("LayerNorm bias", model[0].bias.grad, full[0].bias.grad),
+                               ("row bias", model[3].bias.grad, full[3].bias.grad)):
+            assert_close(got, ref, torch.float64, f"{name} compiled={compiled}")
+
+
+@attrs.define
+class _GeluOfLinearArgs:
+    input: torch.Tensor
+    weight: torch.Tensor
+
+
+class _GeluOfLinear(fusible.FusedOperation):
+    """A plugin fusion that knows nothing of tensor parallelism: ``gelu(x @ w.T)``."""
+
+    direction = "forward"
+    pattern = fusible.Pattern(fusible.Op(ops.BasicLinear), fusible.Op(ops.GELU))
+    fwd_args_type = _GeluOfLinearArgs
+
+    def forward_args(self, input, params, extra_inputs, ctxs):
+        return _GeluOfLinearArgs(input, params[0])
+
+    @classmethod
+    def forward_compute(cls, args, *, in_custom_op=False):
+        h = args.input @ args.weight.t()
+        return ops.ForwardResult(torch.nn.functional.gelu(h), (), (h,))
+
+    def save_for_backward(self, args, result, ctxs):
+        ctxs[0].saved = (args.input, args.weight)
+        ctxs[1].saved = result.aux
+
+
+def _check_guards(rank, ws):
+    """Plugin fusions over communicating ops are refused; split-token ops need
+    sequence_parallel; parallel settings are fixed; explicit groups work."""
+    fusible.register_fusion(_GeluOfLinear)
+    try:
+        model = ops.Sequential(ops.BasicLinear(IN, OUT, tensor_parallel_mode="column",
+                                               sequence_parallel=True), ops.GELU())
+        verdicts = {c.fusion: (c.status, c.reason) for c in model.plan().candidates}
+    finally:
+        fusible.unregister_fusion(_GeluOfLinear)
+    if ws > 1:
+        assert verdicts["_GeluOfLinear"][0] == "refused", verdicts
+        assert "handles_communication=False" in verdicts["_GeluOfLinear"][1]
+        bad = ops.Sequential(ops.BasicLinear(OUT, IN, tensor_parallel_mode="row",
+                                             sequence_parallel=True), ops.Bias(IN))
+        with pytest.raises(ValueError, match=r"Bias\(size=32\) sees tokens split over the "
+                                             r"tensor-parallel group .* sequence_parallel=True"):
+            bad(torch.randn(8, OUT // ws))
+        with pytest.raises(ValueError, match=r"LayerNorm\(normalized_shape=\(32,\)\) sees "
+                                             r"tokens split"):
+            ops.Sequential(ops.LayerNorm(IN), model[0])(torch.randn(8, IN))
+    with pytest.raises(AttributeError, match="sequence_parallel is fixed at construction"):
+        model[0].sequence_parallel = False
+    group = torch.distributed.group.WORLD
+    row = ops.Linear(IN, OUT, tensor_parallel_mode="row", tensor_parallel_group=group)
+    assert row.weight.shape == (OUT, IN // ws)
+
+
+def _check_all_gather_then_column(rank, ws):
+    """AllGather + column layer == column layer with sequence parallelism."""
+    g = torch.Generator().manual_seed(9)
+    w = exact_tensor((OUT // ws, IN), torch.float64, generator=g)
+    x0 = exact_tensor((8, IN), torch.float64, generator=g) * (rank + 1)
+    dy = exact_tensor((8 * ws, OUT // ws), torch.float64, generator=g)
+    results = []
+    for model in (ops.Sequential(ops.AllGather(), ops.BasicLinear(
+                      IN, OUT, tensor_parallel_mode="column")),
+                  ops.Sequential(ops.BasicLinear(IN, OUT, tensor_parallel_mode="column",
+                                                 sequence_parallel=True))):
+        model.double()
+        with torch.no_grad():
+            model[-1].weight.copy_(w)
+        x = x0.clone().requires_grad_()
+        y = model(x)
+        y.backward(dy)
+        results.append((y, x.grad, model[-1].weight.grad))
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+
+
+def _check_fp8_gathered_tokens(rank, ws):
+    """FP8 shape rules count a column + SP layer's gathered tokens."""
+    layer = ops.BasicLinear(IN, OUT, tensor_parallel_mode="column", sequence_parallel=True,
+                            device=DEVICE[0], dtype=torch.bfloat16)
+    with fusible.autocast():
+        assert layer(torch.randn(16 // ws, IN, device=DEVICE[0], dtype=torch.bfloat16)).shape \
+            == (16, OUT // ws)
+
+
 def parallel_cases(rank, ws, device="cpu"):
     """Every case on this rank: ``{case: None or the failure's traceback}``."""
     torch.set_num_threads(1)
@@ -240,7 +371,12 @@ def parallel_cases(rank, ws, device="cpu"):
     cases = {"collectives": lambda: _check_collectives(rank, ws),
              "plan": lambda: _check_plan(rank, ws),
              "size errors": lambda: _check_size_errors(rank, ws),
-             "fp8 gather": lambda: _check_fp8_gather(rank, ws)}
+             "fp8 gather": lambda: _check_fp8_gather(rank, ws),
+             "init": lambda: _check_init(rank, ws),
+             "norm sp": lambda: _check_norm_sp(rank, ws),
+             "guards": lambda: _check_guards(rank, ws),
+             "all-gather then column": lambda: _check_all_gather_then_column(rank, ws),
+             "fp8 gathered tokens": lambda: _check_fp8_gathered_tokens(rank, ws)}
     for mode in ("column", "row"):
         for sp in (False, True):
             for bias in (False, True):
@@ -280,7 +416,7 @@ def _report(results):
     failed = {f"rank {rank}: {name}": error for rank, result in enumerate(results)
               for name, error in result.items() if error is not None}
     assert not failed, "\n".join(f"{name}\n{error}" for name, error in failed.items())
-    assert len(results[0]) == 39
+    assert len(results[0]) == 44
 
 
 def test_tensor_parallel_example():

@@ -180,6 +180,11 @@ class PlanCachingModule(nn.Module):
         return state
 
 
+# Parallelism settings: set once in a constructor, never changed afterwards.
+_CONSTRUCTION_ONLY = frozenset({"tensor_parallel_mode", "sequence_parallel", "tensor_parallel",
+                                "tensor_parallel_group", "process_group"})
+
+
 class FusibleOperation(PlanCachingModule):
     """An operation that can stand in a :class:`~fusible.ops.Sequential`.
 
@@ -217,6 +222,10 @@ class FusibleOperation(PlanCachingModule):
         return custom_ops.unsupported_reason(type(self), direction)
 
     def __setattr__(self, name: str, value: Any) -> None:
+        if name in _CONSTRUCTION_ONLY and name in self.__dict__:
+            raise AttributeError(f"{self.describe()}: {name} is fixed at construction (the "
+                                 f"parameter shards and collectives depend on it); build a "
+                                 f"new operation instead")
         # Plans depend on op configuration: a new value invalidates cached plans.
         old = self.__dict__.get(name, _epoch._MISSING)
         super().__setattr__(name, value)

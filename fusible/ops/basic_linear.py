@@ -105,7 +105,7 @@ class BasicLinear(BasicOperation):
         self.local_in, self.local_out = local_linear_sizes(self)
         self.weight = nn.Parameter(torch.empty(self.local_out, self.local_in, device=device,
                                                dtype=dtype))
-        init_linear_weight(self.weight, self.in_features)
+        init_linear_weight(self.weight, self)
 
     def describe(self) -> str:
         tp = getattr(self, "tp", NOT_PARALLEL)
@@ -132,7 +132,7 @@ class BasicLinear(BasicOperation):
 
     def validate_fp8(self, shape) -> None:
         """FP8 GEMMs (Hopper's) need every dimension divisible by 16."""
-        tokens = math.prod(shape[:-1])
+        tokens = math.prod(shape[:-1]) * (self.tp.world_size if self.tp.gathers_input else 1)
         if self.local_in % 16 or self.local_out % 16 or tokens % 16:
             raise ValueError(f"{self.describe()} under an FP8 recipe needs in_features, "
                              f"out_features (of this rank's shard: {self.local_in}, "
@@ -185,13 +185,35 @@ def local_linear_sizes(op) -> tuple:
     return op.in_features, op.out_features
 
 
-def init_linear_weight(weight: Tensor, in_features: int) -> None:
-    """``torch.nn.Linear``'s initialisation (kaiming uniform, a=sqrt(5)) with the global
-    fan-in, so that a shard is distributed as the same slice of a full layer would be."""
+def init_linear_weight(weight: Tensor, linear: "BasicLinear") -> None:
+    """``torch.nn.Linear``'s initialisation (kaiming uniform, a=sqrt(5)) of the full
+    weight, of which a parallel layer keeps its shard: with the same seed on every rank,
+    the shards are slices of the weight a single-GPU layer would get."""
     gain = math.sqrt(2.0 / (1 + 5))
-    bound = math.sqrt(3.0) * gain / math.sqrt(in_features)
+    bound = math.sqrt(3.0) * gain / math.sqrt(linear.in_features)
+    init_shard_(weight, (linear.out_features, linear.in_features), linear_shard(linear),
+                bound)
+
+
+def init_shard_(param: Tensor, full_shape: tuple, shard: tuple, bound: float) -> None:
+    """Draw the full tensor uniformly in [-bound, bound] and keep ``shard`` (slices)."""
     with torch.no_grad():
-        weight.uniform_(-bound, bound)
+        if param.shape == full_shape:
+            param.uniform_(-bound, bound)
+        else:
+            full = torch.empty(full_shape, device=param.device, dtype=param.dtype)
+            param.copy_(full.uniform_(-bound, bound)[shard])
+
+
+def linear_shard(linear: "BasicLinear") -> tuple:
+    """``(rows, columns)`` of the full weight that this rank's shard holds."""
+    tp, everything = linear.tp, slice(None)
+    if not tp.active:
+        return everything, everything
+    rank = distributed.group_rank(tp)
+    if tp.mode == "column":
+        return slice(rank * linear.local_out, (rank + 1) * linear.local_out), everything
+    return everything, slice(rank * linear.local_in, (rank + 1) * linear.local_in)
 
 
 def parallel_tokens(op, shape) -> tuple:

@@ -7,9 +7,12 @@ partial tensor (a partial sum, or one rank's slice) the gradient of its own part
 - ``AllReduce`` sums partial tensors into a replicated one; backward: identity.
 - ``ReduceScatter`` sums partial tensors and keeps this rank's slice of dim 0;
   backward: all-gather the slices' gradients.
-- ``AllGather`` concatenates the slices into a replicated tensor; backward:
-  reduce-scatter (the replicated tensor's consumers may each hold a partial gradient,
-  as a column-parallel linear layer's dgrad does).
+- ``AllGather`` concatenates the slices into a replicated tensor; backward: this
+  rank's slice of the (complete, replicated) gradient, no communication.
+
+Under this convention ``AllGather`` + a column-parallel ``BasicLinear`` (which all-reduces
+its partial dgrad into the complete one) computes what ``BasicLinear(...,
+tensor_parallel_mode="column", sequence_parallel=True)`` computes, with more traffic.
 """
 
 from __future__ import annotations
@@ -67,7 +70,7 @@ class _Collective(BasicOperation):
         if not self.group.active:
             return ()
         what = {"AllReduce": ("all-reduce", None), "ReduceScatter": ("reduce-scatter",
-                "all-gather"), "AllGather": ("all-gather", "reduce-scatter")}[type(self).__name__]
+                "all-gather"), "AllGather": ("all-gather", None)}[type(self).__name__]
         name = what[0] if direction == "forward" else what[1]
         return (("is", f"{name} /{self.group.world_size}"),) if name else ()
 
@@ -146,8 +149,8 @@ class AllGather(_Collective):
 
     Notes
     -----
-    Backward: reduce-scatter along dim 0 (sums the partial gradients of the replicated
-    result, keeps this rank's slice).
+    Backward: this rank's slice of the gradient along dim 0 (the replicated result's
+    gradient is complete on every rank).
     """
 
     def validate(self, shape, dtype, device, extra_inputs=()):
@@ -164,5 +167,7 @@ class AllGather(_Collective):
     def backward_compute(cls, args, *, in_custom_op=False):
         if not args.need_grad_input:
             return BackwardResult(None)
-        return BackwardResult(_fresh(distributed.reduce_scatter(args.grad_output, args.group),
-                                     args.group, in_custom_op))
+        rows = args.grad_output.shape[0] // args.group.world_size
+        start = distributed.group_rank(args.group) * rows
+        return BackwardResult(pass_through(args.grad_output[start:start + rows], True,
+                                           in_custom_op))

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from fusible.ops.base import FusibleOperation
-from fusible.ops.basic_linear import BasicLinear, init_linear_weight
+from fusible.ops.basic_linear import BasicLinear, init_linear_weight, init_shard_, linear_shard
 from fusible.ops.bias import Bias
 
 
@@ -46,10 +46,11 @@ class Linear(FusibleOperation):
         self.weight = nn.Parameter(torch.empty(linear.weight.shape, device=device, dtype=dtype))
         ops = [linear]
         if bias:
-            row = tensor_parallel_mode == "row"
-            ops.append(Bias(out_features, tensor_parallel=tensor_parallel_mode == "column",
-                            sequence_parallel=row and sequence_parallel,
-                            tensor_parallel_group=tensor_parallel_group, device="meta"))
+            column = tensor_parallel_mode == "column"
+            bias_sp = tensor_parallel_mode == "row" and sequence_parallel
+            ops.append(Bias(out_features, tensor_parallel=column, sequence_parallel=bias_sp,
+                            tensor_parallel_group=tensor_parallel_group if column or bias_sp
+                            else None, device="meta"))
             self.bias = nn.Parameter(torch.empty(ops[1].bias.shape, device=device,
                                                 dtype=dtype))
         else:
@@ -64,10 +65,11 @@ class Linear(FusibleOperation):
 
     def reset_parameters(self) -> None:
         """Initialise like ``torch.nn.Linear`` (of the global sizes)."""
-        init_linear_weight(self.weight, self.in_features)
+        linear = self._ops[0]
+        init_linear_weight(self.weight, linear)
         if self.bias is not None:
-            bound = 1 / math.sqrt(self.in_features)
-            nn.init.uniform_(self.bias, -bound, bound)
+            init_shard_(self.bias, (self.out_features,), linear_shard(linear)[:1],
+                        1 / math.sqrt(self.in_features))
 
     def basic_ops(self):
         return self._ops
