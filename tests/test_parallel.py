@@ -263,7 +263,8 @@ def _check_norm_sp(rank, ws):
             ops.LayerNorm(IN, sequence_parallel=True),
             ops.Linear(IN, OUT, tensor_parallel_mode="column", sequence_parallel=True),
             ops.GELU(),
-            ops.Linear(OUT, IN, tensor_parallel_mode="row", sequence_parallel=True)).double()
+            ops.Linear(OUT, IN, tensor_parallel_mode="row", sequence_parallel=True)
+        ).to(DEVICE[0], torch.float64)
         with torch.no_grad():
             model[0].weight.copy_(full[0].weight)
             model[0].bias.copy_(full[0].bias)
@@ -344,12 +345,12 @@ def _check_all_gather_then_column(rank, ws):
                       IN, OUT, tensor_parallel_mode="column")),
                   ops.Sequential(ops.BasicLinear(IN, OUT, tensor_parallel_mode="column",
                                                  sequence_parallel=True))):
-        model.double()
+        model.to(DEVICE[0], torch.float64)
         with torch.no_grad():
             model[-1].weight.copy_(w)
-        x = x0.clone().requires_grad_()
+        x = x0.to(DEVICE[0]).clone().requires_grad_()
         y = model(x)
-        y.backward(dy)
+        y.backward(dy.to(DEVICE[0]))
         results.append((y, x.grad, model[-1].weight.grad))
     for a, b in zip(*results):
         assert torch.equal(a, b)
