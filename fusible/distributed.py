@@ -99,6 +99,12 @@ def sequence_parallel(op_name: str, enabled: bool, group) -> TensorParallel:
     return TensorParallel("", True, pg.group_name, dist.get_world_size(pg))
 
 
+def group_of(tp: TensorParallel):
+    """The process group ``tp`` names, or None. Ops keep only the name (a string copies,
+    pickles and compares; a ProcessGroup does not) and look the group up here."""
+    return dist.distributed_c10d._resolve_process_group(tp.group_name) if tp.group_name else None
+
+
 def group_rank(tp: TensorParallel) -> int:
     """This process's rank in ``tp``'s group (0 when alone)."""
     if not tp.group_name:

@@ -37,6 +37,7 @@ class FusionPlan:
     dtype: torch.dtype
     grad_enabled: bool
     recipe: Any = None
+    op_needs: dict = attrs.field(factory=dict, repr=False, eq=False)  # op index -> OpGradNeeds
 
     def explain(self) -> str:
         """A readable account of the stages and of every fusion that matched."""
@@ -67,7 +68,7 @@ class FusionPlan:
         out = []
         for i in stage.indices:
             op = self.ops[i]
-            for where, what in op_communication(op, direction):
+            for where, what in op_communication(op, direction, self.op_needs.get(i)):
                 out.append(f"{type(op).__name__}: {what}" + ("" if where == "is" else
                                                            f" ({where} its compute)"))
         return out
@@ -115,7 +116,7 @@ def _describe(op) -> str:
 def build_plan(layout, dtype, device_type, grad: bool, input_rg: bool,
                extras_rg: tuple, recipe=None) -> FusionPlan:
     """Plan every group of a layout for inputs of this dtype, device type and requires_grad."""
-    forward, backward_groups, candidates = [], [], []
+    forward, backward_groups, candidates, needs = [], [], [], {}
     upstream, extra_pos = input_rg and grad, 0
     for index, (runner, module) in _positions(layout):
         if runner is None:
@@ -130,13 +131,14 @@ def build_plan(layout, dtype, device_type, grad: bool, input_rg: bool,
                              tuple(p.requires_grad for p in runner.params()),
                              extras_rg[extra_pos:extra_pos + k], recipe)
         extra_pos += k
+        needs.update((index + i, n) for i, n in enumerate(plan.needs))
         forward += plan.group.forward
         backward_groups.append(plan.backward_stages)  # the stages that run
         candidates += plan.group.candidates
         upstream = upstream or plan.needs_backward
     backward = tuple(s for group in reversed(backward_groups) for s in group)
     return FusionPlan(tuple(forward), backward, tuple(candidates), layout.items, device_type,
-                      dtype, grad, recipe)
+                      dtype, grad, recipe, needs)
 
 
 def _positions(layout):
@@ -162,13 +164,15 @@ def plan_conditions(layout, example_inputs, parameters) -> tuple:
     return dtype, device_type, False, (False,) * layout.num_extra_inputs
 
 
-def op_communication(op, direction: str) -> tuple:
-    """``(where, what)`` collectives of ``op`` in ``direction``: those of its compute, and
-    the all-reduce of its parameter gradients (``grad_reduction``) after a backward stage.
-    Ordinary modules: none."""
-    comm = tuple(getattr(op, "communication", lambda d: ())(direction))
+def op_communication(op, direction: str, needs=None) -> tuple:
+    """``(where, what)`` collectives of ``op`` in ``direction`` (for the gradients in
+    ``needs``, when given): those of its compute, and the all-reduce of its parameter
+    gradients (``grad_reduction``) after a backward stage. Ordinary modules: none."""
+    if not hasattr(op, "communication"):
+        return ()
+    comm = tuple(op.communication(direction, needs))
     tp = getattr(op, "grad_reduction", lambda: None)()
-    if direction == "backward" and tp is not None:
+    if direction == "backward" and tp is not None and (needs is None or any(needs.params)):
         grads = ", ".join("d" + name for name in op.param_names)
         comm += (("after", f"all-reduce {grads} /{tp.world_size}"),)
     return comm

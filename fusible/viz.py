@@ -87,7 +87,7 @@ def _stage_cluster(plan, lane, k, stage, colors) -> list:
     out = [f"    subgraph cluster_{lane}_{k} {{", f"      {style}"]
     for i in stage.indices:
         op = plan.ops[i]
-        comm = op_communication(op, lane)
+        comm = op_communication(op, lane, plan.op_needs.get(i))
         shape = ', shape=box3d, style=filled, fillcolor="#eeeeee"' if stage.is_module else ""
         if any(where == "is" for where, _ in comm):
             shape = f', shape=cds, style=filled, fillcolor="{_COMM}"'

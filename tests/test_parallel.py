@@ -5,6 +5,7 @@ and compares its outputs and gradients with the matching slices of the reference
 are collected per case and reported together by the parent.
 """
 
+import copy
 import traceback
 
 import attrs
@@ -212,6 +213,8 @@ def _check_plan(rank, ws):
         assert line in text, line
     for label in ("all-gather input /2", "reduce-scatter output /2", "all-reduce dbias /2"):
         assert f'[label="{label}", shape=cds' in dot, label
+    frozen_input = model.plan(torch.randn(8, IN)).explain()  # no dgrad for the first layer
+    assert "reduce-scatter dgrad" not in frozen_input and "all-gather grad" in frozen_input
     collectives = ops.Sequential(ops.AllGather(), ops.ReduceScatter()).plan(torch.randn(4, 2))
     assert collectives.to_dot().count("shape=cds") == 2
     assert "AllGather: all-gather /2" in collectives.explain()
@@ -332,6 +335,9 @@ def _check_guards(rank, ws):
     group = torch.distributed.group.WORLD
     row = ops.Linear(IN, OUT, tensor_parallel_mode="row", tensor_parallel_group=group)
     assert row.weight.shape == (OUT, IN // ws)
+    twin = copy.deepcopy(ops.Sequential(row, ops.AllReduce(group)))  # groups kept by name
+    assert twin[0].basic_ops()[0].tensor_parallel_group is group
+    assert twin[1].process_group is group
 
 
 def _check_all_gather_then_column(rank, ws):

@@ -279,12 +279,12 @@ class BasicOperation(FusibleOperation):
         name = type(self).__name__
         return text[len(name) + 1:-1] if text.startswith(name + "(") else ""
 
-    def communication(self, direction: str) -> tuple:
+    def communication(self, direction: str, needs: "OpGradNeeds | None" = None) -> tuple:
         """The collectives this op's compute runs in ``direction`` ("forward" or
         "backward"), as ``(where, what)`` pairs for plans: ``where`` is "before" or
         "after" the op's own compute, or "is" for a collective op; ``what`` says which
-        tensor and how. A fusion covering an op that communicates must run these itself
-        (``handles_communication``)."""
+        tensor and how. With ``needs``, only those that run for these gradients. A fusion
+        covering an op that communicates must run these itself (``handles_communication``)."""
         return ()
 
     def grad_reduction(self):

@@ -99,13 +99,17 @@ class BasicLinear(BasicOperation):
             raise ValueError(f"{self.describe()}: sequence_parallel=True needs "
                              f"tensor_parallel_mode 'column' or 'row'")
         self.tensor_parallel_mode, self.sequence_parallel = tensor_parallel_mode, sequence_parallel
-        self.tensor_parallel_group = tensor_parallel_group
         self.tp = distributed.tensor_parallel(self.describe(), tensor_parallel_mode,
                                               sequence_parallel, tensor_parallel_group)
         self.local_in, self.local_out = local_linear_sizes(self)
         self.weight = nn.Parameter(torch.empty(self.local_out, self.local_in, device=device,
                                                dtype=dtype))
         init_linear_weight(self.weight, self)
+
+    @property
+    def tensor_parallel_group(self):
+        """The process group the weight is split over (None when not parallel)."""
+        return distributed.group_of(self.tp)
 
     def describe(self) -> str:
         tp = getattr(self, "tp", NOT_PARALLEL)
@@ -159,10 +163,11 @@ class BasicLinear(BasicOperation):
     def backward_compute(cls, args, *, in_custom_op=False):
         return BackwardResult(*linear_backward(args))
 
-    def communication(self, direction):
+    def communication(self, direction, needs=None):
         tp = self.tp
-        if not tp.active:
-            return ()
+        if not tp.active or (direction == "backward" and needs is not None
+                             and not needs.input and tp.mode == "column"):
+            return ()  # a column layer's backward communicates only its dgrad
         sp, ws = tp.sequence_parallel, tp.world_size
         reduce = "reduce-scatter" if sp else "all-reduce"
         if direction == "forward":

@@ -70,7 +70,6 @@ class Bias(BasicOperation):
                              f"all tokens; sequence_parallel is for a replicated bias after a "
                              f"row-parallel reduce-scatter")
         self.tensor_parallel, self.sequence_parallel = bool(tensor_parallel), sequence_parallel
-        self.tensor_parallel_group = tensor_parallel_group
         self.tp = distributed.tensor_parallel(
             self.describe(), "column" if tensor_parallel else None, False,
             tensor_parallel_group if tensor_parallel else None)
@@ -79,6 +78,12 @@ class Bias(BasicOperation):
         self.local_size = (distributed.shard_size(self.describe(), "size", self.size, self.tp)
                            if tensor_parallel else self.size)
         self.bias = nn.Parameter(torch.zeros(self.local_size, device=device, dtype=dtype))
+
+    @property
+    def tensor_parallel_group(self):
+        """The group of ``tensor_parallel`` or ``sequence_parallel`` (None without them)."""
+        return distributed.group_of(self.tp if self.tensor_parallel
+                                    else self.sequence_parallel_group)
 
     def describe(self) -> str:
         flags = "".join(f", {name}=True" for name in ("tensor_parallel", "sequence_parallel")

@@ -50,9 +50,13 @@ class _Collective(BasicOperation):
         super().__init__()
         name = type(self).__name__
         pg = distributed.resolve_group(name, process_group)
-        self.process_group = process_group
         self.group = TensorParallel("", False, pg.group_name,
                                     torch.distributed.get_world_size(pg))
+
+    @property
+    def process_group(self):
+        """The group (looked up by name: the op holds only the name)."""
+        return distributed.group_of(self.group)
 
     def describe(self) -> str:
         return f"{type(self).__name__}(world_size={self.group.world_size})"
@@ -66,7 +70,7 @@ class _Collective(BasicOperation):
     def backward_args(self, grad_output, grad_extra_outputs, ctxs):
         return CollectiveBackwardArgs(grad_output, self.group, ctxs[0].needs.input)
 
-    def communication(self, direction):
+    def communication(self, direction, needs=None):
         if not self.group.active:
             return ()
         what = {"AllReduce": ("all-reduce", None), "ReduceScatter": ("reduce-scatter",
