@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Everything the GPU machine runs, in one call: the whole test suite (CUDA tests included)
 # under the machine's PyTorch, then the GPU benchmarks. Results land in $OUT (or out/).
-# Usage there: [TESTS="tests/test_fp8.py ..."] bash scripts/gpu_check.sh [bf16] [fp8]
-# (no argument: both benchmarks; TESTS: which tests, default all)
+# Usage there: [TESTS="tests/test_fp8.py ..."] bash scripts/gpu_check.sh [bf16] [fp8] [tp]
+# (no argument: bf16 and fp8; tp needs two GPUs (kind nvidia-h200-x2); TESTS: which tests,
+# default all)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out}
@@ -29,6 +30,10 @@ if [[ " $benches " == *" bf16 "* ]]; then
 fi
 if [[ " $benches " == *" fp8 "* ]]; then
     python3 benchmarks/gpu_fp8.py --output "$OUT/gpu_fp8.json" 2>&1 | tee "$OUT/bench_fp8.log"
+    bench_rc=$(( bench_rc || PIPESTATUS[0] ))
+fi
+if [[ " $benches " == *" tp "* ]]; then
+    python3 benchmarks/gpu_tp.py --output "$OUT/gpu_tp.json" 2>&1 | tee "$OUT/bench_tp.log"
     bench_rc=$(( bench_rc || PIPESTATUS[0] ))
 fi
 echo "tests rc=$tests_rc bench rc=$bench_rc"
