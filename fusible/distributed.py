@@ -82,9 +82,13 @@ def tensor_parallel(op_name: str, mode: Optional[str], sequence_parallel: bool,
             raise ValueError(f"{op_name}: tensor_parallel_group given without "
                              f"tensor_parallel_mode or sequence_parallel")
         return NOT_PARALLEL
+    return group_config(op_name, mode or "", bool(sequence_parallel), group)
+
+
+def group_config(op_name: str, mode: str, sequence_parallel: bool, group) -> TensorParallel:
+    """A :class:`TensorParallel` over ``group`` (None: the default group)."""
     pg = resolve_group(op_name, group)
-    return TensorParallel(mode or "", bool(sequence_parallel), pg.group_name,
-                          dist.get_world_size(pg))
+    return TensorParallel(mode, sequence_parallel, pg.group_name, dist.get_world_size(pg))
 
 
 def sequence_parallel(op_name: str, enabled: bool, group) -> TensorParallel:
@@ -95,8 +99,7 @@ def sequence_parallel(op_name: str, enabled: bool, group) -> TensorParallel:
             raise ValueError(f"{op_name}: tensor_parallel_group given without "
                              f"sequence_parallel=True")
         return NOT_PARALLEL
-    pg = resolve_group(op_name, group)
-    return TensorParallel("", True, pg.group_name, dist.get_world_size(pg))
+    return group_config(op_name, "", True, group)
 
 
 def group_of(tp: TensorParallel):

@@ -48,10 +48,7 @@ class _Collective(BasicOperation):
 
     def __init__(self, process_group=None):
         super().__init__()
-        name = type(self).__name__
-        pg = distributed.resolve_group(name, process_group)
-        self.group = TensorParallel("", False, pg.group_name,
-                                    torch.distributed.get_world_size(pg))
+        self.group = distributed.group_config(type(self).__name__, "", False, process_group)
 
     @property
     def process_group(self):
