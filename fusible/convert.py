@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from torch import nn
 
-from fusible.ops.basic_linear import BasicLinear
+from fusible import distributed
+from fusible.ops.basic_linear import BasicLinear, linear_shard
 from fusible.ops.bias import Bias
 from fusible.ops.layer_norm import LayerNorm
 from fusible.ops.rms_norm import RMSNorm
@@ -19,6 +20,7 @@ def state_dict_from_torch(model, torch_module: nn.Module) -> dict:
     (plus the following ``Bias`` when it has a bias; an ``ops.Linear`` expands
     to exactly these), the norms with ``LayerNorm`` / ``RMSNorm``. Modules
     without parameters (``nn.GELU``, ``nn.Dropout``, ...) are not paired.
+    Tensor-parallel ops get their rank's shard of the full tensors.
 
     Parameters
     ----------
@@ -56,7 +58,7 @@ def state_dict_from_torch(model, torch_module: nn.Module) -> dict:
                 raise ValueError(f"{src} does not pair with {op.describe()} (op {pos} with "
                                  f"parameters in the fusible model)")
             for param, value in zip(op.fusible_params(), attr):
-                result[names[id(param)]] = value.detach()
+                result[names[id(param)]] = _local_shard(op, value.detach())
             pos += 1
     if pos != len(targets):
         raise ValueError(f"{targets[pos].describe()} and later ops have no counterpart in "
@@ -77,6 +79,16 @@ def _pairs(src: nn.Module):
     else:
         raise ValueError(f"state_dict_from_torch cannot map {src}; supported: nn.Linear, "
                          f"nn.LayerNorm and nn.RMSNorm with affine parameters")
+
+
+def _local_shard(op, value):
+    """This rank's part of a full parameter: a parallel linear layer's or bias's shard."""
+    if isinstance(op, BasicLinear):
+        return value[linear_shard(op)]
+    if isinstance(op, Bias) and op.tensor_parallel:
+        start = distributed.group_rank(op.tp) * op.local_size
+        return value[start:start + op.local_size]
+    return value
 
 
 def _sizes(op) -> tuple:

@@ -250,6 +250,20 @@ def _check_init(rank, ws):
         assert torch.equal(layer.bias, full.bias[rows]), mode
 
 
+def _check_state_dict_from_torch(rank, ws):
+    """A full torch checkpoint loads as each rank's shards."""
+    torch.manual_seed(1)
+    ref = torch.nn.Sequential(torch.nn.Linear(IN, OUT), torch.nn.GELU(),
+                              torch.nn.Linear(OUT, IN))
+    model = ops.Sequential(ops.Linear(IN, OUT, tensor_parallel_mode="column"), ops.GELU(),
+                           ops.Linear(OUT, IN, tensor_parallel_mode="row"))
+    model.load_state_dict(fusible.state_dict_from_torch(model, ref))
+    cols = slice(rank * OUT // ws, (rank + 1) * OUT // ws)
+    for got, want in ((model[0].weight, ref[0].weight[cols]), (model[0].bias, ref[0].bias[cols]),
+                      (model[2].weight, ref[2].weight[:, cols]), (model[2].bias, ref[2].bias)):
+        assert torch.equal(got, want)
+
+
 def _check_norm_sp(rank, ws):
     """A pre-norm block: LayerNorm(sequence_parallel=True) gradients are summed over ranks."""
     g = torch.Generator().manual_seed(5)
@@ -380,6 +394,7 @@ def parallel_cases(rank, ws, device="cpu"):
              "size errors": lambda: _check_size_errors(rank, ws),
              "fp8 gather": lambda: _check_fp8_gather(rank, ws),
              "init": lambda: _check_init(rank, ws),
+             "state dict from torch": lambda: _check_state_dict_from_torch(rank, ws),
              "norm sp": lambda: _check_norm_sp(rank, ws),
              "guards": lambda: _check_guards(rank, ws),
              "all-gather then column": lambda: _check_all_gather_then_column(rank, ws),
@@ -423,7 +438,7 @@ def _report(results):
     failed = {f"rank {rank}: {name}": error for rank, result in enumerate(results)
               for name, error in result.items() if error is not None}
     assert not failed, "\n".join(f"{name}\n{error}" for name, error in failed.items())
-    assert len(results[0]) == 44
+    assert len(results[0]) == 45
 
 
 def test_tensor_parallel_example():
