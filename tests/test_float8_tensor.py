@@ -140,3 +140,16 @@ def test_plain_eager_sees_tracing():
     torch.vmap(lambda t: seen.append(plain_eager(t)) or t)(torch.ones(2, 2))
     assert seen == [False, False]
     assert not plain_eager(quantize(torch.ones(2), E4M3))  # a subclass: through the op
+    assert plain_eager(torch.nn.Parameter(torch.ones(2)))  # weights are cast directly
+
+
+def test_eager_fp8_training_step_skips_custom_op_dispatch():
+    from fusible import ops
+    model = ops.Sequential(ops.Linear(32, 32), ops.GELU(), ops.Linear(32, 32))
+    x = torch.randn(16, 32, requires_grad=True)
+
+    def step():
+        with fusible.autocast():
+            model(x).sum().backward()
+
+    assert _custom_op_calls(step) == 0

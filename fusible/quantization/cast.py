@@ -62,6 +62,9 @@ def dequantize_fp8(data: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dty
     return (data.float() * scale_inv).to(dtype).contiguous()
 
 
+_PLAIN = (torch.Tensor, torch.nn.Parameter)  # a Parameter is a plain tensor to the kernels
+
+
 def plain_eager(*tensors: torch.Tensor) -> bool:
     """Whether these are real tensors outside any tracing (dynamo, AOTAutograd, make_fx,
     fake or functional modes, functorch transforms): then the kernels can be called
@@ -70,7 +73,7 @@ def plain_eager(*tensors: torch.Tensor) -> bool:
     """
     if torch.compiler.is_compiling():  # first: dynamo folds it and skips the rest
         return False
-    return (all(type(t) is torch.Tensor for t in tensors)
+    return (all(type(t) in _PLAIN for t in tensors)
             and torch._C._len_torch_dispatch_stack() == 0
             and not torch._C._are_functorch_transforms_active())
 
