@@ -11,7 +11,6 @@ import argparse
 
 import torch
 
-import fusible
 from fusible import ops
 from fusible.distributed_testing import run_distributed
 

@@ -54,6 +54,12 @@ class TensorParallel:
         return self.active and self.mode == "column" and self.sequence_parallel
 
     @property
+    def scatters_output(self) -> bool:
+        """A linear layer that reduce-scatters its output (row + sequence parallel): the
+        gradient it receives, and so it gathers (``gathers_grad`` is the same)."""
+        return self.active and self.mode == "row" and self.sequence_parallel
+
+    @property
     def gathers_grad(self) -> bool:
         """A linear layer that all-gathers its incoming gradient (row + sequence parallel)."""
         return self.active and self.mode == "row" and self.sequence_parallel

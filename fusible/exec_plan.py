@@ -6,6 +6,7 @@ import functools
 
 import attrs
 
+from fusible.distributed import NOT_PARALLEL
 from fusible.ops.base import OperationContext, OpGradNeeds
 from fusible.planner import GroupPlan, PlanEnvironment, op_grad_needs, plan_group
 
@@ -120,23 +121,20 @@ def check_sequence_parallel(ops) -> None:
     """Ops with parameters that see tokens split over a group (before a column + SP
     linear layer, after a row + SP one) must all-reduce their gradients: an error names
     any that would not, rather than letting ranks' replicated parameters drift apart."""
+    tps = [getattr(op, "tp", NOT_PARALLEL) for op in ops]
     split = [None] * len(ops)  # per op: the group its input's tokens are split over
     state = None
-    for i, op in enumerate(ops):  # after a row + SP layer, until a column + SP one
-        tp = getattr(op, "tp", None)
-        if tp is not None and tp.gathers_input:
-            state = None
+    for i, tp in enumerate(tps):  # after a row + SP layer, until a column + SP one
+        state = None if tp.gathers_input else state
         split[i] = state
-        if tp is not None and tp.mode == "row" and tp.sequence_parallel and tp.active:
-            state = tp
+        state = tp if tp.scatters_output else state
     state = None
     for i in reversed(range(len(ops))):  # before a column + SP layer, back to a row + SP one
-        tp = getattr(ops[i], "tp", None)
-        if tp is not None and tp.gathers_input:
+        tp = tps[i]
+        if tp.gathers_input:
             state = tp
             continue
-        if tp is not None and tp.mode == "row" and tp.sequence_parallel:
-            state = None
+        state = None if tp.scatters_output else state
         split[i] = split[i] or state
     for op, tp in zip(ops, split):
         if tp is not None and op.param_names and not _parallel_param_op(op):

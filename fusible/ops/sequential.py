@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from fusible import _epoch
-from fusible.ops.base import FusedOperation, FusibleOperation, PlanCachingModule
+from fusible.ops.base import FusedOperation, PlanCachingModule
 from fusible.quantization.recipe import fp8_recipe
 
 
