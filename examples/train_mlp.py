@@ -13,7 +13,6 @@ import os
 import torch
 from tqdm import tqdm
 
-import fusible
 from fusible import ops
 
 
