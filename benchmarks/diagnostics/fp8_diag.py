@@ -13,6 +13,16 @@ import fusible
 from fusible import ops
 
 
+def mlp_problem(tokens: int, hidden: int, ffn: int) -> tuple:
+    """``(model, x, dy)``: the benchmarks' Linear + GELU(tanh) + Linear block in bf16 on
+    CUDA, an input that requires grad and an output gradient."""
+    model = ops.Sequential(ops.Linear(hidden, ffn), ops.GELU(approximate="tanh"),
+                           ops.Linear(ffn, hidden)).to("cuda", torch.bfloat16)
+    x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
+    return model, x, dy
+
+
 def scaled_mm_checks():
     """NaN count and error of _scaled_mm against the dequantized product, per dtype pair."""
     torch.manual_seed(0)
@@ -79,10 +89,7 @@ def memory_by_stage(fp8: bool, tokens=16384, hidden=4096, ffn=16384):
                (BackwardActivationBias, "backward_compute"), (BasicLinear, "backward_compute")]
     originals = [(cls, name, wrap(cls, name)) for cls, name in patched]
     try:
-        model = ops.Sequential(ops.Linear(hidden, ffn), ops.GELU(approximate="tanh"),
-                               ops.Linear(ffn, hidden)).to("cuda", torch.bfloat16)
-        x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-        dy = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
+        model, x, dy = mlp_problem(tokens, hidden, ffn)
         for step in range(2):
             log.clear()
             torch.cuda.synchronize()
@@ -103,11 +110,8 @@ def memory_by_stage(fp8: bool, tokens=16384, hidden=4096, ffn=16384):
 
 def snapshot(fp8: bool, path: str, compiled=False, tokens=16384, hidden=4096, ffn=16384):
     """Allocator history of the last of four fwd+bwd steps, for reading the peak offline."""
-    model = ops.Sequential(ops.Linear(hidden, ffn), ops.GELU(approximate="tanh"),
-                           ops.Linear(ffn, hidden)).to("cuda", torch.bfloat16)
+    model, x, dy = mlp_problem(tokens, hidden, ffn)
     run = torch.compile(model) if compiled else model
-    x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    dy = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
     gc.collect()  # a compiled model lives until the cyclic GC runs: not the one measured
     torch.cuda.memory._record_memory_history(max_entries=100000)  # all steps: see leaks too
     for step in range(4):
@@ -132,10 +136,7 @@ def host_profile(tokens=2048, hidden=1024, ffn=4096, steps=20):
     time goes (Python functions by own time)."""
     import cProfile
     import pstats
-    model = ops.Sequential(ops.Linear(hidden, ffn), ops.GELU(approximate="tanh"),
-                           ops.Linear(ffn, hidden)).to("cuda", torch.bfloat16)
-    x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    dy = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
+    model, x, dy = mlp_problem(tokens, hidden, ffn)
 
     def step():
         with fusible.autocast():

@@ -55,14 +55,12 @@ def main():
 
 def profile_step(path: str, tokens=2048, hidden=1024, ffn=4096):
     """torch.profiler trace (Chrome JSON at ``path``) and table of eager FP8 steps."""
-    import fusible
-    from fusible import ops
+    from fp8_diag import mlp_problem  # this script's folder is on sys.path
     from torch.profiler import ProfilerActivity, profile
 
-    model = ops.Sequential(ops.Linear(hidden, ffn), ops.GELU(approximate="tanh"),
-                           ops.Linear(ffn, hidden)).to("cuda", torch.bfloat16)
-    x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    dy = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
+    import fusible
+
+    model, x, dy = mlp_problem(tokens, hidden, ffn)
 
     def step():
         with fusible.autocast():
