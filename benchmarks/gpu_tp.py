@@ -10,6 +10,7 @@ scaling). Under FP8 the input is gathered in FP8 (one scale for the group).
 """
 
 import argparse
+import functools
 import gc
 import json
 import os
@@ -36,25 +37,11 @@ def _block(tp: bool, sp: bool):
 
 
 def _measure(model, tokens: int, fp8: bool) -> dict:
-    import triton.testing
-    run = torch.compile(model, fullgraph=True)
-    x = torch.randn(tokens, HIDDEN, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    dy = torch.randn(tokens, HIDDEN, device="cuda", dtype=torch.bfloat16)
-
-    def step():
-        with fusible.autocast(enabled=fp8):
-            y = run(x)
-        y.backward(dy)
-        x.grad = None
-        for p in model.parameters():
-            p.grad = None
-
-    for _ in range(3):
-        step()
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    ms = triton.testing.do_bench(step, warmup=50, rep=1000, return_mode="median")
-    return {"ms": ms, "peak_gib": torch.cuda.max_memory_allocated() / 2**30}
+    """Compiled fwd+bwd time and peak memory, as ``gpu_mlp.measure`` takes them."""
+    from gpu_mlp import measure  # benchmarks/ is on the path (this script's folder)
+    result = measure(model, tokens, HIDDEN, FFN, "compile",
+                     functools.partial(fusible.autocast, enabled=fp8))
+    return {"ms": result["ms"], "peak_gib": result["peak_gib"]}
 
 
 def bench(rank, world_size):
