@@ -145,19 +145,30 @@ def all_gather(x: Tensor, tp: TensorParallel) -> Tensor:
     return out.view(fp8) if fp8 is not None else out
 
 
-def reduce_scatter(x: Tensor, tp: TensorParallel) -> Tensor:
-    """Sum over ranks, each keeping its slice of dim 0."""
+def reduce_scatter(x: Tensor, tp: TensorParallel, wait: bool = True) -> Tensor:
+    """Sum over ranks, each keeping its slice of dim 0.
+
+    ``wait=False`` returns while the collective runs (on the backend's own stream under
+    NCCL), so that work issued before ``wait(result)`` overlaps with it.
+    """
     if not tp.active:
         return x
-    return _c10d.wait_tensor(_c10d.reduce_scatter_tensor(x.contiguous(), "sum", tp.world_size,
-                                                         tp.group_name))
+    out = _c10d.reduce_scatter_tensor(x.contiguous(), "sum", tp.world_size, tp.group_name)
+    return _c10d.wait_tensor(out) if wait else out
 
 
-def all_reduce(x: Tensor, tp: TensorParallel, op: str = "sum") -> Tensor:
-    """Sum (or ``op``) over ranks, out of place."""
+def all_reduce(x: Tensor, tp: TensorParallel, op: str = "sum", wait: bool = True) -> Tensor:
+    """Sum (or ``op``) over ranks, out of place; ``wait`` as in :func:`reduce_scatter`."""
     if not tp.active:
         return x
-    return _c10d.wait_tensor(_c10d.all_reduce(x.contiguous(), op, tp.group_name))
+    out = _c10d.all_reduce(x.contiguous(), op, tp.group_name)
+    return _c10d.wait_tensor(out) if wait else out
+
+
+def wait(x: Tensor) -> Tensor:
+    """``x`` once the collective that produces it (started with ``wait=False``) is done;
+    a tensor with no collective in flight is returned as it is."""
+    return _c10d.wait_tensor(x)
 
 
 def register_schema_types(register, schema_type_cls) -> None:

@@ -14,6 +14,8 @@ if ls .whl/*.whl >/dev/null 2>&1; then
 fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 export PYTHONUNBUFFERED=1
+# NVLink multicast stays off on the lent machines (the NCCL tests and the TP benchmark)
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
 python3 -c "import os, torch, triton; print('torch', torch.__version__, 'triton', triton.__version__,
   'tf32', torch.backends.cuda.matmul.allow_tf32, {k: v for k, v in os.environ.items() if 'TF32' in k})" \

@@ -155,12 +155,17 @@ def _reduce_output(y: Tensor, tp: TensorParallel) -> Tensor:
         distributed.all_reduce(y, tp)
 
 
-def _reduce_dgrad(dx: Optional[Tensor], tp: TensorParallel) -> Optional[Tensor]:
-    """A column-parallel dgrad (a partial sum) summed over the group."""
+def _start_dgrad_reduction(dx: Optional[Tensor], tp: TensorParallel) -> Optional[Tensor]:
+    """Start summing a column-parallel dgrad (a partial sum) over the group; the caller
+    issues the wgrad GEMM, which overlaps with it, then :func:`_finish`."""
     if dx is None or not (tp.active and tp.mode == "column"):
         return dx
-    return distributed.reduce_scatter(dx, tp) if tp.sequence_parallel else \
-        distributed.all_reduce(dx, tp)
+    return distributed.reduce_scatter(dx, tp, wait=False) if tp.sequence_parallel else \
+        distributed.all_reduce(dx, tp, wait=False)
+
+
+def _finish(dx: Optional[Tensor]) -> Optional[Tensor]:
+    return None if dx is None else distributed.wait(dx)
 
 
 def gemm_backward(dy: Tensor, x_saved, w_saved, grad_fp8_dtype: Optional[torch.dtype],
@@ -179,8 +184,9 @@ def gemm_backward(dy: Tensor, x_saved, w_saved, grad_fp8_dtype: Optional[torch.d
     if grad_fp8_dtype is None:
         dy = distributed.all_gather(dy, tp) if tp.gathers_grad else dy
         dx = linear_dgrad(dy, w_saved, accumulate_into) if need_dgrad else None
+        dx = _start_dgrad_reduction(dx, tp)
         dw = linear_wgrad(dy, x_saved) if need_wgrad else None
-        return _reduce_dgrad(dx, tp), dw
+        return _finish(dx), dw
     if tp.gathers_grad:
         dy_q, lead = gather_fp8(dy, tp, grad_fp8_dtype, need_wgrad), _gathered_lead(dy, tp)
     else:
@@ -192,7 +198,8 @@ def gemm_backward(dy: Tensor, x_saved, w_saved, grad_fp8_dtype: Optional[torch.d
         dx = dx.view(*lead, dx.shape[-1])
         if accumulate_into is not None:
             dx = dx + accumulate_into
+    dx = _start_dgrad_reduction(dx, tp)
     if need_wgrad:
         dw = fp8_gemm(dy_q._transpose, dy_q._scale_inv, x_saved._transpose.t(),
                       x_saved._scale_inv, None, x_saved.dtype)
-    return _reduce_dgrad(dx, tp), dw
+    return _finish(dx), dw
