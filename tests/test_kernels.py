@@ -74,6 +74,24 @@ _CAST_SCRIPT = textwrap.dedent("""
 """)
 
 
+_TRANSPOSE_SCRIPT = textwrap.dedent("""
+    import torch
+    from fusible.kernels.fp8_cast import transpose_bytes_triton
+    torch.manual_seed(0)
+    for shape in ((70, 200), (1, 33), (16, 16), (130, 5)):
+        data = torch.randint(0, 256, shape, dtype=torch.uint8)
+        for dtype in (torch.uint8, torch.float8_e4m3fn, torch.float8_e5m2):
+            out = transpose_bytes_triton(data.view(dtype), block=16)
+            assert out.dtype == dtype and out.is_contiguous()
+            assert torch.equal(out.view(torch.uint8), data.t()), (shape, dtype)
+    print("ok")
+""")
+
+
+def test_fp8_transpose_triton_matches_pytorch():
+    _run_interpreted(_TRANSPOSE_SCRIPT)
+
+
 _GPU_COVERS = pytest.mark.skipif(
     torch.cuda.is_available(), reason="tests/test_cuda.py checks these kernels on the GPU; "
     "Triton 3.6's interpreter rejects their runtime loop bounds")

@@ -1,1 +1,19 @@
 """Kernels: Triton versions for CUDA, each with a plain-PyTorch fallback used elsewhere."""
+
+import torch
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)  # a Parameter is a plain tensor to the kernels
+
+
+
+def plain_eager(*tensors: torch.Tensor) -> bool:
+    """Whether these are real tensors outside any tracing (dynamo, AOTAutograd, make_fx,
+    fake or functional modes, functorch transforms): then the kernels can be called
+    directly, saving the custom op's dispatch (tens of microseconds of host time per
+    call, which a small, host-bound step pays many times). Same kernels, same bits.
+    """
+    if torch.compiler.is_compiling():  # first: dynamo folds it and skips the rest
+        return False
+    return (all(type(t) in _PLAIN for t in tensors)
+            and torch._C._len_torch_dispatch_stack() == 0
+            and not torch._C._are_functorch_transforms_active())

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from fusible.kernels import fp8_cast
+from fusible.kernels import fp8_cast, plain_eager
 
 FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
 
@@ -60,22 +60,6 @@ def cast_to_fp8_torch(x: torch.Tensor, fp8_dtype: torch.dtype, columnwise: bool 
 def dequantize_fp8(data: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``data * scale_inv`` in ``dtype``."""
     return (data.float() * scale_inv).to(dtype).contiguous()
-
-
-_PLAIN = (torch.Tensor, torch.nn.Parameter)  # a Parameter is a plain tensor to the kernels
-
-
-def plain_eager(*tensors: torch.Tensor) -> bool:
-    """Whether these are real tensors outside any tracing (dynamo, AOTAutograd, make_fx,
-    fake or functional modes, functorch transforms): then the kernels can be called
-    directly, saving the custom op's dispatch (tens of microseconds of host time per
-    call, which a small, host-bound step pays many times). Same kernels, same bits.
-    """
-    if torch.compiler.is_compiling():  # first: dynamo folds it and skips the rest
-        return False
-    return (all(type(t) in _PLAIN for t in tensors)
-            and torch._C._len_torch_dispatch_stack() == 0
-            and not torch._C._are_functorch_transforms_active())
 
 
 def cast_to_fp8_any(x: torch.Tensor, fp8_dtype: torch.dtype, columnwise: bool,
