@@ -385,6 +385,37 @@ def _check_fp8_gathered_tokens(rank, ws):
             == (16, OUT // ws)
 
 
+class _OpOrder(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records the name of every aten / c10d op that runs."""
+
+    def __init__(self):
+        super().__init__()
+        self.names = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(func.__name__.split(".")[0])
+        return func(*args, **(kwargs or {}))
+
+
+def _check_dgrad_reduction_overlaps_wgrad(rank, ws, sp, fp8):
+    """A column layer's dgrad reduction is in flight while its wgrad GEMM is issued."""
+    layer = ops.BasicLinear(IN, OUT, tensor_parallel_mode="column", sequence_parallel=sp,
+                            device=DEVICE[0], dtype=torch.bfloat16)
+    x = torch.randn(16, IN, device=DEVICE[0], dtype=torch.bfloat16, requires_grad=True)
+    with fusible.autocast(enabled=fp8):
+        y = layer(x)
+    order = _OpOrder()
+    with order:
+        y.backward(torch.randn_like(y))
+    if ws == 1:
+        return
+    names = order.names
+    start = names.index("reduce_scatter_tensor" if sp else "all_reduce")
+    gemm = "_scaled_mm" if fp8 else "mm"
+    assert gemm in names[start:names.index("wait_tensor", start)], names
+    assert layer.weight.grad is not None and x.grad is not None
+
+
 def parallel_cases(rank, ws, device="cpu"):
     """Every case on this rank: ``{case: None or the failure's traceback}``."""
     torch.set_num_threads(1)
@@ -408,6 +439,10 @@ def parallel_cases(rank, ws, device="cpu"):
         for sp in (False, True):
             cases[f"linear fp8 {mode} sp={sp}"] = (
                 lambda m=mode, s=sp: _check_linear_fp8(rank, ws, m, s, True))
+    for sp in (False, True):
+        for fp8 in (False, True):
+            cases[f"dgrad reduction overlaps wgrad sp={sp} fp8={fp8}"] = (
+                lambda s=sp, f=fp8: _check_dgrad_reduction_overlaps_wgrad(rank, ws, s, f))
     for sp in (False, True):
         for dtype in (torch.float64, torch.bfloat16):
             cases[f"mlp sp={sp} {dtype}"] = lambda s=sp, d=dtype: _check_mlp(rank, ws, s, d)
@@ -438,7 +473,7 @@ def _report(results):
     failed = {f"rank {rank}: {name}": error for rank, result in enumerate(results)
               for name, error in result.items() if error is not None}
     assert not failed, "\n".join(f"{name}\n{error}" for name, error in failed.items())
-    assert len(results[0]) == 45
+    assert len(results[0]) == 49
 
 
 def test_tensor_parallel_example():
