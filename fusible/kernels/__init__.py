@@ -5,7 +5,6 @@ import torch
 _PLAIN = (torch.Tensor, torch.nn.Parameter)  # a Parameter is a plain tensor to the kernels
 
 
-
 def plain_eager(*tensors: torch.Tensor) -> bool:
     """Whether these are real tensors outside any tracing (dynamo, AOTAutograd, make_fx,
     fake or functional modes, functorch transforms): then the kernels can be called
