@@ -86,8 +86,7 @@ def _local_shard(op, value):
     if isinstance(op, BasicLinear):
         return value[linear_shard(op)]
     if isinstance(op, Bias) and op.tensor_parallel:
-        start = distributed.group_rank(op.tp) * op.local_size
-        return value[start:start + op.local_size]
+        return value[distributed.rank_slice(op.tp, op.local_size)]
     return value
 
 

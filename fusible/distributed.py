@@ -62,7 +62,7 @@ class TensorParallel:
     @property
     def gathers_grad(self) -> bool:
         """A linear layer that all-gathers its incoming gradient (row + sequence parallel)."""
-        return self.active and self.mode == "row" and self.sequence_parallel
+        return self.scatters_output
 
 
 NOT_PARALLEL = TensorParallel()
@@ -116,9 +116,13 @@ def group_of(tp: TensorParallel):
 
 def group_rank(tp: TensorParallel) -> int:
     """This process's rank in ``tp``'s group (0 when alone)."""
-    if not tp.group_name:
-        return 0
-    return dist.get_rank(dist.distributed_c10d._resolve_process_group(tp.group_name))
+    return dist.get_rank(group_of(tp)) if tp.group_name else 0
+
+
+def rank_slice(tp: TensorParallel, local_size: int) -> slice:
+    """This rank's ``local_size`` entries of a dim split evenly over ``tp``'s group."""
+    start = group_rank(tp) * local_size
+    return slice(start, start + local_size)
 
 
 def shard_size(op_name: str, what: str, size: int, tp: TensorParallel) -> int:
@@ -163,6 +167,14 @@ def all_reduce(x: Tensor, tp: TensorParallel, op: str = "sum", wait: bool = True
         return x
     out = _c10d.all_reduce(x.contiguous(), op, tp.group_name)
     return _c10d.wait_tensor(out) if wait else out
+
+
+def sum_over_group(x: Tensor, tp: TensorParallel, wait: bool = True) -> Tensor:
+    """Partial sums summed over the group: reduce-scattered along dim 0 when tokens are
+    split (sequence parallel), all-reduced otherwise; ``wait`` as in :func:`reduce_scatter`."""
+    if tp.sequence_parallel:
+        return reduce_scatter(x, tp, wait)
+    return all_reduce(x, tp, "sum", wait)
 
 
 def wait(x: Tensor) -> Tensor:

@@ -215,10 +215,9 @@ def linear_shard(linear: "BasicLinear") -> tuple:
     tp, everything = linear.tp, slice(None)
     if not tp.active:
         return everything, everything
-    rank = distributed.group_rank(tp)
     if tp.mode == "column":
-        return slice(rank * linear.local_out, (rank + 1) * linear.local_out), everything
-    return everything, slice(rank * linear.local_in, (rank + 1) * linear.local_in)
+        return distributed.rank_slice(tp, linear.local_out), everything
+    return everything, distributed.rank_slice(tp, linear.local_in)
 
 
 def parallel_tokens(op, shape) -> tuple:
@@ -253,7 +252,7 @@ def save_linear(ctx, args, aux: tuple) -> None:
     parameter itself and quantized again in the backward (see :func:`linear_saved`)."""
     x = aux[0] if args.fp8_dtype is None and aux else args.input
     if args.fp8_dtype is not None:
-        if handed_in_fp8(args.input, args.fp8_dtype) and not args.tp.gathers_input:
+        if _fp8_input_kept_by_caller(args):
             x_q = as_fp8(args.input, args.fp8_dtype, args.keep_input_t)
             x_t, x_scale_inv = x_q._transpose, x_q._scale_inv
         else:
@@ -269,9 +268,15 @@ def linear_aux(args, x_q) -> tuple:
     caller's to save (see :func:`handed_in_fp8`)."""
     if args.fp8_dtype is None:
         return () if x_q is None else (x_q,)
-    if handed_in_fp8(args.input, args.fp8_dtype) and not args.tp.gathers_input:
+    if _fp8_input_kept_by_caller(args):
         return ()
     return (x_q._transpose, x_q._scale_inv)
+
+
+def _fp8_input_kept_by_caller(args) -> bool:
+    """The input arrived in FP8 and the GEMM used it as it is (not gathered): its buffers
+    are the caller's, so the stage returns none of them (see :func:`handed_in_fp8`)."""
+    return handed_in_fp8(args.input, args.fp8_dtype) and not args.tp.gathers_input
 
 
 def linear_saved(ctx) -> tuple:

@@ -17,6 +17,8 @@ tensor_parallel_mode="column", sequence_parallel=True)`` computes, with more tra
 
 from __future__ import annotations
 
+from typing import ClassVar, Optional
+
 import attrs
 import torch
 
@@ -45,6 +47,9 @@ class _Collective(BasicOperation):
 
     fwd_args_type = CollectiveForwardArgs
     bwd_args_type = CollectiveBackwardArgs
+    # The collective each direction runs, as plans name it (None: none).
+    forward_collective: ClassVar[Optional[str]] = None
+    backward_collective: ClassVar[Optional[str]] = None
 
     def __init__(self, process_group=None):
         super().__init__()
@@ -68,12 +73,10 @@ class _Collective(BasicOperation):
         return CollectiveBackwardArgs(grad_output, self.group, ctxs[0].needs.input)
 
     def communication(self, direction, needs=None):
-        if not self.group.active:
+        name = self.forward_collective if direction == "forward" else self.backward_collective
+        if not (self.group.active and name):
             return ()
-        what = {"AllReduce": ("all-reduce", None), "ReduceScatter": ("reduce-scatter",
-                "all-gather"), "AllGather": ("all-gather", None)}[type(self).__name__]
-        name = what[0] if direction == "forward" else what[1]
-        return (("is", f"{name} /{self.group.world_size}"),) if name else ()
+        return (("is", f"{name} /{self.group.world_size}"),)
 
     def _check_rows(self, shape) -> None:
         if not shape or shape[0] % self.group.world_size:
@@ -100,6 +103,8 @@ class AllReduce(_Collective):
     Backward: identity (every rank holds the complete gradient of the replicated sum).
     """
 
+    forward_collective = "all-reduce"
+
     @classmethod
     def forward_compute(cls, args, *, in_custom_op=False):
         return ForwardResult(_fresh(distributed.all_reduce(args.input, args.group), args.group,
@@ -122,6 +127,8 @@ class ReduceScatter(_Collective):
     -----
     Dim 0 must divide by the world size. Backward: all-gather along dim 0.
     """
+
+    forward_collective, backward_collective = "reduce-scatter", "all-gather"
 
     def validate(self, shape, dtype, device, extra_inputs=()):
         self._check_rows(shape)
@@ -154,6 +161,8 @@ class AllGather(_Collective):
     gradient is complete on every rank).
     """
 
+    forward_collective = "all-gather"
+
     def validate(self, shape, dtype, device, extra_inputs=()):
         if not shape:
             raise ValueError(f"{self.describe()} got a 0-d input; it gathers along dim 0")
@@ -168,7 +177,6 @@ class AllGather(_Collective):
     def backward_compute(cls, args, *, in_custom_op=False):
         if not args.need_grad_input:
             return BackwardResult(None)
-        rows = args.grad_output.shape[0] // args.group.world_size
-        start = distributed.group_rank(args.group) * rows
-        return BackwardResult(pass_through(args.grad_output[start:start + rows], True,
-                                           in_custom_op))
+        mine = distributed.rank_slice(args.group,
+                                      args.grad_output.shape[0] // args.group.world_size)
+        return BackwardResult(pass_through(args.grad_output[mine], True, in_custom_op))

@@ -151,8 +151,7 @@ def _reduce_output(y: Tensor, tp: TensorParallel) -> Tensor:
     """A row-parallel output summed over the group; others unchanged."""
     if not (tp.active and tp.mode == "row"):
         return y
-    return distributed.reduce_scatter(y, tp) if tp.sequence_parallel else \
-        distributed.all_reduce(y, tp)
+    return distributed.sum_over_group(y, tp)
 
 
 def _start_dgrad_reduction(dx: Optional[Tensor], tp: TensorParallel) -> Optional[Tensor]:
@@ -160,8 +159,7 @@ def _start_dgrad_reduction(dx: Optional[Tensor], tp: TensorParallel) -> Optional
     issues the wgrad GEMM, which overlaps with it, then :func:`_finish`."""
     if dx is None or not (tp.active and tp.mode == "column"):
         return dx
-    return distributed.reduce_scatter(dx, tp, wait=False) if tp.sequence_parallel else \
-        distributed.all_reduce(dx, tp, wait=False)
+    return distributed.sum_over_group(dx, tp, wait=False)
 
 
 def _finish(dx: Optional[Tensor]) -> Optional[Tensor]:
