@@ -6,6 +6,7 @@ are collected per case and reported together by the parent.
 """
 
 import copy
+import functools
 import traceback
 
 import attrs
@@ -19,6 +20,20 @@ from fusible.testing import assert_close, exact_tensor, fp8_snr_floor, snr_db
 
 TOKENS, IN, OUT = 32, 32, 64  # FP8 GEMMs need shards in multiples of 16
 DEVICE = ["cpu"]  # set per worker: "cuda" under NCCL
+
+
+def _part(n: int, rank: int, ws: int) -> slice:
+    """This rank's slice of ``n`` entries split over ``ws`` ranks."""
+    return slice(rank * n // ws, (rank + 1) * n // ws)
+
+
+def _load_mlp_shards(col, row, full_col, full_row, cols) -> None:
+    """A column + row ``ops.Linear`` pair gets this rank's shards of a full pair."""
+    with torch.no_grad():
+        col.weight.copy_(full_col.weight[cols])
+        col.bias.copy_(full_col.bias[cols])
+        row.weight.copy_(full_row.weight[:, cols])
+        row.bias.copy_(full_row.bias)
 
 
 def _full_problem(bias: bool, out_features: int = OUT):
@@ -39,9 +54,7 @@ def _reference_linear(p):
 
 def _slices(mode, sp, rank, ws):
     """(rows of the input, features of the input, rows of the output, output features)."""
-    def part(n):
-        return slice(rank * n // ws, (rank + 1) * n // ws)
-    every = slice(None)
+    part, every = functools.partial(_part, rank=rank, ws=ws), slice(None)
     if mode == "column":
         return (part(TOKENS) if sp else every), every, every, part(OUT)
     return every, part(IN), (part(TOKENS) if sp else every), every
@@ -124,9 +137,8 @@ def _check_mlp(rank, ws, sp, dtype, fp8=False, backend="aot_eager"):
     xr = x_full.clone().requires_grad_()
     y_ref = full(xr)
     y_ref.backward(dy_full)
-    part = slice(rank * TOKENS // ws, (rank + 1) * TOKENS // ws)
-    cols = slice(rank * ffn // ws, (rank + 1) * ffn // ws)
-    rows = part if sp else slice(None)
+    cols = _part(ffn, rank, ws)
+    rows = _part(TOKENS, rank, ws) if sp else slice(None)
     results = []
     for compiled in (False, True):
         model = ops.Sequential(
@@ -134,11 +146,7 @@ def _check_mlp(rank, ws, sp, dtype, fp8=False, backend="aot_eager"):
             ops.GELU(),
             ops.Linear(ffn, hidden, tensor_parallel_mode="row", sequence_parallel=sp)
         ).to(DEVICE[0], dtype)
-        with torch.no_grad():
-            model[0].weight.copy_(full[0].weight[cols])
-            model[0].bias.copy_(full[0].bias[cols])
-            model[2].weight.copy_(full[2].weight[:, cols])
-            model[2].bias.copy_(full[2].bias)
+        _load_mlp_shards(model[0], model[2], full[0], full[2], cols)
         x = x_full[rows].to(DEVICE[0], dtype).requires_grad_()
         run = torch.compile(model, backend=backend, fullgraph=True) if compiled else model
         with fusible.autocast(enabled=fp8):
@@ -241,9 +249,8 @@ def _check_init(rank, ws):
     """With one seed, shards are slices of what a single-process layer gets."""
     torch.manual_seed(0)
     full = ops.Linear(IN, OUT)
-    for mode, rows, cols in (("column", slice(rank * OUT // ws, (rank + 1) * OUT // ws),
-                              slice(None)),
-                             ("row", slice(None), slice(rank * IN // ws, (rank + 1) * IN // ws))):
+    for mode, rows, cols in (("column", _part(OUT, rank, ws), slice(None)),
+                             ("row", slice(None), _part(IN, rank, ws))):
         torch.manual_seed(0)
         layer = ops.Linear(IN, OUT, tensor_parallel_mode=mode)
         assert torch.equal(layer.weight, full.weight[rows, cols]), mode
@@ -258,7 +265,7 @@ def _check_state_dict_from_torch(rank, ws):
     model = ops.Sequential(ops.Linear(IN, OUT, tensor_parallel_mode="column"), ops.GELU(),
                            ops.Linear(OUT, IN, tensor_parallel_mode="row"))
     model.load_state_dict(fusible.state_dict_from_torch(model, ref))
-    cols = slice(rank * OUT // ws, (rank + 1) * OUT // ws)
+    cols = _part(OUT, rank, ws)
     for got, want in ((model[0].weight, ref[0].weight[cols]), (model[0].bias, ref[0].bias[cols]),
                       (model[2].weight, ref[2].weight[:, cols]), (model[2].bias, ref[2].bias)):
         assert torch.equal(got, want)
@@ -273,8 +280,7 @@ def _check_norm_sp(rank, ws):
     x_full = exact_tensor((TOKENS, IN), torch.float64, generator=g)
     dy = exact_tensor((TOKENS, IN), torch.float64, generator=g)
     full(x_full).backward(dy)
-    rows = slice(rank * TOKENS // ws, (rank + 1) * TOKENS // ws)
-    cols = slice(rank * OUT // ws, (rank + 1) * OUT // ws)
+    rows, cols = _part(TOKENS, rank, ws), _part(OUT, rank, ws)
     for compiled in (False, True):
         model = ops.Sequential(
             ops.LayerNorm(IN, sequence_parallel=True),
@@ -285,10 +291,7 @@ def _check_norm_sp(rank, ws):
         with torch.no_grad():
             model[0].weight.copy_(full[0].weight)
             model[0].bias.copy_(full[0].bias)
-            model[1].weight.copy_(full[1].weight[cols])
-            model[1].bias.copy_(full[1].bias[cols])
-            model[3].weight.copy_(full[3].weight[:, cols])
-            model[3].bias.copy_(full[3].bias)
+        _load_mlp_shards(model[1], model[3], full[1], full[3], cols)
         run = torch.compile(model, backend="aot_eager", fullgraph=True) if compiled else model
         run(x_full[rows].to(DEVICE[0])).backward(dy[rows].to(DEVICE[0]))
         for name, got, ref in (("LayerNorm weight", model[0].weight.grad, full[0].weight.grad),
