@@ -18,3 +18,10 @@ def _seed():
 @pytest.fixture(params=DTYPES, ids=lambda d: str(d).replace("torch.", ""))
 def dtype(request):
     return request.param
+
+
+@pytest.fixture
+def fresh_dynamo():
+    """For tests that compile new models of the same classes: start with no cache."""
+    torch._dynamo.reset()
+    yield

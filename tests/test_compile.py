@@ -10,11 +10,7 @@ from fusible import ops
 from compile_models import MODELS, inputs, outputs_of
 
 
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    """Every test compiles new models of the same classes: start each with no cache."""
-    torch._dynamo.reset()
-    yield
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
 def _stage_ops(stages, suffix):

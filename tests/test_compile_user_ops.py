@@ -12,10 +12,7 @@ from fusible.testing import check_against_reference, exact_tensor
 from custom_operation import ScaledCube  # examples/custom_operation.py, the docs' example
 
 
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    yield
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
 def test_user_defined_op_compiles_without_graph_breaks():

@@ -4,7 +4,6 @@ import attrs
 import pytest
 import torch
 
-import fusible
 from fusible import Check, FusedOperation, Op, Pattern, ops, register_fusion, unregister_fusion
 from fusible.ops import BackwardResult, ForwardResult
 from fusible.testing import stage_names
@@ -124,10 +123,10 @@ def test_accepts_reason_and_bad_verdict(registered):
 
 
 def test_plan_is_cached_and_replanned_when_conditions_change(monkeypatch):
-    import fusible.exec_plan as fuser
+    from fusible import exec_plan
     calls = []
-    real = fuser.plan_group
-    monkeypatch.setattr(fuser, "plan_group", lambda *a: calls.append(a[2]) or real(*a))
+    real = exec_plan.plan_group
+    monkeypatch.setattr(exec_plan, "plan_group", lambda *a: calls.append(a[2]) or real(*a))
     model = ops.Sequential(ops.BasicLinear(4, 4), ops.Bias(4), ops.GELU())
     x = torch.randn(2, 4)
     model(x), model(x), model(torch.randn(7, 3, 4))
