@@ -153,3 +153,27 @@ def test_eager_fp8_training_step_skips_custom_op_dispatch():
             model(x).sum().backward()
 
     assert _custom_op_calls(step) == 0
+
+
+def _storages(t: Float8Tensor) -> set:
+    parts = (t._data, t._scale_inv) + ((t._transpose,) if t._transpose is not None else ())
+    return {p.untyped_storage().data_ptr() for p in parts}
+
+
+def test_clone_shares_no_storage_and_quantize_op_copies_what_passes():
+    """A custom op may not return aliases of its inputs: a Float8Tensor that passes through
+    ``ops.Quantize`` inside one (no recipe, or already in the format) comes out copied."""
+    from fusible import ops
+    from fusible.ops.quantize import QuantizeBackwardArgs, QuantizeForwardArgs
+    x = quantize(torch.randn(16, 16), columnwise=True)
+    clone = x.clone()
+    assert not (_storages(clone) & _storages(x))
+    assert torch.equal(clone._data.view(torch.uint8), x._data.view(torch.uint8))
+    for fp8_dtype in (None, torch.float8_e4m3fn):
+        y = ops.Quantize.forward_compute(QuantizeForwardArgs(x, fp8_dtype), in_custom_op=True)
+        dx = ops.Quantize.backward_compute(QuantizeBackwardArgs(x, fp8_dtype, True),
+                                           in_custom_op=True)
+        for out in (y.output, dx.grad_input):
+            assert isinstance(out, Float8Tensor) and not (_storages(out) & _storages(x))
+        eager = ops.Quantize.forward_compute(QuantizeForwardArgs(x, fp8_dtype)).output
+        assert eager is x  # eagerly nothing is copied

@@ -8,7 +8,7 @@ import attrs
 import torch
 
 from fusible.ops.base import BackwardResult, BasicOperation, ForwardResult, pass_through
-from fusible.quantization.float8_tensor import Float8Tensor, Fp8Able
+from fusible.quantization.float8_tensor import Fp8Able
 from fusible.quantization.flow import to_fp8_format
 
 
@@ -23,16 +23,6 @@ class QuantizeBackwardArgs:
     grad_output: Fp8Able
     fp8_dtype: Optional[torch.dtype]  # None: pass the gradient on unchanged
     need_grad_input: bool
-
-
-def _fresh(t, in_custom_op: bool):
-    """A custom op's outputs may not alias its inputs: copy what passes through."""
-    if not in_custom_op:
-        return t
-    if isinstance(t, Float8Tensor):
-        transpose = None if t._transpose is None else t._transpose.clone()
-        return Float8Tensor(t._data.clone(), t._scale_inv.clone(), t.dtype, transpose)
-    return t.clone()
 
 
 class Quantize(BasicOperation):
@@ -75,11 +65,8 @@ class Quantize(BasicOperation):
     @classmethod
     def forward_compute(cls, args, *, in_custom_op=False):
         x = args.input
-        if args.fp8_dtype is not None:
-            y = to_fp8_format(x, (args.fp8_dtype, False))
-            return ForwardResult(y if y is not x else _fresh(x, in_custom_op))
-        return ForwardResult(pass_through(x, True, in_custom_op) if not isinstance(
-            x, Float8Tensor) else _fresh(x, in_custom_op))
+        y = x if args.fp8_dtype is None else to_fp8_format(x, (args.fp8_dtype, False))
+        return ForwardResult(y if y is not x else pass_through(x, True, in_custom_op))
 
     def save_for_backward(self, args, result, ctxs):
         pass
@@ -94,10 +81,8 @@ class Quantize(BasicOperation):
         if not args.need_grad_input:
             return BackwardResult(None)
         dy = args.grad_output
-        if args.fp8_dtype is not None:
-            dx = to_fp8_format(dy, (args.fp8_dtype, False))
-            return BackwardResult(dx if dx is not dy else _fresh(dy, in_custom_op))
-        return BackwardResult(_fresh(dy, in_custom_op))
+        dx = dy if args.fp8_dtype is None else to_fp8_format(dy, (args.fp8_dtype, False))
+        return BackwardResult(dx if dx is not dy else pass_through(dy, True, in_custom_op))
 
     def extra_repr(self) -> str:
         return f"forward={self.forward_fp8}, backward={self.backward_fp8}"

@@ -126,11 +126,14 @@ def requantize(t: Float8Tensor, fp8_dtype: torch.dtype, columnwise: bool) -> Flo
 
 # Handlers for the ops that stay in FP8 ------------------------------------------------
 
-def _same(fn):
-    """Apply ``fn`` to the data and to the transposed copy alike (detach, clone)."""
+def _same(fn, copy_scale: bool = False):
+    """Apply ``fn`` to the data and to the transposed copy alike (detach, clone); a clone
+    copies the scale too, so that it shares no storage with ``t`` (what a custom op's
+    outputs need)."""
     def handler(t, *args, **kwargs):
         transpose = None if t._transpose is None else fn(t._transpose, *args, **kwargs)
-        return Float8Tensor(fn(t._data, *args, **kwargs), t._scale_inv, t.dtype, transpose)
+        scale_inv = t._scale_inv.clone() if copy_scale else t._scale_inv
+        return Float8Tensor(fn(t._data, *args, **kwargs), scale_inv, t.dtype, transpose)
     return handler
 
 
@@ -175,7 +178,7 @@ def _addmm(bias, a, b, beta=1, alpha=1):
 
 _HANDLERS = {
     aten.detach.default: _same(torch.Tensor.detach),
-    aten.clone.default: _same(lambda t, **kw: t.clone(**kw)),
+    aten.clone.default: _same(lambda t, **kw: t.clone(**kw), copy_scale=True),
     aten.view.default: _view,
     aten._unsafe_view.default: _view,
     aten.t.default: _t,
