@@ -143,7 +143,8 @@ class OperationContext:
 
 
 class PlanCachingModule(nn.Module):
-    """An ``nn.Module`` that caches how it runs (a runner or a layout with its plans).
+    """An ``nn.Module`` that runs as a fusible pipeline (a Sequential, or one op alone)
+    and caches its layout with the plans.
 
     The cache carries the epoch it was built in and is rebuilt when the epoch has
     moved on; ``.to()`` and friends move it on, and pickling leaves the cache out.
@@ -166,7 +167,18 @@ class PlanCachingModule(nn.Module):
         return cache
 
     def _build_layout(self):
-        raise NotImplementedError
+        from fusible.layout import Layout, flatten
+
+        return Layout(flatten(self))
+
+    def forward(self, input: Tensor, *extra_inputs: Tensor):
+        """Run the pipeline (a lone op: like a one-element Sequential), planned and fused;
+        under torch.compile through the stages' custom ops."""
+        if torch.compiler.is_compiling():
+            from fusible.compiled import compiled_forward
+
+            return compiled_forward(self, input, extra_inputs)
+        return self._layout().run_eager(input, extra_inputs)
 
     def _apply(self, fn, recurse=True):
         # .to(), .cuda(), to_empty() may replace parameter objects behind __setattr__.
@@ -231,20 +243,6 @@ class FusibleOperation(PlanCachingModule):
         super().__setattr__(name, value)
         if name != "training" and _epoch.changed(old, value):
             _epoch.bump_if_planned(self)
-
-    def forward(self, input: Tensor, *extra_inputs: Tensor):
-        """Run this operation alone, planned and fused like a one-element Sequential."""
-        if torch.compiler.is_compiling():
-            from fusible.compiled import compiled_forward
-
-            return compiled_forward(self, input, extra_inputs)
-        return self._layout().run_eager(input, extra_inputs)
-
-    def _build_layout(self):
-        from fusible.layout import Layout
-
-        _epoch.mark_planned(self)
-        return Layout(list(self.basic_ops()))
 
 
 class BasicOperation(FusibleOperation):

@@ -123,18 +123,6 @@ class Sequential(PlanCachingModule):
         """
         return self._layout().items
 
-    def _build_layout(self):
-        from fusible.layout import Layout, flatten
-
-        return Layout(flatten(self))
-
-    def forward(self, input: torch.Tensor, *extra_inputs: torch.Tensor):
-        if torch.compiler.is_compiling():
-            from fusible.compiled import compiled_forward
-
-            return compiled_forward(self, input, extra_inputs)
-        return self._layout().run_eager(input, extra_inputs)
-
     def plan(self, *example_inputs: torch.Tensor):
         """The :class:`~fusible.FusionPlan` for the current grad mode.
 
