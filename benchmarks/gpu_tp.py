@@ -23,7 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import fusible  # noqa: E402
 from fusible import ops  # noqa: E402
-from fusible.distributed_testing import run_distributed  # noqa: E402
+from fusible.testing.distributed import run_distributed  # noqa: E402
 
 TOKENS, HIDDEN, FFN = 16384, 8192, 28672
 

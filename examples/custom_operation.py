@@ -1,8 +1,8 @@
 """A basic operation written outside the library: ``y = scale * x**3``.
 
-It declares its arguments as attrs classes and computes in two classmethods;
-fusible derives its custom ops from those classes, so it runs eagerly and under
-``torch.compile(fullgraph=True)`` alike:
+It declares its arguments and its saved state as attrs records and computes in two
+classmethods; fusible derives its custom ops from those records, so it runs eagerly
+and under ``torch.compile(fullgraph=True)`` alike:
 
     python examples/custom_operation.py
 """
@@ -24,6 +24,11 @@ class CubeArgs:
 
 
 @attrs.define
+class CubeSaved:
+    input: Optional[torch.Tensor]
+
+
+@attrs.define
 class CubeBackwardArgs:
     grad_output: torch.Tensor
     input: Optional[torch.Tensor]
@@ -36,7 +41,7 @@ class ScaledCube(BasicOperation):
 
     fwd_args_type = CubeArgs
     bwd_args_type = CubeBackwardArgs
-    saved_fields = ("input",)
+    saved_type = CubeSaved
 
     def __init__(self, scale: float):
         super().__init__()
@@ -53,11 +58,11 @@ class ScaledCube(BasicOperation):
         return ForwardResult(args.scale * args.input ** 3)
 
     def save_for_backward(self, args, result, ctxs):
-        ctxs[0].saved = (args.input if ctxs[0].needs.input else None,)
+        ctxs[0].saved = CubeSaved(args.input if ctxs[0].needs.input else None)
 
     def backward_args(self, grad_output, grad_extra_outputs, ctxs):
-        (x,) = ctxs[0].saved
-        return CubeBackwardArgs(grad_output, x, self.scale, ctxs[0].needs.input)
+        return CubeBackwardArgs(grad_output, ctxs[0].saved.input, self.scale,
+                                ctxs[0].needs.input)
 
     @classmethod
     def backward_compute(cls, args, *, in_custom_op=False):
@@ -65,9 +70,9 @@ class ScaledCube(BasicOperation):
             return BackwardResult(None)
         return BackwardResult(args.grad_output * (3 * args.scale) * args.input ** 2)
 
-
-fusible.testing.register_reference(ScaledCube)(
-    lambda op, x, extra_inputs, params: (op.scale * x ** 3, ()))
+    def reference(self, x, extra_inputs, params):
+        """The FP64 reference the test helpers compare with."""
+        return self.scale * x ** 3, ()
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ import argparse
 import torch
 
 from fusible import ops
-from fusible.distributed_testing import run_distributed
+from fusible.testing.distributed import run_distributed
 
 
 def tp_block(hidden: int, ffn: int, dtype=torch.float32) -> ops.Sequential:

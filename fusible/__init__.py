@@ -3,28 +3,28 @@
 Build models as :class:`fusible.ops.Sequential` pipelines of fusible
 operations; a fusion planner fuses patterns such as Linear+Bias in the forward
 and, independently, in the backward. ``model.plan()`` shows what it decided.
+
+This module is the top of the package: it gathers the public names of the layers
+below it (see docs/design.md) and is imported by none of them. The built-in fusions
+(``fusible.fusions``) load at the first planning, like plugins.
 """
 
 from fusible import ops, testing
-from fusible.ops.base import FusedOperation, OperationContext
-from fusible.pattern import Check, Op, Pattern
-from fusible.plan import FusionPlan
-from fusible.planner import Candidate, PlanEnvironment, Stage
-from fusible.registry import register_fusion, registered_fusions, unregister_fusion
 from fusible.convert import state_dict_from_torch
-from fusible.report import CompileReport, compile_report
-from fusible.quantization import Float8CurrentScaling, Float8Tensor, autocast, quantize
+from fusible.core import (Check, Example, FusedOperation, Op, OperationContext, Pattern,
+                          PlanConditions, register_schema_type)
+from fusible.planning import (Candidate, FusionPlan, PlanEnvironment, Stage, register_fusion,
+                              registered_fusions, unregister_fusion)
+from fusible.quantization import (Float8CurrentScaling, Float8Format, Float8Tensor, autocast,
+                                  quantize)
+from fusible.runtime import CompileReport, compile_report
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "Candidate", "Check", "CompileReport", "Float8CurrentScaling", "Float8Tensor", "autocast",
-    "quantize", "FusedOperation", "FusionPlan", "Op",
-    "OperationContext", "Pattern", "PlanEnvironment", "Stage", "compile_report", "ops",
-    "register_fusion", "registered_fusions", "state_dict_from_torch", "testing",
-    "unregister_fusion",
+    "Candidate", "Check", "CompileReport", "Example", "Float8CurrentScaling", "Float8Format",
+    "Float8Tensor", "FusedOperation", "FusionPlan", "Op", "OperationContext", "Pattern",
+    "PlanConditions", "PlanEnvironment", "Stage", "autocast", "compile_report", "ops",
+    "quantize", "register_fusion", "register_schema_type", "registered_fusions",
+    "state_dict_from_torch", "testing", "unregister_fusion",
 ]
-
-# The built-in fusions register themselves exactly as a plugin would; importing
-# them last keeps registration order (= tie-break priority) fixed.
-import fusions  # noqa: E402,F401

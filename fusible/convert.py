@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from fusible import distributed
+from fusible.functional import parallel
 from fusible.ops.basic_linear import BasicLinear, linear_shard
 from fusible.ops.bias import Bias
 from fusible.ops.layer_norm import LayerNorm
@@ -86,7 +86,7 @@ def _local_shard(op, value):
     if isinstance(op, BasicLinear):
         return value[linear_shard(op)]
     if isinstance(op, Bias) and op.tensor_parallel:
-        return value[distributed.rank_slice(op.tp, op.local_size)]
+        return value[parallel.rank_slice(op.tp, op.local_size)]
     return value
 
 

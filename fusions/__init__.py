@@ -1,15 +1,6 @@
-"""Built-in fusions, one per file, each registered exactly as a plugin would.
+"""Built-in fusions, one per file, installed as ``fusible.fusions``.
 
-Import order is registration order, the planner's tie-break among matches of
-equal length.
+Each file is written as a plugin would be; the registry loads them (by the specs in
+``fusible.planning.registry.BUILTIN_FUSIONS``) at the first planning, the way it loads
+third-party fusions from the ``fusible.fusions`` entry-point group.
 """
-
-from fusions.forward_linear_bias import ForwardLinearBias
-from fusions.forward_linear_bias_activation import ForwardLinearBiasActivation
-from fusions.forward_linear_bias_add import ForwardLinearBiasAdd
-from fusions.backward_activation_bias import BackwardActivationBias
-from fusions.backward_linear_add import BackwardLinearAdd
-from fusions.backward_linear_bias import BackwardLinearBias
-
-__all__ = ["BackwardActivationBias", "BackwardLinearAdd", "BackwardLinearBias", "ForwardLinearBias",
-           "ForwardLinearBiasActivation", "ForwardLinearBiasAdd"]

@@ -5,8 +5,8 @@ from typing import Optional
 import attrs
 import torch
 
-from fusible import FusedOperation, Op, Pattern, register_fusion
-from fusible.kernels.dact_dbias import dact_dbias
+from fusible import Example, FusedOperation, Op, Pattern
+from fusible.functional.activations import dact_dbias
 from fusible.ops import GELU, BackwardResult, Bias, ReLU, SiLU
 
 
@@ -18,7 +18,6 @@ class ActivationBiasBackwardArgs:
     need_grad_input: bool
 
 
-@register_fusion
 class BackwardActivationBias(FusedOperation):
     """``dact = act'(.) * dy`` and ``dbias = dact.sum(tokens)`` in one pass over ``dy``.
 
@@ -27,8 +26,8 @@ class BackwardActivationBias(FusedOperation):
     Accepts when the bias needs a gradient (otherwise there is nothing to fuse).
     Reads: the activation's saved tensor (its input, or ReLU's output).
     Uses one Triton kernel on CUDA for tensors of 2**24 elements or more, two
-    PyTorch ops elsewhere (see ``fusible.kernels.dact_dbias``). When the next stage
-    takes the gradient in FP8, the Triton version writes it in FP8 directly.
+    PyTorch ops elsewhere (see ``fusible.functional.activations.dact_dbias``). When the
+    next stage takes the gradient in FP8, the Triton version writes it in FP8 directly.
     """
 
     direction = "backward"
@@ -45,11 +44,15 @@ class BackwardActivationBias(FusedOperation):
         return True
 
     def backward_args(self, grad_output, grad_extra_outputs, ctxs):
-        return ActivationBiasBackwardArgs(grad_output, ctxs[1].saved[0],
+        return ActivationBiasBackwardArgs(grad_output, ctxs[1].saved.tensor,
                                           self.match["activation"].kind, ctxs[0].needs.input)
 
     @classmethod
-    def backward_compute(cls, args, *, in_custom_op=False, fp8_out=None):
-        fp8_out = fp8_out if args.need_grad_input else None
-        dact, dbias = dact_dbias(args.kind, args.grad_output, args.saved, fp8_out)
+    def backward_compute(cls, args, *, in_custom_op=False, output_format=None):
+        fmt = output_format if args.need_grad_input else None
+        dact, dbias = dact_dbias(args.kind, args.grad_output, args.saved, fmt)
         return BackwardResult(dact if args.need_grad_input else None, (dbias,))
+
+    @classmethod
+    def example(cls):
+        return Example((Bias(32), GELU(approximate="tanh")), (6, 32))

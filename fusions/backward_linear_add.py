@@ -5,40 +5,32 @@ from typing import Optional
 import attrs
 import torch
 
-from fusible import FusedOperation, Op, Pattern, register_fusion
+from fusible import Example, FusedOperation, Op, Pattern
+from fusible.functional.linear import GemmBackwardArgs, gemm_backward
+from fusible.functional.linear_state import gemm_backward_args
 from fusible.ops import BackwardResult, BasicLinear, MakeExtraOutput
-from fusible.distributed import NOT_PARALLEL, TensorParallel
-from fusible.ops.basic_linear import linear_backward, linear_saved, parallel_refusal
-from fusible.quantization.float8_tensor import Fp8Able
+from fusible.ops.basic_linear import parallel_refusal
 
 
 @attrs.define
 class LinearAddBackwardArgs:
-    grad_output: Fp8Able
+    gemm: GemmBackwardArgs
     grad_extra_output: Optional[torch.Tensor]
-    input: Optional[Fp8Able]
-    weight: Optional[Fp8Able]
-    grad_fp8_dtype: Optional[torch.dtype]
-    need_grad_input: bool
-    need_grad_weight: bool
-    tp: TensorParallel = NOT_PARALLEL
 
 
-@register_fusion
 class BackwardLinearAdd(FusedOperation):
     """``dx = d_branch + dy @ weight`` in one GEMM (the branch gradient as its C matrix).
 
     Pattern (forward order): ``MakeExtraOutput, BasicLinear``; in the backward the
     linear's dgrad is accumulated into the gradient of the extra output.
     Accepts when the input needs a gradient (otherwise there is no dgrad).
-    Reads: BasicLinear's saved ``(input, weight)``; computes its wgrad too. Under an FP8
-    recipe the dgrad is an FP8 GEMM followed by the add.
+    Reads: BasicLinear's ``LinearSaved``; computes its wgrad too. Under an FP8 recipe the
+    dgrad is an FP8 GEMM followed by the add, and ``dy`` arrives in BasicLinear's format.
     """
 
     direction = "backward"
     pattern = Pattern(Op(MakeExtraOutput, name="branch"), Op(BasicLinear, name="linear"))
     bwd_args_type = LinearAddBackwardArgs
-    fp8_grad_consumer = True
     handles_communication = True  # row layers: gemm_backward gathers (accepts refuses column)
 
     @classmethod
@@ -47,12 +39,18 @@ class BackwardLinearAdd(FusedOperation):
             return "MakeExtraOutput's input needs no gradient: there is no dgrad to accumulate"
         return parallel_refusal(match["linear"], ("", "row"))
 
+    def grad_format(self, recipe, needs):
+        return self.match["linear"].grad_format(recipe, needs[1:])
+
     def backward_args(self, grad_output, grad_extra_outputs, ctxs):
-        linear = ctxs[1]
-        x, weight, grad_dtype = linear_saved(linear)
-        return LinearAddBackwardArgs(grad_output, grad_extra_outputs[0], x, weight, grad_dtype,
-                                     True, linear.needs.params[0], self.match["linear"].tp)
+        gemm = gemm_backward_args(ctxs[1], grad_output, self.match["linear"].tp)
+        return LinearAddBackwardArgs(gemm, grad_extra_outputs[0])
 
     @classmethod
     def backward_compute(cls, args, *, in_custom_op=False):
-        return BackwardResult(*linear_backward(args, accumulate_into=args.grad_extra_output))
+        dx, dw = gemm_backward(args.gemm, accumulate_into=args.grad_extra_output)
+        return BackwardResult(dx, (dw,))
+
+    @classmethod
+    def example(cls):
+        return Example((MakeExtraOutput(), BasicLinear(32, 32)), (6, 32))

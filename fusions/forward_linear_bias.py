@@ -1,29 +1,21 @@
 """ForwardLinearBias: BasicLinear + Bias as one GEMM with the bias epilogue."""
 
-from typing import Optional
-
 import attrs
 import torch
 
-from fusible import FusedOperation, Op, Pattern, register_fusion
+from fusible import Example, FusedOperation, Op, Pattern
+from fusible.functional.linear import GemmForwardArgs, gemm_forward
+from fusible.functional.linear_state import forward_aux, gemm_forward_args, save_linear
 from fusible.ops import BasicLinear, Bias, ForwardResult
-from fusible.distributed import NOT_PARALLEL, TensorParallel
-from fusible.ops.basic_linear import (fp8_forward_flags, gemm_forward, linear_aux,
-                                      parallel_refusal, save_linear)
-from fusible.quantization.float8_tensor import Fp8Able
+from fusible.ops.basic_linear import parallel_refusal
 
 
 @attrs.define
 class LinearBiasForwardArgs:
-    input: Fp8Able
-    weight: torch.Tensor
+    gemm: GemmForwardArgs
     bias: torch.Tensor
-    fp8_dtype: Optional[torch.dtype]
-    keep_input_t: bool
-    tp: TensorParallel = NOT_PARALLEL
 
 
-@register_fusion
 class ForwardLinearBias(FusedOperation):
     """``y = x @ weight.T + bias`` in one GEMM with the bias epilogue.
 
@@ -32,14 +24,14 @@ class ForwardLinearBias(FusedOperation):
     Pattern: ``BasicLinear, Bias``. Accepts every match but row-parallel layers (their
     bias is added once, after the reduction); column-parallel ones gather their input
     first under sequence parallelism, as BasicLinear does.
-    Saves: BasicLinear's ``(input, weight)`` as BasicLinear itself would (their FP8
-    copies under FP8); Bias saves nothing. The backward is planned separately.
+    FP8: takes its input in BasicLinear's format.
+    Saves: BasicLinear's ``LinearSaved`` as BasicLinear itself would; Bias saves nothing.
+    The backward is planned separately.
     """
 
     direction = "forward"
     pattern = Pattern(Op(BasicLinear, name="linear"), Op(Bias, name="bias"))
     fwd_args_type = LinearBiasForwardArgs
-    fp8_input_consumer = True
     handles_communication = True  # column layers: gemm_forward gathers (accepts refuses row)
 
     @classmethod
@@ -49,16 +41,22 @@ class ForwardLinearBias(FusedOperation):
                                 "GEMM: the bias is added once, after the sum, not by every "
                                 "rank's GEMM epilogue")
 
+    def input_format(self, recipe, needs):
+        return self.match["linear"].input_format(recipe, needs[:1])
+
     def forward_args(self, input, params, extra_inputs, ctxs):
         weight, bias = params  # the covered ops' parameters, in order
-        return LinearBiasForwardArgs(input, weight, bias, *fp8_forward_flags(ctxs[0]),
-                                     self.match["linear"].tp)
+        return LinearBiasForwardArgs(
+            gemm_forward_args(input, weight, self.match["linear"].tp, ctxs[0]), bias)
 
     @classmethod
     def forward_compute(cls, args, *, in_custom_op=False):
-        y, x_q = gemm_forward(args.input, args.weight, args.bias, args.fp8_dtype,
-                              args.keep_input_t, args.tp)
-        return ForwardResult(y, (), linear_aux(args, x_q))
+        y, x_q = gemm_forward(args.gemm, args.bias)
+        return ForwardResult(y, (), forward_aux(args.gemm, x_q))
 
     def save_for_backward(self, args, result, ctxs):
-        save_linear(ctxs[0], args, result.aux)
+        save_linear(ctxs[0], args.gemm, result.aux)
+
+    @classmethod
+    def example(cls):
+        return Example((BasicLinear(32, 48), Bias(48)), (3, 5, 32))

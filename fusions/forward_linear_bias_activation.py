@@ -3,10 +3,12 @@
 import attrs
 import torch
 
-from fusible import FusedOperation, Op, Pattern, register_fusion
+from fusible import Example, FusedOperation, Op, Pattern
+from fusible.functional.linear import GemmForwardArgs, like_tokens, tokens_2d
+from fusible.functional.linear_state import gemm_forward_args, save_linear
 from fusible.ops import GELU, BasicLinear, Bias, ForwardResult, ReLU
-from fusible.ops.activation import save_activation
-from fusible.ops.basic_linear import like_tokens, parallel_refusal, tokens_2d
+from fusible.ops.basic_linear import parallel_refusal
+from fusible.ops.pointwise_activation import save_activation
 
 # The GELU each backend's epilogue computes: cuBLASLt's is the tanh form; the CPU
 # kernel applies exact GELU after the GEMM.
@@ -15,13 +17,11 @@ EPILOGUE_GELU = {"cuda": "tanh", "cpu": "none"}
 
 @attrs.define
 class LinearBiasActivationForwardArgs:
-    input: torch.Tensor
-    weight: torch.Tensor
+    gemm: GemmForwardArgs
     bias: torch.Tensor
     use_gelu: bool
 
 
-@register_fusion
 class ForwardLinearBiasActivation(FusedOperation):
     """``act(x @ weight.T + bias)`` with the activation in the GEMM epilogue.
 
@@ -33,7 +33,7 @@ class ForwardLinearBiasActivation(FusedOperation):
     dtypes only: cuBLASLt's epilogue is less accurate than float32 (measured
     about 6e-5 relative on an H200).
     Refuses under an FP8 recipe (no FP8 activation epilogue) and with tensor parallelism.
-    Saves: BasicLinear's ``(input, weight)``; ReLU's ``(output,)``.
+    Saves: BasicLinear's ``LinearSaved``; ReLU's output.
     """
 
     direction = "forward"
@@ -65,17 +65,21 @@ class ForwardLinearBiasActivation(FusedOperation):
 
     def forward_args(self, input, params, extra_inputs, ctxs):
         weight, bias = params
-        return LinearBiasActivationForwardArgs(input, weight, bias,
+        gemm = gemm_forward_args(input, weight, self.match["linear"].tp, ctxs[0])
+        return LinearBiasActivationForwardArgs(gemm, bias,
                                                isinstance(self.match["activation"], GELU))
 
     @classmethod
     def forward_compute(cls, args, *, in_custom_op=False):
-        x, w = args.input, args.weight
+        x, w = args.gemm.input, args.gemm.weight
         y = torch._addmm_activation(args.bias, tokens_2d(x), w.t(), use_gelu=args.use_gelu)
         return ForwardResult(like_tokens(y, x))
 
     def save_for_backward(self, args, result, ctxs):
-        ctxs[0].saved = (args.input if ctxs[0].needs.params[0] else None,
-                         args.weight if ctxs[0].needs.input else None)
+        save_linear(ctxs[0], args.gemm, ())
         # Only ReLU reaches here with a backward (accepts refuses GELU then): it saves y.
         save_activation(self.match["activation"], ctxs[2], None, result.output)
+
+    @classmethod
+    def example(cls):
+        return Example((BasicLinear(32, 48), Bias(48), ReLU()), (6, 32), fp8=False)

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from fusible import ops
-from fusible.kernels.dact_dbias import dact_dbias_torch, dact_dbias_triton
+from fusible.functional.activations import dact_dbias_torch
+from fusible.kernels.dact_dbias import dact_dbias_triton
 from fusible.testing import assert_close, check_fusion, exact_parameters_, exact_tensor, stage_names
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -162,12 +163,13 @@ def test_dact_dbias_fp8_triton_same_bits_as_dact_then_cast(kind):
     from fusible.kernels.fp8_cast import cast_to_fp8_triton
     dy = torch.randn(3000, 1024, device="cuda").to(torch.bfloat16)
     saved = (3 * torch.randn(3000, 1024, device="cuda")).to(torch.bfloat16)
-    dact, dbias = dact_dbias_fp8_triton(kind, dy, saved, torch.float8_e5m2, True)
+    q_data, q_scale_inv, q_t, dbias = dact_dbias_fp8_triton(kind, dy, saved, torch.float8_e5m2,
+                                                            57344.0, True)
     ref_dact, ref_dbias = dact_dbias_triton(kind, dy, saved)
     data, scale_inv, transpose = cast_to_fp8_triton(ref_dact, torch.float8_e5m2, 57344.0, True)
-    assert torch.equal(dact._scale_inv, scale_inv)
-    assert torch.equal(dact._data.view(torch.uint8), data.view(torch.uint8))
-    assert torch.equal(dact._transpose.view(torch.uint8), transpose.view(torch.uint8))
+    assert torch.equal(q_scale_inv, scale_inv)
+    assert torch.equal(q_data.view(torch.uint8), data.view(torch.uint8))
+    assert torch.equal(q_t.view(torch.uint8), transpose.view(torch.uint8))
     # Same per-chunk sums; only the tile reduction's order may differ.
     assert_close(dbias, ref_dbias.double(), torch.bfloat16, "dbias")
 

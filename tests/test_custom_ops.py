@@ -7,8 +7,10 @@ import attrs
 import pytest
 import torch
 
-from fusible import custom_ops, ops
+from fusible import ops
+from fusible.core.schema import SchemaType, register_schema_type
 from fusible.ops import BackwardResult, BasicOperation, ForwardResult
+from fusible.runtime import custom_ops
 
 
 class Mode(enum.Enum):
@@ -16,15 +18,22 @@ class Mode(enum.Enum):
     MUL = 2
 
 
-@attrs.define
 class Pair:
     """A field type the schema does not know: taught with register_schema_type."""
-    a: torch.Tensor
-    b: torch.Tensor
+
+    def __init__(self, a, b):
+        self.a, self.b = a, b
 
 
-custom_ops.register_schema_type(Pair, custom_ops.SchemaType(
-    ("Tensor", "Tensor"), lambda p: [p.a, p.b], lambda vals: Pair(*vals)))
+register_schema_type(Pair, SchemaType(("Tensor", "Tensor"), lambda p: [p.a, p.b],
+                                      lambda vals: Pair(*vals)))
+
+
+@attrs.define
+class Inner:
+    """A nested attrs record: flattened field by field, rebuilt inside the op."""
+    scale: float
+    shift: Optional[torch.Tensor]
 
 
 @attrs.define
@@ -41,6 +50,7 @@ class EveryTypeArgs:
     dims: tuple[int, ...]
     mode: Mode
     pair: Pair
+    inner: Inner
 
 
 class EveryType(BasicOperation):
@@ -49,13 +59,15 @@ class EveryType(BasicOperation):
 
     def forward_args(self, input, params, extra_inputs, ctxs):
         return EveryTypeArgs(input, None, [input, input * 2], 3, 0.5, True, "x", torch.float32,
-                             [1, 2], (0,), Mode.MUL, Pair(input, input + 1))
+                             [1, 2], (0,), Mode.MUL, Pair(input, input + 1), Inner(2.0, None))
 
     @classmethod
     def forward_compute(cls, args, *, in_custom_op=False):
         assert args.maybe is None and args.label == "x" and args.dtype == torch.float32
         assert isinstance(args.dims, tuple) and args.sizes == [1, 2] and args.mode is Mode.MUL
-        y = sum(args.tensors) * args.count * args.factor + args.pair.b - args.pair.a
+        assert isinstance(args.inner, Inner) and args.inner.shift is None
+        y = (sum(args.tensors) * args.count * args.factor + args.pair.b - args.pair.a) \
+            * args.inner.scale / 2
         return ForwardResult(y if args.flag else -y)
 
     def save_for_backward(self, args, result, ctxs):
@@ -75,7 +87,7 @@ def test_schema_of_every_field_type():
     for part in ("Tensor input", "Tensor? maybe", "Tensor[] tensors", "SymInt count",
                  "float factor", "bool flag", "str label", "ScalarType dtype", "SymInt[] sizes",
                  "SymInt[] dims", "str mode", "Tensor pair_0", "Tensor pair_1",
-                 "str provenance"):
+                 "float inner_0", "Tensor? inner_1", "str provenance"):
         assert part in schema, (part, schema)
 
 

@@ -131,7 +131,7 @@ def test_plain_eager_sees_tracing():
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    from fusible.quantization.cast import plain_eager
+    from fusible.kernels import plain_eager
     seen = []
     assert plain_eager(torch.ones(2))
     with FakeTensorMode() as mode:
@@ -160,20 +160,27 @@ def _storages(t: Float8Tensor) -> set:
     return {p.untyped_storage().data_ptr() for p in parts}
 
 
-def test_clone_shares_no_storage_and_quantize_op_copies_what_passes():
+def test_clone_shares_no_storage_and_the_op_boundary_copies_what_passes():
     """A custom op may not return aliases of its inputs: a Float8Tensor that passes through
-    ``ops.Quantize`` inside one (no recipe, or already in the format) comes out copied."""
+    ``ops.Quantize`` inside one (no recipe, or already in the format) comes out copied by
+    the boundary, for every op; eagerly nothing is copied."""
     from fusible import ops
     from fusible.ops.quantize import QuantizeBackwardArgs, QuantizeForwardArgs
+    from fusible.quantization import Float8Format
+    from fusible.runtime import custom_ops
     x = quantize(torch.randn(16, 16), columnwise=True)
     clone = x.clone()
     assert not (_storages(clone) & _storages(x))
     assert torch.equal(clone._data.view(torch.uint8), x._data.view(torch.uint8))
-    for fp8_dtype in (None, torch.float8_e4m3fn):
-        y = ops.Quantize.forward_compute(QuantizeForwardArgs(x, fp8_dtype), in_custom_op=True)
-        dx = ops.Quantize.backward_compute(QuantizeBackwardArgs(x, fp8_dtype, True),
-                                           in_custom_op=True)
-        for out in (y.output, dx.grad_input):
-            assert isinstance(out, Float8Tensor) and not (_storages(out) & _storages(x))
-        eager = ops.Quantize.forward_compute(QuantizeForwardArgs(x, fp8_dtype)).output
+    tail = [None, False, "", True, "test"]  # output format, quantized results, provenance
+    for fmt in (None, Float8Format(torch.float8_e4m3fn)):
+        fwd = custom_ops.stage_op(ops.Quantize, "forward")
+        bwd = custom_ops.stage_op(ops.Quantize, "backward")
+        y = fwd.overload(*fwd.flatten_args(QuantizeForwardArgs(x, fmt)), *tail)
+        dx = bwd.overload(*bwd.flatten_args(QuantizeBackwardArgs(x, fmt, True)), *tail)
+        for out in (y, dx):
+            assert out[1].dim() == 0  # a Float8Tensor: data, scale_inv, transposed copy
+            assert not ({t.untyped_storage().data_ptr() for t in out if t.numel()}
+                        & _storages(x))
+        eager = ops.Quantize.forward_compute(QuantizeForwardArgs(x, fmt)).output
         assert eager is x  # eagerly nothing is copied

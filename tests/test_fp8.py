@@ -171,7 +171,7 @@ def _pipeline(*head, tail=()):
 def test_quantized_tensors_flow_between_stages():
     """The GELU stage hands the second GEMM an E4M3 input; the activation-bias backward
     hands the first GEMM an E5M2 gradient with the transposed copy its wgrad needs."""
-    from fusible import custom_ops
+    from fusible.runtime import custom_ops
     torch._dynamo.reset()
     model = _pipeline()
     custom_ops.recorder = []

@@ -57,10 +57,11 @@ def test_only_needed_tensors_are_saved():
     model[0].weight.requires_grad_(False)
     y = model(torch.randn(3, 4))
     ctxs = y.grad_fn.fusible[1]
-    assert ctxs[0].saved == () or all(t is None for t in ctxs[0].saved)  # no input, no weight
-    assert all(t is None for t in ctxs[1].saved)                  # GELU: input needs no grad
-    x_saved, w_saved = ctxs[2].saved                              # wgrad only: input, no weight
-    assert x_saved is not None and w_saved is None
+    assert ctxs[0].saved is None or (ctxs[0].saved.input is None    # no input, no weight
+                                     and ctxs[0].saved.weight is None)
+    assert ctxs[1].saved.tensor is None                           # GELU: input needs no grad
+    saved = ctxs[2].saved                                         # wgrad only: input, no weight
+    assert saved.input is not None and saved.weight is None
 
 
 def test_intermediates_are_freed_during_backward(monkeypatch):
@@ -86,8 +87,8 @@ def test_intermediates_are_freed_during_backward(monkeypatch):
     x = torch.randn(3, 4, requires_grad=True)
     y = model(x)
     ctxs = y.grad_fn.fusible[1]
-    refs["gelu_output"] = weakref.ref(ctxs[2].saved[0])
-    refs["pre_activation"] = weakref.ref(ctxs[1].saved[0])
+    refs["gelu_output"] = weakref.ref(ctxs[2].saved.input)
+    refs["pre_activation"] = weakref.ref(ctxs[1].saved.tensor)
     y.sum().backward()
     assert seen["alive"] == {"gelu_output": False, "pre_activation": False,
                              "gelu_grad_output": False}
@@ -140,7 +141,7 @@ def test_saved_view_of_an_output_does_not_keep_the_graph_alive():
     gc.disable()
     try:
         y, branch = model(torch.randn(4, 4))
-        ref = weakref.ref(y.grad_fn.fusible[1][3].saved[0])  # the view BasicLinear saved
+        ref = weakref.ref(y.grad_fn.fusible[1][3].saved.input)  # the view BasicLinear saved
         del y, branch
         assert ref() is None
     finally:

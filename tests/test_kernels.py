@@ -12,7 +12,8 @@ pytest.importorskip("triton")
 
 _SCRIPT = textwrap.dedent("""
     import torch
-    from fusible.kernels.dact_dbias import dact_dbias_torch, dact_dbias_triton
+    from fusible.functional.activations import dact_dbias_torch
+    from fusible.kernels.dact_dbias import dact_dbias_triton
     from fusible.testing import assert_close
     torch.manual_seed(0)
     for dtype in (torch.float32, torch.bfloat16):
@@ -112,18 +113,19 @@ _DACT_FP8_SCRIPT = textwrap.dedent("""
         for shape in ((70, 200), (3, 5, 48)):
             dy = torch.randn(shape).to(torch.bfloat16)
             saved = torch.randn(shape).to(torch.bfloat16)
-            dact, dbias = dact_dbias_fp8_triton(kind, dy, saved, torch.float8_e5m2, True,
-                                                rows_per_program=64, block_m=16, block_n=64,
-                                                cast_block_m=16, cast_block_n=32)
+            fp8 = torch.float8_e5m2
+            q_data, q_scale_inv, q_t, dbias = dact_dbias_fp8_triton(
+                kind, dy, saved, fp8, FP8_MAX[fp8], True, rows_per_program=64, block_m=16,
+                block_n=64, cast_block_m=16, cast_block_n=32)
             ref_dact, ref_dbias = dact_dbias_triton(kind, dy, saved, rows_per_program=64,
                                                     block_m=16, block_n=64)
             data, scale_inv, transpose = cast_to_fp8_triton(
                 ref_dact, torch.float8_e5m2, FP8_MAX[torch.float8_e5m2], True, block=256,
                 block_m=16, block_n=32)
-            assert dact.shape == dy.shape and dact.dtype == torch.bfloat16
-            assert torch.equal(dact._scale_inv, scale_inv)
-            assert torch.equal(dact._data.view(torch.uint8), data.view(torch.uint8))
-            assert torch.equal(dact._transpose.view(torch.uint8), transpose.view(torch.uint8))
+            assert q_data.shape == dy.shape and q_data.dtype == fp8
+            assert torch.equal(q_scale_inv, scale_inv)
+            assert torch.equal(q_data.view(torch.uint8), data.view(torch.uint8))
+            assert torch.equal(q_t.view(torch.uint8), transpose.view(torch.uint8))
             assert torch.equal(dbias, ref_dbias)
     print("ok")
 """)

@@ -15,7 +15,9 @@ import torch
 
 import fusible
 from fusible import ops
-from fusible.distributed_testing import run_distributed
+from fusible.functional.linear import LinearSaved
+from fusible.ops.pointwise_activation import ActivationSaved
+from fusible.testing.distributed import run_distributed
 from fusible.testing import assert_close, exact_tensor, fp8_snr_floor, snr_db
 
 TOKENS, IN, OUT = 32, 32, 64  # FP8 GEMMs need shards in multiples of 16
@@ -109,13 +111,14 @@ def _check_linear_fp8(rank, ws, mode, sp, bias):
 
 def _check_fp8_gather(rank, ws):
     """An FP8 all-gather gives the bits of gathering in high precision, then quantizing."""
-    from fusible.distributed import all_gather
-    from fusible.ops.linear_math import gather_fp8
+    from fusible.functional.linear import gather_fp8
+    from fusible.functional.parallel import all_gather
+    from fusible.quantization import Float8Format
     tp = ops.BasicLinear(IN, OUT, tensor_parallel_mode="column", sequence_parallel=True).tp
     g = torch.Generator().manual_seed(11)
     parts = [torch.randn(16, IN, generator=g, dtype=torch.float64) * 4 ** r for r in range(ws)]
     x = parts[rank].to(DEVICE[0], torch.bfloat16)
-    ours = gather_fp8(x, tp, torch.float8_e4m3fn, True)
+    ours = gather_fp8(x, tp, Float8Format(torch.float8_e4m3fn, columnwise=True))
     ref = fusible.quantize(all_gather(x, tp), torch.float8_e4m3fn, columnwise=True)
     for a, b in ((ours._data, ref._data), (ours._transpose, ref._transpose),
                  (ours._scale_inv, ref._scale_inv)):
@@ -322,8 +325,8 @@ class _GeluOfLinear(fusible.FusedOperation):
         return ops.ForwardResult(torch.nn.functional.gelu(h), (), (h,))
 
     def save_for_backward(self, args, result, ctxs):
-        ctxs[0].saved = (args.input, args.weight)
-        ctxs[1].saved = result.aux
+        ctxs[0].saved = LinearSaved(args.input, args.weight)
+        ctxs[1].saved = ActivationSaved(result.aux[0])
 
 
 def _check_guards(rank, ws):

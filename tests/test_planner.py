@@ -123,10 +123,10 @@ def test_accepts_reason_and_bad_verdict(registered):
 
 
 def test_plan_is_cached_and_replanned_when_conditions_change(monkeypatch):
-    from fusible import exec_plan
+    from fusible.planning import prepare
     calls = []
-    real = exec_plan.plan_group
-    monkeypatch.setattr(exec_plan, "plan_group", lambda *a: calls.append(a[2]) or real(*a))
+    real = prepare.plan_group
+    monkeypatch.setattr(prepare, "plan_group", lambda *a: calls.append(a[2]) or real(*a))
     model = ops.Sequential(ops.BasicLinear(4, 4), ops.Bias(4), ops.GELU())
     x = torch.randn(2, 4)
     model(x), model(x), model(torch.randn(7, 3, 4))
@@ -171,7 +171,7 @@ def test_plan_must_flatten_back(registered):
 
 
 def test_entry_point_plugins_are_loaded(monkeypatch):
-    import fusible.registry as registry
+    import fusible.planning.registry as registry
     plugin = make_fusion("FromEntryPoint", Pattern(Op(ops.Identity), Op(ops.ReLU)))
 
     class FakeEntryPoint:
@@ -180,7 +180,7 @@ def test_entry_point_plugins_are_loaded(monkeypatch):
         def load(self):
             return plugin
 
-    monkeypatch.setattr(registry, "_entry_points_loaded", False)
+    monkeypatch.setitem(registry._state, "loaded", False)
     monkeypatch.setattr(registry.importlib.metadata, "entry_points",
                         lambda group: [FakeEntryPoint()] if group == "fusible.fusions" else [])
     try:

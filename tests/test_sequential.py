@@ -124,7 +124,7 @@ def test_same_module_twice_shares_gradients():
 
 
 def test_fusion_inside_model_is_rejected():
-    from fusions import ForwardLinearBias
+    from fusible.fusions.forward_linear_bias import ForwardLinearBias
     with pytest.raises(TypeError, match="is a fusion"):
         ops.Sequential(ForwardLinearBias.__new__(ForwardLinearBias))
 

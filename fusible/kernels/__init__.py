@@ -1,4 +1,5 @@
-"""Kernels: Triton versions for CUDA, each with a plain-PyTorch fallback used elsewhere."""
+"""Kernels: Triton versions for CUDA, imported by the layers above, which keep the
+plain-PyTorch arithmetic (the CPU path and the reference)."""
 
 import torch
 

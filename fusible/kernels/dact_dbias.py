@@ -3,7 +3,8 @@
 On CUDA, for large tensors, one Triton kernel reads ``dy`` and the saved tensor
 once, writes ``dact`` and per-chunk column sums; a small second reduction over
 the chunks gives ``dbias`` (deterministic: no atomics). Elsewhere, and for
-small tensors, two PyTorch ops do it.
+small tensors, two PyTorch ops do it (``fusible.functional.activations.dact_dbias``
+chooses).
 
 When the next stage takes the gradient in FP8, the Triton version never writes
 ``dact`` in high precision: a first pass computes it for its absolute maximum and
@@ -14,10 +15,6 @@ transposed copy. Same bits as the Triton ``dact`` followed by the FP8 cast.
 from __future__ import annotations
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensor
-
-from fusible.ops.activation import activation_backward
-from fusible.ops.bias import bias_grad
 
 try:
     import triton
@@ -36,27 +33,6 @@ _KINDS = {"gelu": 0, "gelu_tanh": 1, "relu": 2, "silu": 3}
 # reduction: about 65 us more than the PyTorch ops, measured on an H200 host), and
 # such small steps are bound by host time.
 TRITON_MIN_NUMEL = 1 << 24
-
-
-def dact_dbias(kind: str, grad_output: torch.Tensor, saved: torch.Tensor, fp8_out=None):
-    """Return ``(dact, dbias)`` for the pointwise activation ``kind``.
-
-    ``fp8_out``: the ``(fp8_dtype, transposed copy)`` format the caller wants ``dact``
-    in; where the Triton kernels run, ``dact`` comes back as that Float8Tensor, else
-    in high precision (the caller quantizes it).
-    """
-    if (triton is not None and grad_output.is_cuda and grad_output.numel() >= TRITON_MIN_NUMEL
-            and not isinstance(grad_output, FakeTensor)):  # fake kernels: same shapes, no launch
-        if fp8_out is not None:
-            return dact_dbias_fp8_triton(kind, grad_output, saved, *fp8_out)
-        return dact_dbias_triton(kind, grad_output, saved)
-    return dact_dbias_torch(kind, grad_output, saved)
-
-
-def dact_dbias_torch(kind: str, grad_output: torch.Tensor, saved: torch.Tensor):
-    """The plain-PyTorch version: activation backward, then a sum over tokens."""
-    dact = activation_backward(kind, grad_output, saved)
-    return dact, bias_grad(dact)
 
 
 if triton is not None:
@@ -152,13 +128,12 @@ def dact_dbias_triton(kind: str, grad_output: torch.Tensor, saved: torch.Tensor,
 
 
 def dact_dbias_fp8_triton(kind: str, grad_output: torch.Tensor, saved: torch.Tensor,
-                          fp8_dtype: torch.dtype, columnwise: bool, rows_per_program: int = 256,
-                          block_m: int = 32, block_n: int = 128, cast_block_m: int = 64,
-                          cast_block_n: int = 128):
-    """``(dact as a Float8Tensor of fp8_dtype, dbias)``: :func:`dact_dbias_triton`
-    followed by the FP8 cast, without writing ``dact`` in high precision."""
-    from fusible.quantization.cast import FP8_MAX
-    from fusible.quantization.float8_tensor import Float8Tensor
+                          fp8_dtype: torch.dtype, fp8_max: float, columnwise: bool,
+                          rows_per_program: int = 256, block_m: int = 32, block_n: int = 128,
+                          cast_block_m: int = 64, cast_block_n: int = 128):
+    """``(data, scale_inv, transposed copy or None, dbias)``: :func:`dact_dbias_triton`
+    followed by the FP8 cast of ``dact`` to ``fp8_dtype`` (largest value ``fp8_max``),
+    without writing ``dact`` in high precision."""
     if triton is None:
         raise RuntimeError(f"dact_dbias_fp8_triton needs Triton, which failed to import: "
                            f"{_TRITON_IMPORT_ERROR!r}")
@@ -176,8 +151,7 @@ def dact_dbias_fp8_triton(kind: str, grad_output: torch.Tensor, saved: torch.Ten
         ROWS_PER_PROGRAM=rows_per_program, BLOCK_M=block_m, BLOCK_N=block_n)
     data, transpose, scale_inv, in_kernel_t = fp8_buffers(dy, fp8_dtype, columnwise)
     _dact_cast_kernel[(triton.cdiv(m, cast_block_m), triton.cdiv(n, cast_block_n))](
-        dy, s, amax, data, transpose, scale_inv, m, n, FP8_MAX[fp8_dtype], KIND=_KINDS[kind],
+        dy, s, amax, data, transpose, scale_inv, m, n, fp8_max, KIND=_KINDS[kind],
         HAS_T=in_kernel_t, BLOCK_M=cast_block_m, BLOCK_N=cast_block_n)
     data, scale_inv, *transpose = fp8_results(data, scale_inv, transpose, columnwise, in_kernel_t)
-    dact = Float8Tensor(data, scale_inv, dy.dtype, transpose[0] if transpose else None)
-    return dact, partial.sum(0).to(dy.dtype)
+    return data, scale_inv, (transpose[0] if transpose else None), partial.sum(0).to(dy.dtype)

@@ -1,24 +1,31 @@
-"""Fusible operations and the Sequential pipeline that plans and runs them."""
+"""Fusible operations, one per file, and the Sequential pipeline that plans and runs them."""
 
-from fusible.ops.activation import GELU, ReLU, SiLU, SwiGLU
-from fusible.ops.base import (BackwardResult, BasicOperation, ForwardResult, FusedOperation,
-                              FusibleOperation, OperationContext)
+from fusible.core.context import OperationContext
+from fusible.core.fused import FusedOperation
+from fusible.core.results import BackwardResult, ForwardResult
+from fusible.module import BasicOperation, FusibleOperation, Sequential
+from fusible.ops.add_extra_input import AddExtraInput
+from fusible.ops.all_gather import AllGather
+from fusible.ops.all_reduce import AllReduce
 from fusible.ops.basic_linear import BasicLinear
 from fusible.ops.bias import Bias
-from fusible.ops.collectives import AllGather, AllReduce, ReduceScatter
 from fusible.ops.constant_scale import ConstantScale
-from fusible.ops.extra_io import AddExtraInput, MakeExtraOutput
+from fusible.ops.gelu import GELU
 from fusible.ops.identity import Identity
 from fusible.ops.layer_norm import LayerNorm
 from fusible.ops.linear import Linear
+from fusible.ops.make_extra_output import MakeExtraOutput
 from fusible.ops.quantize import Quantize
+from fusible.ops.reduce_scatter import ReduceScatter
+from fusible.ops.relu import ReLU
 from fusible.ops.reshape import Reshape
 from fusible.ops.rms_norm import RMSNorm
-from fusible.ops.sequential import Sequential
+from fusible.ops.silu import SiLU
+from fusible.ops.swiglu import SwiGLU
 
 __all__ = [
-    "AddExtraInput", "AllGather", "AllReduce", "BackwardResult", "BasicLinear", "BasicOperation", "Bias", "ConstantScale",
-    "ForwardResult", "FusedOperation", "FusibleOperation", "GELU", "Identity", "LayerNorm",
-    "Linear", "MakeExtraOutput", "OperationContext", "Quantize", "RMSNorm", "ReLU", "ReduceScatter", "Reshape", "SiLU",
-    "Sequential", "SwiGLU",
+    "AddExtraInput", "AllGather", "AllReduce", "BackwardResult", "BasicLinear", "BasicOperation",
+    "Bias", "ConstantScale", "ForwardResult", "FusedOperation", "FusibleOperation", "GELU",
+    "Identity", "LayerNorm", "Linear", "MakeExtraOutput", "OperationContext", "Quantize",
+    "RMSNorm", "ReLU", "ReduceScatter", "Reshape", "SiLU", "Sequential", "SwiGLU",
 ]

@@ -3,41 +3,22 @@
 from __future__ import annotations
 
 import math
-from typing import Optional
 
-import attrs
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from fusible import distributed
-from fusible.distributed import NOT_PARALLEL, TensorParallel
-from fusible.ops.base import BackwardResult, BasicOperation, ForwardResult
-from fusible.ops.linear_math import (as_fp8, gemm_backward, gemm_forward, handed_in_fp8,  # noqa: F401
-                                     like_tokens, linear_dgrad, linear_forward, linear_wgrad,
-                                     tokens_2d, transposed_only)
-from fusible.quantization.float8_tensor import Fp8Able, quantize_raw
+from fusible.core.example import Example
+from fusible.core.results import BackwardResult, ForwardResult
+from fusible.functional import parallel
+from fusible.functional.linear import (GemmBackwardArgs, GemmForwardArgs, LinearSaved,
+                                       gemm_backward, gemm_forward)
+from fusible.functional.linear_state import (forward_aux, gemm_backward_args, gemm_forward_args,
+                                             gemm_grad_format, gemm_input_format, save_linear)
+from fusible.functional.parallel import NOT_PARALLEL
+from fusible.module import BasicOperation
 
 Tensor = torch.Tensor
-
-
-@attrs.define
-class LinearForwardArgs:
-    input: Fp8Able
-    weight: Tensor
-    fp8_dtype: Optional[torch.dtype]  # None: high precision
-    keep_input_t: bool                # FP8: keep the input's transposed copy (for wgrad)
-    tp: TensorParallel = NOT_PARALLEL
-
-
-@attrs.define
-class LinearBackwardArgs:
-    grad_output: Fp8Able
-    input: Optional[Fp8Able]
-    weight: Optional[Fp8Able]
-    grad_fp8_dtype: Optional[torch.dtype]  # None: high precision
-    need_grad_input: bool
-    need_grad_weight: bool
-    tp: TensorParallel = NOT_PARALLEL
 
 
 def parallel_refusal(linear: "BasicLinear", modes=("",), why: str = "") -> "bool | str":
@@ -75,17 +56,16 @@ class BasicLinear(BasicOperation):
 
     Notes
     -----
-    Saves ``(input, weight)`` for backward: the input only when the weight
-    needs a gradient (wgrad), the weight only when the input does (dgrad); with
-    column + sequence_parallel, the gathered input.
-    Initialised like ``torch.nn.Linear`` of the global sizes.
+    Saves a :class:`~fusible.functional.linear.LinearSaved`: the input only when the
+    weight needs a gradient (wgrad), the weight only when the input does (dgrad); with
+    column + sequence_parallel, the gathered input; under FP8 the input's transposed
+    FP8 copy. Initialised like ``torch.nn.Linear`` of the global sizes.
     """
 
-    saved_fields = ("input", "weight")
-    fp8_input_consumer = fp8_grad_consumer = True
     param_names = ("weight",)
-    fwd_args_type = LinearForwardArgs
-    bwd_args_type = LinearBackwardArgs
+    fwd_args_type = GemmForwardArgs
+    bwd_args_type = GemmBackwardArgs
+    saved_type = LinearSaved
 
     def __init__(self, in_features: int, out_features: int, *, tensor_parallel_mode=None,
                  tensor_parallel_group=None, sequence_parallel: bool = False, device=None,
@@ -99,7 +79,7 @@ class BasicLinear(BasicOperation):
             raise ValueError(f"{self.describe()}: sequence_parallel=True needs "
                              f"tensor_parallel_mode 'column' or 'row'")
         self.tensor_parallel_mode, self.sequence_parallel = tensor_parallel_mode, sequence_parallel
-        self.tp = distributed.tensor_parallel(self.describe(), tensor_parallel_mode,
+        self.tp = parallel.tensor_parallel(self.describe(), tensor_parallel_mode,
                                               sequence_parallel, tensor_parallel_group)
         self.local_in, self.local_out = local_linear_sizes(self)
         self.weight = nn.Parameter(torch.empty(self.local_out, self.local_in, device=device,
@@ -109,7 +89,7 @@ class BasicLinear(BasicOperation):
     @property
     def tensor_parallel_group(self):
         """The process group the weight is split over (None when not parallel)."""
-        return distributed.group_of(self.tp)
+        return parallel.group_of(self.tp)
 
     def describe(self) -> str:
         tp = getattr(self, "tp", NOT_PARALLEL)
@@ -145,23 +125,40 @@ class BasicLinear(BasicOperation):
                              f"fusible.autocast")
 
     def forward_args(self, input, params, extra_inputs, ctxs):
-        return LinearForwardArgs(input, params[0], *fp8_forward_flags(ctxs[0]), self.tp)
+        return gemm_forward_args(input, params[0], self.tp, ctxs[0])
 
     @classmethod
     def forward_compute(cls, args, *, in_custom_op=False):
-        y, x_q = gemm_forward(args.input, args.weight, None, args.fp8_dtype, args.keep_input_t,
-                              args.tp)
-        return ForwardResult(y, (), linear_aux(args, x_q))
+        y, x_q = gemm_forward(args)
+        return ForwardResult(y, (), forward_aux(args, x_q))
 
     def save_for_backward(self, args, result, ctxs):
         save_linear(ctxs[0], args, result.aux)
 
     def backward_args(self, grad_output, grad_extra_outputs, ctxs):
-        return linear_backward_args(ctxs[0], grad_output, self.tp)
+        return gemm_backward_args(ctxs[0], grad_output, self.tp)
 
     @classmethod
     def backward_compute(cls, args, *, in_custom_op=False):
-        return BackwardResult(*linear_backward(args))
+        dx, dw = gemm_backward(args)
+        return BackwardResult(dx, (dw,))
+
+    def input_format(self, recipe, needs):
+        # A layer that all-gathers its input quantizes it after the gather itself.
+        return None if self.tp.gathers_input else gemm_input_format(recipe, needs[0])
+
+    def grad_format(self, recipe, needs):
+        return None if self.tp.gathers_grad else gemm_grad_format(recipe, needs[0])
+
+    def quantizes(self, recipe, direction):
+        return recipe is not None
+
+    def reference(self, x, extra_inputs, params):
+        return F.linear(x, params[0]), ()
+
+    @classmethod
+    def example(cls):
+        return Example((cls(32, 48),), (3, 5, 32))
 
     def communication(self, direction, needs=None):
         tp = self.tp
@@ -184,9 +181,9 @@ def local_linear_sizes(op) -> tuple:
     """``(local in_features, local out_features)``: the weight shard's shape, reversed."""
     tp, name = op.tp, op.describe()
     if tp.mode == "column":
-        return op.in_features, distributed.shard_size(name, "out_features", op.out_features, tp)
+        return op.in_features, parallel.shard_size(name, "out_features", op.out_features, tp)
     if tp.mode == "row":
-        return distributed.shard_size(name, "in_features", op.in_features, tp), op.out_features
+        return parallel.shard_size(name, "in_features", op.in_features, tp), op.out_features
     return op.in_features, op.out_features
 
 
@@ -216,8 +213,8 @@ def linear_shard(linear: "BasicLinear") -> tuple:
     if not tp.active:
         return everything, everything
     if tp.mode == "column":
-        return distributed.rank_slice(tp, linear.local_out), everything
-    return everything, distributed.rank_slice(tp, linear.local_in)
+        return parallel.rank_slice(tp, linear.local_out), everything
+    return everything, parallel.rank_slice(tp, linear.local_in)
 
 
 def parallel_tokens(op, shape) -> tuple:
@@ -235,74 +232,3 @@ def parallel_tokens(op, shape) -> tuple:
                          f"{lead[0]} rows, which do not divide by the world size "
                          f"{tp.world_size}")
     return (lead[0] // tp.world_size, *lead[1:])
-
-
-def fp8_forward_flags(ctx) -> tuple:
-    """``(fp8_dtype, keep_input_t)`` of a BasicLinear's forward args."""
-    recipe = ctx.recipe
-    if recipe is None:
-        return None, False
-    return recipe.forward_dtype, ctx.needs.params[0]
-
-
-def save_linear(ctx, args, aux: tuple) -> None:
-    """BasicLinear's saved layout ``(input, weight)``: the input for wgrad, the weight for
-    dgrad. Under FP8 the input is kept as its transposed FP8 copy only (all wgrad reads),
-    from the forward result's aux (see :func:`linear_aux`); the weight is kept as the
-    parameter itself and quantized again in the backward (see :func:`linear_saved`)."""
-    x = aux[0] if args.fp8_dtype is None and aux else args.input
-    if args.fp8_dtype is not None:
-        if _fp8_input_kept_by_caller(args):
-            x_q = as_fp8(args.input, args.fp8_dtype, args.keep_input_t)
-            x_t, x_scale_inv = x_q._transpose, x_q._scale_inv
-        else:
-            x_t, x_scale_inv = aux[:2]
-        x = transposed_only(x_t, x_scale_inv, args.input.dtype) if args.keep_input_t else None
-    ctx.saved = (x if ctx.needs.params[0] else None, args.weight if ctx.needs.input else None)
-
-
-def linear_aux(args, x_q) -> tuple:
-    """The aux tensors a forward GEMM stage returns: in high precision the gathered input
-    (column + sequence parallel) if any; under FP8 the input's transposed copy and scale,
-    ``(x_t, x_scale_inv)`` (None where not kept). An input that arrived in FP8 is the
-    caller's to save (see :func:`handed_in_fp8`)."""
-    if args.fp8_dtype is None:
-        return () if x_q is None else (x_q,)
-    if _fp8_input_kept_by_caller(args):
-        return ()
-    return (x_q._transpose, x_q._scale_inv)
-
-
-def _fp8_input_kept_by_caller(args) -> bool:
-    """The input arrived in FP8 and the GEMM used it as it is (not gathered): its buffers
-    are the caller's, so the stage returns none of them (see :func:`handed_in_fp8`)."""
-    return handed_in_fp8(args.input, args.fp8_dtype) and not args.tp.gathers_input
-
-
-def linear_saved(ctx) -> tuple:
-    """``(input, weight, grad_fp8_dtype)`` for a BasicLinear's backward GEMMs.
-
-    Under FP8 the weight is quantized again, with its transposed copy for dgrad: the
-    same bits as in the forward (current scaling of an unchanged parameter; autograd
-    checks its version), and no FP8 copy of every weight held between the passes.
-    """
-    x, weight = ctx.saved
-    if ctx.recipe is None:
-        return x, weight, None
-    if weight is not None:
-        w_q = quantize_raw(weight, ctx.recipe.forward_dtype, columnwise=True)
-        weight = transposed_only(w_q._transpose, w_q._scale_inv, weight.dtype)
-    return x, weight, ctx.recipe.backward_dtype
-
-
-def linear_backward_args(ctx, grad_output, tp: TensorParallel) -> LinearBackwardArgs:
-    x, weight, grad_dtype = linear_saved(ctx)
-    return LinearBackwardArgs(grad_output, x, weight, grad_dtype, ctx.needs.input,
-                              ctx.needs.params[0], tp)
-
-
-def linear_backward(args, accumulate_into=None) -> tuple:
-    """(dgrad or None, (wgrad or None,)) for LinearBackwardArgs-like args."""
-    dx, dw = gemm_backward(args.grad_output, args.input, args.weight, args.grad_fp8_dtype,
-                           args.need_grad_input, args.need_grad_weight, accumulate_into, args.tp)
-    return dx, (dw,)

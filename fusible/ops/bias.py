@@ -6,16 +6,13 @@ import attrs
 import torch
 from torch import nn
 
-from fusible import distributed
-from fusible.ops.base import BackwardResult, BasicOperation, ForwardResult, pass_through
-from fusible.ops.basic_linear import tokens_2d
+from fusible.core.example import Example
+from fusible.core.results import BackwardResult, ForwardResult
+from fusible.functional import parallel
+from fusible.functional.linear import bias_grad
+from fusible.module import BasicOperation
 
 Tensor = torch.Tensor
-
-
-def bias_grad(grad_output: Tensor) -> Tensor:
-    """Sum of the gradient over all tokens."""
-    return tokens_2d(grad_output).sum(0)
 
 
 @attrs.define
@@ -41,7 +38,7 @@ class Bias(BasicOperation):
     tensor_parallel : bool
         The input is a column-parallel output: ``bias`` holds this rank's slice,
         ``size / world_size`` values from ``rank * size / world_size`` (``size`` is global).
-    tensor_parallel_group : torch.distributed.ProcessGroup, optional
+    tensor_parallel_group : torch.parallel.ProcessGroup, optional
         The group of ``tensor_parallel`` or ``sequence_parallel``; the default group when None.
     sequence_parallel : bool
         The input's tokens (dim 0) are split over the group, as after a row-parallel
@@ -70,19 +67,19 @@ class Bias(BasicOperation):
                              f"all tokens; sequence_parallel is for a replicated bias after a "
                              f"row-parallel reduce-scatter")
         self.tensor_parallel, self.sequence_parallel = bool(tensor_parallel), sequence_parallel
-        self.tp = distributed.tensor_parallel(
+        self.tp = parallel.tensor_parallel(
             self.describe(), "column" if tensor_parallel else None, False,
             tensor_parallel_group if tensor_parallel else None)
-        self.sequence_parallel_group = distributed.sequence_parallel(
+        self.sequence_parallel_group = parallel.sequence_parallel(
             self.describe(), sequence_parallel, None if tensor_parallel else tensor_parallel_group)
-        self.local_size = (distributed.shard_size(self.describe(), "size", self.size, self.tp)
+        self.local_size = (parallel.shard_size(self.describe(), "size", self.size, self.tp)
                            if tensor_parallel else self.size)
         self.bias = nn.Parameter(torch.zeros(self.local_size, device=device, dtype=dtype))
 
     @property
     def tensor_parallel_group(self):
         """The group of ``tensor_parallel`` or ``sequence_parallel`` (None without them)."""
-        return distributed.group_of(self.tp if self.tensor_parallel
+        return parallel.group_of(self.tp if self.tensor_parallel
                                     else self.sequence_parallel_group)
 
     def describe(self) -> str:
@@ -112,8 +109,15 @@ class Bias(BasicOperation):
 
     @classmethod
     def backward_compute(cls, args, *, in_custom_op=False):
-        return BackwardResult(pass_through(args.grad_output, args.need_grad_input, in_custom_op),
+        return BackwardResult(args.grad_output if args.need_grad_input else None,
                               (bias_grad(args.grad_output) if args.need_grad_bias else None,))
+
+    def reference(self, x, extra_inputs, params):
+        return x + params[0], ()
+
+    @classmethod
+    def example(cls):
+        return Example((cls(40),), (2, 3, 40))
 
     def extra_repr(self) -> str:
         return self.describe()[len("Bias("):-1]

@@ -5,7 +5,9 @@ from __future__ import annotations
 import attrs
 import torch
 
-from fusible.ops.base import BackwardResult, BasicOperation, ForwardResult
+from fusible.core.example import Example
+from fusible.core.results import BackwardResult, ForwardResult
+from fusible.module import BasicOperation
 
 Tensor = torch.Tensor
 
@@ -54,6 +56,13 @@ class ConstantScale(BasicOperation):
     @classmethod
     def backward_compute(cls, args, *, in_custom_op=False):
         return BackwardResult(args.grad_output * args.scale if args.need_grad_input else None)
+
+    def reference(self, x, extra_inputs, params):
+        return x * self.scale, ()
+
+    @classmethod
+    def example(cls):
+        return Example((cls(-0.75),), (5, 16))
 
     def extra_repr(self) -> str:
         return f"scale={self.scale}"

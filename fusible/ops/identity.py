@@ -5,7 +5,9 @@ from __future__ import annotations
 import attrs
 import torch
 
-from fusible.ops.base import BackwardResult, BasicOperation, ForwardResult, pass_through
+from fusible.core.example import Example
+from fusible.core.results import BackwardResult, ForwardResult
+from fusible.module import BasicOperation
 
 Tensor = torch.Tensor
 
@@ -22,7 +24,7 @@ class IdentityBackwardArgs:
 
 
 class Identity(BasicOperation):
-    """Returns its input unchanged (a copy inside a custom op). Saves nothing."""
+    """Returns its input unchanged. Saves nothing."""
 
     fwd_args_type = IdentityForwardArgs
     bwd_args_type = IdentityBackwardArgs
@@ -32,7 +34,7 @@ class Identity(BasicOperation):
 
     @classmethod
     def forward_compute(cls, args, *, in_custom_op=False):
-        return ForwardResult(pass_through(args.input, True, in_custom_op))
+        return ForwardResult(args.input)
 
     def save_for_backward(self, args, result, ctxs):
         pass
@@ -42,4 +44,11 @@ class Identity(BasicOperation):
 
     @classmethod
     def backward_compute(cls, args, *, in_custom_op=False):
-        return BackwardResult(pass_through(args.grad_output, args.need_grad_input, in_custom_op))
+        return BackwardResult(args.grad_output if args.need_grad_input else None)
+
+    def reference(self, x, extra_inputs, params):
+        return x, ()
+
+    @classmethod
+    def example(cls):
+        return Example((cls(),), (4, 16))

@@ -6,35 +6,17 @@ from typing import Optional
 
 import attrs
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from fusible import distributed
-from fusible.ops.base import BackwardResult, BasicOperation, ForwardResult
+from fusible.core.example import Example
+from fusible.core.results import BackwardResult, ForwardResult
+from fusible.functional import parallel
+from fusible.functional.norms import (check_trailing, layer_norm_backward, layer_norm_forward,
+                                      normalized_shape_tuple)
+from fusible.module import BasicOperation
 
 Tensor = torch.Tensor
-
-
-def normalized_shape_tuple(op_name: str, normalized_shape) -> tuple:
-    shape = (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
-    if not shape or any(int(s) <= 0 for s in shape):
-        raise ValueError(f"{op_name} needs positive sizes, got normalized_shape={normalized_shape!r}")
-    return tuple(int(s) for s in shape)
-
-
-def check_trailing(op, shape, normalized_shape) -> None:
-    n = len(normalized_shape)
-    if len(shape) < n or tuple(shape[-n:]) != normalized_shape:
-        raise ValueError(f"{op.describe()} got input of shape {tuple(shape)}; its trailing "
-                         f"dimensions must be {normalized_shape}")
-
-
-def _compute_copies(*tensors):
-    """float32 copies of 16-bit CPU tensors: PyTorch's CPU kernel keeps mean and rstd in
-    the input dtype, too coarse for the backward. CUDA accumulates in float32 already."""
-    x = tensors[0]
-    if x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float16):
-        return tuple(t.float() for t in tensors)
-    return tensors
 
 
 @attrs.define
@@ -44,6 +26,17 @@ class LayerNormForwardArgs:
     bias: Tensor
     normalized_shape: list[int]
     eps: float
+
+
+@attrs.define
+class LayerNormSaved:
+    """LayerNorm's saved record (when any gradient is needed)."""
+
+    input: Tensor
+    mean: Tensor
+    rstd: Tensor
+    weight: Tensor
+    bias: Tensor
 
 
 @attrs.define
@@ -73,27 +66,27 @@ class LayerNorm(BasicOperation):
         The input's tokens (dim 0) are split over ``tensor_parallel_group`` (as around
         sequence-parallel linear layers): the parameter gradients, summed by each rank over
         its own tokens, are all-reduced over the group after the backward stage.
-    tensor_parallel_group : torch.distributed.ProcessGroup, optional
+    tensor_parallel_group : torch.parallel.ProcessGroup, optional
         The group of ``sequence_parallel``; the default group when None.
     device, dtype
         Where and in which dtype to create ``weight`` (ones) and ``bias`` (zeros).
 
     Notes
     -----
-    Saves ``(input, mean, rstd, weight, bias)`` when any gradient is needed.
+    Saves a :class:`LayerNormSaved` when any gradient is needed.
     """
 
-    saved_fields = ("input", "mean", "rstd", "weight", "bias")
     param_names = ("weight", "bias")
     fwd_args_type = LayerNormForwardArgs
     bwd_args_type = LayerNormBackwardArgs
+    saved_type = LayerNormSaved
 
     def __init__(self, normalized_shape, *, eps: float = 1e-5, sequence_parallel: bool = False,
                  tensor_parallel_group=None, device=None, dtype=None):
         super().__init__()
         self.normalized_shape = normalized_shape_tuple("LayerNorm", normalized_shape)
         self.sequence_parallel = sequence_parallel
-        self.sequence_parallel_group = distributed.sequence_parallel(
+        self.sequence_parallel_group = parallel.sequence_parallel(
             self.describe(), sequence_parallel, tensor_parallel_group)
         self.eps = float(eps)
         self.weight = nn.Parameter(torch.ones(self.normalized_shape, device=device, dtype=dtype))
@@ -115,28 +108,34 @@ class LayerNorm(BasicOperation):
 
     @classmethod
     def forward_compute(cls, args, *, in_custom_op=False):
-        x, w, b = _compute_copies(args.input, args.weight, args.bias)
-        y, mean, rstd = torch.native_layer_norm(x, args.normalized_shape, w, b, args.eps)
-        return ForwardResult(y.to(args.input.dtype), (), (mean, rstd))
+        y, mean, rstd = layer_norm_forward(args.input, args.weight, args.bias,
+                                           args.normalized_shape, args.eps)
+        return ForwardResult(y, (), (mean, rstd))
 
     def save_for_backward(self, args, result, ctxs):
         ctx = ctxs[0]
         if ctx.needs.any:
-            ctx.saved = (args.input, *result.aux, args.weight, args.bias)
+            ctx.saved = LayerNormSaved(args.input, *result.aux, args.weight, args.bias)
 
     def backward_args(self, grad_output, grad_extra_outputs, ctxs):
-        ctx = ctxs[0]
-        return LayerNormBackwardArgs(grad_output, *ctx.saved, list(self.normalized_shape),
+        ctx, saved = ctxs[0], ctxs[0].saved
+        return LayerNormBackwardArgs(grad_output, saved.input, saved.mean, saved.rstd,
+                                     saved.weight, saved.bias, list(self.normalized_shape),
                                      ctx.needs.input, *ctx.needs.params)
 
     @classmethod
     def backward_compute(cls, args, *, in_custom_op=False):
         mask = [args.need_grad_input, args.need_grad_weight, args.need_grad_bias]
-        dy, x, w, b = _compute_copies(args.grad_output, args.input, args.weight, args.bias)
-        grads = torch.ops.aten.native_layer_norm_backward(
-            dy, x, args.normalized_shape, args.mean, args.rstd, w, b, mask)
-        dx, dw, db = (None if g is None else g.to(args.grad_output.dtype) for g in grads)
+        dx, dw, db = layer_norm_backward(args.grad_output, args.input, args.mean, args.rstd,
+                                         args.weight, args.bias, args.normalized_shape, mask)
         return BackwardResult(dx, (dw, db))
+
+    def reference(self, x, extra_inputs, params):
+        return F.layer_norm(x, self.normalized_shape, params[0], params[1], self.eps), ()
+
+    @classmethod
+    def example(cls):
+        return Example((cls(32),), (3, 5, 32))
 
     def extra_repr(self) -> str:
         return f"normalized_shape={self.normalized_shape}, eps={self.eps}"

@@ -7,7 +7,7 @@ import math
 import torch
 from torch import nn
 
-from fusible.ops.base import FusibleOperation
+from fusible.module import FusibleOperation
 from fusible.ops.basic_linear import BasicLinear, init_linear_weight, init_shard_, linear_shard
 from fusible.ops.bias import Bias
 

@@ -7,21 +7,23 @@ from typing import Optional
 import attrs
 import torch
 
-from fusible.ops.base import BackwardResult, BasicOperation, ForwardResult, pass_through
+from fusible.core.example import Example
+from fusible.core.results import BackwardResult, ForwardResult
+from fusible.module import BasicOperation
 from fusible.quantization.float8_tensor import Fp8Able
-from fusible.quantization.flow import to_fp8_format
+from fusible.quantization.format import Float8Format, to_format
 
 
 @attrs.define
 class QuantizeForwardArgs:
     input: Fp8Able
-    fp8_dtype: Optional[torch.dtype]  # None: pass the input on unchanged
+    format: Optional[Float8Format]  # None: pass the input on unchanged
 
 
 @attrs.define
 class QuantizeBackwardArgs:
     grad_output: Fp8Able
-    fp8_dtype: Optional[torch.dtype]  # None: pass the gradient on unchanged
+    format: Optional[Float8Format]  # None: pass the gradient on unchanged
     need_grad_input: bool
 
 
@@ -59,30 +61,37 @@ class Quantize(BasicOperation):
 
     def forward_args(self, input, params, extra_inputs, ctxs):
         recipe = ctxs[0].recipe
-        fp8 = recipe.forward_dtype if recipe is not None and self.forward_fp8 else None
-        return QuantizeForwardArgs(input, fp8)
+        fmt = recipe.input_format() if recipe is not None and self.forward_fp8 else None
+        return QuantizeForwardArgs(input, fmt)
 
     @classmethod
     def forward_compute(cls, args, *, in_custom_op=False):
-        x = args.input
-        y = x if args.fp8_dtype is None else to_fp8_format(x, (args.fp8_dtype, False))
-        return ForwardResult(y if y is not x else pass_through(x, True, in_custom_op))
+        return ForwardResult(to_format(args.input, args.format))
 
     def save_for_backward(self, args, result, ctxs):
         pass
 
     def backward_args(self, grad_output, grad_extra_outputs, ctxs):
         recipe = ctxs[0].recipe
-        fp8 = recipe.backward_dtype if recipe is not None and self.backward_fp8 else None
-        return QuantizeBackwardArgs(grad_output, fp8, ctxs[0].needs.input)
+        fmt = recipe.grad_format() if recipe is not None and self.backward_fp8 else None
+        return QuantizeBackwardArgs(grad_output, fmt, ctxs[0].needs.input)
 
     @classmethod
     def backward_compute(cls, args, *, in_custom_op=False):
         if not args.need_grad_input:
             return BackwardResult(None)
-        dy = args.grad_output
-        dx = dy if args.fp8_dtype is None else to_fp8_format(dy, (args.fp8_dtype, False))
-        return BackwardResult(dx if dx is not dy else pass_through(dy, True, in_custom_op))
+        return BackwardResult(to_format(args.grad_output, args.format))
+
+    def quantizes(self, recipe, direction):
+        return recipe is not None and (self.forward_fp8 if direction == "forward"
+                                       else self.backward_fp8)
+
+    def reference(self, x, extra_inputs, params):
+        return x, ()  # the reference does not quantize
+
+    @classmethod
+    def example(cls):
+        return Example((cls(forward=True, backward=True),), (16, 32), fp8=False)
 
     def extra_repr(self) -> str:
         return f"forward={self.forward_fp8}, backward={self.backward_fp8}"

@@ -7,7 +7,9 @@ import math
 import attrs
 import torch
 
-from fusible.ops.base import BackwardResult, BasicOperation, ForwardResult
+from fusible.core.example import Example
+from fusible.core.results import BackwardResult, ForwardResult
+from fusible.module import BasicOperation
 
 Tensor = torch.Tensor
 
@@ -16,6 +18,13 @@ Tensor = torch.Tensor
 class ReshapeForwardArgs:
     input: Tensor
     shape: list[int]
+
+
+@attrs.define
+class ReshapeSaved:
+    """Reshape's saved record: the input's shape (no tensor)."""
+
+    input_shape: list
 
 
 @attrs.define
@@ -30,11 +39,12 @@ class Reshape(BasicOperation):
 
     Notes
     -----
-    Keeps the input shape (not the input) for the backward.
+    Saves a :class:`ReshapeSaved`: the input shape (not the input).
     """
 
     fwd_args_type = ReshapeForwardArgs
     bwd_args_type = ReshapeBackwardArgs
+    saved_type = ReshapeSaved
 
     def __init__(self, shape):
         super().__init__()
@@ -65,21 +75,29 @@ class Reshape(BasicOperation):
 
     @classmethod
     def forward_compute(cls, args, *, in_custom_op=False):
-        y = args.input.reshape(args.shape)
-        return ForwardResult(y.clone() if in_custom_op else y)
+        return ForwardResult(args.input.reshape(args.shape))
 
     def save_for_backward(self, args, result, ctxs):
-        ctxs[0].info = list(args.input.shape)
+        if ctxs[0].needs.input:
+            ctxs[0].saved = ReshapeSaved(list(args.input.shape))
 
     def backward_args(self, grad_output, grad_extra_outputs, ctxs):
-        return ReshapeBackwardArgs(grad_output, ctxs[0].info, ctxs[0].needs.input)
+        saved = ctxs[0].saved
+        return ReshapeBackwardArgs(grad_output, saved.input_shape if saved else [],
+                                   ctxs[0].needs.input)
 
     @classmethod
     def backward_compute(cls, args, *, in_custom_op=False):
         if not args.need_grad_input:
             return BackwardResult(None)
-        dx = args.grad_output.reshape(args.input_shape)
-        return BackwardResult(dx.clone() if in_custom_op else dx)
+        return BackwardResult(args.grad_output.reshape(args.input_shape))
+
+    def reference(self, x, extra_inputs, params):
+        return x.reshape(self.shape), ()
+
+    @classmethod
+    def example(cls):
+        return Example((cls((-1, 4, 8)),), (3, 64))
 
     def extra_repr(self) -> str:
         return f"shape={self.shape}"

@@ -8,15 +8,14 @@ import attrs
 import torch
 from torch import nn
 
-from fusible import distributed
-from fusible.ops.base import BackwardResult, BasicOperation, ForwardResult
-from fusible.ops.layer_norm import check_trailing, normalized_shape_tuple
+from fusible.core.example import Example
+from fusible.core.results import BackwardResult, ForwardResult
+from fusible.functional import parallel
+from fusible.functional.norms import (check_trailing, normalized_shape_tuple, rms_norm_backward,
+                                      rms_norm_forward)
+from fusible.module import BasicOperation
 
 Tensor = torch.Tensor
-
-
-def _float(t: Tensor) -> Tensor:
-    return t.float() if t.dtype in (torch.bfloat16, torch.float16) else t
 
 
 @attrs.define
@@ -25,6 +24,16 @@ class RMSNormForwardArgs:
     weight: Tensor
     normalized_shape: list[int]
     eps: float
+
+
+@attrs.define
+class RMSNormSaved:
+    """RMSNorm's saved record (when any gradient is needed); ``rstd`` is float32 for
+    16-bit inputs."""
+
+    input: Tensor
+    rstd: Tensor
+    weight: Tensor
 
 
 @attrs.define
@@ -51,28 +60,27 @@ class RMSNorm(BasicOperation):
         The input's tokens (dim 0) are split over ``tensor_parallel_group`` (as around
         sequence-parallel linear layers): the parameter gradients, summed by each rank over
         its own tokens, are all-reduced over the group after the backward stage.
-    tensor_parallel_group : torch.distributed.ProcessGroup, optional
+    tensor_parallel_group : torch.parallel.ProcessGroup, optional
         The group of ``sequence_parallel``; the default group when None.
     device, dtype
         Where and in which dtype to create ``weight`` (ones).
 
     Notes
     -----
-    Saves ``(input, rstd, weight)`` when any gradient is needed; ``rstd`` is
-    float32 for 16-bit inputs.
+    Saves an :class:`RMSNormSaved` when any gradient is needed.
     """
 
-    saved_fields = ("input", "rstd", "weight")
     param_names = ("weight",)
     fwd_args_type = RMSNormForwardArgs
     bwd_args_type = RMSNormBackwardArgs
+    saved_type = RMSNormSaved
 
     def __init__(self, normalized_shape, *, eps: float = 1e-5, sequence_parallel: bool = False,
                  tensor_parallel_group=None, device=None, dtype=None):
         super().__init__()
         self.normalized_shape = normalized_shape_tuple("RMSNorm", normalized_shape)
         self.sequence_parallel = sequence_parallel
-        self.sequence_parallel_group = distributed.sequence_parallel(
+        self.sequence_parallel_group = parallel.sequence_parallel(
             self.describe(), sequence_parallel, tensor_parallel_group)
         self.eps = float(eps)
         self.weight = nn.Parameter(torch.ones(self.normalized_shape, device=device, dtype=dtype))
@@ -91,34 +99,34 @@ class RMSNorm(BasicOperation):
 
     @classmethod
     def forward_compute(cls, args, *, in_custom_op=False):
-        x = _float(args.input)
-        dims = tuple(range(-len(args.normalized_shape), 0))
-        rstd = torch.rsqrt(x.square().mean(dims, keepdim=True) + args.eps)
-        y = (x * rstd * _float(args.weight)).to(args.input.dtype)
+        y, rstd = rms_norm_forward(args.input, args.weight, args.normalized_shape, args.eps)
         return ForwardResult(y, (), (rstd,))
 
     def save_for_backward(self, args, result, ctxs):
         ctx = ctxs[0]
         if ctx.needs.any:
-            ctx.saved = (args.input, result.aux[0], args.weight)
+            ctx.saved = RMSNormSaved(args.input, result.aux[0], args.weight)
 
     def backward_args(self, grad_output, grad_extra_outputs, ctxs):
-        ctx = ctxs[0]
-        return RMSNormBackwardArgs(grad_output, *ctx.saved, list(self.normalized_shape),
-                                   ctx.needs.input, ctx.needs.params[0])
+        ctx, saved = ctxs[0], ctxs[0].saved
+        return RMSNormBackwardArgs(grad_output, saved.input, saved.rstd, saved.weight,
+                                   list(self.normalized_shape), ctx.needs.input,
+                                   ctx.needs.params[0])
 
     @classmethod
     def backward_compute(cls, args, *, in_custom_op=False):
-        dtype = args.grad_output.dtype
-        dims = tuple(range(-len(args.normalized_shape), 0))
-        dy, x_hat = _float(args.grad_output), _float(args.input) * args.rstd
-        dx = dw = None
-        if args.need_grad_input:
-            g = dy * _float(args.weight)
-            dx = (args.rstd * (g - x_hat * (g * x_hat).mean(dims, keepdim=True))).to(dtype)
-        if args.need_grad_weight:
-            dw = (dy * x_hat).reshape(-1, *args.normalized_shape).sum(0).to(dtype)
+        dx, dw = rms_norm_backward(args.grad_output, args.input, args.rstd, args.weight,
+                                   args.normalized_shape, args.need_grad_input,
+                                   args.need_grad_weight)
         return BackwardResult(dx, (dw,))
+
+    def reference(self, x, extra_inputs, params):
+        dims = tuple(range(-len(self.normalized_shape), 0))
+        return x * torch.rsqrt(x.square().mean(dims, keepdim=True) + self.eps) * params[0], ()
+
+    @classmethod
+    def example(cls):
+        return Example((cls(32),), (3, 5, 32))
 
     def extra_repr(self) -> str:
         return f"normalized_shape={self.normalized_shape}, eps={self.eps}"

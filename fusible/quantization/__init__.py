@@ -1,7 +1,10 @@
-"""FP8: recipes, autocast, the Float8Tensor and its casts."""
+"""FP8: recipes, autocast, formats, the Float8Tensor and its casts."""
 
 from fusible.quantization.autograd import quantize
-from fusible.quantization.float8_tensor import Float8Tensor
+from fusible.quantization.boundary import decode_results, encode_results
+from fusible.quantization.float8_tensor import Float8Tensor, Fp8Able
+from fusible.quantization.format import Float8Format, to_format
 from fusible.quantization.recipe import Float8CurrentScaling, autocast, fp8_recipe
 
-__all__ = ["Float8CurrentScaling", "Float8Tensor", "autocast", "fp8_recipe", "quantize"]
+__all__ = ["Float8CurrentScaling", "Float8Format", "Float8Tensor", "Fp8Able", "autocast",
+           "decode_results", "encode_results", "fp8_recipe", "quantize", "to_format"]

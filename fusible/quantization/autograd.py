@@ -1,24 +1,11 @@
-"""The differentiable boundaries between Float8Tensors and ordinary tensors."""
+"""fusible.quantize: a differentiable cast of an ordinary tensor to a Float8Tensor (the way
+back, ``Float8Tensor.dequantize``, lives with the tensor)."""
 
 from __future__ import annotations
 
 import torch
 
 from fusible.quantization.float8_tensor import Float8Tensor, quantize_raw
-
-
-class Dequantize(torch.autograd.Function):
-    """Float8Tensor -> tensor; the gradient goes back quantized to E5M2."""
-
-    @staticmethod
-    def forward(ctx, t: Float8Tensor):
-        return t._dequantize_raw()
-
-    @staticmethod
-    def backward(ctx, grad):
-        if isinstance(grad, Float8Tensor):
-            return grad
-        return quantize_raw(grad.contiguous(), torch.float8_e5m2)
 
 
 class Quantize(torch.autograd.Function):

@@ -13,6 +13,7 @@ from typing import Optional
 
 import torch
 
+from fusible.core.schema import SchemaType, register_schema_type
 from fusible.quantization.float8_tensor import Float8Tensor, Fp8Able
 
 
@@ -31,12 +32,10 @@ def _unflatten_fp8able(values):
     return Float8Tensor(data, scale_inv, dtype, transpose)
 
 
-def register_schema_types(register, schema_type_cls) -> None:
-    """Teach the custom-op schema derivation the ``Fp8Able`` field types."""
-    st = schema_type_cls(("Tensor?", "Tensor?", "Tensor?", "ScalarType?"), _flatten_fp8able,
-                         _unflatten_fp8able)
-    register(Fp8Able, st)
-    register(Optional[Fp8Able], st)
+_FP8ABLE_SCHEMA = SchemaType(("Tensor?", "Tensor?", "Tensor?", "ScalarType?"), _flatten_fp8able,
+                             _unflatten_fp8able)
+register_schema_type(Fp8Able, _FP8ABLE_SCHEMA)
+register_schema_type(Optional[Fp8Able], _FP8ABLE_SCHEMA)
 
 
 def encode_results(tensors: list, fp8: bool, like: torch.Tensor) -> list:

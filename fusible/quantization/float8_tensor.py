@@ -66,9 +66,7 @@ class Float8Tensor(torch.Tensor):
 
     def dequantize(self) -> torch.Tensor:
         """The values in the original dtype; differentiable (its backward quantizes to E5M2)."""
-        from fusible.quantization.autograd import Dequantize
-
-        return Dequantize.apply(self)
+        return _Dequantize.apply(self)
 
     def _dequantize_raw(self) -> torch.Tensor:
         return cast.dequantize_any(self._data, self._scale_inv, self.dtype)
@@ -100,6 +98,20 @@ class Float8Tensor(torch.Tensor):
         args, kwargs = pytree.tree_map_only(Float8Tensor, Float8Tensor._dequantize_raw,
                                             (args, kwargs))
         return func(*args, **kwargs)
+
+
+class _Dequantize(torch.autograd.Function):
+    """Float8Tensor -> tensor; the gradient goes back quantized to E5M2."""
+
+    @staticmethod
+    def forward(ctx, t: Float8Tensor):
+        return t._dequantize_raw()
+
+    @staticmethod
+    def backward(ctx, grad):
+        if isinstance(grad, Float8Tensor):
+            return grad
+        return quantize_raw(grad.contiguous(), torch.float8_e5m2)
 
 
 def _is_fake(t) -> bool:

@@ -7,6 +7,8 @@ import contextlib
 import attrs
 import torch
 
+from fusible.quantization.format import Float8Format
+
 _FORMATS = {
     "hybrid": (torch.float8_e4m3fn, torch.float8_e5m2),
     "e4m3": (torch.float8_e4m3fn, torch.float8_e4m3fn),
@@ -47,11 +49,29 @@ class Float8CurrentScaling:
         """FP8 dtype of gradients."""
         return _FORMATS[self.fp8_format][1]
 
+    @property
+    def key(self) -> str:
+        """A string that names this recipe in plan conditions (and compiled guards)."""
+        return f"current/{self.fp8_format}"
+
+    def input_format(self, columnwise: bool = False) -> Float8Format:
+        """The format of a GEMM's input (activations)."""
+        return Float8Format(self.forward_dtype, columnwise)
+
+    def weight_format(self, columnwise: bool = False) -> Float8Format:
+        """The format of a GEMM's weight."""
+        return Float8Format(self.forward_dtype, columnwise)
+
+    def grad_format(self, columnwise: bool = False) -> Float8Format:
+        """The format of a gradient a GEMM reads (dgrad and wgrad's ``dy``)."""
+        return Float8Format(self.backward_dtype, columnwise)
+
 
 # The recipe in effect: None when FP8 is off. Plain module globals: a compiled model
-# reads the format (a string) in traced code, and dynamo guards on its value.
+# reads the key (a string) in traced code, and dynamo guards on its value.
 _recipe = None
-_recipe_format = None
+_recipe_key = None
+_KNOWN: dict = {}  # key -> recipe, for every recipe autocast has turned on
 
 
 def fp8_recipe():
@@ -59,9 +79,14 @@ def fp8_recipe():
     return _recipe
 
 
-def recipe_from_format(fp8_format):
-    """The recipe of ``fp8_format``, or None for None (the inverse of ``_recipe_format``)."""
-    return None if fp8_format is None else Float8CurrentScaling(fp8_format)
+def current_key():
+    """The key of the recipe in effect, or None (what plan conditions hold)."""
+    return _recipe_key
+
+
+def recipe_for_key(key):
+    """The recipe named ``key`` (see :attr:`Float8CurrentScaling.key`), or None for None."""
+    return None if key is None else _KNOWN[key]
 
 
 @contextlib.contextmanager
@@ -81,13 +106,15 @@ def autocast(*, enabled: bool = True, recipe=None):
     plan (and a compiled model's graph) depends on: changing it re-plans, and
     recompiles rather than breaks.
     """
-    global _recipe, _recipe_format
+    global _recipe, _recipe_key
     if recipe is not None and not isinstance(recipe, Float8CurrentScaling):
         raise TypeError(f"autocast: recipe must be a Float8CurrentScaling, got {recipe!r}")
-    previous = _recipe, _recipe_format
+    previous = _recipe, _recipe_key
     _recipe = (recipe or Float8CurrentScaling()) if enabled else None
-    _recipe_format = None if _recipe is None else _recipe.fp8_format
+    _recipe_key = None if _recipe is None else _recipe.key
+    if _recipe is not None:
+        _KNOWN.setdefault(_recipe_key, _recipe)
     try:
         yield
     finally:
-        _recipe, _recipe_format = previous
+        _recipe, _recipe_key = previous

@@ -1,0 +1,51 @@
+"""PlanConditions: everything besides the ops that a plan depends on, as one value."""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import torch
+
+
+class PlanConditions(NamedTuple):
+    """The conditions a plan is made for: cache key, compiled-graph constant (a plain
+    tuple of constants, which dynamo guards on) and the planner's environment, all one.
+
+    Attributes
+    ----------
+    dtype : torch.dtype
+        Dtype of the pipeline input.
+    device_type : str
+        ``"cpu"``, ``"cuda"``, ...
+    grad_enabled : bool
+        Whether autograd records the call.
+    input_requires_grad : bool
+        Whether the input requires grad (False with grad disabled).
+    params_requires_grad : tuple of bool
+        Per parameter of the pipeline (or group), in order (all False with grad disabled).
+    extras_requires_grad : tuple of bool
+        Per extra input (all False with grad disabled).
+    recipe_key : str or None
+        The key of the FP8 recipe in effect (``recipe.key``), None without one.
+    training : bool
+        The training mode of the module being run.
+    """
+
+    dtype: torch.dtype
+    device_type: str
+    grad_enabled: bool
+    input_requires_grad: bool
+    params_requires_grad: tuple
+    extras_requires_grad: tuple
+    recipe_key: Optional[str]
+    training: bool
+
+    @classmethod
+    def of(cls, x: torch.Tensor, params, extra_inputs, recipe_key, training: bool,
+           grad_enabled: Optional[bool] = None) -> "PlanConditions":
+        """The conditions of running on ``x`` with these parameters and extra inputs."""
+        grad = torch.is_grad_enabled() if grad_enabled is None else grad_enabled
+        return cls(x.dtype, x.device.type, grad, grad and x.requires_grad,
+                   tuple([grad and p.requires_grad for p in params]),
+                   tuple([grad and e.requires_grad for e in extra_inputs]), recipe_key,
+                   bool(training))

@@ -1,0 +1,187 @@
+"""The contract of the operations that stand in a pipeline.
+
+A *basic* operation owns its parameters and state and implements both passes of
+the compute interface (:class:`~fusible.core.stage.StageSpec`); a fused operation
+(:class:`~fusible.core.fused.FusedOperation`) owns nothing and computes one pass of
+a run of basic ops. Both are checked where they enter the library: basic ops when
+their class is created, fusions when they are registered. The runnable classes users
+subclass (``fusible.ops.BasicOperation``) add the module that runs a pipeline on top
+of this contract (``fusible.module``).
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, ClassVar, Optional
+
+import attrs
+import torch
+from torch import nn
+
+from fusible.core import epoch
+from fusible.core.stage import StageSpec, check_stage_class
+
+Tensor = torch.Tensor
+
+# Parallelism settings: set once in a constructor, never changed afterwards.
+_CONSTRUCTION_ONLY = frozenset({"tensor_parallel_mode", "sequence_parallel", "tensor_parallel",
+                                "tensor_parallel_group", "process_group"})
+
+
+class FusibleSpec(nn.Module):
+    """Anything that can stand in a Sequential: it stands for basic ops in order."""
+
+    def basic_ops(self) -> tuple:
+        """The basic ops this operation stands for, in forward order."""
+        raise NotImplementedError(f"{type(self).__name__} must implement basic_ops()")
+
+    def describe(self) -> str:
+        """A short label with sizes, for plans, diagrams and error messages."""
+        return type(self).__name__
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in _CONSTRUCTION_ONLY and name in self.__dict__:
+            raise AttributeError(f"{self.describe()}: {name} is fixed at construction (the "
+                                 f"parameter shards and collectives depend on it); build a "
+                                 f"new operation instead")
+        # Plans depend on op configuration: a new value invalidates cached plans.
+        old = self.__dict__.get(name, epoch.MISSING)
+        super().__setattr__(name, value)
+        if name != "training" and epoch.changed(old, value):
+            epoch.bump_if_planned(self)
+
+
+class BasicOperationSpec(FusibleSpec, StageSpec):
+    """The contract of a basic operation: parameters, state and both passes.
+
+    A subclass defines ``fwd_args_type``, ``bwd_args_type`` and the five compute hooks
+    of :class:`~fusible.core.stage.StageSpec`; a class that lacks one is an error when
+    it is created, naming the class and the hook. An intermediate base class that
+    leaves hooks to its subclasses says so: ``class Pointwise(BasicOperation,
+    abstract=True)``.
+
+    Class attributes
+    ----------------
+    param_names : tuple of str
+        The registered parameters that receive gradients through the fuser, in order.
+    num_extra_inputs, num_extra_outputs : int
+        Extra inputs consumed (``AddExtraInput``) and extra outputs branched.
+    saved_type : attrs class or None
+        The record ``ctx.saved`` holds for the backward (None: saves nothing). Every
+        stage covering the op fills it in this layout.
+    """
+
+    param_names: ClassVar[tuple] = ()
+    num_extra_inputs: ClassVar[int] = 0
+    num_extra_outputs: ClassVar[int] = 0
+    saved_type: ClassVar[Optional[type]] = None
+
+    def __init_subclass__(cls, abstract: bool = False, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if not abstract:
+            check_basic_operation(cls)
+
+    def basic_ops(self) -> tuple:
+        return (self,)
+
+    def fusible_params(self) -> list:
+        """Parameters that receive gradients through the fuser: ``param_names``, in order."""
+        params = self._parameters
+        return [params[name] for name in self.param_names]
+
+    def diagram_label(self) -> str:
+        """Sizes and settings shown under the op's name in plan diagrams."""
+        text, name = self.describe(), type(self).__name__
+        return text[len(name) + 1:-1] if text.startswith(name + "(") else ""
+
+    def validate(self, shape: tuple, dtype: torch.dtype, device: torch.device,
+                 extra_inputs: tuple = ()) -> tuple:
+        """Check an input of this shape, dtype and device; return the output shape.
+
+        Raises ValueError or TypeError naming the op and the offending values.
+        """
+        return tuple(shape)
+
+    def validate_fp8(self, shape: tuple) -> None:
+        """Check an input shape against the op's FP8 constraints (called under a recipe)."""
+
+    def quantizes(self, recipe, direction: str) -> bool:
+        """Whether this op's ``direction`` compute quantizes tensors under ``recipe``: a
+        fusion covering it must then declare its own format hook for that direction
+        (``input_format`` / ``grad_format``), or the planner refuses it."""
+        return False
+
+    def communication(self, direction: str, needs=None) -> tuple:
+        """The collectives this op's compute runs in ``direction`` ("forward" or
+        "backward"), as ``(where, what)`` pairs for plans: ``where`` is "before" or
+        "after" the op's own compute, or "is" for a collective op; ``what`` says which
+        tensor and how. With ``needs``, only those that run for these gradients. A fusion
+        covering an op that communicates must run these itself (``handles_communication``).
+        """
+        return ()
+
+    def grad_reduction(self):
+        """The group over which the fuser all-reduces this op's parameter gradients after
+        its backward stage (a replicated parameter seeing tokens split over the group,
+        ``sequence_parallel=True``), or None."""
+        tp = getattr(self, "sequence_parallel_group", None)
+        return tp if tp is not None and tp.active else None
+
+    def reference(self, x: Tensor, extra_inputs: tuple, params: tuple) -> tuple:
+        """The op in plain differentiable PyTorch, for FP64 references.
+
+        Parameters
+        ----------
+        x : Tensor
+            The input (float64 in tests).
+        extra_inputs : tuple of Tensor
+            The extra inputs this op consumes.
+        params : tuple of Tensor
+            Copies of ``fusible_params()``, in order.
+
+        Returns
+        -------
+        (Tensor, tuple of Tensor)
+            The output and the extra outputs.
+        """
+        raise NotImplementedError(f"{type(self).__name__} has no reference(); define it (or "
+                                  f"register one with fusible.testing.register_reference)")
+
+    @classmethod
+    def example(cls):
+        """A small :class:`~fusible.core.example.Example` that exercises this op, for the
+        test matrices; None if the op has none."""
+        return None
+
+    # Helpers shared by subclasses -------------------------------------------------
+
+    def _check_param(self, name: str, param: Tensor, dtype: torch.dtype,
+                     device: torch.device) -> None:
+        if param.dtype != dtype:
+            raise TypeError(f"{self.describe()} has {name} of dtype {param.dtype} but got "
+                            f"input of dtype {dtype}; convert the model or the input so "
+                            f"that they match")
+        if param.device != device:
+            raise ValueError(f"{self.describe()} has {name} on device {param.device} but got "
+                             f"input on device {device}")
+
+    def _check_last_dim(self, shape: tuple, expected: int, what: str) -> None:
+        if len(shape) == 0 or shape[-1] != expected:
+            got = shape[-1] if len(shape) else "none (a 0-d tensor)"
+            raise ValueError(f"{self.describe()} got input with last dimension {got}; "
+                             f"expected {what}={expected}")
+
+
+def check_basic_operation(cls) -> None:
+    """Raise TypeError naming ``cls`` when it does not fulfil the basic-op contract."""
+    check_stage_class(cls, "basic operation", BasicOperationSpec, ("forward", "backward"))
+    name = cls.__name__
+    if not (isinstance(cls.param_names, tuple) and all(isinstance(n, str)
+                                                        for n in cls.param_names)):
+        raise TypeError(f"{name}.param_names must be a tuple of str, got {cls.param_names!r}")
+    for count in ("num_extra_inputs", "num_extra_outputs"):
+        if not isinstance(getattr(cls, count), int) or getattr(cls, count) < 0:
+            raise TypeError(f"{name}.{count} must be an int >= 0, got {getattr(cls, count)!r}")
+    saved = cls.saved_type
+    if saved is not None and not (inspect.isclass(saved) and attrs.has(saved)):
+        raise TypeError(f"{name}.saved_type must be an attrs class or None, got {saved!r}")

@@ -1,0 +1,129 @@
+"""How argument values cross a ``torch.library`` custom-op boundary.
+
+A stage's arguments are an attrs record; each field's annotation maps to one or more
+schema arguments through a :class:`SchemaType`. Tensors, optional tensors, lists,
+Python scalars, dtypes and enums are built in; nested attrs records flatten field by
+field; other types (quantized tensors, FP8 formats, process groups) are taught by the
+layer that defines them with :func:`register_schema_type`.
+"""
+
+from __future__ import annotations
+
+import enum
+import types
+import typing
+from typing import Callable, Optional
+
+import attrs
+import torch
+
+
+@attrs.frozen
+class SchemaType:
+    """How one field type crosses a custom-op boundary.
+
+    Attributes
+    ----------
+    parts : tuple of str
+        The schema types of the arguments one value becomes, e.g. ``("Tensor?",)``.
+    flatten : callable
+        ``value -> list`` of ``len(parts)`` values.
+    unflatten : callable
+        ``list -> value``, the inverse.
+    record_type : type or None
+        The attrs class, for a nested record.
+    """
+
+    parts: tuple
+    flatten: Callable
+    unflatten: Callable
+    record_type: Optional[type] = None
+
+
+_ADAPTERS: dict = {}
+_SCALARS = {torch.Tensor: "Tensor", int: "SymInt", float: "float", bool: "bool", str: "str",
+            torch.dtype: "ScalarType"}
+_LISTS = {torch.Tensor: "Tensor[]", int: "SymInt[]", float: "float[]", bool: "bool[]"}
+_RECORDS: dict = {}  # attrs class -> its fields' (name, SchemaType)
+
+
+def register_schema_type(pytype, schema_type: SchemaType) -> None:
+    """Teach the schema derivation a new field annotation ``pytype``.
+
+    Raises ValueError if ``pytype`` is taken by another schema type (rules are data:
+    two layers must not silently disagree on how a type crosses).
+    """
+    if not isinstance(schema_type, SchemaType):
+        raise TypeError(f"register_schema_type({pytype!r}, ...) needs a SchemaType, got "
+                        f"{schema_type!r}")
+    old = _ADAPTERS.get(pytype)
+    if old is not None and old != schema_type:
+        raise ValueError(f"{pytype!r} already crosses custom ops as {old.parts}")
+    _ADAPTERS[pytype] = schema_type
+
+
+def _single(part: str) -> SchemaType:
+    return SchemaType((part,), lambda v: [v], lambda vals: vals[0])
+
+
+def schema_type(tp) -> SchemaType:
+    """The :class:`SchemaType` of a field annotation, or TypeError naming it."""
+    if tp in _ADAPTERS:
+        return _ADAPTERS[tp]
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType) and len(args) == 2 and type(None) in args:
+        inner = args[0] if args[1] is type(None) else args[1]
+        if inner in _SCALARS:
+            return _single(_SCALARS[inner] + "?")
+    elif origin in (list, tuple) and args:
+        if origin is tuple and not (len(args) == 2 and args[1] is Ellipsis):
+            raise TypeError(f"fixed-length tuple {tp!r}; use tuple[X, ...] or list[X]")
+        elem, convert = args[0], tuple if origin is tuple else list
+        part = _LISTS.get(elem) or ("Tensor?[]" if elem == typing.Optional[torch.Tensor] else None)
+        if part is not None:
+            return SchemaType((part,), lambda v: [list(v)], lambda vals: convert(vals[0]))
+    elif isinstance(tp, type) and issubclass(tp, enum.Enum):
+        return SchemaType(("str",), lambda v: [v.name], lambda vals: tp[vals[0]])
+    elif isinstance(tp, type) and attrs.has(tp):
+        return _record_type(tp)
+    elif tp in _SCALARS:
+        return _single(_SCALARS[tp])
+    raise TypeError(f"no custom-op schema type for {tp!r}")
+
+
+def record_fields(record_type) -> tuple:
+    """``((field name, SchemaType), ...)`` of an attrs record, nested records included."""
+    if record_type not in _RECORDS:
+        if not (isinstance(record_type, type) and attrs.has(record_type)):
+            raise TypeError(f"an args type must be an attrs class, got {record_type!r}")
+        attrs.resolve_types(record_type)
+        fields = []
+        for field in attrs.fields(record_type):
+            try:
+                fields.append((field.name, schema_type(field.type)))
+            except TypeError as error:
+                raise TypeError(f"field {record_type.__name__}.{field.name}: {error}") from None
+        _RECORDS[record_type] = tuple(fields)
+    return _RECORDS[record_type]
+
+
+def flatten_record(fields: tuple, record) -> list:
+    """The schema argument values of ``record`` (see :func:`record_fields`)."""
+    return [v for name, st in fields for v in st.flatten(getattr(record, name))]
+
+
+def unflatten_record(record_type, fields: tuple, values) -> object:
+    """Rebuild a ``record_type`` from its schema argument values."""
+    kwargs, pos = {}, 0
+    for name, st in fields:
+        n = len(st.parts)
+        kwargs[name] = st.unflatten(list(values[pos:pos + n]))
+        pos += n
+    return record_type(**kwargs)
+
+
+def _record_type(record_type) -> SchemaType:
+    fields = record_fields(record_type)
+    return SchemaType(tuple(p for _, st in fields for p in st.parts),
+                      lambda v: flatten_record(fields, v),
+                      lambda vals: unflatten_record(record_type, fields, vals), record_type)

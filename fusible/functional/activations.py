@@ -1,0 +1,90 @@
+"""Activation arithmetic shared by the activation ops and the fusions with one inside."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensor
+
+from fusible.functional.linear import bias_grad
+from fusible.kernels import dact_dbias as kernels
+from fusible.quantization.cast import FP8_MAX
+from fusible.quantization.float8_tensor import Float8Tensor
+from fusible.quantization.format import Float8Format
+
+Tensor = torch.Tensor
+aten = torch.ops.aten
+
+# kind -> (forward, backward(dy, saved), saves_output); rules as data.
+ACTIVATIONS = {
+    "gelu": (lambda x: F.gelu(x), lambda dy, x: aten.gelu_backward(dy, x), False),
+    "gelu_tanh": (lambda x: F.gelu(x, approximate="tanh"),
+                  lambda dy, x: aten.gelu_backward(dy, x, approximate="tanh"), False),
+    "relu": (torch.relu, lambda dy, y: aten.threshold_backward(dy, y, 0), True),
+    "silu": (F.silu, lambda dy, x: aten.silu_backward(dy, x), False),
+}
+
+
+def activation_forward(kind: str, x: Tensor) -> Tensor:
+    """Apply the pointwise activation ``kind``."""
+    return ACTIVATIONS[kind][0](x)
+
+
+def activation_backward(kind: str, grad_output: Tensor, saved: Tensor) -> Tensor:
+    """Gradient of the activation ``kind`` from its saved input (or output, for ReLU)."""
+    return ACTIVATIONS[kind][1](grad_output, saved)
+
+
+def saves_output(kind: str) -> bool:
+    """Whether the activation's backward reads its output (ReLU) rather than its input."""
+    return ACTIVATIONS[kind][2]
+
+
+def dact_dbias(kind: str, grad_output: Tensor, saved: Tensor,
+               output_format: Optional[Float8Format] = None):
+    """``(dact, dbias)`` for the pointwise activation ``kind``.
+
+    On CUDA, from ``kernels.TRITON_MIN_NUMEL`` elements, one Triton kernel; with
+    ``output_format`` it returns ``dact`` as that Float8Tensor, never written in high
+    precision. Elsewhere the PyTorch ops, and ``dact`` in high precision (the caller
+    quantizes it).
+    """
+    if (kernels.triton is not None and grad_output.is_cuda
+            and grad_output.numel() >= kernels.TRITON_MIN_NUMEL
+            and not isinstance(grad_output, FakeTensor)):  # fake kernels: no launch
+        if output_format is not None:
+            fp8 = output_format.fp8_dtype
+            data, scale_inv, transpose, dbias = kernels.dact_dbias_fp8_triton(
+                kind, grad_output, saved, fp8, FP8_MAX[fp8], output_format.columnwise)
+            return Float8Tensor(data, scale_inv, grad_output.dtype, transpose), dbias
+        return kernels.dact_dbias_triton(kind, grad_output, saved)
+    return dact_dbias_torch(kind, grad_output, saved)
+
+
+def dact_dbias_torch(kind: str, grad_output: Tensor, saved: Tensor):
+    """The plain-PyTorch version: activation backward, then a sum over tokens."""
+    dact = activation_backward(kind, grad_output, saved)
+    return dact, bias_grad(dact)
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """float32 for 16-bit dtypes, else the dtype itself."""
+    return torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
+
+
+def swiglu_forward(x: Tensor) -> Tensor:
+    """``a, b = x.chunk(2, -1); silu(a) * b``, in float32 for 16-bit inputs."""
+    a, b = x.to(compute_dtype(x.dtype)).chunk(2, -1)
+    return (F.silu(a) * b).to(x.dtype)
+
+
+def swiglu_backward(grad_output: Tensor, x: Tensor) -> Tensor:
+    """The gradient of :func:`swiglu_forward` w.r.t. ``x``."""
+    cdt = compute_dtype(x.dtype)
+    a, b = x.to(cdt).chunk(2, -1)
+    dy = grad_output.to(cdt)
+    da = aten.silu_backward(dy * b, a)
+    db = dy * F.silu(a)
+    return torch.cat([da, db], -1).to(x.dtype)

@@ -1,0 +1,283 @@
+"""The GEMMs of a linear layer, in high precision or FP8, shared by BasicLinear and fusions.
+
+A linear layer's GEMMs take typed records (:class:`GemmForwardArgs`,
+:class:`GemmBackwardArgs`): a fusion nests one in its own args, so a missing field is
+an error when the record is built, in every precision.
+
+FP8 GEMMs use ``torch._scaled_mm`` with the layouts Hopper needs: the first
+operand row-major, the second column-major. The forward reads ``x`` and
+``weight.T`` (a view of the row-major weight); dgrad reads ``dy`` and the
+weight's transposed copy; wgrad reads the transposed copies of ``dy`` and ``x``.
+Each tensor is quantized once, with the copies the backward will need.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import attrs
+import torch
+
+from fusible.functional import parallel
+from fusible.functional.parallel import TensorParallel
+from fusible.kernels.fp8_cast import transposed_copy
+from fusible.quantization.float8_tensor import Float8Tensor, Fp8Able, quantize_raw
+from fusible.quantization.format import Float8Format, to_format
+
+Tensor = torch.Tensor
+
+
+@attrs.define
+class GemmForwardArgs:
+    """A linear layer's forward GEMM, ``y = x @ weight.T``.
+
+    Attributes
+    ----------
+    input : Tensor or Float8Tensor
+        ``x`` (a Float8Tensor when the stage before handed it over quantized).
+    weight : Tensor
+        The (local shard of the) weight parameter.
+    input_format, weight_format : Float8Format or None
+        The FP8 formats of the GEMM's operands; None for a high-precision GEMM.
+        ``input_format.columnwise``: keep the input's transposed copy for wgrad.
+    tp : TensorParallel
+        How the layer is split over a process group.
+    """
+
+    input: Fp8Able
+    weight: Tensor
+    input_format: Optional[Float8Format]
+    weight_format: Optional[Float8Format]
+    tp: TensorParallel
+
+    @property
+    def fp8(self) -> bool:
+        return self.input_format is not None
+
+
+@attrs.define
+class GemmBackwardArgs:
+    """A linear layer's backward GEMMs: dgrad ``dy @ weight`` and wgrad ``dy.T @ x``.
+
+    Attributes
+    ----------
+    grad_output : Tensor or Float8Tensor
+        ``dy``.
+    input, weight : Tensor, Float8Tensor or None
+        As saved (:class:`LinearSaved`); under FP8 the weight quantized again with its
+        transposed copy. None where the gradient that reads it is not needed.
+    grad_format : Float8Format or None
+        The FP8 format of ``dy``; None for high-precision GEMMs.
+    need_grad_input, need_grad_weight : bool
+        Which of dgrad and wgrad to compute.
+    tp : TensorParallel
+    """
+
+    grad_output: Fp8Able
+    input: Optional[Fp8Able]
+    weight: Optional[Fp8Able]
+    grad_format: Optional[Float8Format]
+    need_grad_input: bool
+    need_grad_weight: bool
+    tp: TensorParallel
+
+
+@attrs.define
+class LinearSaved:
+    """BasicLinear's saved record: the input for wgrad (under FP8 its transposed copy
+    only), the weight parameter itself for dgrad; None where not needed."""
+
+    input: Optional[Fp8Able]
+    weight: Optional[Tensor]
+
+
+def _require(args, record_type, where: str) -> None:
+    if type(args) is not record_type:
+        raise TypeError(f"{where} takes a {record_type.__name__} (nest one in your args "
+                        f"record), got {type(args).__name__}")
+
+
+def tokens_2d(t: Tensor) -> Tensor:
+    """View a (..., features) tensor as (tokens, features) for a GEMM."""
+    return t if t.dim() == 2 else t.reshape(-1, t.shape[-1])
+
+
+def like_tokens(y2: Tensor, t: Tensor) -> Tensor:
+    """View a (tokens, features) GEMM result with the leading dimensions of ``t``."""
+    return y2 if t.dim() == 2 else y2.view(*t.shape[:-1], y2.shape[-1])
+
+
+def linear_forward(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
+    """``x @ weight.T (+ bias)``; with a bias, one GEMM with the bias epilogue."""
+    x2 = tokens_2d(x)
+    y = torch.mm(x2, weight.t()) if bias is None else torch.addmm(bias, x2, weight.t())
+    return like_tokens(y, x)
+
+
+def linear_dgrad(grad_output: Tensor, weight: Tensor,
+                 accumulate_into: Optional[Tensor] = None) -> Tensor:
+    """``dy @ weight``; with ``accumulate_into``, ``that + dy @ weight`` in one GEMM."""
+    dy2 = tokens_2d(grad_output)
+    if accumulate_into is None:
+        dx = torch.mm(dy2, weight)
+    else:
+        dx = torch.addmm(tokens_2d(accumulate_into), dy2, weight)
+    return like_tokens(dx, grad_output)
+
+
+def linear_wgrad(grad_output: Tensor, x: Tensor) -> Tensor:
+    """``dy.T @ x`` summed over all tokens."""
+    return torch.mm(tokens_2d(grad_output).t(), tokens_2d(x))
+
+
+def bias_grad(grad_output: Tensor) -> Tensor:
+    """A bias's gradient: the sum of ``grad_output`` over all tokens."""
+    return tokens_2d(grad_output).sum(0)
+
+
+def handed_in(x, fmt: Optional[Float8Format]) -> bool:
+    """Whether the GEMM input ``x`` arrived already quantized to ``fmt``'s FP8 dtype.
+
+    The stage then shares the caller's FP8 buffers: rather than return them (the
+    custom-op boundary would copy them), it lets the caller save ``x`` itself.
+    """
+    return isinstance(x, Float8Tensor) and fmt is not None and x.fp8_dtype == fmt.fp8_dtype
+
+
+def transposed_only(transpose: Tensor, scale_inv: Tensor, dtype: torch.dtype) -> Float8Tensor:
+    """A Float8Tensor holding only the transposed copy (its data is a view of it): what
+    the backward GEMMs read of a saved input or weight, at half the memory."""
+    return Float8Tensor(transpose.t(), scale_inv, dtype, transpose)
+
+
+def as_fp8(t: Tensor, fmt: Float8Format) -> Float8Tensor:
+    """``t`` as a 2-D Float8Tensor in ``fmt``; a Float8Tensor handed over by the previous
+    stage is used as it is (given a transposed copy if ``fmt`` wants one)."""
+    return to_format(tokens_2d(t), fmt)
+
+
+def fp8_gemm(a: Tensor, a_scale_inv: Tensor, b: Tensor, b_scale_inv: Tensor,
+             bias: Optional[Tensor], out_dtype: torch.dtype, fast_accum: bool = False) -> Tensor:
+    """``(a * sa) @ (b * sb) (+ bias)``: ``a`` row-major FP8, ``b`` column-major FP8.
+
+    ``fast_accum`` lets Hopper accumulate in its faster, less precise FP8 mode; like
+    TransformerEngine and torchao we take it for the forward GEMM only (gradients sum
+    over many more products).
+    """
+    epilogue = bias is not None and out_dtype in (torch.bfloat16, torch.float16)
+    y = torch._scaled_mm(a, b, scale_a=a_scale_inv, scale_b=b_scale_inv,
+                         bias=bias if epilogue else None, out_dtype=out_dtype,
+                         use_fast_accum=fast_accum)
+    if bias is not None and not epilogue:  # no bias epilogue for float32 outputs
+        y = y + bias
+    return y
+
+
+def gemm_forward(gemm: GemmForwardArgs, bias: Optional[Tensor] = None):
+    """``(y, the input as saved)``: in high precision the gathered input (column +
+    sequence parallel) or None, under FP8 the FP8 input.
+
+    Tensor parallelism: column + sequence parallel all-gathers ``x`` first; row sums
+    the output over the group (all-reduce, or reduce-scatter with sequence parallel),
+    so a row-parallel ``bias`` would be added on every rank: callers refuse it.
+    """
+    _require(gemm, GemmForwardArgs, "gemm_forward")
+    x, weight, tp, fmt = gemm.input, gemm.weight, gemm.tp, gemm.input_format
+    if tp.active and tp.mode == "row" and bias is not None:
+        raise ValueError(f"a row-parallel GEMM cannot add a bias before its reduction ({tp})")
+    if fmt is None:
+        x = parallel.all_gather(x, tp) if tp.gathers_input else x
+        return (_reduce_output(linear_forward(x, weight, bias), tp),
+                x if tp.gathers_input else None)
+    if tp.gathers_input:
+        x_q, lead = gather_fp8(x, tp, fmt), _gathered_lead(x, tp)
+    else:
+        x_q, lead = as_fp8(x, fmt if not handed_in(x, fmt) else fmt.rowwise()), x.shape[:-1]
+    w_q = quantize_raw(weight, gemm.weight_format.fp8_dtype)
+    y = fp8_gemm(x_q._data, x_q._scale_inv, w_q._data.t(), w_q._scale_inv, bias, weight.dtype,
+                 fast_accum=True)
+    return _reduce_output(y.view(*lead, y.shape[-1]), tp), x_q
+
+
+def gather_fp8(x: Tensor, tp: TensorParallel, fmt: Float8Format) -> Float8Tensor:
+    """All-gather ``x`` along dim 0 in FP8 (``fmt``), as a 2-D Float8Tensor (tokens,
+    features).
+
+    One scale for the whole group: the absolute maxima are all-reduced first, each rank
+    casts its own part with it, and the FP8 bytes are gathered (half of bf16's). The
+    same bits as gathering in high precision and then quantizing. An FP8 ``x`` with its
+    own scale is dequantized first. The transposed copy (for wgrad) is made from the
+    gathered data.
+    """
+    if isinstance(x, Float8Tensor):
+        x = x._dequantize_raw()
+    x2 = tokens_2d(x)
+    # One reduction kernel, no |x| temporary; NaN propagates as in the cast's own amax.
+    local_amax = torch.linalg.vector_norm(x2, float("inf"), dtype=torch.float32)
+    amax = parallel.all_reduce(local_amax, tp, "max")
+    local = quantize_raw(x2, fmt.fp8_dtype, False, amax=amax)
+    data = parallel.all_gather(local._data, tp)
+    return Float8Tensor(data, local._scale_inv, x.dtype,
+                        transposed_copy(data) if fmt.columnwise else None)
+
+
+def _gathered_lead(x: Tensor, tp: TensorParallel) -> tuple:
+    """The leading dimensions of ``x`` gathered along dim 0."""
+    return (x.shape[0] * tp.world_size, *x.shape[1:-1])
+
+
+def _reduce_output(y: Tensor, tp: TensorParallel) -> Tensor:
+    """A row-parallel output summed over the group; others unchanged."""
+    if not (tp.active and tp.mode == "row"):
+        return y
+    return parallel.sum_over_group(y, tp)
+
+
+def _start_dgrad_reduction(dx: Optional[Tensor], tp: TensorParallel) -> Optional[Tensor]:
+    """Start summing a column-parallel dgrad (a partial sum) over the group; the caller
+    issues the wgrad GEMM, which overlaps with it, then :func:`_finish`."""
+    if dx is None or not (tp.active and tp.mode == "column"):
+        return dx
+    return parallel.sum_over_group(dx, tp, wait=False)
+
+
+def _finish(dx: Optional[Tensor]) -> Optional[Tensor]:
+    return None if dx is None else parallel.wait(dx)
+
+
+def gemm_backward(args: GemmBackwardArgs, accumulate_into: Optional[Tensor] = None):
+    """``(dgrad or None, wgrad or None)`` from the saved input and weight (under FP8,
+    Float8Tensors with their transposed copies).
+
+    ``accumulate_into`` is added to the dgrad (in the GEMM in high precision); not with
+    a column-parallel ``tp``, whose dgrad is summed over the group afterwards. Row +
+    sequence parallel all-gathers ``dy`` first.
+    """
+    _require(args, GemmBackwardArgs, "gemm_backward")
+    dy, x_saved, w_saved, tp = args.grad_output, args.input, args.weight, args.tp
+    need_dgrad, need_wgrad, fmt = args.need_grad_input, args.need_grad_weight, args.grad_format
+    if tp.active and tp.mode == "column" and accumulate_into is not None:
+        raise ValueError(f"a column-parallel dgrad is summed over the group: it cannot "
+                         f"accumulate into a local tensor ({tp})")
+    if fmt is None:
+        dy = parallel.all_gather(dy, tp) if tp.gathers_grad else dy
+        dx = linear_dgrad(dy, w_saved, accumulate_into) if need_dgrad else None
+        dx = _start_dgrad_reduction(dx, tp)
+        dw = linear_wgrad(dy, x_saved) if need_wgrad else None
+        return _finish(dx), dw
+    if tp.gathers_grad:
+        dy_q, lead = gather_fp8(dy, tp, fmt), _gathered_lead(dy, tp)
+    else:
+        dy_q, lead = as_fp8(dy, fmt), dy.shape[:-1]
+    dx = dw = None
+    if need_dgrad:
+        dx = fp8_gemm(dy_q._data, dy_q._scale_inv, w_saved._transpose.t(), w_saved._scale_inv,
+                      None, w_saved.dtype)
+        dx = dx.view(*lead, dx.shape[-1])
+        if accumulate_into is not None:
+            dx = dx + accumulate_into
+    dx = _start_dgrad_reduction(dx, tp)
+    if need_wgrad:
+        dw = fp8_gemm(dy_q._transpose, dy_q._scale_inv, x_saved._transpose.t(),
+                      x_saved._scale_inv, None, x_saved.dtype)
+    return _finish(dx), dw

@@ -1,0 +1,87 @@
+"""A linear layer's per-call state: building its GEMM records, saving and restoring
+:class:`~fusible.functional.linear.LinearSaved`. Shared by BasicLinear and every fusion
+that covers one, so all of them save and read the same layout."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from fusible.functional.linear import (GemmBackwardArgs, GemmForwardArgs, LinearSaved, as_fp8,
+                                       handed_in, transposed_only)
+from fusible.functional.parallel import TensorParallel
+from fusible.quantization.float8_tensor import quantize_raw
+from fusible.quantization.format import Float8Format
+
+
+def gemm_input_format(recipe, needs) -> Optional[Float8Format]:
+    """The format a linear layer's GEMM reads its input in under ``recipe`` (None: no
+    recipe); with the transposed copy when wgrad needs it (``needs.params[0]``)."""
+    return None if recipe is None else recipe.input_format(columnwise=needs.params[0])
+
+
+def gemm_grad_format(recipe, needs) -> Optional[Float8Format]:
+    """The format a linear layer's backward GEMMs read ``dy`` in (None: no recipe)."""
+    return None if recipe is None else recipe.grad_format(columnwise=needs.params[0])
+
+
+def gemm_forward_args(input, weight, tp: TensorParallel, ctx) -> GemmForwardArgs:
+    """The forward GEMM record of a linear layer from its context (recipe, needs)."""
+    recipe = ctx.recipe
+    weight_format = None if recipe is None else recipe.weight_format()
+    return GemmForwardArgs(input, weight, gemm_input_format(recipe, ctx.needs), weight_format,
+                           tp)
+
+
+def forward_aux(gemm: GemmForwardArgs, x_q) -> tuple:
+    """The aux tensors a forward GEMM stage returns: in high precision the gathered input
+    (column + sequence parallel) if any; under FP8 the input's transposed copy and scale,
+    ``(x_t, x_scale_inv)`` (None where not kept). An input that arrived in FP8 is the
+    caller's to save (see :func:`~fusible.functional.linear.handed_in`)."""
+    if not gemm.fp8:
+        return () if x_q is None else (x_q,)
+    if _kept_by_caller(gemm):
+        return ()
+    return (x_q._transpose, x_q._scale_inv)
+
+
+def _kept_by_caller(gemm: GemmForwardArgs) -> bool:
+    """The input arrived in FP8 and the GEMM used it as it is (not gathered): its buffers
+    are the caller's, so the stage returns none of them."""
+    return handed_in(gemm.input, gemm.input_format) and not gemm.tp.gathers_input
+
+
+def save_linear(ctx, gemm: GemmForwardArgs, aux: tuple) -> None:
+    """Set ``ctx.saved`` to the linear layer's :class:`LinearSaved`: the input for wgrad,
+    the weight for dgrad. Under FP8 the input is kept as its transposed FP8 copy only
+    (all wgrad reads), from the forward result's aux (see :func:`forward_aux`); the weight
+    is kept as the parameter itself and quantized again in the backward."""
+    needs = ctx.needs
+    x = None
+    if needs.params[0]:
+        fmt = gemm.input_format
+        if fmt is None:
+            x = aux[0] if aux else gemm.input
+        else:
+            if _kept_by_caller(gemm):
+                x_q = as_fp8(gemm.input, fmt)
+                x_t, x_scale_inv = x_q._transpose, x_q._scale_inv
+            else:
+                x_t, x_scale_inv = aux[:2]
+            x = transposed_only(x_t, x_scale_inv, gemm.input.dtype)
+    ctx.saved = LinearSaved(x, gemm.weight if needs.input else None)
+
+
+def gemm_backward_args(ctx, grad_output, tp: TensorParallel) -> GemmBackwardArgs:
+    """The backward GEMM record of a linear layer from its context and saved record.
+
+    Under FP8 the weight is quantized again, with its transposed copy for dgrad: the
+    same bits as in the forward (current scaling of an unchanged parameter; autograd
+    checks its version), and no FP8 copy of every weight held between the passes.
+    """
+    saved, recipe, needs = ctx.saved, ctx.recipe, ctx.needs
+    weight = saved.weight
+    if recipe is not None and weight is not None:
+        w_q = quantize_raw(weight, recipe.weight_format().fp8_dtype, columnwise=True)
+        weight = transposed_only(w_q._transpose, w_q._scale_inv, weight.dtype)
+    return GemmBackwardArgs(grad_output, saved.input, weight, gemm_grad_format(recipe, needs),
+                            needs.input, needs.params[0], tp)

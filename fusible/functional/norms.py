@@ -1,0 +1,80 @@
+"""Normalisation arithmetic (LayerNorm, RMSNorm) and the shape rules the norm ops share."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+Tensor = torch.Tensor
+
+
+def normalized_shape_tuple(op_name: str, normalized_shape) -> tuple:
+    """``normalized_shape`` as a tuple of positive ints, or ValueError naming the op."""
+    shape = (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
+    if not shape or any(int(s) <= 0 for s in shape):
+        raise ValueError(f"{op_name} needs positive sizes, got normalized_shape={normalized_shape!r}")
+    return tuple(int(s) for s in shape)
+
+
+def check_trailing(op, shape, normalized_shape) -> None:
+    """ValueError naming ``op`` unless ``shape`` ends with ``normalized_shape``."""
+    n = len(normalized_shape)
+    if len(shape) < n or tuple(shape[-n:]) != normalized_shape:
+        raise ValueError(f"{op.describe()} got input of shape {tuple(shape)}; its trailing "
+                         f"dimensions must be {normalized_shape}")
+
+
+def _cpu_float_copies(*tensors):
+    """float32 copies of 16-bit CPU tensors: PyTorch's CPU kernel keeps mean and rstd in
+    the input dtype, too coarse for the backward. CUDA accumulates in float32 already."""
+    x = tensors[0]
+    if x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float16):
+        return tuple(None if t is None else t.float() for t in tensors)
+    return tensors
+
+
+def layer_norm_forward(x: Tensor, weight: Tensor, bias: Tensor, normalized_shape: list,
+                       eps: float) -> tuple:
+    """``(y, mean, rstd)``, ``y`` in ``x``'s dtype."""
+    xc, w, b = _cpu_float_copies(x, weight, bias)
+    y, mean, rstd = torch.native_layer_norm(xc, normalized_shape, w, b, eps)
+    return y.to(x.dtype), mean, rstd
+
+
+def layer_norm_backward(dy: Tensor, x: Tensor, mean: Tensor, rstd: Tensor, weight: Tensor,
+                        bias: Tensor, normalized_shape: list, mask: list) -> tuple:
+    """``(dx, dweight, dbias)``, each None where ``mask`` says it is not needed."""
+    dyc, xc, w, b = _cpu_float_copies(dy, x, weight, bias)
+    grads = torch.ops.aten.native_layer_norm_backward(dyc, xc, normalized_shape, mean, rstd,
+                                                      w, b, mask)
+    return tuple(None if g is None else g.to(dy.dtype) for g in grads)
+
+
+def _float(t: Tensor) -> Tensor:
+    return t.float() if t.dtype in (torch.bfloat16, torch.float16) else t
+
+
+def rms_norm_forward(x: Tensor, weight: Tensor, normalized_shape: list, eps: float) -> tuple:
+    """``(y, rstd)``: ``x * rsqrt(mean(x**2) + eps) * weight`` in float32 for 16-bit
+    inputs, ``y`` in ``x``'s dtype."""
+    xf = _float(x)
+    dims = tuple(range(-len(normalized_shape), 0))
+    rstd = torch.rsqrt(xf.square().mean(dims, keepdim=True) + eps)
+    return (xf * rstd * _float(weight)).to(x.dtype), rstd
+
+
+def rms_norm_backward(dy: Tensor, x: Tensor, rstd: Tensor, weight: Tensor,
+                      normalized_shape: list, need_dx: bool,
+                      need_dw: bool) -> tuple[Optional[Tensor], Optional[Tensor]]:
+    """``(dx, dweight)``, each None where not needed."""
+    dtype = dy.dtype
+    dims = tuple(range(-len(normalized_shape), 0))
+    dyf, x_hat = _float(dy), _float(x) * rstd
+    dx = dw = None
+    if need_dx:
+        g = dyf * _float(weight)
+        dx = (rstd * (g - x_hat * (g * x_hat).mean(dims, keepdim=True))).to(dtype)
+    if need_dw:
+        dw = (dyf * x_hat).reshape(-1, *normalized_shape).sum(0).to(dtype)
+    return dx, dw

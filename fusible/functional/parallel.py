@@ -1,0 +1,192 @@
+"""Process groups for tensor and sequence parallelism, and the collectives the ops run.
+
+Collectives go through PyTorch's functional collectives (``torch.ops._c10d_functional``):
+one code path for eager runs and for custom-op kernels, fake implementations that know the
+shape changes (so the ops' fake kernels need nothing of their own), and process groups
+named by string, which is how a group crosses a custom-op boundary.
+All gathers and scatters are along dim 0 (tokens, or sequence for (S, B, H) inputs).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import attrs
+import torch
+import torch.distributed as dist
+
+from fusible.core.schema import SchemaType, register_schema_type
+
+Tensor = torch.Tensor
+_c10d = torch.ops._c10d_functional
+
+MODES = (None, "column", "row")
+
+
+@attrs.frozen
+class TensorParallel:
+    """How one op is split over a process group; hashable, crosses custom ops by value.
+
+    Attributes
+    ----------
+    mode : str
+        ``""`` (not split), ``"column"`` or ``"row"``; collectives use only
+        ``sequence_parallel`` (tokens split) with ``mode=""``.
+    sequence_parallel : bool
+        Whether tokens (dim 0) are split over the group outside the op.
+    group_name : str
+        The process group's name (``ProcessGroup.group_name``); ``""`` when alone.
+    world_size : int
+        The group's size.
+    """
+
+    mode: str = ""
+    sequence_parallel: bool = False
+    group_name: str = ""
+    world_size: int = 1
+
+    @property
+    def active(self) -> bool:
+        """Whether any communication happens (a group of more than one rank)."""
+        return self.world_size > 1
+
+    @property
+    def gathers_input(self) -> bool:
+        """A linear layer that all-gathers its input (column + sequence parallel)."""
+        return self.active and self.mode == "column" and self.sequence_parallel
+
+    @property
+    def scatters_output(self) -> bool:
+        """A linear layer that reduce-scatters its output (row + sequence parallel): the
+        gradient it receives, and so it gathers (``gathers_grad`` is the same)."""
+        return self.active and self.mode == "row" and self.sequence_parallel
+
+    @property
+    def gathers_grad(self) -> bool:
+        """A linear layer that all-gathers its incoming gradient (row + sequence parallel)."""
+        return self.scatters_output
+
+
+NOT_PARALLEL = TensorParallel()
+
+
+def resolve_group(op_name: str, group) -> dist.ProcessGroup:
+    """``group``, or the default group for None; a clear error without torch.distributed."""
+    if group is not None:
+        return group
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError(f"{op_name} needs torch.distributed: call "
+                           f"torch.distributed.init_process_group() first, or pass a group")
+    return dist.group.WORLD
+
+
+def tensor_parallel(op_name: str, mode: Optional[str], sequence_parallel: bool,
+                    group) -> TensorParallel:
+    """The :class:`TensorParallel` of an op's constructor arguments."""
+    if mode not in MODES:
+        raise ValueError(f"{op_name}: tensor_parallel_mode must be one of {MODES}, got {mode!r}")
+    if mode is None and not sequence_parallel:
+        if group is not None:
+            raise ValueError(f"{op_name}: tensor_parallel_group given without "
+                             f"tensor_parallel_mode or sequence_parallel")
+        return NOT_PARALLEL
+    return group_config(op_name, mode or "", bool(sequence_parallel), group)
+
+
+def group_config(op_name: str, mode: str, sequence_parallel: bool, group) -> TensorParallel:
+    """A :class:`TensorParallel` over ``group`` (None: the default group)."""
+    pg = resolve_group(op_name, group)
+    return TensorParallel(mode, sequence_parallel, pg.group_name, dist.get_world_size(pg))
+
+
+def sequence_parallel(op_name: str, enabled: bool, group) -> TensorParallel:
+    """The group over which an op's tokens are split (for its gradient all-reduce), or
+    :data:`NOT_PARALLEL` when they are not."""
+    if not enabled:
+        if group is not None:
+            raise ValueError(f"{op_name}: tensor_parallel_group given without "
+                             f"sequence_parallel=True")
+        return NOT_PARALLEL
+    return group_config(op_name, "", True, group)
+
+
+def group_of(tp: TensorParallel):
+    """The process group ``tp`` names, or None. Ops keep only the name (a string copies,
+    pickles and compares; a ProcessGroup does not) and look the group up here."""
+    return dist.distributed_c10d._resolve_process_group(tp.group_name) if tp.group_name else None
+
+
+def group_rank(tp: TensorParallel) -> int:
+    """This process's rank in ``tp``'s group (0 when alone)."""
+    return dist.get_rank(group_of(tp)) if tp.group_name else 0
+
+
+def rank_slice(tp: TensorParallel, local_size: int) -> slice:
+    """This rank's ``local_size`` entries of a dim split evenly over ``tp``'s group."""
+    start = group_rank(tp) * local_size
+    return slice(start, start + local_size)
+
+
+def shard_size(op_name: str, what: str, size: int, tp: TensorParallel) -> int:
+    """``size / world_size``, or an error naming the op and the sizes."""
+    if size % tp.world_size:
+        raise ValueError(f"{op_name}: {what}={size} does not divide by the tensor-parallel "
+                         f"world size {tp.world_size}")
+    return size // tp.world_size
+
+
+def _as_bytes(x: Tensor):
+    """FP8 crosses collectives as bytes (not every backend knows FP8 types)."""
+    if x.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        return x.view(torch.uint8), x.dtype
+    return x, None
+
+
+def all_gather(x: Tensor, tp: TensorParallel) -> Tensor:
+    """Concatenate every rank's ``x`` along dim 0."""
+    if not tp.active:
+        return x
+    data, fp8 = _as_bytes(x.contiguous())
+    out = _c10d.wait_tensor(_c10d.all_gather_into_tensor(data, tp.world_size, tp.group_name))
+    return out.view(fp8) if fp8 is not None else out
+
+
+def reduce_scatter(x: Tensor, tp: TensorParallel, wait: bool = True) -> Tensor:
+    """Sum over ranks, each keeping its slice of dim 0.
+
+    ``wait=False`` returns while the collective runs (on the backend's own stream under
+    NCCL), so that work issued before ``wait(result)`` overlaps with it.
+    """
+    if not tp.active:
+        return x
+    out = _c10d.reduce_scatter_tensor(x.contiguous(), "sum", tp.world_size, tp.group_name)
+    return _c10d.wait_tensor(out) if wait else out
+
+
+def all_reduce(x: Tensor, tp: TensorParallel, op: str = "sum", wait: bool = True) -> Tensor:
+    """Sum (or ``op``) over ranks, out of place; ``wait`` as in :func:`reduce_scatter`."""
+    if not tp.active:
+        return x
+    out = _c10d.all_reduce(x.contiguous(), op, tp.group_name)
+    return _c10d.wait_tensor(out) if wait else out
+
+
+def sum_over_group(x: Tensor, tp: TensorParallel, wait: bool = True) -> Tensor:
+    """Partial sums summed over the group: reduce-scattered along dim 0 when tokens are
+    split (sequence parallel), all-reduced otherwise; ``wait`` as in :func:`reduce_scatter`."""
+    if tp.sequence_parallel:
+        return reduce_scatter(x, tp, wait)
+    return all_reduce(x, tp, "sum", wait)
+
+
+def wait(x: Tensor) -> Tensor:
+    """``x`` once the collective that produces it (started with ``wait=False``) is done;
+    a tensor with no collective in flight is returned as it is."""
+    return _c10d.wait_tensor(x)
+
+
+# A TensorParallel crosses custom ops as four arguments: the group by name.
+register_schema_type(TensorParallel, SchemaType(
+    ("str", "bool", "str", "int"),
+    lambda tp: [tp.mode, tp.sequence_parallel, tp.group_name, tp.world_size],
+    lambda vals: TensorParallel(*vals)))

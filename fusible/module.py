@@ -1,0 +1,228 @@
+"""The runnable modules: the base that runs a pipeline, the operation bases users
+subclass, and Sequential, the pipeline users build, plan and run."""
+
+from __future__ import annotations
+
+from typing import Iterable, Iterator
+
+import torch
+from torch import nn
+
+from fusible.core import epoch, tokens
+from fusible.core.conditions import PlanConditions
+from fusible.core.fused import FusedOperation
+from fusible.core.operation import BasicOperationSpec, FusibleSpec
+from fusible.planning.plan import FusionPlan
+from fusible.quantization import recipe
+from fusible.runtime.compiled import compiled_forward
+from fusible.runtime.layout import Layout
+
+
+class PipelineModule(nn.Module):
+    """An ``nn.Module`` that runs as a fusible pipeline (a Sequential, or one op alone)
+    and caches its layout with the plans.
+
+    The cache carries the epoch it was built in and is rebuilt when the epoch has
+    moved on; ``.to()`` and friends move it on, and pickling leaves the cache out.
+    """
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        tokens.register(self)
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        tokens.register(self)
+
+    def _layout(self) -> Layout:
+        """The cached :class:`~fusible.runtime.layout.Layout`, rebuilt when the epoch moved on."""
+        cache = self.__dict__.get("_fusible_cache")
+        if cache is None or cache.epoch != epoch.current():
+            cache = Layout(flatten(self))
+            object.__setattr__(self, "_fusible_cache", cache)
+        return cache
+
+    def forward(self, input: torch.Tensor, *extra_inputs: torch.Tensor):
+        """Run the pipeline (a lone op: like a one-element Sequential), planned and fused;
+        under torch.compile through the stages' custom ops."""
+        if torch.compiler.is_compiling():
+            return compiled_forward(self, input, extra_inputs)
+        return self._layout().run_eager(input, extra_inputs, self.training)
+
+    def pipeline(self) -> tuple:
+        """The flattened pipeline: basic ops and ordinary modules, in order.
+
+        Plan stage indices are positions in this tuple.
+        """
+        return self._layout().items
+
+    def plan(self, *example_inputs: torch.Tensor) -> FusionPlan:
+        """The :class:`~fusible.FusionPlan` for the current grad mode, recipe and training mode.
+
+        Parameters
+        ----------
+        *example_inputs : Tensor, optional
+            ``(x, *extra_inputs)`` as they would be passed to the model; their
+            dtype, device and ``requires_grad`` shape the plan. Without them the
+            input is assumed to have the parameters' dtype and device and not
+            to require grad.
+        """
+        layout = self._layout()
+        return layout.plan(_plan_conditions(layout, example_inputs, self.training))
+
+    def _apply(self, fn, recurse=True):
+        # .to(), .cuda(), to_empty() may replace parameter objects behind __setattr__.
+        result = super()._apply(fn, recurse)
+        epoch.bump_if_planned(self)
+        return result
+
+    def __getstate__(self):
+        state = self.__dict__.copy()
+        state.pop("_fusible_cache", None)
+        return state
+
+
+def _plan_conditions(layout: Layout, example_inputs: tuple, training: bool) -> PlanConditions:
+    """The conditions of calling the pipeline on ``example_inputs``; without them, an input
+    of the parameters' dtype and device that does not require grad."""
+    params = layout.params()
+    if example_inputs:
+        x, extras = example_inputs[0], example_inputs[1:]
+        if len(extras) != layout.num_extra_inputs:
+            raise TypeError(f"plan() got {len(extras)} extra input(s); the Sequential takes "
+                            f"{layout.num_extra_inputs}")
+        return PlanConditions.of(x, params, extras, recipe.current_key(), training)
+    first = params[0] if params else next(iter(
+        p for item in layout.items for p in item.parameters()), None)
+    dtype = first.dtype if first is not None else torch.get_default_dtype()
+    device_type = first.device.type if first is not None else "cpu"
+    grad = torch.is_grad_enabled()
+    return PlanConditions(dtype, device_type, grad, False,
+                          tuple(grad and p.requires_grad for p in params),
+                          (False,) * layout.num_extra_inputs, recipe.current_key(), training)
+
+
+def flatten(module: nn.Module) -> list:
+    """Basic ops and ordinary modules of ``module``, nested Sequentials flattened."""
+    if isinstance(module, (FusibleSpec, Sequential)):
+        epoch.mark_planned(module)  # from now on its changes move the epoch
+    if isinstance(module, FusibleSpec):
+        return list(module.basic_ops())
+    if isinstance(module, Sequential):
+        return [item for child in module for item in flatten(child)]
+    return [module]
+
+
+class FusibleOperation(PipelineModule, FusibleSpec):
+    """An operation that can stand in a :class:`Sequential`: a basic op, or a composite such
+    as :class:`~fusible.ops.Linear` that expands into basic ops. Calling one on its own
+    runs it as a one-element pipeline."""
+
+
+class BasicOperation(FusibleOperation, BasicOperationSpec, abstract=True):
+    """The base class of basic operations: subclass it (see
+    :class:`~fusible.core.operation.BasicOperationSpec` for the contract and
+    :class:`~fusible.core.stage.StageSpec` for each hook)."""
+
+
+class Sequential(PipelineModule):
+    """A pipeline of fusible operations, planned and fused as a whole.
+
+    Behaves like ``torch.nn.Sequential`` for indexing, iteration, ``len``,
+    ``append``, ``extend``, ``insert`` and deletion, and keeps the same
+    state_dict names. Nested Sequentials are flattened into one pipeline for
+    planning, so fusions cross their boundaries. An ordinary ``nn.Module``
+    inside runs as is and splits the pipeline into separately planned groups.
+
+    ``model(x, *extra_inputs)`` gives the extra inputs, in order, to the
+    ``AddExtraInput`` ops; if the pipeline has ``MakeExtraOutput`` ops it returns
+    ``(y, *extra_outputs)``, else ``y``.
+
+    Parameters
+    ----------
+    *modules : nn.Module
+        Fusible operations, Sequentials or ordinary modules, in order.
+    """
+
+    def __init__(self, *modules: nn.Module):
+        super().__init__()
+        for module in modules:
+            self.append(module)
+
+    # nn.Sequential behaviour ------------------------------------------------------
+
+    def append(self, module: nn.Module) -> "Sequential":
+        """Add a module at the end."""
+        self._check_module(module)
+        self.add_module(str(len(self)), module)
+        return self
+
+    def add_module(self, name: str, module) -> None:
+        # Every structural change (append, insert, register_module, attribute
+        # assignment of a module) goes through here or __delattr__: re-plan.
+        super().add_module(name, module)
+        epoch.bump_if_planned(self)
+
+    def __setattr__(self, name: str, value) -> None:
+        super().__setattr__(name, value)
+        if isinstance(value, nn.Module):  # nn.Module stores it without add_module
+            epoch.bump_if_planned(self)
+
+    def __delattr__(self, name: str) -> None:
+        super().__delattr__(name)
+        epoch.bump_if_planned(self)
+
+    def extend(self, modules: Iterable[nn.Module]) -> "Sequential":
+        for module in modules:
+            self.append(module)
+        return self
+
+    def insert(self, index: int, module: nn.Module) -> "Sequential":
+        items = list(self)
+        items.insert(index, module)
+        self._reset(items)
+        return self
+
+    def __len__(self) -> int:
+        return len(self._modules)
+
+    def __iter__(self) -> Iterator[nn.Module]:
+        return iter(self._modules.values())
+
+    def __getitem__(self, index):
+        items = list(self._modules.values())
+        if isinstance(index, slice):
+            return Sequential(*items[index])
+        return items[self._index(index)]
+
+    def __setitem__(self, index: int, module: nn.Module) -> None:
+        self._check_module(module)
+        items = list(self)
+        items[self._index(index)] = module
+        self._reset(items)
+
+    def __delitem__(self, index) -> None:
+        items = list(self)
+        del items[index if isinstance(index, slice) else self._index(index)]
+        self._reset(items)
+
+    def _index(self, index: int) -> int:
+        n = len(self)
+        if not -n <= index < n:
+            raise IndexError(f"index {index} is out of range for a Sequential of {n} modules")
+        return index % n
+
+    def _reset(self, items: list) -> None:
+        for key in list(self._modules):
+            del self._modules[key]
+        epoch.bump_if_planned(self)
+        for item in items:
+            self.append(item)
+
+    @staticmethod
+    def _check_module(module) -> None:
+        if isinstance(module, FusedOperation):
+            raise TypeError(f"{type(module).__name__} is a fusion; the planner creates fusions, "
+                            f"put the basic ops in the Sequential instead")
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"Sequential takes nn.Module instances, got {type(module).__name__}")

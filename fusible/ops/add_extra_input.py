@@ -1,0 +1,79 @@
+"""AddExtraInput: a residual add of one of the pipeline's extra inputs.
+
+``model(x, *extra_inputs)`` hands the extra inputs, in order, to the AddExtraInput ops.
+"""
+
+from __future__ import annotations
+
+import attrs
+import torch
+
+from fusible.core.example import Example
+from fusible.core.results import BackwardResult, ForwardResult
+from fusible.module import BasicOperation
+
+Tensor = torch.Tensor
+
+
+@attrs.define
+class AddForwardArgs:
+    input: Tensor
+    extra_input: Tensor
+
+
+@attrs.define
+class AddBackwardArgs:
+    grad_output: Tensor
+    need_grad_input: bool
+    need_grad_extra_input: bool
+
+
+class AddExtraInput(BasicOperation):
+    """``y = x + extra``, the extra input taken from the pipeline's extra inputs.
+
+    The extra input must have the shape, dtype and device of ``x``. Saves nothing.
+    """
+
+    num_extra_inputs = 1
+    fwd_args_type = AddForwardArgs
+    bwd_args_type = AddBackwardArgs
+
+    def validate(self, shape, dtype, device, extra_inputs=()):
+        (extra,) = extra_inputs
+        if not isinstance(extra, torch.Tensor):
+            raise TypeError(f"AddExtraInput needs a tensor extra input, got "
+                            f"{type(extra).__name__}")
+        if tuple(extra.shape) != tuple(shape):
+            raise ValueError(f"AddExtraInput got extra input of shape {tuple(extra.shape)} for "
+                             f"an input of shape {tuple(shape)}; they must match")
+        if extra.dtype != dtype or extra.device != device:
+            raise TypeError(f"AddExtraInput got extra input of dtype {extra.dtype} on "
+                            f"{extra.device} for an input of dtype {dtype} on {device}")
+        return tuple(shape)
+
+    def forward_args(self, input, params, extra_inputs, ctxs):
+        return AddForwardArgs(input, extra_inputs[0])
+
+    @classmethod
+    def forward_compute(cls, args, *, in_custom_op=False):
+        return ForwardResult(args.input + args.extra_input)
+
+    def save_for_backward(self, args, result, ctxs):
+        pass
+
+    def backward_args(self, grad_output, grad_extra_outputs, ctxs):
+        needs = ctxs[0].needs
+        return AddBackwardArgs(grad_output, needs.input, needs.extra_inputs[0])
+
+    @classmethod
+    def backward_compute(cls, args, *, in_custom_op=False):
+        dy = args.grad_output
+        return BackwardResult(dy if args.need_grad_input else None, (),
+                              (dy if args.need_grad_extra_input else None,))
+
+    def reference(self, x, extra_inputs, params):
+        return x + extra_inputs[0], ()
+
+    @classmethod
+    def example(cls):
+        return Example((cls(),), (2, 3, 16), ((2, 3, 16),))

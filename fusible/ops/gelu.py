@@ -1,0 +1,41 @@
+"""GELU: the Gaussian error linear unit, exact or tanh-approximated."""
+
+from __future__ import annotations
+
+import torch.nn.functional as F
+
+from fusible.core.example import Example
+from fusible.ops.pointwise_activation import PointwiseActivation
+
+
+class GELU(PointwiseActivation):
+    """Gaussian error linear unit, exact (``approximate="none"``) or tanh-approximated.
+
+    Parameters
+    ----------
+    approximate : {"none", "tanh"}
+        As ``torch.nn.GELU``.
+    """
+
+    def __init__(self, approximate: str = "none"):
+        super().__init__()
+        if approximate not in ("none", "tanh"):
+            raise ValueError(f"GELU: approximate must be 'none' or 'tanh', got {approximate!r}")
+        self.approximate = approximate
+
+    @property
+    def kind(self) -> str:
+        return "gelu_tanh" if self.approximate == "tanh" else "gelu"
+
+    def describe(self) -> str:
+        return f"GELU(approximate={self.approximate!r})"
+
+    def extra_repr(self) -> str:
+        return f"approximate={self.approximate!r}"
+
+    def reference(self, x, extra_inputs, params):
+        return F.gelu(x, approximate=self.approximate), ()
+
+    @classmethod
+    def example(cls):
+        return Example((cls(approximate="tanh"),), (3, 5, 32))

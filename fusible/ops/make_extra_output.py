@@ -1,0 +1,69 @@
+"""MakeExtraOutput: branch the stage input off as an extra output of the pipeline.
+
+A pipeline with MakeExtraOutput ops returns ``(y, *extra_outputs)``.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import attrs
+import torch
+
+from fusible.core.example import Example
+from fusible.core.results import BackwardResult, ForwardResult
+from fusible.module import BasicOperation
+
+Tensor = torch.Tensor
+
+
+@attrs.define
+class BranchForwardArgs:
+    input: Tensor
+
+
+@attrs.define
+class BranchBackwardArgs:
+    grad_output: Tensor
+    grad_extra_output: Optional[Tensor]
+    need_grad_input: bool
+
+
+class MakeExtraOutput(BasicOperation):
+    """Passes its input on and also returns it as an extra output. Saves nothing.
+
+    In the backward, the gradient of the extra output is added to the gradient
+    flowing through.
+    """
+
+    num_extra_outputs = 1
+    fwd_args_type = BranchForwardArgs
+    bwd_args_type = BranchBackwardArgs
+
+    def forward_args(self, input, params, extra_inputs, ctxs):
+        return BranchForwardArgs(input)
+
+    @classmethod
+    def forward_compute(cls, args, *, in_custom_op=False):
+        return ForwardResult(args.input, (args.input,))
+
+    def save_for_backward(self, args, result, ctxs):
+        pass
+
+    def backward_args(self, grad_output, grad_extra_outputs, ctxs):
+        return BranchBackwardArgs(grad_output, grad_extra_outputs[0], ctxs[0].needs.input)
+
+    @classmethod
+    def backward_compute(cls, args, *, in_custom_op=False):
+        if not args.need_grad_input:
+            return BackwardResult(None)
+        if args.grad_extra_output is None:
+            return BackwardResult(args.grad_output)
+        return BackwardResult(args.grad_output + args.grad_extra_output)
+
+    def reference(self, x, extra_inputs, params):
+        return x, (x,)
+
+    @classmethod
+    def example(cls):
+        return Example((cls(),), (4, 16))

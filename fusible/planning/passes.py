@@ -1,0 +1,101 @@
+"""Passes over a group of basic ops and its planned stages: gradient needs, the
+sequence-parallel check, the FP8 hand-off between stages, and collectives for plans."""
+
+from __future__ import annotations
+
+from fusible.core.results import OpGradNeeds
+from fusible.functional.parallel import NOT_PARALLEL
+
+
+def op_grad_needs(ops, conditions) -> tuple:
+    """Which gradients each op must produce, from what requires grad upstream.
+
+    ``conditions.params_requires_grad`` and ``extras_requires_grad`` are the group's own,
+    in order; with grad disabled nothing is needed.
+    """
+    grad = conditions.grad_enabled
+    needs, upstream = [], grad and conditions.input_requires_grad
+    params_rg, extras_rg = conditions.params_requires_grad, conditions.extras_requires_grad
+    p_pos = e_pos = 0
+    for op in ops:
+        n, k = len(op.param_names), op.num_extra_inputs
+        params = tuple(grad and bool(r) for r in params_rg[p_pos:p_pos + n])
+        extras = tuple(grad and bool(r) for r in extras_rg[e_pos:e_pos + k])
+        p_pos, e_pos = p_pos + n, e_pos + k
+        needs.append(OpGradNeeds(upstream, params, extras))
+        upstream = upstream or any(params) or any(extras)
+    return tuple(needs)
+
+
+def check_sequence_parallel(ops) -> None:
+    """Ops with parameters that see tokens split over a group (before a column + SP
+    linear layer, after a row + SP one) must all-reduce their gradients: an error names
+    any that would not, rather than letting ranks' replicated parameters drift apart."""
+    tps = [getattr(op, "tp", NOT_PARALLEL) for op in ops]
+    split = [None] * len(ops)  # per op: the group its input's tokens are split over
+    state = None
+    for i, tp in enumerate(tps):  # after a row + SP layer, until a column + SP one
+        state = None if tp.gathers_input else state
+        split[i] = state
+        state = tp if tp.scatters_output else state
+    state = None
+    for i in reversed(range(len(ops))):  # before a column + SP layer, back to a row + SP one
+        tp = tps[i]
+        if tp.gathers_input:
+            state = tp
+            continue
+        state = None if tp.scatters_output else state
+        split[i] = split[i] or state
+    for op, tp in zip(ops, split):
+        if tp is not None and op.param_names and not _parallel_param_op(op):
+            raise ValueError(f"{op.describe()} sees tokens split over the tensor-parallel group "
+                             f"(sequence parallelism around it), so each rank would sum only "
+                             f"its own tokens into its parameter gradients: construct it with "
+                             f"sequence_parallel=True")
+
+
+def _parallel_param_op(op) -> bool:
+    """An op whose parameters are shards, or whose gradients the fuser all-reduces."""
+    tp = getattr(op, "tp", None)
+    return op.grad_reduction() is not None or (tp is not None and tp.mode != "")
+
+
+def hand_off_formats(forward: list, backward: list, needs: tuple, recipe) -> tuple:
+    """Under ``recipe``, the format each stage hands its output (forward) or input
+    gradient (backward) over in: what the next stage asks for with ``input_format`` /
+    ``grad_format`` (None: a plain tensor). The producer then quantizes inside its own
+    stage (its custom op, when compiled).
+
+    ``forward`` and ``backward`` are the prepared stages in execution order; returns
+    ``(forward formats, backward formats)``, one per stage.
+    """
+    fwd = [None] * len(forward)
+    bwd = [None] * len(backward)
+    if recipe is None:
+        return fwd, bwd
+    for k in range(len(forward) - 1):
+        nxt = forward[k + 1]
+        fwd[k] = nxt.op.input_format(recipe, needs[nxt.lo:nxt.hi])
+    for k in range(len(backward) - 1):
+        nxt = backward[k + 1]
+        bwd[k] = nxt.op.grad_format(recipe, needs[nxt.lo:nxt.hi])
+    return fwd, bwd
+
+
+def op_communication(op, direction: str, needs=None) -> tuple:
+    """``(where, what)`` collectives of ``op`` in ``direction`` (for the gradients in
+    ``needs``, when given): those of its compute, and the all-reduce of its parameter
+    gradients (``grad_reduction``) after a backward stage. Ordinary modules: none."""
+    if not hasattr(op, "communication"):
+        return ()
+    comm = tuple(op.communication(direction, needs))
+    tp = op.grad_reduction()
+    if direction == "backward" and tp is not None and (needs is None or any(needs.params)):
+        grads = ", ".join("d" + name for name in op.param_names)
+        comm += (("after", f"all-reduce {grads} /{tp.world_size}"),)
+    return comm
+
+
+def idle_needs(op) -> OpGradNeeds:
+    """The needs of an op in a call that saves nothing."""
+    return OpGradNeeds(False, (False,) * len(op.param_names), (False,) * op.num_extra_inputs)

@@ -1,0 +1,124 @@
+"""FusionPlan: what the planner decided for a whole Sequential, to read and to draw."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+import torch
+
+from fusible.core.conditions import PlanConditions
+
+from fusible.planning.passes import op_communication
+from fusible.planning.planner import Stage
+from fusible.planning.viz import plan_to_dot, render_dot
+
+
+@attrs.frozen
+class FusionPlan:
+    """The plan of a Sequential for given conditions.
+
+    Attributes
+    ----------
+    forward : tuple of Stage
+        Forward stages in execution order.
+    backward : tuple of Stage
+        Backward stages that run, in execution order: ops before the first thing
+        that requires grad have none (empty when no gradient is needed).
+    candidates : tuple of Candidate
+        Every fusion that matched somewhere: chosen, superseded or refused.
+    ops : tuple
+        The flattened pipeline; stage indices are positions in it.
+    conditions : PlanConditions
+        The conditions the plan was made for (``device_type``, ``dtype``,
+        ``grad_enabled`` and ``recipe`` are shortcuts).
+    """
+
+    forward: tuple
+    backward: tuple
+    candidates: tuple
+    ops: tuple = attrs.field(repr=False)
+    conditions: PlanConditions
+    recipe: Any = None
+    op_needs: dict = attrs.field(factory=dict, repr=False, eq=False)  # op index -> OpGradNeeds
+
+    @property
+    def device_type(self) -> str:
+        return self.conditions.device_type
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.conditions.dtype
+
+    @property
+    def grad_enabled(self) -> bool:
+        return self.conditions.grad_enabled
+
+    def explain(self) -> str:
+        """A readable account of the stages and of every fusion that matched."""
+        lines = [f"FusionPlan: {len(self.ops)} ops on {self.device_type}, {self.dtype}, "
+                 f"grad {'enabled' if self.grad_enabled else 'disabled'}"
+                 + (f", recipe {self.recipe}" if self.recipe is not None else "")]
+        for title, stages in (("forward", self.forward), ("backward", self.backward)):
+            lines.append(f"{title} ({len(stages)} stages, in execution order):")
+            for s in stages:
+                lines.append(f"  {_indices(s.indices):<10} {s.name:<30} {_compile_note(s):<10} "
+                             f"{self._covered(s)}")
+                comm = self.communication(s, title)
+                if comm:
+                    lines.append(f"  {'':<10} communicates: {'; '.join(comm)}")
+            if not stages:
+                lines.append("  (none: no gradient is needed)")
+        lines.append("fusions that matched:")
+        for c in self.candidates:
+            why = f": {c.reason}" if c.reason else ""
+            lines.append(f"  {c.direction:<8} {c.fusion:<30} {_indices(c.indices):<10} "
+                         f"{c.status}{why}")
+        if not self.candidates:
+            lines.append("  (none)")
+        return "\n".join(lines)
+
+    def communication(self, stage: Stage, direction: str) -> list:
+        """``["Op: what (where)", ...]``: the collectives a stage runs."""
+        out = []
+        for i in stage.indices:
+            op = self.ops[i]
+            for where, what in op_communication(op, direction, self.op_needs.get(i)):
+                out.append(f"{type(op).__name__}: {what}" + ("" if where == "is" else
+                                                           f" ({where} its compute)"))
+        return out
+
+    def _covered(self, stage: Stage) -> str:
+        return " + ".join(_describe(self.ops[i]) for i in stage.indices)
+
+    def to_dot(self) -> str:
+        """Graphviz DOT source of the plan diagram (no graphviz binary needed)."""
+        return plan_to_dot(self)
+
+    def render(self, path: str, format: str = "svg") -> str:
+        """Write the plan diagram to ``path`` (extension added) and return the file's path.
+
+        Parameters
+        ----------
+        path : str
+            Output path without extension, e.g. ``"mlp_plan"``.
+        format : {"svg", "png", "pdf"}
+            Image format; needs the graphviz ``dot`` binary.
+        """
+        return render_dot(self.to_dot(), path, format)
+
+
+def _compile_note(stage) -> str:
+    if stage.is_module:
+        return "(module)"
+    reason = stage.compile_reason
+    return "compiles" if reason is None else f"EAGER ONLY ({reason})"
+
+
+def _indices(indices) -> str:
+    return "[" + ", ".join(str(i) for i in indices) + "]"
+
+
+def _describe(op) -> str:
+    describe = getattr(op, "describe", None)
+    return describe() if describe is not None else type(op).__name__

@@ -1,0 +1,241 @@
+"""The fusion planner: one scan serves every registered fusion.
+
+Forward and backward are planned independently. The forward scan walks the
+ops front to back, the backward scan back to front (the order the backward
+pass runs). At each position every registered fusion of that direction is
+tried; among the matches its ``accepts`` allows, the longest wins, ties going
+to the higher priority, then to the fusion registered first. Where nothing
+matches, the basic op is its own stage. Every match is recorded: chosen,
+superseded by a longer one, or refused with the reason. The result must flatten
+back to the basic ops in order.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import attrs
+import torch
+
+from fusible.core.conditions import PlanConditions
+from fusible.core.fused import FusedOperation
+from fusible.core.operation import BasicOperationSpec, FusibleSpec
+from fusible.core.pattern import Match
+from fusible.planning.registry import registered_fusions
+from fusible.quantization.recipe import recipe_for_key
+
+
+@attrs.frozen
+class PlanEnvironment:
+    """What a plan depends on besides the ops; passed to ``accepts(match, env)``.
+
+    Attributes
+    ----------
+    conditions : PlanConditions
+        Dtype, device type, grad mode, what requires grad, recipe, training mode.
+    needs : dict
+        Global op index -> :class:`~fusible.core.results.OpGradNeeds`.
+    """
+
+    conditions: PlanConditions
+    needs: dict = attrs.field(eq=False)
+
+    @property
+    def device_type(self) -> str:
+        """``"cpu"``, ``"cuda"``, ..."""
+        return self.conditions.device_type
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """Dtype of the pipeline input."""
+        return self.conditions.dtype
+
+    @property
+    def grad_enabled(self) -> bool:
+        """Whether autograd records this call (and so whether a backward exists)."""
+        return self.conditions.grad_enabled
+
+    @property
+    def recipe(self) -> Any:
+        """The FP8 recipe in effect, or None."""
+        return recipe_for_key(self.conditions.recipe_key)
+
+    @property
+    def training(self) -> bool:
+        return self.conditions.training
+
+    @property
+    def needs_backward(self) -> bool:
+        return any(n.any for n in self.needs.values())
+
+
+@attrs.frozen
+class Stage:
+    """One step of a plan: a basic op, a fusion, or an ordinary module.
+
+    Attributes
+    ----------
+    name : str
+        The operation's class name, e.g. ``"ForwardLinearBias"`` or ``"Bias"``.
+    indices : tuple of int
+        Positions of the covered ops in the flattened pipeline, ascending.
+    op : torch.nn.Module
+        The stage's operation (a fused op is built by the planner).
+    direction : str
+        ``"forward"`` or ``"backward"``.
+    compile_reason : str or None
+        Why this stage cannot run compiled, or None (ordinary modules: None); found by
+        the runtime when it prepares the plan.
+    """
+
+    name: str
+    indices: tuple
+    op: Any = attrs.field(eq=False, repr=False)
+    direction: str = "forward"
+    compile_reason: Optional[str] = attrs.field(default=None, eq=False)
+
+    @property
+    def fused(self) -> bool:
+        """Whether a fusion covers this stage."""
+        return isinstance(self.op, FusedOperation)
+
+    @property
+    def is_module(self) -> bool:
+        """Whether the stage is an ordinary ``nn.Module`` run by PyTorch's autograd."""
+        return not isinstance(self.op, (FusibleSpec, FusedOperation))
+
+
+@attrs.frozen
+class Candidate:
+    """A fusion that matched somewhere, and what the planner did with it.
+
+    ``status`` is ``"chosen"``, ``"superseded"`` (a longer or earlier-registered
+    match won) or ``"refused"`` (an attribute check or ``accepts`` said no;
+    ``reason`` says why).
+    """
+
+    fusion: str
+    direction: str
+    indices: tuple
+    status: str
+    reason: str = ""
+
+
+@attrs.frozen
+class GroupPlan:
+    """The plan of one run of basic ops (a group between ordinary modules)."""
+
+    forward: tuple
+    backward: tuple
+    candidates: tuple
+    env: PlanEnvironment
+
+
+def plan_group(ops: tuple, start: int, env: PlanEnvironment) -> GroupPlan:
+    """Plan a group of basic ops whose first op sits at ``start`` in the pipeline."""
+    forward, fwd_candidates = _scan(ops, start, env, "forward")
+    backward, bwd_candidates = ((), ())
+    if env.needs_backward:
+        backward, bwd_candidates = _scan(ops, start, env, "backward")
+    _check_flattens(ops, start, forward, list(forward))
+    _check_flattens(ops, start, backward, list(reversed(backward)) if backward else None)
+    return GroupPlan(forward, backward, fwd_candidates + bwd_candidates, env)
+
+
+def _scan(ops, start, env, direction):
+    n = len(ops)
+    reverse = direction == "backward"
+    seq = list(ops[::-1]) if reverse else list(ops)
+    fusions = registered_fusions(direction)
+    stages, candidates = [], []
+    pos = 0
+    while pos < n:
+        accepted = []
+        for fusion in fusions:
+            for length, names, failures in fusion.pattern.matches(seq, pos, reverse=reverse):
+                if length == 0:
+                    continue
+                match = _make_match(ops, start, seq, pos, length, names, reverse)
+                verdict = " and ".join(failures) if failures else _ask(fusion, match, env)
+                if verdict is True:
+                    accepted.append((fusion, match))
+                else:
+                    candidates.append(Candidate(fusion.__name__, direction, match.indices,
+                                                "refused", verdict))
+        if accepted:
+            best = max(accepted, key=lambda fm: len(fm[1]))  # max() keeps the first of ties
+            for fm in accepted:
+                status, why = ("chosen", "") if fm is best else (
+                    "superseded", f"{best[0].__name__} at {list(best[1].indices)} won")
+                candidates.append(Candidate(fm[0].__name__, direction, fm[1].indices,
+                                            status, why))
+            fusion, match = best
+            stages.append(Stage(fusion.__name__, match.indices, fusion(match), direction))
+            pos += len(match)
+        else:
+            local = n - 1 - pos if reverse else pos
+            op = ops[local]
+            stages.append(Stage(type(op).__name__, (start + local,), op, direction))
+            pos += 1
+    return tuple(stages), tuple(candidates)
+
+
+def _make_match(ops, start, seq, pos, length, names, reverse) -> Match:
+    if reverse:
+        lo = len(ops) - pos - length
+    else:
+        lo = pos
+    return Match(tuple(ops[lo:lo + length]), tuple(range(start + lo, start + lo + length)), names)
+
+
+def _ask(fusion, match, env):
+    direction = fusion.direction
+    if not fusion.handles_communication:
+        talking = [op.describe() for op in match.ops if op.communication(direction)]
+        if talking:
+            return (f"it covers {' and '.join(talking)}, whose {direction} compute "
+                    f"communicates, and does not run collectives itself "
+                    f"(handles_communication=False)")
+    verdict = fusion.accepts(match, env)
+    if verdict is not True:
+        if not isinstance(verdict, str) or not verdict:
+            raise TypeError(f"{fusion.__name__}.accepts() must return True or a non-empty "
+                            f"reason string, got {verdict!r}")
+        return verdict
+    return _fp8_contract(fusion, match, env.recipe)
+
+
+def _fp8_contract(fusion, match, recipe):
+    """Under a recipe, a fusion over an op that quantizes in its direction must say how
+    it takes its input or gradient (its own format hook): else its saved state or its
+    GEMMs would silently leave the recipe's layout."""
+    if recipe is None or fusion.declares_format():
+        return True
+    quantizing = [op.describe() for op in match.ops if op.quantizes(recipe, fusion.direction)]
+    if not quantizing:
+        return True
+    hook = "input_format" if fusion.direction == "forward" else "grad_format"
+    return (f"it covers {' and '.join(quantizing)}, which quantizes in the {fusion.direction} "
+            f"pass under {recipe!r}, and does not declare {hook}(): define it to take part "
+            f"in FP8 plans")
+
+
+def _check_flattens(ops, start, stages, in_forward_order) -> None:
+    """Verify that the stages cover the basic ops exactly once, in order."""
+    if in_forward_order is None:
+        return
+    covered = [i for stage in in_forward_order for i in stage.indices]
+    expected = list(range(start, start + len(ops)))
+    if covered != expected:
+        raise RuntimeError(f"plan does not flatten back to the basic ops: stages cover "
+                           f"{covered}, expected {expected}")
+    for stage in stages:
+        got = stage.op.basic_ops()
+        want = tuple(ops[i - start] for i in stage.indices)
+        if len(got) != len(want) or any(a is not b for a, b in zip(got, want)):
+            raise RuntimeError(
+                f"plan does not flatten back to the basic ops: {stage.name} at "
+                f"{list(stage.indices)} reports basic ops {[type(o).__name__ for o in got]}, "
+                f"expected {[type(o).__name__ for o in want]}")
+        if not all(isinstance(o, BasicOperationSpec) for o in got):
+            raise RuntimeError(f"{stage.name} reports non-basic ops {got!r}")

@@ -1,0 +1,140 @@
+"""A group's plan prepared for execution: stage slices, gradient masks, FP8 hand-offs."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Optional
+
+import attrs
+
+from fusible.core.conditions import PlanConditions
+from fusible.core.context import OperationContext
+from fusible.planning.passes import (check_sequence_parallel, hand_off_formats, idle_needs,
+                                     op_grad_needs)
+from fusible.planning.planner import GroupPlan, PlanEnvironment, plan_group
+from fusible.quantization.recipe import recipe_for_key
+
+
+@attrs.frozen
+class ExecStage:
+    """A stage with the slices of the group's per-op state it reads and writes.
+
+    ``output_format`` is the ``Float8Format`` in which the stage hands its output
+    (forward) or its input gradient (backward) to the next stage; None for a plain
+    tensor. ``compute`` is the op's compute classmethod, given that format when the op
+    quantizes its own output.
+    """
+
+    op: object
+    ops: tuple          # covered basic ops, forward order
+    lo: int             # covered ops: [lo, hi) in the group
+    hi: int
+    extra_in: slice     # extra inputs consumed by covered ops
+    extra_out: slice    # extra outputs produced by covered ops
+    params: slice       # parameters of covered ops
+    compute: object     # the op's forward_compute or backward_compute (bound classmethod)
+    provenance: str     # names the stage in compiled graphs
+    grad_mask: tuple = ()  # backward: (input, params, extra inputs) gradients needed
+    output_format: Optional[Any] = None
+    grad_sync: tuple = ()  # backward: (parameter index in the stage, group) to all-reduce
+    num_extra_in: int = attrs.field(init=False)
+    num_extra_out: int = attrs.field(init=False)
+    num_params: int = attrs.field(init=False)
+
+    def __attrs_post_init__(self):  # counts read on the hot path
+        for name, span in (("num_extra_in", self.extra_in), ("num_extra_out", self.extra_out),
+                           ("num_params", self.params)):
+            object.__setattr__(self, name, span.stop - span.start)
+
+
+@attrs.frozen
+class ExecPlan:
+    """A :class:`GroupPlan` prepared for execution."""
+
+    group: GroupPlan
+    ops: tuple          # the group's basic ops
+    forward: tuple
+    backward: tuple     # only stages that take part in the backward pass
+    needs: tuple        # OpGradNeeds per op
+    needs_backward: bool
+    input_needs_grad: bool
+    num_params: int
+    num_extra_inputs: int
+    idle_ctxs: tuple    # contexts for calls that save nothing
+    constant_extra_outputs: tuple  # extra outputs that depend on nothing requiring grad
+    backward_stages: tuple  # the public Stages of `backward`
+    recipe: object      # the FP8 recipe, or None
+    validated: dict = attrs.field(factory=dict, eq=False)  # input signatures checked already
+
+    @property
+    def conditions(self) -> PlanConditions:
+        return self.group.env.conditions
+
+    @property
+    def quantized_results(self) -> bool:
+        """Whether stage results may be Float8Tensors (an FP8 recipe is in effect)."""
+        return self.recipe is not None
+
+    @property
+    def fp8_dtype(self):
+        """Under an FP8 recipe, the dtype Float8Tensors dequantize to; else None."""
+        return None if self.recipe is None else self.conditions.dtype
+
+
+def prepare_group(ops: tuple, start: int, conditions: PlanConditions) -> ExecPlan:
+    """Plan a group of ``ops`` (the first at ``start``) for the group's ``conditions``."""
+    needs = op_grad_needs(ops, conditions)
+    recipe = recipe_for_key(conditions.recipe_key)
+    env = PlanEnvironment(conditions, {start + i: n for i, n in enumerate(needs)})
+    check_sequence_parallel(ops)
+    group = plan_group(ops, start, env)
+    forward = [_exec_stage(ops, start, s, False, needs) for s in group.forward]
+    backward = [(_exec_stage(ops, start, s, True, needs), s) for s in group.backward]
+    backward = [(es, s) for es, s in backward if any(n.any for n in needs[es.lo:es.hi])]
+    backward_exec = [es for es, _ in backward]
+    fwd_formats, bwd_formats = hand_off_formats(forward, backward_exec, needs, recipe)
+    forward = [_with_output_format(st, f) for st, f in zip(forward, fwd_formats)]
+    backward_exec = [_with_output_format(st, f) for st, f in zip(backward_exec, bwd_formats)]
+    idle = tuple(OperationContext(idle_needs(op), recipe) for op in ops)
+    producers = [i for i, op in enumerate(ops) for _ in range(op.num_extra_outputs)]
+    constant = tuple(j for j, i in enumerate(producers) if not needs[i].input)
+    return ExecPlan(group, ops, tuple(forward), tuple(backward_exec), needs,
+                    any(n.any for n in needs), needs[0].input if needs else False,
+                    sum(len(op.param_names) for op in ops),
+                    sum(op.num_extra_inputs for op in ops), idle, constant,
+                    tuple(stage for _, stage in backward), recipe)
+
+
+def _exec_stage(ops, start, stage, backward: bool, op_needs: tuple) -> ExecStage:
+    lo, hi = stage.indices[0] - start, stage.indices[-1] + 1 - start
+
+    def span(count):
+        a = sum(count(op) for op in ops[:lo])
+        return slice(a, a + sum(count(op) for op in ops[lo:hi]))
+
+    cls = type(stage.op)
+    compute = cls.backward_compute if backward else cls.forward_compute
+    provenance = (f"{stage.name} {list(stage.indices)}: "
+                  + " + ".join(op.describe() for op in ops[lo:hi]))
+    mask = ()
+    if backward:
+        needs = op_needs[lo:hi]
+        mask = (needs[0].input, tuple(p for n in needs for p in n.params),
+                tuple(e for n in needs for e in n.extra_inputs))
+    sync, offset = [], 0
+    for op in ops[lo:hi] if backward else ():
+        tp = op.grad_reduction()
+        sync += [(offset + k, tp) for k in range(len(op.param_names))] if tp else []
+        offset += len(op.param_names)
+    return ExecStage(stage.op, ops[lo:hi], lo, hi, span(lambda op: op.num_extra_inputs),
+                     span(lambda op: op.num_extra_outputs), span(lambda op: len(op.param_names)),
+                     compute, provenance, mask, grad_sync=tuple(sync))
+
+
+def _with_output_format(stage: ExecStage, fmt) -> ExecStage:
+    if fmt is None:
+        return stage
+    compute = stage.compute
+    if type(stage.op).quantizes_own_output:
+        compute = functools.partial(compute, output_format=fmt)
+    return attrs.evolve(stage, output_format=fmt, compute=compute)

@@ -1,0 +1,144 @@
+"""The registry of fusions: built-ins and third-party plugins, loaded the same way.
+
+A fusion is named by a ``"module:Class"`` spec. The built-ins are listed in
+:data:`BUILTIN_FUSIONS`; third-party packages advertise theirs in the entry-point
+group ``fusible.fusions`` (a class, or a module whose classes call
+:func:`register_fusion` when imported). Both are loaded at the first planning (or
+the first registration), built-ins first, entry points sorted by name; classes that
+user code registers come after. Among accepted matches of equal length the planner
+prefers the higher ``priority``, then the fusion registered first: priority is
+explicit, never an accident of import order.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import inspect
+
+from fusible.core import epoch
+from fusible.core.fused import FusedOperation
+from fusible.core.pattern import Pattern
+from fusible.core.stage import check_stage_class
+
+ENTRY_POINT_GROUP = "fusible.fusions"
+BUILTIN_FUSIONS = (
+    "fusible.fusions.forward_linear_bias:ForwardLinearBias",
+    "fusible.fusions.forward_linear_bias_activation:ForwardLinearBiasActivation",
+    "fusible.fusions.forward_linear_bias_add:ForwardLinearBiasAdd",
+    "fusible.fusions.backward_activation_bias:BackwardActivationBias",
+    "fusible.fusions.backward_linear_add:BackwardLinearAdd",
+    "fusible.fusions.backward_linear_bias:BackwardLinearBias",
+)
+_DIRECTIONS = ("forward", "backward")
+_fusions: list = []
+_state = {"loaded": False, "loading": False}
+
+
+def register_fusion(cls: type) -> type:
+    """Class decorator that makes a :class:`~fusible.FusedOperation` available to the planner.
+
+    Parameters
+    ----------
+    cls : type
+        A subclass of ``FusedOperation`` with ``direction``, ``pattern``, the args
+        class of its direction and the matching compute hooks.
+
+    Returns
+    -------
+    type
+        ``cls`` itself, so that it can be used as a decorator.
+
+    Raises
+    ------
+    TypeError, ValueError
+        If the class is not a valid fusion; the message names the class and what is
+        wrong.
+    """
+    validate_fusion(cls)
+    load_plugins()
+    if cls in _fusions:
+        return cls
+    clash = next((f for f in _fusions if f.__name__ == cls.__name__), None)
+    if clash is not None:
+        raise ValueError(f"fusion name {cls.__name__!r} is taken by {clash.__module__}."
+                         f"{clash.__qualname__}; fusion class names must be unique")
+    _fusions.append(cls)
+    epoch.bump()
+    return cls
+
+
+def unregister_fusion(cls: type) -> None:
+    """Remove a fusion from the planner (mostly for tests and experiments)."""
+    _fusions.remove(cls)
+    epoch.bump()
+
+
+def registered_fusions(direction: str | None = None) -> tuple:
+    """Registered fusions in planning priority order (priority, then registration),
+    optionally of one direction."""
+    load_plugins()
+    order = sorted(range(len(_fusions)), key=lambda i: (-_fusions[i].priority, i))
+    return tuple(_fusions[i] for i in order if direction in (None, _fusions[i].direction))
+
+
+def load_plugins() -> None:
+    """Load the built-in fusions, then the entry points of ``fusible.fusions`` (once).
+
+    A plugin that fails to load raises at every planning until it loads: nothing is
+    skipped silently.
+    """
+    if _state["loaded"] or _state["loading"]:
+        return
+    _state["loading"] = True
+    try:
+        for spec in BUILTIN_FUSIONS:
+            _register_loaded(spec, _load_spec(spec))
+        for ep in sorted(importlib.metadata.entry_points(group=ENTRY_POINT_GROUP),
+                         key=lambda e: e.name):
+            _register_loaded(_describe(ep), _load_entry_point(ep))
+        _state["loaded"] = True
+    finally:
+        _state["loading"] = False
+
+
+def _load_spec(spec: str):
+    module, _, name = spec.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def _describe(ep) -> str:
+    return f"{ep.name!r} ({getattr(ep, 'value', '?')})"
+
+
+def _load_entry_point(ep):
+    try:
+        return ep.load()
+    except Exception as error:
+        raise RuntimeError(f"fusion plugin {_describe(ep)} of entry-point group "
+                           f"{ENTRY_POINT_GROUP!r} failed to load: {error}") from error
+
+
+def _register_loaded(what: str, loaded) -> None:
+    # A spec may name a fusion class, or a module whose classes registered themselves.
+    if not inspect.isclass(loaded):
+        return
+    try:
+        register_fusion(loaded)
+    except (TypeError, ValueError) as error:
+        raise RuntimeError(f"fusion plugin {what} is not a valid fusion: {error}") from error
+
+
+def validate_fusion(cls) -> None:
+    """Raise TypeError or ValueError naming ``cls`` if it is not a valid fusion."""
+    name = getattr(cls, "__name__", repr(cls))
+    if not (inspect.isclass(cls) and issubclass(cls, FusedOperation)):
+        raise TypeError(f"register_fusion needs a subclass of fusible.FusedOperation, got {cls!r}")
+    if cls.direction not in _DIRECTIONS:
+        raise ValueError(f"fusion {name}: direction must be 'forward' or 'backward', "
+                         f"got {cls.direction!r}")
+    if not isinstance(cls.pattern, Pattern):
+        raise TypeError(f"fusion {name}: pattern must be a fusible.Pattern, got {cls.pattern!r}")
+    if not isinstance(cls.priority, int):
+        raise TypeError(f"fusion {name}: priority must be an int, got {cls.priority!r}")
+    check_stage_class(cls, "fusion", FusedOperation, (cls.direction,))

@@ -1,0 +1,103 @@
+"""The torch.compile path: what dynamo sees of a fusible model.
+
+Dynamo traces ``Sequential.forward`` (or a lone op's ``forward``) into
+:func:`compiled_forward`. There:
+
+* the plan conditions (:class:`~fusible.core.conditions.PlanConditions`: input dtype,
+  device type, grad mode, what requires grad, the FP8 recipe's key, training mode) are
+  read in traced code, so dynamo guards on each of them, and passed on as a plain tuple
+  of constants;
+
+* the layout and the plans are made eagerly at trace time by a function dynamo
+  treats as a constant (``assume_constant_result``), so dynamo never traces the
+  planner; it returns why some stage cannot compile, or None;
+* each group of fusible ops becomes one call of :func:`fusible_group`, which
+  dynamo puts in its graph as is. AOTAutograd traces through it: the group's
+  autograd.Function then contributes one custom op per forward stage to the
+  forward graph and one per backward stage to the backward graph, and the tensors
+  the backward needs are outputs of those custom ops;
+* ordinary modules between groups are traced by dynamo as usual.
+
+Dynamo guards on the fusible epoch, so a change to the model's structure or an
+op's configuration recompiles. A model with a stage that cannot compile runs
+eagerly as a whole, after a graph break whose message names the stage and the
+reason (the error under ``fullgraph=True``).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from fusible.core import epoch, tokens
+from fusible.core.conditions import PlanConditions
+from fusible.quantization import recipe
+
+log = logging.getLogger("fusible")
+_warned: set = set()
+
+
+@torch._dynamo.assume_constant_result
+def _prepare(module_token: int, epoch_now: int, conditions: tuple):
+    """Build the layout and plans (eagerly, at trace time); why it cannot compile, or None.
+
+    ``conditions`` leaves the parameters' requires-grad pattern out (None): it is read
+    here, from the parameters dynamo guards on.
+    """
+    module = tokens.lookup(module_token)
+    layout = module._layout()
+    grad = conditions[2]
+    params_rg = tuple(grad and p.requires_grad for p in layout.params())
+    plan = layout.plan(PlanConditions(*conditions)._replace(params_requires_grad=params_rg))
+    for stage in plan.forward + plan.backward:
+        reason = stage.compile_reason
+        if reason is not None:
+            message = (f"fusible: {stage.direction} stage {stage.name} at {list(stage.indices)} "
+                       f"cannot be compiled: {reason}")
+            if (module_token, epoch_now, conditions) not in _warned:
+                _warned.add((module_token, epoch_now, conditions))
+                log.warning("%s; %s runs eagerly after a graph break", message,
+                            type(module).__name__)
+            return message
+    return None
+
+
+@torch.compiler.allow_in_graph
+def fusible_group(runner_token: int, num_extra: int, training: bool, x, *tensors):
+    """One group of fusible ops, run through its stages' custom ops."""
+    runner = tokens.lookup(runner_token)
+    y, extra_outputs = runner.run(x, tensors[:num_extra], training, params=tensors[num_extra:],
+                                  traced=True)
+    return (y, *extra_outputs)
+
+
+@torch.compiler.disable
+def _run_eagerly(module, x, extra_inputs):
+    return module._layout().run_eager(x, extra_inputs, module.training)
+
+
+def _graph_break(message: str) -> None:
+    try:
+        torch._dynamo.graph_break(msg=message)
+    except TypeError:  # a PyTorch whose graph_break takes no message
+        torch._dynamo.graph_break()
+
+
+def compiled_forward(module, x, extra_inputs: tuple):
+    """``module(x, *extra_inputs)`` as dynamo should trace it."""
+    grad = torch.is_grad_enabled()
+    training = module.training
+    conditions = (x.dtype, x.device.type, grad, grad and x.requires_grad, None,
+                  tuple(grad and e.requires_grad for e in extra_inputs), recipe.current_key(),
+                  training)
+    reason = _prepare(id(module), epoch.current(), conditions)  # dynamo guards on the epoch
+    if reason is not None:
+        _graph_break(reason)
+        return _run_eagerly(module, x, extra_inputs)
+
+    def run_group(runner, y, extras):
+        out = fusible_group(id(runner), len(extras), training, y, *extras, *runner.params())
+        return out[0], out[1:]
+
+    return module._fusible_cache.run(x, extra_inputs, run_group)

@@ -1,0 +1,225 @@
+"""Custom ops derived from the stages' attrs argument records: the compiled path's stages.
+
+For each op or fusion class and direction, ``fusible::{Name}_{fwd|bwd}`` takes the
+fields of its ``fwd_args_type`` / ``bwd_args_type`` (each field becoming one or more
+schema arguments, ``fusible.core.schema``), then the format to hand the result on in,
+whether results may be quantized, and a provenance string; it returns ``Tensor[]``.
+Its real kernel is the class's compute method bound with ``in_custom_op=True``; its
+fake kernel is the same method run on fake tensors (a class may provide
+``forward_fake`` / ``backward_fake`` instead). Registration is lazy: the first plan
+of a class registers it, built-in and user-defined alike.
+
+The boundary does for every op what a custom op needs: a result that aliases an
+argument is copied (so no compute method copies by hand), and a result the next stage
+wants quantized is quantized inside the op.
+
+Results cross flattened: forward ``[output, *extra_outputs, *aux]``; backward
+``[grad_input, *grad_params, *grad_extra_inputs]`` with an empty placeholder where a
+gradient is not needed (schemas have no optional returns); the caller restores the
+structure from the stage's static counts.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from typing import Any, Optional
+
+import attrs
+import torch
+
+from fusible.core.results import BackwardResult, ForwardResult
+from fusible.core.schema import flatten_record, record_fields, schema_type, unflatten_record
+from fusible.functional.linear import GemmBackwardArgs, GemmForwardArgs
+from fusible.quantization.boundary import decode_results, encode_results
+from fusible.quantization.format import Float8Format, to_format
+
+_LIB = torch.library.Library("fusible", "FRAGMENT")
+_OPS: dict = {}      # (class, direction) -> StageOp
+_BY_NAME: dict = {}  # op name -> StageOp
+_REASONS: dict = {}  # (class, direction) -> why it cannot be registered
+recorder: list | None = None  # when a list, calls append (overload, flat args): for opcheck
+_TAIL = ["ScalarType? output_format_0", "bool output_format_1", "str output_format_2",
+         "bool quantized_results", "str provenance"]
+_FORMAT = schema_type(Optional[Float8Format])  # how the output format crosses
+
+
+@attrs.frozen
+class StageOp:
+    """A registered custom op of one class and direction."""
+
+    name: str
+    overload: Any
+    args_type: type
+    fields: tuple        # (attrs field name, SchemaType)
+
+    def flatten_args(self, args) -> list:
+        return flatten_record(self.fields, args)
+
+    def gemm_precisions(self, flat_args) -> list:
+        """``"fp8"`` or ``"high precision"`` for each linear-layer GEMM record among the
+        args (found by type, read from its format), given the op's flat arguments (values
+        or graph nodes: only the formats, which are constants, are read)."""
+        return _gemm_precisions(self.args_type, self.fields, list(flat_args))
+
+
+_GEMM_FORMATS = {GemmForwardArgs: "input_format", GemmBackwardArgs: "grad_format"}
+
+
+def _gemm_precisions(record_type, fields, flat) -> list:
+    if record_type in _GEMM_FORMATS:
+        pos = 0
+        for name, st in fields:
+            if name == _GEMM_FORMATS[record_type]:
+                fmt = st.unflatten(flat[pos:pos + len(st.parts)])
+                return ["high precision" if fmt is None else "fp8"]
+            pos += len(st.parts)
+    out, pos = [], 0
+    for _, st in fields:
+        n = len(st.parts)
+        if st.record_type is not None:
+            out += _gemm_precisions(st.record_type, record_fields(st.record_type),
+                                    flat[pos:pos + n])
+        pos += n
+    return out
+
+
+_BASES: dict = {}    # class -> its op base name, chosen once for both directions
+
+
+def _op_name(cls, direction: str) -> str:
+    """``{Class}_fwd|_bwd``; a class whose name another class took gets a qualified name."""
+    if cls not in _BASES:
+        base = cls.__name__
+        if base in _BASES.values():
+            base = re.sub(r"\W", "_", f"{cls.__module__}.{cls.__qualname__}")
+            while base in _BASES.values():
+                base += "_"
+        _BASES[cls] = base
+    return f"{_BASES[cls]}_{'fwd' if direction == 'forward' else 'bwd'}"
+
+
+def _kernel(cls, direction: str, args_type, fields, compute):
+    bound = functools.partial(compute, in_custom_op=True)
+    own_cast = cls.quantizes_own_output
+    n_tail = 4  # after the args: the output format (3), quantized results, provenance
+
+    def kernel(*values):
+        args = unflatten_record(args_type, fields, values[:-n_tail - 1])
+        fmt = _FORMAT.unflatten(list(values[-n_tail - 1:-2]))
+        quantized = values[-2]
+        result = bound(args, output_format=fmt) if own_cast else bound(args)
+        return _flatten_result(result, direction, values, quantized, fmt)
+
+    return kernel
+
+
+def _flatten_result(result, direction: str, values, quantized: bool,
+                    fmt: Optional[Float8Format]) -> list:
+    if direction == "forward":
+        if not isinstance(result, ForwardResult):
+            raise TypeError(f"forward_compute must return a ForwardResult, got {result!r}")
+        tensors = [to_format(result.output, fmt), *result.extra_outputs, *result.aux]
+    else:
+        if not isinstance(result, BackwardResult):
+            raise TypeError(f"backward_compute must return a BackwardResult, got {result!r}")
+        grad = result.grad_input
+        tensors = [grad if grad is None else to_format(grad, fmt), *result.grad_params,
+                   *result.grad_extra_inputs]
+    like = next(v for v in values if isinstance(v, torch.Tensor))
+    return _unaliased(encode_results(tensors, quantized, like), values)
+
+
+def _unaliased(outputs: list, inputs) -> list:
+    """Copy every output that shares storage with an input or an earlier output: a custom
+    op's results may alias nothing."""
+    seen = {t.untyped_storage()._cdata for t in inputs if isinstance(t, torch.Tensor)}
+    out = []
+    for t in outputs:
+        if t.numel():  # the empty placeholders are fresh
+            key = t.untyped_storage()._cdata
+            if key in seen:
+                t = t.clone()
+                key = t.untyped_storage()._cdata
+            seen.add(key)
+        out.append(t)
+    return out
+
+
+def _register(cls, direction: str) -> StageOp:
+    args_type = cls.fwd_args_type if direction == "forward" else cls.bwd_args_type
+    fields = record_fields(args_type)
+    name = _op_name(cls, direction)
+    params = [f"{part} {fname}" if len(st.parts) == 1 else f"{part} {fname}_{i}"
+              for fname, st in fields for i, part in enumerate(st.parts)]
+    _LIB.define(f"{name}({', '.join(params + _TAIL)}) -> Tensor[]")
+    compute = getattr(cls, f"{direction}_compute")
+    fake = getattr(cls, f"{direction}_fake", None) or compute
+    _LIB.impl(name, _kernel(cls, direction, args_type, fields, compute),
+              "CompositeExplicitAutograd")
+    torch.library.register_fake(f"fusible::{name}",
+                                _kernel(cls, direction, args_type, fields, fake), lib=_LIB)
+    op = StageOp(name, getattr(torch.ops.fusible, name).default, args_type, fields)
+    _BY_NAME[name] = op
+    return op
+
+
+def stage_op(cls, direction: str) -> StageOp:
+    """The custom op of ``cls`` for ``direction``, registered on first use.
+
+    Raises TypeError naming the class when its args cannot become a schema.
+    """
+    reason = unsupported_reason(cls, direction)
+    if reason is not None:
+        raise TypeError(reason)
+    return _OPS[(cls, direction)]
+
+
+def stage_op_named(name: str) -> Optional[StageOp]:
+    """The registered stage op called ``name`` (without namespace), or None."""
+    return _BY_NAME.get(name)
+
+
+def unsupported_reason(cls, direction: str) -> Optional[str]:
+    """Why ``cls`` cannot run compiled in ``direction`` (registering it first), or None."""
+    key = (cls, direction)
+    if key not in _OPS and key not in _REASONS:
+        try:
+            _OPS[key] = _register(cls, direction)
+        except (TypeError, RuntimeError) as error:  # no schema type; a schema torch rejects
+            _REASONS[key] = f"{cls.__name__} ({direction}): {error}"
+    return _REASONS.get(key)
+
+
+def _call(stage, direction: str, args, quantized: bool, fp8_dtype):
+    op = stage_op(type(stage.op), direction)
+    flat = op.flatten_args(args) + _FORMAT.flatten(stage.output_format) + [quantized,
+                                                                           stage.provenance]
+    if recorder is not None:
+        recorder.append((op.overload, tuple(flat)))
+    out = op.overload(*flat)
+    return op, decode_results(out, quantized, fp8_dtype)
+
+
+def call_forward(stage, args, quantized: bool = False, fp8_dtype=None) -> ForwardResult:
+    """Run a forward stage through its custom op.
+
+    ``quantized``: results may be Float8Tensors (an FP8 recipe is in effect), which
+    dequantize to ``fp8_dtype``, the pipeline's dtype.
+    """
+    _, out = _call(stage, "forward", args, quantized, fp8_dtype)
+    k = stage.num_extra_out
+    return ForwardResult(out[0], tuple(out[1:1 + k]), tuple(out[1 + k:]))
+
+
+def call_backward(stage, args, quantized: bool = False, fp8_dtype=None) -> BackwardResult:
+    """Run a backward stage through its custom op; placeholders become None."""
+    op, out = _call(stage, "backward", args, quantized, fp8_dtype)
+    input_needed, params_needed, extras_needed = stage.grad_mask
+    expected = 1 + len(params_needed) + len(extras_needed)
+    if len(out) != expected:
+        raise RuntimeError(f"{op.name} returned {len(out)} gradients, expected {expected}")
+    np_ = len(params_needed)
+    return BackwardResult(out[0] if input_needed else None,
+                          tuple(g if n else None for g, n in zip(out[1:1 + np_], params_needed)),
+                          tuple(g if n else None for g, n in zip(out[1 + np_:], extras_needed)))

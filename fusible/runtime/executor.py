@@ -1,0 +1,174 @@
+"""Runs a plan: one autograd.Function per group of basic ops.
+
+The forward runs each forward stage in turn; the backward runs the backward
+stages, which the planner chose independently, and exchange state with the
+forward through one :class:`~fusible.core.context.OperationContext` per basic op.
+Only the gradients that are needed are computed (the plan knows what requires
+grad), and each op's saved tensors are dropped as soon as its backward stage
+has run, so intermediates are freed during the backward pass.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fusible.core.context import OperationContext
+from fusible.functional import parallel
+from fusible.planning.prepare import ExecPlan
+from fusible.quantization.format import to_format
+from fusible.runtime import custom_ops
+from fusible.runtime.saved import restore_saved, stash_saved
+
+
+def run_forward(plan: ExecPlan, x, params, extra_inputs, ctxs, *, save: bool,
+                traced: bool = False):
+    """Run the forward stages; returns (output, tuple of extra outputs).
+
+    ``traced``: through the stages' custom ops (the compiled path), else by calling
+    the compute methods directly.
+    """
+    if traced or (x.shape, x.device) not in plan.validated or extra_inputs:
+        _validate(plan, x, extra_inputs, cache=not traced)  # symbolic shapes: no cache
+    # Same layouts in eager and compiled runs: the kernels (GEMMs, reductions) and so the
+    # bits can depend on the input's strides, which a compiled graph may change.
+    x = x.contiguous()
+    if extra_inputs:
+        extra_inputs = tuple(e.contiguous() for e in extra_inputs)
+    extra_outputs = []
+    for st in plan.forward:
+        op, op_ctxs = st.op, ctxs[st.lo:st.hi]
+        args = op.forward_args(x, params[st.params],
+                               extra_inputs[st.extra_in] if st.num_extra_in else (), op_ctxs)
+        if traced:
+            result = custom_ops.call_forward(st, args, plan.quantized_results, plan.fp8_dtype)
+        else:
+            result = st.compute(args)
+            if st.output_format is not None:  # what the custom op does inside, when compiled
+                result.output = to_format(result.output, st.output_format)
+        if save:
+            op.save_for_backward(args, result, op_ctxs)
+        if len(result.extra_outputs) != st.num_extra_out:
+            raise RuntimeError(f"{type(op).__name__} returned {len(result.extra_outputs)} extra "
+                               f"outputs for ops {[type(o).__name__ for o in st.ops]}")
+        x = result.output
+        if st.num_extra_out:
+            extra_outputs.extend(result.extra_outputs)
+        del args, result  # free this stage's temporaries before the next stage allocates
+    return x, tuple(extra_outputs)
+
+
+def _validate(plan: ExecPlan, x, extra_inputs, cache: bool = True) -> None:
+    """Let every op check the shape, dtype and device it will see (once per signature).
+
+    Shapes are inferred op by op, so ops inside a fused stage are checked too.
+    """
+    if cache:
+        signature = (x.shape, x.device, *[(e.shape, e.dtype, e.device) for e in extra_inputs])
+        if signature in plan.validated:
+            return
+    shape, pos = tuple(x.shape), 0
+    for st in plan.forward:
+        for op in st.ops:
+            k = op.num_extra_inputs
+            if plan.recipe is not None:
+                op.validate_fp8(shape)
+            shape = op.validate(shape, x.dtype, x.device, extra_inputs[pos:pos + k])
+            pos += k
+    if cache:
+        if len(plan.validated) > 256:  # many distinct shapes: keep the cache small
+            plan.validated.clear()
+        plan.validated[signature] = True
+
+
+def run_backward(plan: ExecPlan, grad_output, grad_extra_outputs, ctxs, traced: bool = False):
+    """Run the backward stages; returns (grad_input, grad_extra_inputs, grad_params)."""
+    grad_params = [None] * plan.num_params
+    grad_extras = [None] * plan.num_extra_inputs
+    dy = grad_output.contiguous()  # e.g. the expanded gradient of .sum(): see run_forward
+    if grad_extra_outputs:
+        grad_extra_outputs = tuple(g.contiguous() for g in grad_extra_outputs)
+    for st in plan.backward:
+        op, op_ctxs = st.op, ctxs[st.lo:st.hi]
+        args = op.backward_args(dy, grad_extra_outputs[st.extra_out] if st.num_extra_out else (),
+                                op_ctxs)
+        if traced:
+            result = custom_ops.call_backward(st, args, plan.quantized_results, plan.fp8_dtype)
+        else:
+            result = st.compute(args)
+            if st.output_format is not None and result.grad_input is not None:
+                result.grad_input = to_format(result.grad_input, st.output_format)
+        if len(result.grad_params) != st.num_params:
+            raise RuntimeError(f"{type(op).__name__} returned {len(result.grad_params)} "
+                               f"parameter gradients for ops {[type(o).__name__ for o in st.ops]}")
+        dy = result.grad_input
+        if st.num_params:
+            grad_params[st.params] = (_all_reduce_grads(result.grad_params, st.grad_sync)
+                                      if st.grad_sync else result.grad_params)
+        if len(result.grad_extra_inputs) != st.num_extra_in:
+            raise RuntimeError(f"{type(op).__name__} returned {len(result.grad_extra_inputs)} "
+                               f"extra-input gradients for ops {[type(o).__name__ for o in st.ops]}")
+        if st.num_extra_in:
+            grad_extras[st.extra_in] = result.grad_extra_inputs
+        for c in op_ctxs:
+            c.clear()
+        # The next stage's backward_args may allocate (an FP8 weight cast): this stage's
+        # inputs (the incoming gradient, saved activations) must be gone by then.
+        del args, result
+    return (dy if plan.input_needs_grad else None), grad_extras, grad_params
+
+
+def _all_reduce_grads(grads, sync) -> tuple:
+    """Parameter gradients of replicated parameters that saw split tokens, summed over
+    their group (functional collectives: traced like any op when compiled)."""
+    grads = list(grads)
+    for k, tp in sync:
+        if grads[k] is not None:
+            grads[k] = parallel.all_reduce(grads[k], tp)
+    return tuple(grads)
+
+
+class _PipelineFunction(torch.autograd.Function):
+    """A whole planned group as one autograd node."""
+
+    @staticmethod
+    def forward(fctx, plan: ExecPlan, traced: bool, x, *tensors):
+        extra_inputs, params = tensors[:plan.num_extra_inputs], tensors[plan.num_extra_inputs:]
+        ctxs = [OperationContext(n, plan.recipe) for n in plan.needs]
+        y, extra_outputs = run_forward(plan, x, params, extra_inputs, ctxs, save=True,
+                                       traced=traced)
+        stash_saved(fctx, ctxs, plan.ops, (x, *tensors), (y, *extra_outputs))
+        fctx.fusible = plan, ctxs, traced
+        if plan.constant_extra_outputs:
+            fctx.mark_non_differentiable(*(extra_outputs[j] for j in plan.constant_extra_outputs))
+        return (y, *extra_outputs) if extra_outputs else y
+
+    @staticmethod
+    def backward(fctx, grad_output, *grad_extra_outputs):
+        if torch.is_grad_enabled():
+            raise RuntimeError("fusible pipelines are differentiable once: double backward "
+                               "(create_graph=True) is not supported, since saved "
+                               "intermediates carry no autograd history")
+        plan, ctxs, traced = fctx.fusible
+        fctx.fusible = plan, None, traced  # the contexts are consumed: backward runs once
+        ctxs = restore_saved(fctx, ctxs, plan.ops)
+        dx, grad_extras, grad_params = run_backward(plan, grad_output, grad_extra_outputs, ctxs,
+                                                    traced)
+        return (None, None, dx, *grad_extras, *grad_params)
+
+
+# torch.autograd.Function.apply wraps the C++ apply in Python for functorch transforms
+# (vmap, grad) and setup_context; plain eager calls can skip that layer (a few us per
+# call). torch.compile and functorch transforms get the public apply.
+_cpp_apply = super(torch.autograd.Function, _PipelineFunction).apply
+if type(_cpp_apply) is not type(torch.ones):  # not the C++ method: keep the public path
+    _cpp_apply = _PipelineFunction.apply
+
+
+def apply_pipeline(plan, traced, *tensors):
+    """Run a group that needs a backward as one autograd node; ``tensors`` are the input,
+    the extra inputs and the parameters."""
+    # Traced runs come from the compiled path (dynamo, AOTAutograd); eager runs are never
+    # reached while dynamo traces (it traces fusible.runtime.compiled instead).
+    if traced or torch._C._are_functorch_transforms_active():
+        return _PipelineFunction.apply(plan, traced, *tensors)
+    return _cpp_apply(plan, traced, *tensors)

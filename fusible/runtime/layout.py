@@ -1,0 +1,112 @@
+"""The flattened pipeline of a Sequential (or of one op), split into groups, and its plan."""
+
+from __future__ import annotations
+
+from fusible.core import epoch, tokens
+from fusible.core.conditions import PlanConditions
+from fusible.core.operation import FusibleSpec
+from fusible.planning.plan import FusionPlan
+from fusible.planning.planner import Stage
+from fusible.quantization.recipe import recipe_for_key
+from fusible.runtime.runner import PipelineRunner
+
+
+class Layout:
+    """The flattened pipeline split into runs of basic ops (one runner each) and modules.
+
+    Attributes
+    ----------
+    items : tuple
+        The flattened pipeline; plan indices are positions in it.
+    groups : list
+        ``(runner, None)`` for a run of basic ops, ``(None, module)`` for a module.
+    single : PipelineRunner or None
+        The only runner when the pipeline is one group of basic ops.
+    """
+
+    def __init__(self, items: list):
+        self.epoch = epoch.current()
+        self.items = tuple(items)
+        self.groups = []
+        run: list = []
+        for i, item in enumerate(list(items) + [None]):
+            if isinstance(item, FusibleSpec):
+                run.append(item)
+                continue
+            if run:
+                runner = PipelineRunner(tuple(run), i - len(run))
+                tokens.register(runner)
+                self.groups.append((runner, None))
+                run = []
+            if item is not None:
+                self.groups.append((None, item))
+        self.runners = [r for r, _ in self.groups if r is not None]
+        self.single = self.runners[0] if len(self.groups) == 1 and self.runners else None
+        self.num_extra_inputs = sum(r.num_extra_inputs for r in self.runners)
+        self.num_extra_outputs = sum(r.num_extra_outputs for r in self.runners)
+
+    def params(self) -> list:
+        """The parameters of every group of basic ops, in order."""
+        return [p for r in self.runners for p in r.params()]
+
+    def run_eager(self, x, extra_inputs: tuple, training: bool):
+        """Run eagerly: ``(y, *extra_outputs)`` if there are extra outputs, else ``y``."""
+        if self.single is not None:  # one group of fusible ops: the common, fast case
+            output, extra_outputs = self.single.run(x, extra_inputs, training)
+            return (output, *extra_outputs) if extra_outputs else output
+        return self.run(x, extra_inputs, lambda r, y, e: r.run(y, e, training))
+
+    def run(self, x, extra_inputs: tuple, run_group):
+        """Run the groups in order; ``run_group(runner, x, extras)`` returns ``(y, extra_outputs)``.
+
+        Ordinary modules are called as they are.
+        """
+        if len(extra_inputs) != self.num_extra_inputs:
+            raise TypeError(f"Sequential expects {self.num_extra_inputs} extra input(s) for "
+                            f"its AddExtraInput ops, got {len(extra_inputs)}")
+        extra_outputs, pos = [], 0
+        for runner, module in self.groups:
+            if runner is None:
+                x = module(x)
+                continue
+            k = runner.num_extra_inputs
+            x, outs = run_group(runner, x, extra_inputs[pos:pos + k])
+            pos += k
+            extra_outputs.extend(outs)
+        return (x, *extra_outputs) if self.num_extra_outputs else x
+
+    def plan(self, conditions: PlanConditions) -> FusionPlan:
+        """The :class:`FusionPlan` of every group for the pipeline's ``conditions``."""
+        c = conditions
+        forward, backward_groups, candidates, needs = [], [], [], {}
+        upstream, p_pos, e_pos = c.input_requires_grad, 0, 0
+        for index, (runner, module) in self._positions():
+            if runner is None:
+                forward.append(Stage(type(module).__name__, (index,), module))
+                upstream = upstream or (c.grad_enabled
+                                        and any(p.requires_grad for p in module.parameters()))
+                if upstream:
+                    backward_groups.append((Stage(type(module).__name__, (index,), module,
+                                                  "backward"),))
+                continue
+            n, k = len(runner.params()), runner.num_extra_inputs
+            plan = runner.lookup(c._replace(
+                input_requires_grad=upstream,
+                params_requires_grad=c.params_requires_grad[p_pos:p_pos + n],
+                extras_requires_grad=c.extras_requires_grad[e_pos:e_pos + k]))
+            p_pos, e_pos = p_pos + n, e_pos + k
+            needs.update((index + i, op_needs) for i, op_needs in enumerate(plan.needs))
+            forward += plan.group.forward
+            backward_groups.append(plan.backward_stages)  # the stages that run
+            candidates += plan.group.candidates
+            upstream = upstream or plan.needs_backward
+        backward = tuple(s for group in reversed(backward_groups) for s in group)
+        return FusionPlan(tuple(forward), backward, tuple(candidates), self.items, c,
+                          recipe_for_key(c.recipe_key), needs)
+
+    def _positions(self):
+        """Yield (index of the group's first op, (runner, module)) for each group."""
+        index = 0
+        for runner, module in self.groups:
+            yield index, (runner, module)
+            index += 1 if runner is None else len(runner.ops)

@@ -1,0 +1,163 @@
+"""compile_report: what torch.compile made of a function that runs fusible models."""
+
+from __future__ import annotations
+
+import collections
+
+import attrs
+import torch
+from functorch.compile import make_boxed_func
+from torch._dynamo.utils import counters
+from torch._functorch.aot_autograd import aot_module_simplified
+
+from fusible.runtime.custom_ops import stage_op_named
+
+
+@attrs.frozen
+class OpCall:
+    """A fusible custom op in a compiled graph.
+
+    Attributes
+    ----------
+    op : str
+        The custom op, e.g. ``"fusible::ForwardLinearBias_fwd"``.
+    provenance : str
+        The stage it runs: fusion or op name, pipeline indices, the basic ops.
+    gemm : str
+        ``"fp8"`` or ``"high precision"`` for a stage with a linear layer's GEMMs (read
+        from the formats in its GEMM records), else ``""``.
+    """
+
+    op: str
+    provenance: str
+    gemm: str = ""
+
+
+@attrs.frozen
+class GraphReport:
+    """One compiled graph: ``kind`` is "forward", "backward" or "inference"."""
+
+    kind: str
+    frame: str
+    fusible_ops: tuple
+    other_ops: tuple
+
+
+@attrs.frozen
+class CompileReport:
+    """What :func:`compile_report` saw.
+
+    Attributes
+    ----------
+    graph_breaks : tuple of str
+        The reasons of the graph breaks, each once.
+    graphs : tuple of GraphReport
+        Every AOTAutograd graph, in compilation order.
+    recompilations : int
+        Compilations of a frame that had been compiled before in this run.
+    """
+
+    graph_breaks: tuple
+    graphs: tuple
+    recompilations: int
+
+    @property
+    def forward_graphs(self) -> tuple:
+        return tuple(g for g in self.graphs if g.kind in ("forward", "inference"))
+
+    @property
+    def backward_graphs(self) -> tuple:
+        return tuple(g for g in self.graphs if g.kind == "backward")
+
+    def __str__(self) -> str:
+        lines = [f"compile report: {len(self.graph_breaks)} graph break(s), "
+                 f"{len(self.graphs)} graph(s), {self.recompilations} recompilation(s)"]
+        lines += [f"  graph break: {reason}" for reason in self.graph_breaks]
+        for g in self.graphs:
+            lines.append(f"  {g.kind} graph (frame {g.frame}): {len(g.fusible_ops)} fusible op(s)")
+            lines += [f"    {c.op:<42} {(c.gemm + ' GEMM') if c.gemm else '':<20} {c.provenance}"
+                      for c in g.fusible_ops]
+            if g.other_ops:
+                other = collections.Counter(g.other_ops)
+                lines.append("    other ops: " + ", ".join(f"{k} x{n}" for k, n in other.items()))
+        return "\n".join(lines)
+
+
+_IGNORED = {"getitem", "<built-in function getitem>"}
+
+
+def _graph_report(kind: str, frame: str, gm: torch.fx.GraphModule) -> GraphReport:
+    fusible, other = [], []
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        name = str(node.target)
+        if name.startswith("fusible."):
+            op = "fusible::" + name.split(".")[1]
+            fusible.append(OpCall(op, str(node.args[-1]), _gemm_precision(node)))
+        elif name not in _IGNORED:
+            other.append(name)
+    return GraphReport(kind, frame, tuple(fusible), tuple(other))
+
+
+def _gemm_precision(node) -> str:
+    """From a stage op's arguments: its GEMMs' precision (the formats of its GEMM records)."""
+    op = stage_op_named(str(node.target).split(".")[1])
+    precisions = set(op.gemm_precisions(node.args)) if op is not None else set()
+    return " + ".join(sorted(precisions))
+
+
+def compile_report(fn, *args, **kwargs) -> CompileReport:
+    """Compile ``fn`` (without ``fullgraph``), run it once, and report what was compiled.
+
+    When grad is enabled and ``fn`` returns tensors that require grad (alone or
+    in a tuple or list), the report then runs their backward (with gradients of
+    ones), outside the compiled region, so that the backward graphs are
+    compiled and reported too. A ``.backward()`` inside ``fn`` would itself be a
+    graph break.
+
+    Parameters
+    ----------
+    fn : callable
+        For example ``model`` or ``lambda x: model(x, x)``.
+    *args, **kwargs
+        Passed to ``fn``.
+
+    Returns
+    -------
+    CompileReport
+        Graph breaks with their reasons; each forward, backward or inference graph
+        with its fusible custom ops in order and where each comes from (the stage
+        and the ops it covers); the number of recompilations.
+    """
+    graphs, recompiles, frames_seen = [], [0], set()
+
+    def backend(gm, example_inputs):
+        compile_id = torch._guards.CompileContext.current_compile_id()
+        frame = str(compile_id) if compile_id is not None else "?"
+        if compile_id is not None:
+            recompiles[0] += compile_id.frame_id in frames_seen
+            frames_seen.add(compile_id.frame_id)
+
+        def capture(kind):
+            @torch.compiler.disable  # runs lazily, maybe inside fn: not something to trace
+            def compiler(graph, inputs):
+                graphs.append(_graph_report(kind, frame, graph))
+                return make_boxed_func(graph.forward)
+            return compiler
+
+        return aot_module_simplified(gm, example_inputs, fw_compiler=capture("forward"),
+                                     bw_compiler=capture("backward"),
+                                     inference_compiler=capture("inference"))
+
+    before = collections.Counter(counters["graph_break"])
+    out = torch.compile(fn, backend=backend)(*args, **kwargs)
+    outs = [t for t in (out if isinstance(out, (tuple, list)) else (out,))
+            if isinstance(t, torch.Tensor) and t.requires_grad]
+    if outs:
+        torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])
+    breaks = collections.Counter(counters["graph_break"]) - before
+    # Dynamo may meet one break several times (retracing); the call of fusible's eager
+    # fallback follows a fusible break that already says why.
+    reasons = tuple(r for r in breaks if "_run_eagerly" not in r)
+    return CompileReport(reasons, tuple(graphs), recompiles[0])

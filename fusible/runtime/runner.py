@@ -1,0 +1,95 @@
+"""PipelineRunner: plans one group of basic ops (with a cache) and runs it."""
+
+from __future__ import annotations
+
+import attrs
+import torch
+
+from fusible.core.conditions import PlanConditions
+from fusible.planning.prepare import ExecPlan, prepare_group
+from fusible.quantization import recipe
+from fusible.runtime import custom_ops
+from fusible.runtime.executor import apply_pipeline, run_forward
+
+
+class PipelineRunner:
+    """Plans (with a cache keyed by :class:`PlanConditions`) and runs one group of basic ops."""
+
+    def __init__(self, ops: tuple, start: int):
+        self.ops = tuple(ops)
+        self.start = start
+        self.num_extra_inputs = sum(op.num_extra_inputs for op in self.ops)
+        self.num_extra_outputs = sum(op.num_extra_outputs for op in self.ops)
+        self._plans: dict = {}
+        self._param_slots = [(op._parameters, name) for op in self.ops for name in op.param_names]
+
+    def params(self) -> list:
+        """The ops' parameters, read afresh each call (they may have been swapped)."""
+        return [params[name] for params, name in self._param_slots]
+
+    def run(self, x, extra_inputs: tuple, training: bool, params=None, traced: bool = False):
+        """Run the group; returns (output, tuple of extra outputs).
+
+        ``traced`` runs the stages' custom ops (the compiled path) on the given
+        ``params``, the tensors the compiled graph passes for ``self.params()``.
+        """
+        self._check_inputs(x, extra_inputs)
+        params = self.params() if params is None else list(params)
+        grad = torch.is_grad_enabled()
+        conditions = PlanConditions(
+            x.dtype, x.device.type, grad, grad and x.requires_grad,
+            tuple([grad and p.requires_grad for p in params]),
+            tuple([grad and e.requires_grad for e in extra_inputs]), recipe.current_key(),
+            training)
+        plan = self._plans.get(conditions) or self.lookup(conditions)
+        if not plan.needs_backward:
+            return run_forward(plan, x, params, extra_inputs, plan.idle_ctxs, save=False,
+                               traced=traced)
+        outputs = apply_pipeline(plan, traced, x, *extra_inputs, *params)
+        if self.num_extra_outputs == 0:
+            return outputs, ()
+        return outputs[0], tuple(outputs[1:])
+
+    def lookup(self, conditions: PlanConditions) -> ExecPlan:
+        """The cached plan for the group's ``conditions``, planned on first use."""
+        plan = self._plans.get(conditions)
+        if plan is None:
+            plan = self._plans[conditions] = with_compile_reasons(
+                prepare_group(self.ops, self.start, conditions))
+        return plan
+
+    def _check_inputs(self, x, extra_inputs) -> None:
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{self._name()} expects a tensor input, got {type(x).__name__}")
+        if len(extra_inputs) != self.num_extra_inputs:
+            raise TypeError(f"{self._name()} expects {self.num_extra_inputs} extra input(s) "
+                            f"for its AddExtraInput ops, got {len(extra_inputs)}")
+        if extra_inputs and not all(isinstance(e, torch.Tensor) for e in extra_inputs):
+            raise TypeError(f"{self._name()} expects tensor extra inputs, got "
+                            f"{[type(e).__name__ for e in extra_inputs]}")
+        if torch.is_autocast_enabled(x.device.type):
+            raise RuntimeError(f"{self._name()} does not run under torch.autocast: its ops take "
+                               f"the dtype of their parameters; convert the model with .to(dtype) "
+                               f"instead")
+
+    def _name(self) -> str:
+        return "Sequential(" + ", ".join(type(op).__name__ for op in self.ops) + ")"
+
+
+def compile_reason(stage) -> "str | None":
+    """Why a planned stage cannot run compiled (its own reason, or its args cannot become a
+    custom-op schema), or None."""
+    direction = stage.direction
+    return (stage.op.compile_unsupported_reason(direction)
+            or custom_ops.unsupported_reason(type(stage.op), direction))
+
+
+def with_compile_reasons(plan: ExecPlan) -> ExecPlan:
+    """``plan`` with each public stage's ``compile_reason`` filled in (once per plan)."""
+    def mark(stage):
+        reason = compile_reason(stage)
+        return stage if reason is None else attrs.evolve(stage, compile_reason=reason)
+
+    group = attrs.evolve(plan.group, forward=tuple(map(mark, plan.group.forward)),
+                         backward=tuple(map(mark, plan.group.backward)))
+    return attrs.evolve(plan, group=group, backward_stages=tuple(map(mark, plan.backward_stages)))

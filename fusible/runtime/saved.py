@@ -1,0 +1,101 @@
+"""How a pipeline keeps the tensors its backward needs.
+
+Each op's context holds a saved record (the op's ``saved_type``). Saved tensors that
+are inputs of the pipeline's autograd.Function (the input, extra inputs, parameters)
+also go through ``save_for_backward``, so that autograd checks their versions. Saved
+outputs go *only* through it: a context holding an output would close a reference
+cycle through the output's ``grad_fn``. Intermediates stay referenced by the op
+contexts only, so dropping a context in the backward frees them; their versions are
+recorded and checked here, and a saved view is kept detached so that it holds no
+reference to its base.
+"""
+
+from __future__ import annotations
+
+import attrs
+import torch
+
+_FIELDS: dict = {}  # saved type -> its field names
+
+
+def _field_names(record_type) -> tuple:
+    names = _FIELDS.get(record_type)
+    if names is None:
+        names = _FIELDS[record_type] = tuple(f.name for f in attrs.fields(record_type))
+    return names
+
+
+class _SavedRef:
+    """Placeholder in a saved record for an output kept through ``save_for_backward``."""
+
+    __slots__ = ("index",)
+
+    def __init__(self, index: int):
+        self.index = index
+
+
+def stash_saved(fctx, ctxs, ops, inputs, outputs) -> None:
+    """Prepare the op contexts' saved records for the backward (see the module docstring).
+
+    Raises TypeError naming the op when a stage left a record of another type than the
+    op's ``saved_type`` (the fused-op equivalence contract).
+    """
+    input_ids = {id(t) for t in inputs}
+    output_ids = {id(t) for t in outputs}
+    to_save = []
+    for c, op in zip(ctxs, ops):
+        saved = c.saved
+        if saved is None:
+            continue
+        if type(saved) is not op.saved_type:
+            raise TypeError(f"the stage covering {op.describe()} saved a "
+                            f"{type(saved).__name__}; {type(op).__name__} reads a "
+                            f"{getattr(op.saved_type, '__name__', None)} (its saved_type)")
+        versions = None
+        for name in _field_names(op.saved_type):
+            t = getattr(saved, name)
+            if not isinstance(t, torch.Tensor):
+                continue
+            if id(t) in input_ids:
+                to_save.append(t)
+            elif id(t) in output_ids:
+                setattr(saved, name, _SavedRef(len(to_save)))
+                to_save.append(t)
+            else:
+                if t._base is not None:  # shares the version counter, drops the base
+                    t = t.detach()
+                    setattr(saved, name, t)
+                versions = versions or []
+                versions.append((name, t._version))
+        if versions:
+            c.versions = versions
+    fctx.save_for_backward(*to_save)
+
+
+def restore_saved(fctx, ctxs, ops) -> list:
+    """The op contexts with every saved tensor in place, after checking versions."""
+    if ctxs is None:
+        raise RuntimeError("fusible frees saved intermediates during the backward pass: "
+                           "backward through the same graph twice (retain_graph=True) is not "
+                           "supported; run the forward again")
+    kept = fctx.saved_tensors  # autograd checks these tensors' versions
+    for c, op in zip(ctxs, ops):
+        saved = c.saved
+        if saved is None:
+            continue
+        if c.versions:
+            _check_versions(saved, c.versions, op)
+        for name in _field_names(op.saved_type):
+            t = getattr(saved, name)
+            if type(t) is _SavedRef:
+                setattr(saved, name, kept[t.index])
+    return ctxs
+
+
+def _check_versions(saved, versions, op) -> None:
+    for name, version in versions:
+        now = getattr(saved, name)._version
+        if now != version:
+            raise RuntimeError(
+                f"a tensor saved for the backward of {op.describe()} has been modified by an "
+                f"inplace operation: its version is {now}, expected {version}")

@@ -1,0 +1,210 @@
+"""Checks for fusible and for plugin authors: outputs and gradients against FP64
+references, the fusions a plan chose, compiled against eager bit for bit, and
+``torch.library.opcheck`` of every stage's custom op."""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+
+from fusible.quantization.float8_tensor import Float8Tensor
+from fusible.runtime import custom_ops
+from fusible.testing.reference import exact_tensor, reference_forward
+
+# Relative tolerance against an FP64 reference, per dtype of the computation.
+TOLERANCE = {torch.float64: 1e-12, torch.float32: 2e-6, torch.float16: 1e-3,
+             torch.bfloat16: 8e-3}
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def assert_close(actual: torch.Tensor, reference: torch.Tensor, dtype: torch.dtype,
+                 what: str = "tensor", scale: float = 1.0) -> None:
+    """``|a - r| <= tol * (|r| + rms(r))`` elementwise, tol = ``scale * TOLERANCE[dtype]``.
+
+    The tolerances fit one op or one fusion; a chain of several ops in a 16-bit
+    dtype rounds every intermediate, and needs ``scale`` > 1 (about 4 for a
+    transformer MLP block in bfloat16).
+    """
+    if actual is None or reference is None:
+        raise AssertionError(f"{what}: got {actual!r}, reference {reference!r}")
+    a, r = actual.detach().double().cpu(), reference.detach().double().cpu()
+    if a.shape != r.shape:
+        raise AssertionError(f"{what}: shape {tuple(a.shape)} != reference {tuple(r.shape)}")
+    tol = TOLERANCE[dtype] * scale
+    bound = tol * (r.abs() + r.square().mean().sqrt())
+    err = (a - r).abs()
+    if not bool((err <= bound).all()):
+        worst = int((err - bound).argmax())
+        raise AssertionError(f"{what} ({dtype}): max error {err.max().item():.3g}, at flat index "
+                             f"{worst} got {a.flatten()[worst].item()} vs reference "
+                             f"{r.flatten()[worst].item()} (tolerance {tol})")
+
+
+def check_against_reference(model, x, *extra_inputs, seed: int = 0,
+                            tolerance_scale: float = 1.0) -> None:
+    """Compare outputs and all gradients of ``model(x, *extra_inputs)`` with FP64.
+
+    Gradients are checked for the input, the extra inputs and the parameters
+    that require grad (their ``.grad`` is reset first). Use exactly representable
+    inputs and parameters.
+    """
+    dtype = x.dtype
+    inputs = (x, *extra_inputs)
+    for t in (*inputs, *model.parameters()):
+        t.grad = None
+    copies: dict = {}  # one copy per distinct input, so that model(x, x) stays aliased
+    for t in inputs:
+        copies.setdefault(id(t), t.detach().double().requires_grad_(t.requires_grad))
+    ref_inputs = [copies[id(t)] for t in inputs]
+    outputs = _as_tuple(model(*inputs))
+    ref_outputs, ref_params = reference_forward(model, *ref_inputs)
+    ref_outputs = _as_tuple(ref_outputs)
+    if len(outputs) != len(ref_outputs):
+        raise AssertionError(f"the model returned {len(outputs)} outputs, the reference "
+                             f"{len(ref_outputs)}")
+    gen = torch.Generator().manual_seed(seed)
+    grads = [exact_tensor(o.shape, dtype, device=o.device, generator=gen) for o in outputs]
+    for i, (out, ref) in enumerate(zip(outputs, ref_outputs)):
+        assert_close(out, ref, dtype, f"output {i}", tolerance_scale)
+    if not any(o.requires_grad for o in outputs):
+        return
+    torch.autograd.backward([o for o in outputs if o.requires_grad],
+                            [g for o, g in zip(outputs, grads) if o.requires_grad])
+    torch.autograd.backward([o for o in ref_outputs if o.requires_grad],
+                            [g.double() for o, g in zip(ref_outputs, grads) if o.requires_grad])
+    for i, (t, r) in enumerate(zip(inputs, ref_inputs)):
+        if t.requires_grad:
+            assert_close(t.grad, r.grad, dtype, f"gradient of input {i}", tolerance_scale)
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            assert_close(p.grad, ref_params[id(p)].grad, dtype, f"gradient of {name}",
+                         tolerance_scale)
+
+
+def stage_names(stages: Iterable) -> list:
+    """The ``name`` of each stage."""
+    return [s.name for s in stages]
+
+
+def check_fusion(model, x, *extra_inputs, forward: Iterable = (), backward: Iterable = (),
+                 tolerance_scale: float = 1.0, compiled: bool = True) -> None:
+    """Assert that the plan contains the named fusions, then check numerics, the compiled
+    path and the custom ops.
+
+    Parameters
+    ----------
+    model : fusible.ops.Sequential
+    x, *extra_inputs : Tensor
+        Exactly representable inputs.
+    forward, backward : iterable of str
+        Fusion names that must appear among the forward / backward stages.
+    tolerance_scale : float
+        Passed to :func:`assert_close`.
+    compiled : bool
+        Also check ``torch.compile(model, fullgraph=True)`` against eager, bit for bit
+        (:func:`check_compiled_matches_eager`), and opcheck every stage's custom op
+        (:func:`opcheck_stages`). Both reset dynamo's caches first.
+    """
+    plan = model.plan(x, *extra_inputs)
+    for direction, expected, stages in (("forward", forward, plan.forward),
+                                        ("backward", backward, plan.backward)):
+        missing = [name for name in expected if name not in stage_names(stages)]
+        if missing:
+            raise AssertionError(f"{direction} plan lacks {missing}:\n{plan.explain()}")
+    check_against_reference(model, x, *extra_inputs, tolerance_scale=tolerance_scale)
+    if compiled:
+        check_compiled_matches_eager(model, x, *extra_inputs)
+        opcheck_stages(model, x, *extra_inputs)
+
+
+def _as_tuple(out):
+    return out if isinstance(out, tuple) else (out,)
+
+
+def _outputs_and_grads(fn, model, inputs, grads_out) -> list:
+    """Outputs of ``fn(*inputs)``, then (after a backward with ``grads_out``) the gradients
+    of the inputs and parameters that require grad."""
+    for t in (*inputs, *model.parameters()):
+        t.grad = None
+    outputs = _as_tuple(fn(*inputs))
+    outs = [o for o in outputs if o.requires_grad]
+    if outs:
+        torch.autograd.backward(outs, [g for o, g in zip(outputs, grads_out) if o.requires_grad])
+    grads = [t.grad for t in (*inputs, *model.parameters()) if t.requires_grad]
+    return [o.detach() for o in outputs] + grads
+
+
+def check_compiled_matches_eager(model, x, *extra_inputs, backend: str = "aot_eager") -> None:
+    """``torch.compile(model, fullgraph=True)`` computes the outputs and every gradient
+    of eager mode bit for bit (resets dynamo's caches first)."""
+    torch._dynamo.reset()
+    inputs = (x, *extra_inputs)
+    outputs = _as_tuple(model(*inputs))
+    gen = torch.Generator().manual_seed(1)
+    grads_out = [exact_tensor(o.shape, o.dtype, device=o.device, generator=gen)
+                 for o in outputs]
+    eager = _outputs_and_grads(model, model, inputs, grads_out)
+    compiled = _outputs_and_grads(torch.compile(model, fullgraph=True, backend=backend), model,
+                                  inputs, grads_out)
+    for i, (a, b) in enumerate(zip(compiled, eager)):
+        if not same_bits(a, b):
+            raise AssertionError(f"compiled ({backend}) differs from eager in result {i} "
+                                 f"(outputs, then gradients of inputs and parameters)")
+    torch._dynamo.reset()
+
+
+def same_bits(a, b) -> bool:
+    """Whether two results are equal bit for bit (Float8Tensors: data and scale)."""
+    if a is None or b is None or type(a) is not type(b):
+        return False
+    if isinstance(a, Float8Tensor):
+        return same_bits(a._data, b._data) and same_bits(a._scale_inv, b._scale_inv)
+    if a.dtype in FP8_DTYPES:
+        a, b = a.view(torch.uint8), b.view(torch.uint8)
+    return a.dtype == b.dtype and torch.equal(a, b)
+
+
+def recorded_stage_calls(fn, *args) -> dict:
+    """Run ``fn(*args)`` compiled (dynamo only, so that the stages' custom ops run on
+    real tensors), with a backward of its outputs that require grad; returns
+    ``{op name: (overload, flat args)}``, the first call of each op."""
+    torch._dynamo.reset()
+    custom_ops.recorder = []
+    try:
+        outputs = _as_tuple(torch.compile(fn, fullgraph=True, backend="eager")(*args))
+        outs = [o for o in outputs if isinstance(o, torch.Tensor) and o.requires_grad]
+        if outs:
+            torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
+        calls = {}
+        for overload, flat in custom_ops.recorder:
+            if not any(isinstance(a, torch._subclasses.FakeTensor) for a in flat):
+                calls.setdefault(str(overload), (overload, flat))
+        return calls
+    finally:
+        custom_ops.recorder = None
+        torch._dynamo.reset()
+
+
+def opcheck(overload, args) -> None:
+    """``torch.library.opcheck`` of one stage-op call (FP8 inputs: the tests CPU supports,
+    and a bitwise check that no input is mutated)."""
+    args = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args)
+    fp8_inputs = [a for a in args if isinstance(a, torch.Tensor) and a.dtype in FP8_DTYPES]
+    if not fp8_inputs:
+        torch.library.opcheck(overload, args)
+        return
+    # opcheck's schema test compares inputs with allclose, which CPU lacks for FP8 dtypes.
+    torch.library.opcheck(overload, args, test_utils=(
+        "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic"))
+    before = [a.view(torch.uint8).clone() for a in fp8_inputs]
+    overload(*args)
+    if not all(torch.equal(a.view(torch.uint8), b) for a, b in zip(fp8_inputs, before)):
+        raise AssertionError(f"{overload} mutated an FP8 input")
+
+
+def opcheck_stages(model, x, *extra_inputs) -> None:
+    """opcheck every stage custom op that ``model(x, *extra_inputs)`` runs, on the
+    arguments of a real run."""
+    for overload, args in recorded_stage_calls(model, x, *extra_inputs).values():
+        opcheck(overload, args)

@@ -1,0 +1,83 @@
+"""FP64 references: exactly representable tensors and a plain-PyTorch run of a pipeline.
+
+:func:`reference_forward` runs any Sequential op by op with each op's own
+``reference()`` (or one registered with :func:`register_reference`, for ops that do
+not define it) in float64, so that the result can be compared with the fused run.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import nn
+
+from fusible.core.operation import BasicOperationSpec
+
+_REFERENCES: dict = {}
+
+
+def register_reference(op_type: type) -> Callable:
+    """Decorator registering ``fn(op, x, extra_inputs, params) -> (y, extra_outputs)`` as
+    the FP64 reference of ``op_type`` (for ops that do not define ``reference()``).
+
+    ``params`` are float64 copies of ``op.fusible_params()``, in that order.
+    """
+    def decorator(fn):
+        _REFERENCES[op_type] = fn
+        return fn
+    return decorator
+
+
+def op_reference(op, x, extra_inputs, params):
+    """``(y, extra_outputs)`` of ``op`` in plain PyTorch: a registered reference, else the
+    op's own ``reference()``."""
+    fn = _REFERENCES.get(type(op))
+    if fn is not None:
+        return fn(op, x, extra_inputs, params)
+    return op.reference(x, tuple(extra_inputs), tuple(params))
+
+
+def exact_tensor(shape, dtype=torch.float32, *, device="cpu", bits: int = 3,
+                 generator: torch.Generator | None = None) -> torch.Tensor:
+    """Random multiples of ``2**-bits`` in [-1, 1]: exact in every float dtype."""
+    scale = 2 ** bits
+    k = torch.randint(-scale, scale + 1, tuple(shape), generator=generator)
+    return (k.to(torch.float64) / scale).to(device=device, dtype=dtype)
+
+
+def exact_parameters_(model: nn.Module, bits: int = 3, generator=None) -> nn.Module:
+    """Overwrite every parameter with :func:`exact_tensor` values, in place."""
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(exact_tensor(p.shape, p.dtype, device=p.device, bits=bits,
+                                 generator=generator))
+    return model
+
+
+def reference_forward(model, x, *extra_inputs, dtype=torch.float64):
+    """Run ``model`` op by op with plain PyTorch in ``dtype``.
+
+    Returns ``(outputs, params)``: outputs as the model would return them and
+    a dict mapping each original parameter (by id) to its differentiable copy.
+    """
+    params: dict = {}
+
+    def copy_of(p):
+        if id(p) not in params:
+            params[id(p)] = p.detach().to(dtype).requires_grad_(p.requires_grad)
+        return params[id(p)]
+
+    extras, extra_outputs = list(extra_inputs), []
+    for item in model.pipeline():
+        if isinstance(item, BasicOperationSpec):
+            k = item.num_extra_inputs
+            x, outs = op_reference(item, x, extras[:k], [copy_of(p) for p in item.fusible_params()])
+            extras = extras[k:]
+            extra_outputs += outs
+        else:  # an ordinary module: run it on float64 copies of its parameters and buffers
+            state = {name: copy_of(p) for name, p in item.named_parameters()}
+            state.update({name: b.to(dtype) if b.is_floating_point() else b
+                          for name, b in item.named_buffers()})
+            x = torch.func.functional_call(item, state, (x,))
+    return ((x, *extra_outputs) if extra_outputs else x), params
