@@ -53,4 +53,4 @@ class BackwardLinearAdd(FusedOperation):
 
     @classmethod
     def example(cls):
-        return Example((MakeExtraOutput(), BasicLinear(32, 32)), (6, 32))
+        return Example((MakeExtraOutput(), BasicLinear(32, 32)), (16, 32))

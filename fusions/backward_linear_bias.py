@@ -41,4 +41,4 @@ class BackwardLinearBias(FusedOperation):
 
     @classmethod
     def example(cls):
-        return Example((BasicLinear(32, 48), Bias(48)), (6, 32))
+        return Example((BasicLinear(32, 48), Bias(48)), (16, 32))

@@ -59,4 +59,4 @@ class ForwardLinearBias(FusedOperation):
 
     @classmethod
     def example(cls):
-        return Example((BasicLinear(32, 48), Bias(48)), (3, 5, 32))
+        return Example((BasicLinear(32, 48), Bias(48)), (2, 8, 32))

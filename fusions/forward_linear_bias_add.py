@@ -63,4 +63,4 @@ class ForwardLinearBiasAdd(FusedOperation):
 
     @classmethod
     def example(cls):
-        return Example((BasicLinear(32, 32), Bias(32), AddExtraInput()), (6, 32), ((6, 32),))
+        return Example((BasicLinear(32, 32), Bias(32), AddExtraInput()), (16, 32), ((16, 32),))

@@ -1,27 +1,29 @@
-"""Every basic op against plain-PyTorch FP64 references, in every dtype."""
+"""Every basic op against plain-PyTorch FP64 references, in every dtype, inside pipelines."""
 
 import pytest
 import torch
 
-from fusible import ops
+from fusible import Example, ops
+from fusible.ops.collective import Collective
 from fusible.testing import check_against_reference, exact_parameters_, exact_tensor, stage_names
+from fusible.testing.matrix import operation_classes
 
-# (name, op factory, input feature size). Each op runs after a BasicLinear (and an
-# Identity, so that nothing fuses) so that its dgrad is exercised and reaches a parameter.
-OPS = [
-    ("BasicLinear", lambda: ops.BasicLinear(8, 12), 8),
-    ("Bias", lambda: ops.Bias(8), 8),
-    ("GELU", lambda: ops.GELU(), 8),
-    ("GELU", lambda: ops.GELU(approximate="tanh"), 8),
-    ("ReLU", lambda: ops.ReLU(), 8),
-    ("SiLU", lambda: ops.SiLU(), 8),
-    ("SwiGLU", lambda: ops.SwiGLU(), 8),
-    ("Identity", lambda: ops.Identity(), 8),
-    ("Reshape", lambda: ops.Reshape((-1, 4)), 8),
-    ("ConstantScale", lambda: ops.ConstantScale(-0.75), 8),
-    ("LayerNorm", lambda: ops.LayerNorm(8), 8),
-    ("RMSNorm", lambda: ops.RMSNorm(8), 8),
-]
+def _single_op_examples() -> list:
+    """(name, example, input feature size) from the registry: every exported op whose
+    example is one op on one input (the rest run in tests/test_matrix.py), plus variants
+    that an example does not show."""
+    found = []
+    for cls in operation_classes():
+        if issubclass(cls, Collective):
+            continue  # need a process group: tests/test_matrix.py, tests/test_parallel.py
+        example = cls.example()
+        if len(example.ops) == 1 and not example.extra_input_shapes and \
+                not cls.num_extra_outputs:
+            found.append((cls.__name__, cls.example, example.input_shape[-1]))
+    return found + [("GELU", lambda: Example((ops.GELU(),), (32,)), 32)]
+
+
+OPS = _single_op_examples()
 
 
 def _model(op, features, dtype):
@@ -29,11 +31,13 @@ def _model(op, features, dtype):
                              .to(dtype))
 
 
-@pytest.mark.parametrize("name,factory,features", OPS, ids=[f"{o[0]}{i}" for i, o in
-                                                               enumerate(OPS)])
+@pytest.mark.parametrize("name,example,features", OPS, ids=[f"{o[0]}{i}" for i, o in
+                                                             enumerate(OPS)])
 @pytest.mark.parametrize("lead", [(5,), (2, 3), (2, 1, 3)], ids=lambda s: f"lead{len(s)}")
-def test_op_matches_fp64_reference(name, factory, features, lead, dtype):
-    op = factory()
+def test_op_matches_fp64_reference(name, example, features, lead, dtype):
+    """Each op after a BasicLinear (and an Identity, so that nothing fuses): its dgrad is
+    exercised and reaches a parameter."""
+    (op,) = example().ops
     model = _model(op, features, dtype)
     for p in op.parameters():  # non-zero parameters exercise their gradients
         p.data = exact_tensor(p.shape, dtype)
@@ -42,14 +46,6 @@ def test_op_matches_fp64_reference(name, factory, features, lead, dtype):
     assert stage_names(plan.forward) == ["BasicLinear", "Identity", name]
     assert stage_names(plan.backward) == [name, "Identity", "BasicLinear"]
     check_against_reference(model, x)
-
-
-@pytest.mark.parametrize("name,factory,features", OPS[:6], ids=[o[0] for o in OPS[:6]])
-def test_op_alone_on_input(name, factory, features, dtype):
-    """First op of the pipeline: its dgrad goes to the input."""
-    op = exact_parameters_(factory().to(dtype))
-    x = exact_tensor((4, features), dtype).requires_grad_()
-    check_against_reference(ops.Sequential(op), x)
 
 
 def test_linear_composite_matches_reference(dtype):

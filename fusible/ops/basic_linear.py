@@ -158,7 +158,7 @@ class BasicLinear(BasicOperation):
 
     @classmethod
     def example(cls):
-        return Example((cls(32, 48),), (3, 5, 32))
+        return Example((cls(32, 48),), (2, 8, 32))
 
     def communication(self, direction, needs=None):
         tp = self.tp

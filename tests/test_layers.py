@@ -1,0 +1,116 @@
+"""The import-layers contract: imports point one way, and none hides in a function body.
+
+Layers, lowest first (docs/design.md draws them). A module may import modules of its own
+package unit and of lower layers only; units that share a layer are independent of each
+other. The built-in fusions sit above everything, as plugins do. The registry loads
+plugins with ``importlib`` (the one dynamic import), not with import statements.
+"""
+
+import ast
+import pathlib
+
+import pytest
+
+ROOT = pathlib.Path(__file__).parent.parent
+LAYERS = [
+    ("fusible.core",),
+    ("fusible.kernels",),
+    ("fusible.quantization",),
+    ("fusible.functional",),
+    ("fusible.planning",),
+    ("fusible.runtime",),
+    ("fusible.module",),
+    ("fusible.ops",),
+    ("fusible.convert", "fusible.testing"),
+    ("fusible",),  # the facade, fusible/__init__.py
+    ("fusible.fusions",),
+]
+UNITS = {unit: level for level, units in enumerate(LAYERS) for unit in units}
+
+
+def _modules() -> dict:
+    """Module name -> path, for the library and the built-in fusions."""
+    found = {}
+    for path in (ROOT / "fusible").rglob("*.py"):
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    for path in (ROOT / "fusions").glob("*.py"):
+        name = "fusible.fusions" + ("" if path.stem == "__init__" else f".{path.stem}")
+        found[name] = path
+    return found
+
+
+MODULES = _modules()
+
+
+def _unit(module: str) -> str:
+    """The layer unit a module belongs to (the longest unit prefix)."""
+    best = "fusible"
+    for unit in UNITS:
+        if (module == unit or module.startswith(unit + ".")) and len(unit) > len(best):
+            best = unit
+    return best
+
+
+def _imported(node, importer: str) -> list:
+    """The fusible modules an import statement imports."""
+    if isinstance(node, ast.Import):
+        return [a.name for a in node.names if a.name.split(".")[0] == "fusible"]
+    if node.level:  # relative: resolve against the importer's package
+        base = importer.rsplit(".", node.level)[0] if importer in MODULES else importer
+        source = f"{base}.{node.module}" if node.module else base
+    else:
+        source = node.module or ""
+    if source.split(".")[0] != "fusible":
+        return []
+    # "from package import submodule" imports the submodule
+    return [f"{source}.{a.name}" if f"{source}.{a.name}" in MODULES else source
+            for a in node.names]
+
+
+def _statements():
+    """(importer, statement, inside a function or class) for every import statement."""
+    for name, path in sorted(MODULES.items()):
+        tree = ast.parse(path.read_text(), str(path))
+        nested = {id(sub) for node in ast.walk(tree)
+                  if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+                  for sub in ast.walk(node) if isinstance(sub, (ast.Import, ast.ImportFrom))}
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                yield name, node, id(node) in nested
+
+
+STATEMENTS = list(_statements())
+
+
+def test_every_module_is_in_a_layer():
+    assert all(_unit(m) in UNITS for m in MODULES)
+    assert {"fusible.core.operation", "fusible.fusions.forward_linear_bias"} <= set(MODULES)
+
+
+def test_no_import_in_a_function_body():
+    deferred = [f"{name}:{node.lineno}: {ast.unparse(node)}"
+                for name, node, nested in STATEMENTS if nested]
+    assert not deferred, "imports hidden in function or class bodies:\n" + "\n".join(deferred)
+
+
+@pytest.mark.parametrize("level", range(len(LAYERS)), ids=lambda i: "+".join(LAYERS[i]))
+def test_imports_point_down(level):
+    wrong = []
+    for name, node, _ in STATEMENTS:
+        unit = _unit(name)
+        if UNITS[unit] != level:
+            continue
+        for target in _imported(node, name):
+            other = _unit(target)
+            if other != unit and UNITS[other] >= level:
+                wrong.append(f"{name}:{node.lineno} imports {target} ({other}, layer "
+                             f"{UNITS[other]} >= {level})")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_the_check_sees_a_wrong_import():
+    """The checker itself: an upward import is reported."""
+    node = ast.parse("from fusible.runtime.executor import apply_pipeline").body[0]
+    (target,) = _imported(node, "fusible.core.stage")
+    assert UNITS[_unit(target)] > UNITS[_unit("fusible.core.stage")]
