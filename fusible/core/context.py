@@ -22,15 +22,16 @@ class OperationContext:
         as soon as the backward stage covering the op has run.
     """
 
-    __slots__ = ("needs", "recipe", "saved", "versions")
+    __slots__ = ("needs", "recipe", "saved", "versions", "outputs")
 
     def __init__(self, needs: OpGradNeeds, recipe: Any = None):
         self.needs = needs
         self.recipe = recipe
         self.saved: Any = None
         self.versions = ()  # (field, version) of saved intermediates, set by the fuser
+        self.outputs = ()   # fields holding outputs kept by autograd, set by the fuser
 
     def clear(self) -> None:
         """Drop the saved record: its tensors are freed once nothing else holds them."""
         self.saved = None
-        self.versions = ()
+        self.versions = self.outputs = ()

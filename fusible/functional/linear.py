@@ -91,10 +91,9 @@ class LinearSaved:
     weight: Optional[Tensor]
 
 
-def _require(args, record_type, where: str) -> None:
-    if type(args) is not record_type:
-        raise TypeError(f"{where} takes a {record_type.__name__} (nest one in your args "
-                        f"record), got {type(args).__name__}")
+def _wrong_record(args, record_type, where: str) -> TypeError:
+    return TypeError(f"{where} takes a {record_type.__name__} (nest one in your args "
+                     f"record), got {type(args).__name__}")
 
 
 def tokens_2d(t: Tensor) -> Tensor:
@@ -181,7 +180,8 @@ def gemm_forward(gemm: GemmForwardArgs, bias: Optional[Tensor] = None):
     the output over the group (all-reduce, or reduce-scatter with sequence parallel),
     so a row-parallel ``bias`` would be added on every rank: callers refuse it.
     """
-    _require(gemm, GemmForwardArgs, "gemm_forward")
+    if type(gemm) is not GemmForwardArgs:
+        raise _wrong_record(gemm, GemmForwardArgs, "gemm_forward")
     x, weight, tp, fmt = gemm.input, gemm.weight, gemm.tp, gemm.input_format
     if tp.active and tp.mode == "row" and bias is not None:
         raise ValueError(f"a row-parallel GEMM cannot add a bias before its reduction ({tp})")
@@ -253,7 +253,8 @@ def gemm_backward(args: GemmBackwardArgs, accumulate_into: Optional[Tensor] = No
     a column-parallel ``tp``, whose dgrad is summed over the group afterwards. Row +
     sequence parallel all-gathers ``dy`` first.
     """
-    _require(args, GemmBackwardArgs, "gemm_backward")
+    if type(args) is not GemmBackwardArgs:
+        raise _wrong_record(args, GemmBackwardArgs, "gemm_backward")
     dy, x_saved, w_saved, tp = args.grad_output, args.input, args.weight, args.tp
     need_dgrad, need_wgrad, fmt = args.need_grad_input, args.need_grad_weight, args.grad_format
     if tp.active and tp.mode == "column" and accumulate_into is not None:

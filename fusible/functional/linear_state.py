@@ -27,9 +27,10 @@ def gemm_grad_format(recipe, needs) -> Optional[Float8Format]:
 def gemm_forward_args(input, weight, tp: TensorParallel, ctx) -> GemmForwardArgs:
     """The forward GEMM record of a linear layer from its context (recipe, needs)."""
     recipe = ctx.recipe
-    weight_format = None if recipe is None else recipe.weight_format()
-    return GemmForwardArgs(input, weight, gemm_input_format(recipe, ctx.needs), weight_format,
-                           tp)
+    if recipe is None:
+        return GemmForwardArgs(input, weight, None, None, tp)
+    return GemmForwardArgs(input, weight, gemm_input_format(recipe, ctx.needs),
+                           recipe.weight_format(), tp)
 
 
 def forward_aux(gemm: GemmForwardArgs, x_q) -> tuple:
@@ -37,7 +38,7 @@ def forward_aux(gemm: GemmForwardArgs, x_q) -> tuple:
     (column + sequence parallel) if any; under FP8 the input's transposed copy and scale,
     ``(x_t, x_scale_inv)`` (None where not kept). An input that arrived in FP8 is the
     caller's to save (see :func:`~fusible.functional.linear.handed_in`)."""
-    if not gemm.fp8:
+    if gemm.input_format is None:
         return () if x_q is None else (x_q,)
     if _kept_by_caller(gemm):
         return ()
@@ -80,7 +81,10 @@ def gemm_backward_args(ctx, grad_output, tp: TensorParallel) -> GemmBackwardArgs
     """
     saved, recipe, needs = ctx.saved, ctx.recipe, ctx.needs
     weight = saved.weight
-    if recipe is not None and weight is not None:
+    if recipe is None:
+        return GemmBackwardArgs(grad_output, saved.input, weight, None, needs.input,
+                                needs.params[0], tp)
+    if weight is not None:
         w_q = quantize_raw(weight, recipe.weight_format().fp8_dtype, columnwise=True)
         weight = transposed_only(w_q._transpose, w_q._scale_inv, weight.dtype)
     return GemmBackwardArgs(grad_output, saved.input, weight, gemm_grad_format(recipe, needs),

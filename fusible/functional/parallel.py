@@ -38,33 +38,34 @@ class TensorParallel:
         The process group's name (``ProcessGroup.group_name``); ``""`` when alone.
     world_size : int
         The group's size.
+    active : bool
+        Whether any communication happens (a group of more than one rank).
+    gathers_input : bool
+        A linear layer that all-gathers its input (column + sequence parallel).
+    scatters_output, gathers_grad : bool
+        A linear layer that reduce-scatters its output (row + sequence parallel), and so
+        all-gathers the gradient it receives.
+
+    The last four are derived once, at construction: they are read on every call.
     """
 
     mode: str = ""
     sequence_parallel: bool = False
     group_name: str = ""
     world_size: int = 1
+    active: bool = attrs.field(init=False, eq=False, repr=False)
+    gathers_input: bool = attrs.field(init=False, eq=False, repr=False)
+    scatters_output: bool = attrs.field(init=False, eq=False, repr=False)
+    gathers_grad: bool = attrs.field(init=False, eq=False, repr=False)
 
-    @property
-    def active(self) -> bool:
-        """Whether any communication happens (a group of more than one rank)."""
-        return self.world_size > 1
-
-    @property
-    def gathers_input(self) -> bool:
-        """A linear layer that all-gathers its input (column + sequence parallel)."""
-        return self.active and self.mode == "column" and self.sequence_parallel
-
-    @property
-    def scatters_output(self) -> bool:
-        """A linear layer that reduce-scatters its output (row + sequence parallel): the
-        gradient it receives, and so it gathers (``gathers_grad`` is the same)."""
-        return self.active and self.mode == "row" and self.sequence_parallel
-
-    @property
-    def gathers_grad(self) -> bool:
-        """A linear layer that all-gathers its incoming gradient (row + sequence parallel)."""
-        return self.scatters_output
+    def __attrs_post_init__(self):
+        active = self.world_size > 1
+        split = active and self.sequence_parallel
+        for name, value in (("active", active),
+                            ("gathers_input", split and self.mode == "column"),
+                            ("scatters_output", split and self.mode == "row"),
+                            ("gathers_grad", split and self.mode == "row")):
+            object.__setattr__(self, name, value)
 
 
 NOT_PARALLEL = TensorParallel()

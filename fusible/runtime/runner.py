@@ -22,6 +22,8 @@ class PipelineRunner:
         self.num_extra_outputs = sum(op.num_extra_outputs for op in self.ops)
         self._plans: dict = {}
         self._param_slots = [(op._parameters, name) for op in self.ops for name in op.param_names]
+        self._no_grad_params = (False,) * len(self._param_slots)
+        self._no_grad_extras = (False,) * self.num_extra_inputs
 
     def params(self) -> list:
         """The ops' parameters, read afresh each call (they may have been swapped)."""
@@ -33,15 +35,26 @@ class PipelineRunner:
         ``traced`` runs the stages' custom ops (the compiled path) on the given
         ``params``, the tensors the compiled graph passes for ``self.params()``.
         """
-        self._check_inputs(x, extra_inputs)
+        if type(x) is not torch.Tensor or len(extra_inputs) != self.num_extra_inputs \
+                or extra_inputs:
+            self._check_inputs(x, extra_inputs)  # the full checks, with the errors
+        device_type = x.device.type
+        if torch.is_autocast_enabled(device_type):
+            raise RuntimeError(f"{self._name()} does not run under torch.autocast: its ops take "
+                               f"the dtype of their parameters; convert the model with .to(dtype) "
+                               f"instead")
         params = self.params() if params is None else list(params)
-        grad = torch.is_grad_enabled()
-        conditions = PlanConditions(
-            x.dtype, x.device.type, grad, grad and x.requires_grad,
-            tuple([grad and p.requires_grad for p in params]),
-            tuple([grad and e.requires_grad for e in extra_inputs]), recipe.current_key(),
-            training)
-        plan = self._plans.get(conditions) or self.lookup(conditions)
+        # The PlanConditions of this call; as a plain tuple it hashes and compares equal
+        # (the cache key), and becomes a PlanConditions only when a plan is made.
+        if torch.is_grad_enabled():
+            key = (x.dtype, device_type, True, x.requires_grad,
+                   tuple([p.requires_grad for p in params]),
+                   tuple([e.requires_grad for e in extra_inputs]), recipe.current_key(),
+                   training)
+        else:  # nothing requires grad
+            key = (x.dtype, device_type, False, False, self._no_grad_params,
+                   self._no_grad_extras, recipe.current_key(), training)
+        plan = self._plans.get(key) or self.lookup(PlanConditions(*key))
         if not plan.needs_backward:
             return run_forward(plan, x, params, extra_inputs, plan.idle_ctxs, save=False,
                                traced=traced)
@@ -59,6 +72,7 @@ class PipelineRunner:
         return plan
 
     def _check_inputs(self, x, extra_inputs) -> None:
+        """Raise for inputs this group cannot take, naming what is wrong."""
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"{self._name()} expects a tensor input, got {type(x).__name__}")
         if len(extra_inputs) != self.num_extra_inputs:
@@ -67,10 +81,6 @@ class PipelineRunner:
         if extra_inputs and not all(isinstance(e, torch.Tensor) for e in extra_inputs):
             raise TypeError(f"{self._name()} expects tensor extra inputs, got "
                             f"{[type(e).__name__ for e in extra_inputs]}")
-        if torch.is_autocast_enabled(x.device.type):
-            raise RuntimeError(f"{self._name()} does not run under torch.autocast: its ops take "
-                               f"the dtype of their parameters; convert the model with .to(dtype) "
-                               f"instead")
 
     def _name(self) -> str:
         return "Sequential(" + ", ".join(type(op).__name__ for op in self.ops) + ")"

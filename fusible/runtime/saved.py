@@ -12,17 +12,22 @@ reference to its base.
 
 from __future__ import annotations
 
+import operator
+
 import attrs
 import torch
 
-_FIELDS: dict = {}  # saved type -> its field names
+_FIELDS: dict = {}  # saved type -> (field names, a getter of all their values at once)
 
 
-def _field_names(record_type) -> tuple:
-    names = _FIELDS.get(record_type)
-    if names is None:
-        names = _FIELDS[record_type] = tuple(f.name for f in attrs.fields(record_type))
-    return names
+def _fields(record_type) -> tuple:
+    found = _FIELDS.get(record_type)
+    if found is None:
+        names = tuple(f.name for f in attrs.fields(record_type))
+        getter = operator.attrgetter(*names) if len(names) > 1 else (
+            lambda r, _get=operator.attrgetter(*names): (_get(r),)) if names else (lambda r: ())
+        found = _FIELDS[record_type] = (names, getter)
+    return found
 
 
 class _SavedRef:
@@ -51,17 +56,18 @@ def stash_saved(fctx, ctxs, ops, inputs, outputs) -> None:
             raise TypeError(f"the stage covering {op.describe()} saved a "
                             f"{type(saved).__name__}; {type(op).__name__} reads a "
                             f"{getattr(op.saved_type, '__name__', None)} (its saved_type)")
-        versions = None
-        for name in _field_names(op.saved_type):
-            t = getattr(saved, name)
-            if not isinstance(t, torch.Tensor):
+        names, values = _FIELDS.get(type(saved)) or _fields(type(saved))
+        versions = refs = None
+        for name, t in zip(names, values(saved)):
+            if t is None:
                 continue
             if id(t) in input_ids:
                 to_save.append(t)
             elif id(t) in output_ids:
                 setattr(saved, name, _SavedRef(len(to_save)))
                 to_save.append(t)
-            else:
+                refs = (refs or []) + [name]
+            elif isinstance(t, torch.Tensor):
                 if t._base is not None:  # shares the version counter, drops the base
                     t = t.detach()
                     setattr(saved, name, t)
@@ -69,6 +75,8 @@ def stash_saved(fctx, ctxs, ops, inputs, outputs) -> None:
                 versions.append((name, t._version))
         if versions:
             c.versions = versions
+        if refs:
+            c.outputs = refs
     fctx.save_for_backward(*to_save)
 
 
@@ -80,15 +88,11 @@ def restore_saved(fctx, ctxs, ops) -> list:
                            "supported; run the forward again")
     kept = fctx.saved_tensors  # autograd checks these tensors' versions
     for c, op in zip(ctxs, ops):
-        saved = c.saved
-        if saved is None:
-            continue
         if c.versions:
-            _check_versions(saved, c.versions, op)
-        for name in _field_names(op.saved_type):
-            t = getattr(saved, name)
-            if type(t) is _SavedRef:
-                setattr(saved, name, kept[t.index])
+            _check_versions(c.saved, c.versions, op)
+        if c.outputs:
+            for name in c.outputs:
+                setattr(c.saved, name, kept[getattr(c.saved, name).index])
     return ctxs
 
 
