@@ -13,6 +13,9 @@ if ls .whl/*.whl >/dev/null 2>&1; then
         --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
 fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+# fusible.fusions is the repository's fusions/ folder, mapped there by an install
+# (pyproject.toml); this machine runs the checkout uninstalled, so link it in place.
+python3 -c "import fusible.fusions" 2>/dev/null || ln -sfn ../fusions fusible/fusions
 export PYTHONUNBUFFERED=1
 # NVLink multicast stays off on the lent machines (the NCCL tests and the TP benchmark)
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1

@@ -4,6 +4,8 @@ import sys
 import pytest
 import torch
 
+from fusible import register_fusion, unregister_fusion
+
 # The examples are documentation that tests import.
 sys.path.insert(0, str(pathlib.Path(__file__).parent.parent / "examples"))
 
@@ -25,3 +27,18 @@ def fresh_dynamo():
     """For tests that compile new models of the same classes: start with no cache."""
     torch._dynamo.reset()
     yield
+
+
+@pytest.fixture
+def registered():
+    """Register fusions for one test and remove them afterwards."""
+    added = []
+
+    def add(cls):
+        register_fusion(cls)
+        added.append(cls)
+        return cls
+
+    yield add
+    for cls in added:
+        unregister_fusion(cls)

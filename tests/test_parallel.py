@@ -9,16 +9,14 @@ import copy
 import functools
 import traceback
 
-import attrs
 import pytest
 import torch
 
 import fusible
 from fusible import ops
-from fusible.functional.linear import LinearSaved
-from fusible.ops.pointwise_activation import ActivationSaved
 from fusible.testing.distributed import run_distributed
 from fusible.testing import assert_close, exact_tensor, fp8_snr_floor, snr_db
+from naive_plugins import GeluOfLinear
 
 TOKENS, IN, OUT = 32, 32, 64  # FP8 GEMMs need shards in multiples of 16
 DEVICE = ["cpu"]  # set per worker: "cuda" under NCCL
@@ -303,45 +301,19 @@ def _check_norm_sp(rank, ws):
             assert_close(got, ref, torch.float64, f"{name} compiled={compiled}")
 
 
-@attrs.define
-class _GeluOfLinearArgs:
-    input: torch.Tensor
-    weight: torch.Tensor
-
-
-class _GeluOfLinear(fusible.FusedOperation):
-    """A plugin fusion that knows nothing of tensor parallelism: ``gelu(x @ w.T)``."""
-
-    direction = "forward"
-    pattern = fusible.Pattern(fusible.Op(ops.BasicLinear), fusible.Op(ops.GELU))
-    fwd_args_type = _GeluOfLinearArgs
-
-    def forward_args(self, input, params, extra_inputs, ctxs):
-        return _GeluOfLinearArgs(input, params[0])
-
-    @classmethod
-    def forward_compute(cls, args, *, in_custom_op=False):
-        h = args.input @ args.weight.t()
-        return ops.ForwardResult(torch.nn.functional.gelu(h), (), (h,))
-
-    def save_for_backward(self, args, result, ctxs):
-        ctxs[0].saved = LinearSaved(args.input, args.weight)
-        ctxs[1].saved = ActivationSaved(result.aux[0])
-
-
 def _check_guards(rank, ws):
     """Plugin fusions over communicating ops are refused; split-token ops need
     sequence_parallel; parallel settings are fixed; explicit groups work."""
-    fusible.register_fusion(_GeluOfLinear)
+    fusible.register_fusion(GeluOfLinear)
     try:
         model = ops.Sequential(ops.BasicLinear(IN, OUT, tensor_parallel_mode="column",
                                                sequence_parallel=True), ops.GELU())
         verdicts = {c.fusion: (c.status, c.reason) for c in model.plan().candidates}
     finally:
-        fusible.unregister_fusion(_GeluOfLinear)
+        fusible.unregister_fusion(GeluOfLinear)
     if ws > 1:
-        assert verdicts["_GeluOfLinear"][0] == "refused", verdicts
-        assert "handles_communication=False" in verdicts["_GeluOfLinear"][1]
+        assert verdicts["GeluOfLinear"][0] == "refused", verdicts
+        assert "handles_communication=False" in verdicts["GeluOfLinear"][1]
         bad = ops.Sequential(ops.BasicLinear(OUT, IN, tensor_parallel_mode="row",
                                              sequence_parallel=True), ops.Bias(IN))
         with pytest.raises(ValueError, match=r"Bias\(size=32\) sees tokens split over the "

@@ -4,7 +4,7 @@ import attrs
 import pytest
 import torch
 
-from fusible import Check, FusedOperation, Op, Pattern, ops, register_fusion, unregister_fusion
+from fusible import Check, FusedOperation, Op, Pattern, ops, unregister_fusion
 from fusible.ops import BackwardResult, ForwardResult
 from fusible.testing import stage_names
 
@@ -31,21 +31,6 @@ def make_fusion(name, pattern, direction="forward", accepts=None):
     if accepts is not None:
         body["accepts"] = classmethod(accepts)
     return type(name, (FusedOperation,), body)
-
-
-@pytest.fixture
-def registered():
-    """Register fusions for one test and remove them afterwards."""
-    added = []
-
-    def add(cls):
-        register_fusion(cls)
-        added.append(cls)
-        return cls
-
-    yield add
-    for cls in added:
-        unregister_fusion(cls)
 
 
 def test_longer_match_wins(registered):

@@ -80,9 +80,9 @@ def memory_by_stage(fp8: bool, tokens=16384, hidden=4096, ffn=16384):
         setattr(cls, name, classmethod(traced))
         return original
 
-    from fusions.backward_activation_bias import BackwardActivationBias
-    from fusions.backward_linear_bias import BackwardLinearBias
-    from fusions.forward_linear_bias import ForwardLinearBias
+    from fusible.fusions.backward_activation_bias import BackwardActivationBias
+    from fusible.fusions.backward_linear_bias import BackwardLinearBias
+    from fusible.fusions.forward_linear_bias import ForwardLinearBias
     from fusible.ops import GELU, BasicLinear
     patched = [(ForwardLinearBias, "forward_compute"), (GELU, "forward_compute"),
                (BackwardLinearBias, "backward_compute"),

@@ -5,7 +5,7 @@ from collections import defaultdict
 
 import torch
 
-import fusible.fuser as fuser
+import fusible.runtime.executor as executor
 from fusible import ops
 
 T, H, FF = 2048, 1024, 4096
@@ -30,8 +30,8 @@ def main():
     for stage in model(x).grad_fn.fusible[0].backward + model(x).grad_fn.fusible[0].forward:
         object.__setattr__(stage, "compute", timed(type(stage.op).__name__ + "." +
                                                    stage.compute.__name__, stage.compute))
-    fuser.run_forward = timed("run_forward", fuser.run_forward)
-    fuser.run_backward = timed("run_backward", fuser.run_backward)
+    executor.run_forward = timed("run_forward", executor.run_forward)
+    executor.run_backward = timed("run_backward", executor.run_backward)
     n = 200
     for _ in range(20):
         model(x).backward(dy)

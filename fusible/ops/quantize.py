@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import Optional
 
 import attrs
-import torch
 
 from fusible.core.example import Example
 from fusible.core.results import BackwardResult, ForwardResult

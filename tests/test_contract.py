@@ -1,0 +1,219 @@
+"""The declared op contract: hooks checked at class creation, typed saved records and GEMM
+records, FP8 formats asked for by consumers, fusions' FP8 declarations, priorities."""
+
+import ast
+import importlib.util
+import pathlib
+import subprocess
+import sys
+import textwrap
+from typing import Optional
+
+import attrs
+import pytest
+import torch
+
+import fusible
+from fusible import FusedOperation, Op, Pattern, ops, unregister_fusion
+from fusible.functional.linear import GemmForwardArgs, gemm_forward
+from fusible.ops import BackwardResult, BasicOperation, ForwardResult
+from fusible.testing import exact_tensor, stage_names
+from naive_plugins import GeluOfLinear, GeluOfLinearWrongLayout
+
+ROOT = pathlib.Path(__file__).parent.parent
+
+
+@attrs.define
+class _Args:
+    input: torch.Tensor
+
+
+@attrs.define
+class _Saved:
+    input: Optional[torch.Tensor]
+
+
+def _hooks():
+    """The body of a complete basic op: y = 2 x."""
+    return {
+        "fwd_args_type": _Args, "bwd_args_type": _Args, "saved_type": _Saved,
+        "forward_args": lambda self, x, p, e, c: _Args(x),
+        "forward_compute": classmethod(lambda cls, a, *, in_custom_op=False:
+                                       ForwardResult(a.input * 2)),
+        "save_for_backward": lambda self, a, r, c: None,
+        "backward_args": lambda self, dy, de, c: _Args(dy),
+        "backward_compute": classmethod(lambda cls, a, *, in_custom_op=False:
+                                        BackwardResult(a.input * 2)),
+    }
+
+
+@pytest.mark.parametrize("hook", ["fwd_args_type", "bwd_args_type", "forward_args",
+                                  "forward_compute", "save_for_backward", "backward_args",
+                                  "backward_compute"])
+def test_a_basic_op_without_a_hook_fails_at_class_creation(hook):
+    body = _hooks()
+    del body[hook]
+    with pytest.raises(TypeError, match=rf"basic operation Doubler \(\w+ward\) must define "
+                                        rf".*{hook}"):
+        type("Doubler", (BasicOperation,), body)
+
+
+def test_malformed_hooks_are_named():
+    body = dict(_hooks(), forward_compute=classmethod(lambda cls, a: ForwardResult(a.input)))
+    with pytest.raises(TypeError, match="Doubler: forward_compute must take the keyword "
+                                        "argument.*in_custom_op"):
+        type("Doubler", (BasicOperation,), body)
+    with pytest.raises(TypeError, match="Doubler: backward_compute must be a classmethod"):
+        type("Doubler", (BasicOperation,), dict(_hooks(), backward_compute=lambda s, a: None))
+    with pytest.raises(TypeError, match="Doubler.saved_type must be an attrs class"):
+        type("Doubler", (BasicOperation,), dict(_hooks(), saved_type=tuple))
+    with pytest.raises(TypeError, match="Doubler.param_names must be a tuple of str"):
+        type("Doubler", (BasicOperation,), dict(_hooks(), param_names="weight"))
+
+
+def test_abstract_bases_may_leave_hooks_to_subclasses():
+    base = type("Half", (BasicOperation,), {"fwd_args_type": _Args}, abstract=True)
+    with pytest.raises(TypeError, match="basic operation Leaf"):
+        type("Leaf", (base,), {})
+    leaf = type("Leaf", (base,), {k: v for k, v in _hooks().items() if k != "fwd_args_type"})
+    x = torch.randn(3, requires_grad=True)
+    leaf()(x).sum().backward()
+    assert torch.equal(x.grad, torch.full((3,), 2.0))
+
+
+def test_a_fusion_that_saves_another_layout_is_named(registered):
+    registered(GeluOfLinearWrongLayout)
+    model = ops.Sequential(ops.BasicLinear(16, 16), ops.GELU())
+    with pytest.raises(TypeError, match=r"the stage covering BasicLinear\(in_features=16.* saved "
+                                        r"a tuple; BasicLinear reads a LinearSaved"):
+        model(torch.randn(4, 16, requires_grad=True))
+
+
+def test_fp8_plugin_contract_refuses_an_undeclared_fusion_under_a_recipe(registered):
+    registered(GeluOfLinear)
+    model = ops.Sequential(ops.BasicLinear(16, 16), ops.GELU())
+    x = torch.randn(16, 16)
+    with torch.no_grad():
+        assert stage_names(model.plan(x).forward) == ["GeluOfLinear"]
+        with fusible.autocast():
+            plan = model.plan(x)
+            y = model(x)
+    assert stage_names(plan.forward) == ["BasicLinear", "GELU"]
+    (refusal,) = [c for c in plan.candidates if c.fusion == "GeluOfLinear"]
+    assert refusal.status == "refused"
+    assert "quantizes in the forward pass" in refusal.reason
+    assert "does not declare input_format()" in refusal.reason
+    assert y.shape == (16, 16)
+
+
+def test_a_fusion_over_ops_that_do_not_quantize_needs_no_declaration():
+    """The documentation's plugin (examples/plugin_fusion.py) declares no formats and is
+    still chosen under FP8: ConstantScale and Bias quantize nothing."""
+    spec = importlib.util.spec_from_file_location("plugin_fusion_copy",
+                                                  ROOT / "examples" / "plugin_fusion.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)  # registers ForwardScaleBias
+    try:
+        model = ops.Sequential(ops.ConstantScale(0.5), ops.Bias(16), ops.BasicLinear(16, 16))
+        x = torch.randn(16, 16, requires_grad=True)
+        with fusible.autocast():
+            assert stage_names(model.plan(x).forward) == ["ForwardScaleBias", "BasicLinear"]
+            model(x).sum().backward()
+        assert torch.isfinite(x.grad).all()
+    finally:
+        unregister_fusion(module.ForwardScaleBias)
+
+
+class _ToFp8Identity(ops.Identity):
+    """A parameterless FP8 consumer: it asks for its input in E4M3."""
+
+    def input_format(self, recipe, needs):
+        return recipe.input_format()
+
+
+def test_a_parameterless_consumer_gets_its_input_in_its_format():
+    seen = []
+    real = ops.Identity.forward_compute.__func__
+
+    def spy(cls, args, *, in_custom_op=False):
+        seen.append(type(args.input))
+        return real(cls, args, in_custom_op=in_custom_op)
+
+    model = ops.Sequential(ops.BasicLinear(16, 16), _ToFp8Identity(), ops.GELU())
+    x = exact_tensor((16, 16)).requires_grad_()
+    try:
+        _ToFp8Identity.forward_compute = classmethod(spy)
+        with fusible.autocast():
+            y = model(x)
+    finally:
+        del _ToFp8Identity.forward_compute
+    assert seen == [fusible.Float8Tensor]
+    ref = torch.nn.functional.gelu(fusible.quantize(x @ model[0].weight.t()).dequantize())
+    y.sum().backward()
+    assert torch.allclose(y, ref, rtol=0.1, atol=0.05) and x.grad is not None
+
+
+@attrs.define
+class _BadGemmArgs:
+    input: torch.Tensor
+    weight: torch.Tensor
+
+
+def test_gemm_helpers_take_their_typed_record_in_every_precision():
+    with pytest.raises(TypeError, match="gemm_forward takes a GemmForwardArgs"):
+        gemm_forward(_BadGemmArgs(torch.randn(2, 4), torch.randn(3, 4)))
+    with pytest.raises(TypeError):  # a record missing a field fails where it is built
+        GemmForwardArgs(torch.randn(2, 4), torch.randn(3, 4))
+
+
+def test_priority_breaks_ties_before_registration_order(registered):
+    def pair(name, priority):
+        body = dict(direction="forward", priority=priority,
+                    pattern=Pattern(Op(ops.Identity), Op(ops.Identity)), fwd_args_type=_Args,
+                    forward_args=lambda self, x, p, e, c: _Args(x),
+                    forward_compute=classmethod(lambda cls, a, *, in_custom_op=False:
+                                                ForwardResult(a.input)),
+                    save_for_backward=lambda self, a, r, c: None)
+        return type(name, (FusedOperation,), body)
+
+    registered(pair("First", 0))
+    registered(pair("Urgent", 5))
+    plan = ops.Sequential(ops.Identity(), ops.Identity()).plan()
+    assert stage_names(plan.forward) == ["Urgent"]
+    (first,) = [c for c in plan.candidates if c.fusion == "First"]
+    assert first.status == "superseded"
+
+
+def test_a_users_fusions_module_shadows_nothing(tmp_path):
+    """The built-ins live in fusible.fusions: a fusions.py of the user's changes nothing."""
+    (tmp_path / "fusions.py").write_text("raise ImportError('the user module was imported')\n")
+    script = textwrap.dedent("""
+        import torch
+        from fusible import ops
+        model = ops.Sequential(ops.Linear(8, 8))
+        print([s.name for s in model.plan(torch.randn(2, 8)).forward])
+    """)
+    out = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "['ForwardLinearBias']"
+
+
+def test_no_builtin_compute_reads_in_custom_op():
+    """The flag means one thing (eager-only side effects may run): the custom-op boundary
+    copies aliased results, so no built-in op or fusion branches on it to copy by hand."""
+    readers = []
+    for path in [*(ROOT / "fusible" / "ops").glob("*.py"), *(ROOT / "fusions").glob("*.py")]:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Name) and node.id == "in_custom_op":
+                readers.append(f"{path.name}:{node.lineno}")
+    assert not readers, readers
+
+
+def test_compile_reasons_are_plan_data():
+    model = ops.Sequential(ops.Linear(8, 8), ops.GELU())
+    plan = model.plan()
+    assert all(s.compile_reason is None for s in plan.forward)
+    assert plan.conditions.training and plan.conditions.recipe_key is None
+    model.eval()
+    assert not model.plan().conditions.training
