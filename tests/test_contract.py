@@ -17,7 +17,7 @@ import fusible
 from fusible import FusedOperation, Op, Pattern, ops, unregister_fusion
 from fusible.functional.linear import GemmForwardArgs, gemm_forward
 from fusible.ops import BackwardResult, BasicOperation, ForwardResult
-from fusible.testing import exact_tensor, stage_names
+from fusible.testing import check_fusion, exact_tensor, stage_names
 from naive_plugins import GeluOfLinear, GeluOfLinearWrongLayout
 
 ROOT = pathlib.Path(__file__).parent.parent
@@ -217,3 +217,15 @@ def test_compile_reasons_are_plan_data():
     assert plan.conditions.training and plan.conditions.recipe_key is None
     model.eval()
     assert not model.plan().conditions.training
+
+
+def test_check_fusion_also_checks_compiled_and_runs_under_no_grad():
+    """check_fusion's compiled comparison holds with grad disabled (no gradients on either
+    side), and fails when the compiled path computes other bits."""
+    model = ops.Sequential(ops.BasicLinear(8, 16), ops.Bias(16))
+    x = exact_tensor((4, 8))
+    with torch.no_grad():
+        check_fusion(model, x, forward=["ForwardLinearBias"])
+    from fusible.testing import same_bits
+    assert same_bits(None, None) and not same_bits(torch.ones(2), None)
+    assert not same_bits(torch.ones(2), torch.ones(2).nextafter(torch.full((2,), 2.0)))

@@ -62,8 +62,12 @@ def register_schema_type(pytype, schema_type: SchemaType) -> None:
     _ADAPTERS[pytype] = schema_type
 
 
+def _TAKE(vals):
+    return vals[0]
+
+
 def _single(part: str) -> SchemaType:
-    return SchemaType((part,), lambda v: [v], lambda vals: vals[0])
+    return SchemaType((part,), lambda v: [v], _TAKE)
 
 
 def schema_type(tp) -> SchemaType:
@@ -99,6 +103,8 @@ def record_fields(record_type) -> tuple:
         attrs.resolve_types(record_type)
         fields = []
         for field in attrs.fields(record_type):
+            if not field.init:  # derived in the record's own __attrs_post_init__
+                continue
             try:
                 fields.append((field.name, schema_type(field.type)))
             except TypeError as error:
@@ -113,13 +119,25 @@ def flatten_record(fields: tuple, record) -> list:
 
 
 def unflatten_record(record_type, fields: tuple, values) -> object:
-    """Rebuild a ``record_type`` from its schema argument values."""
-    kwargs, pos = {}, 0
-    for name, st in fields:
+    """Rebuild a ``record_type`` from its schema argument values (this runs in every
+    custom-op call: a plain value is taken as it is, other fields rebuilt from their
+    slice)."""
+    steps = _STEPS.get(record_type) or _unflatten_steps(record_type, fields)
+    return record_type(*[values[i] if rebuild is None else rebuild(values[i:j])
+                         for i, j, rebuild in steps])
+
+
+_STEPS: dict = {}  # record type -> ((start, stop, rebuild or None), ...) per field
+
+
+def _unflatten_steps(record_type, fields: tuple) -> tuple:
+    steps, pos = [], 0
+    for _, st in fields:
         n = len(st.parts)
-        kwargs[name] = st.unflatten(list(values[pos:pos + n]))
+        steps.append((pos, pos + n, None if st.unflatten is _TAKE else st.unflatten))
         pos += n
-    return record_type(**kwargs)
+    _STEPS[record_type] = tuple(steps)
+    return _STEPS[record_type]
 
 
 def _record_type(record_type) -> SchemaType:

@@ -9,6 +9,7 @@ All gathers and scatters are along dim 0 (tokens, or sequence for (S, B, H) inpu
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import attrs
@@ -186,8 +187,15 @@ def wait(x: Tensor) -> Tensor:
     return _c10d.wait_tensor(x)
 
 
+@functools.lru_cache(maxsize=None)
+def _tensor_parallel(mode: str, sequence_parallel: bool, group_name: str,
+                     world_size: int) -> TensorParallel:
+    """One TensorParallel per value: rebuilt inside every custom-op call, so cached."""
+    return TensorParallel(mode, sequence_parallel, group_name, world_size)
+
+
 # A TensorParallel crosses custom ops as four arguments: the group by name.
 register_schema_type(TensorParallel, SchemaType(
     ("str", "bool", "str", "int"),
     lambda tp: [tp.mode, tp.sequence_parallel, tp.group_name, tp.world_size],
-    lambda vals: TensorParallel(*vals)))
+    lambda vals: _tensor_parallel(*vals)))

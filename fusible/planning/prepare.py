@@ -76,7 +76,7 @@ class ExecPlan:
         return self.recipe is not None
 
     @property
-    def fp8_dtype(self):
+    def outer_dtype(self):
         """Under an FP8 recipe, the dtype Float8Tensors dequantize to; else None."""
         return None if self.recipe is None else self.conditions.dtype
 

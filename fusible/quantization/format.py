@@ -7,6 +7,7 @@ produces that format. The format crosses custom ops as an ordinary argument.
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import attrs
@@ -82,7 +83,13 @@ def _flatten(fmt: Optional[Float8Format]) -> list:
 
 def _unflatten(values) -> Optional[Float8Format]:
     fp8_dtype, columnwise, granularity = values
-    return None if fp8_dtype is None else Float8Format(fp8_dtype, columnwise, granularity)
+    return None if fp8_dtype is None else _format(fp8_dtype, columnwise, granularity)
+
+
+@functools.lru_cache(maxsize=None)
+def _format(fp8_dtype, columnwise: bool, granularity: str) -> Float8Format:
+    """One Float8Format per value: rebuilt inside every custom-op call, so cached."""
+    return Float8Format(fp8_dtype, columnwise, granularity)
 
 
 _FORMAT_SCHEMA = SchemaType(("ScalarType?", "bool", "str"), _flatten, _unflatten)

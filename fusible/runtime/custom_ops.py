@@ -42,6 +42,7 @@ recorder: list | None = None  # when a list, calls append (overload, flat args):
 _TAIL = ["ScalarType? output_format_0", "bool output_format_1", "str output_format_2",
          "bool quantized_results", "str provenance"]
 _FORMAT = schema_type(Optional[Float8Format])  # how the output format crosses
+_storage_id = torch._C._storage_id  # a tensor's StorageImpl, as an int (no Python object)
 
 
 @attrs.frozen
@@ -102,19 +103,26 @@ def _op_name(cls, direction: str) -> str:
 def _kernel(cls, direction: str, args_type, fields, compute):
     bound = functools.partial(compute, in_custom_op=True)
     own_cast = cls.quantizes_own_output
-    n_tail = 4  # after the args: the output format (3), quantized results, provenance
+    # Where tensors can be among the arguments (the rest are scalars): the alias check
+    # looks only there.
+    parts = [p for _, st in fields for p in st.parts]
+    slots = tuple(i for i, p in enumerate(parts) if p in ("Tensor", "Tensor?"))
+    list_slots = tuple(i for i, p in enumerate(parts) if p.startswith("Tensor") and "[]" in p)
 
     def kernel(*values):
-        args = unflatten_record(args_type, fields, values[:-n_tail - 1])
-        fmt = _FORMAT.unflatten(list(values[-n_tail - 1:-2]))
-        quantized = values[-2]
+        args = unflatten_record(args_type, fields, values[:-5])
+        fmt = _FORMAT.unflatten(values[-5:-2])  # then: quantized results, provenance
         result = bound(args, output_format=fmt) if own_cast else bound(args)
-        return _flatten_result(result, direction, values, quantized, fmt)
+        inputs = [values[i] for i in slots]
+        if list_slots:
+            inputs += [t for i in list_slots for t in values[i]]
+        like = inputs[0] if inputs[0] is not None else next(t for t in inputs if t is not None)
+        return _unaliased(_flatten_result(result, direction, like, values[-2], fmt), inputs)
 
     return kernel
 
 
-def _flatten_result(result, direction: str, values, quantized: bool,
+def _flatten_result(result, direction: str, like, quantized: bool,
                     fmt: Optional[Float8Format]) -> list:
     if direction == "forward":
         if not isinstance(result, ForwardResult):
@@ -126,24 +134,22 @@ def _flatten_result(result, direction: str, values, quantized: bool,
         grad = result.grad_input
         tensors = [grad if grad is None else to_format(grad, fmt), *result.grad_params,
                    *result.grad_extra_inputs]
-    like = next(v for v in values if isinstance(v, torch.Tensor))
-    return _unaliased(encode_results(tensors, quantized, like), values)
+    return encode_results(tensors, quantized, like)
 
 
-def _unaliased(outputs: list, inputs) -> list:
+def _unaliased(outputs: list, inputs: list) -> list:
     """Copy every output that shares storage with an input or an earlier output: a custom
-    op's results may alias nothing."""
-    seen = {t.untyped_storage()._cdata for t in inputs if isinstance(t, torch.Tensor)}
-    out = []
-    for t in outputs:
+    op's results may alias nothing. (Inside the kernel views carry no ``_base``: storage
+    is what tells.) ``inputs`` are the tensor arguments (None where absent)."""
+    seen = {_storage_id(t) for t in inputs if t is not None}
+    for k, t in enumerate(outputs):
         if t.numel():  # the empty placeholders are fresh
-            key = t.untyped_storage()._cdata
+            key = _storage_id(t)
             if key in seen:
-                t = t.clone()
-                key = t.untyped_storage()._cdata
+                t = outputs[k] = t.clone()
+                key = _storage_id(t)
             seen.add(key)
-        out.append(t)
-    return out
+    return outputs
 
 
 def _register(cls, direction: str) -> StageOp:
@@ -191,30 +197,30 @@ def unsupported_reason(cls, direction: str) -> Optional[str]:
     return _REASONS.get(key)
 
 
-def _call(stage, direction: str, args, quantized: bool, fp8_dtype):
+def _call(stage, direction: str, args, quantized: bool, outer_dtype):
     op = stage_op(type(stage.op), direction)
     flat = op.flatten_args(args) + _FORMAT.flatten(stage.output_format) + [quantized,
                                                                            stage.provenance]
     if recorder is not None:
         recorder.append((op.overload, tuple(flat)))
     out = op.overload(*flat)
-    return op, decode_results(out, quantized, fp8_dtype)
+    return op, decode_results(out, quantized, outer_dtype)
 
 
-def call_forward(stage, args, quantized: bool = False, fp8_dtype=None) -> ForwardResult:
+def call_forward(stage, args, quantized: bool = False, outer_dtype=None) -> ForwardResult:
     """Run a forward stage through its custom op.
 
     ``quantized``: results may be Float8Tensors (an FP8 recipe is in effect), which
-    dequantize to ``fp8_dtype``, the pipeline's dtype.
+    dequantize to ``outer_dtype``, the pipeline's dtype.
     """
-    _, out = _call(stage, "forward", args, quantized, fp8_dtype)
+    _, out = _call(stage, "forward", args, quantized, outer_dtype)
     k = stage.num_extra_out
     return ForwardResult(out[0], tuple(out[1:1 + k]), tuple(out[1 + k:]))
 
 
-def call_backward(stage, args, quantized: bool = False, fp8_dtype=None) -> BackwardResult:
+def call_backward(stage, args, quantized: bool = False, outer_dtype=None) -> BackwardResult:
     """Run a backward stage through its custom op; placeholders become None."""
-    op, out = _call(stage, "backward", args, quantized, fp8_dtype)
+    op, out = _call(stage, "backward", args, quantized, outer_dtype)
     input_needed, params_needed, extras_needed = stage.grad_mask
     expected = 1 + len(params_needed) + len(extras_needed)
     if len(out) != expected:

@@ -40,7 +40,7 @@ def run_forward(plan: ExecPlan, x, params, extra_inputs, ctxs, *, save: bool,
         args = op.forward_args(x, params[st.params],
                                extra_inputs[st.extra_in] if st.num_extra_in else (), op_ctxs)
         if traced:
-            result = custom_ops.call_forward(st, args, plan.quantized_results, plan.fp8_dtype)
+            result = custom_ops.call_forward(st, args, plan.quantized_results, plan.outer_dtype)
         else:
             result = st.compute(args)
             if st.output_format is not None:  # what the custom op does inside, when compiled
@@ -92,7 +92,7 @@ def run_backward(plan: ExecPlan, grad_output, grad_extra_outputs, ctxs, traced: 
         args = op.backward_args(dy, grad_extra_outputs[st.extra_out] if st.num_extra_out else (),
                                 op_ctxs)
         if traced:
-            result = custom_ops.call_backward(st, args, plan.quantized_results, plan.fp8_dtype)
+            result = custom_ops.call_backward(st, args, plan.quantized_results, plan.outer_dtype)
         else:
             result = st.compute(args)
             if st.output_format is not None and result.grad_input is not None:

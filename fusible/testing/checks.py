@@ -155,8 +155,11 @@ def check_compiled_matches_eager(model, x, *extra_inputs, backend: str = "aot_ea
 
 
 def same_bits(a, b) -> bool:
-    """Whether two results are equal bit for bit (Float8Tensors: data and scale)."""
-    if a is None or b is None or type(a) is not type(b):
+    """Whether two results are equal bit for bit (Float8Tensors: data and scale; two
+    Nones, such as gradients not computed, are equal)."""
+    if a is None or b is None:
+        return a is b
+    if type(a) is not type(b):
         return False
     if isinstance(a, Float8Tensor):
         return same_bits(a._data, b._data) and same_bits(a._scale_inv, b._scale_inv)
