@@ -13,9 +13,9 @@ if ls .whl/*.whl >/dev/null 2>&1; then
         --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
 fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
-# fusible.fusions is the repository's fusions/ folder, mapped there by an install
-# (pyproject.toml); this machine runs the checkout uninstalled, so link it in place.
-python3 -c "import fusible.fusions" 2>/dev/null || ln -sfn ../fusions fusible/fusions
+# Install the checkout (editable, nothing fetched): fusible.fusions maps onto the fusions/
+# folder and the built-in fusions are entry points of the installed distribution.
+python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . || exit 1
 export PYTHONUNBUFFERED=1
 # NVLink multicast stays off on the lent machines (the NCCL tests and the TP benchmark)
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1

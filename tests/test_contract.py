@@ -229,3 +229,48 @@ def test_check_fusion_also_checks_compiled_and_runs_under_no_grad():
     from fusible.testing import same_bits
     assert same_bits(None, None) and not same_bits(torch.ones(2), None)
     assert not same_bits(torch.ones(2), torch.ones(2).nextafter(torch.full((2,), 2.0)))
+
+
+@attrs.frozen
+class _ExpSaved:
+    output: Optional[torch.Tensor]
+
+
+@attrs.define
+class _ExpBackwardArgs:
+    grad_output: torch.Tensor
+    output: Optional[torch.Tensor]
+
+
+class _Exp(BasicOperation):
+    """``y = exp(x)``, saving its output in a frozen record."""
+
+    fwd_args_type, bwd_args_type, saved_type = _Args, _ExpBackwardArgs, _ExpSaved
+
+    def forward_args(self, input, params, extra_inputs, ctxs):
+        return _Args(input)
+
+    @classmethod
+    def forward_compute(cls, args, *, in_custom_op=False):
+        return ForwardResult(args.input.exp())
+
+    def save_for_backward(self, args, result, ctxs):
+        ctxs[0].saved = _ExpSaved(result.output if ctxs[0].needs.input else None)
+
+    def backward_args(self, grad_output, grad_extra_outputs, ctxs):
+        return _ExpBackwardArgs(grad_output, ctxs[0].saved.output)
+
+    @classmethod
+    def backward_compute(cls, args, *, in_custom_op=False):
+        return BackwardResult(args.grad_output * args.output)
+
+
+def test_saved_records_may_be_frozen():
+    """The fuser swaps saved outputs and views in and out of the record; frozen is fine."""
+    x = torch.randn(4, 8, requires_grad=True)
+    ops.Sequential(_Exp(), ops.Reshape((-1,)))(x).sum().backward()
+    assert torch.allclose(x.grad, x.exp())
+    h = torch.randn(2, 8)
+    y = ops.Sequential(ops.Reshape((-1, 4)), _Exp())(h.requires_grad_())  # saves a view
+    y.sum().backward()
+    assert torch.allclose(h.grad, h.exp())

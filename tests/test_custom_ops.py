@@ -1,6 +1,9 @@
 """Schemas derived from attrs args classes: every supported field type, and extensions."""
 
 import enum
+import sys
+import textwrap
+import types
 from typing import Optional
 
 import attrs
@@ -132,3 +135,82 @@ def test_same_class_names_get_distinct_ops():
     assert len(names) == 2 and "Twin_fwd" in names
     assert custom_ops.stage_op(second, "backward").name.endswith("Twin_bwd")
     assert custom_ops.stage_op(second, "backward").name != "Twin_bwd"
+
+
+@attrs.define(kw_only=True)
+class KeywordArgs:
+    input: torch.Tensor
+    scale: float
+
+
+class KeywordScale(BasicOperation):
+    """Args records with keyword-only fields cross the boundary too."""
+
+    fwd_args_type = bwd_args_type = KeywordArgs
+
+    def forward_args(self, input, params, extra_inputs, ctxs):
+        return KeywordArgs(input=input, scale=2.0)
+
+    @classmethod
+    def forward_compute(cls, args, *, in_custom_op=False):
+        return ForwardResult(args.input * args.scale)
+
+    def save_for_backward(self, args, result, ctxs):
+        pass
+
+    def backward_args(self, grad_output, grad_extra_outputs, ctxs):
+        return KeywordArgs(input=grad_output, scale=2.0)
+
+    @classmethod
+    def backward_compute(cls, args, *, in_custom_op=False):
+        return BackwardResult(args.input * args.scale)
+
+
+def test_keyword_only_records_compile():
+    torch._dynamo.reset()
+    model = ops.Sequential(KeywordScale())
+    x = torch.randn(4, 8, requires_grad=True)
+    torch.compile(model, fullgraph=True, backend="aot_eager")(x).sum().backward()
+    assert torch.equal(x.grad, torch.full((4, 8), 2.0))
+
+
+def test_an_annotation_that_does_not_resolve_leaves_the_op_eager_with_a_reason():
+    module = types.ModuleType("typing_only_args")
+    sys.modules[module.__name__] = module  # where attrs resolves the annotations
+    exec(textwrap.dedent("""
+        from __future__ import annotations
+        import attrs, torch
+
+        @attrs.define
+        class Args:
+            input: torch.Tensor
+            thing: Thing  # only a type checker would know
+    """), module.__dict__)
+    namespace = module.__dict__
+
+    class Unresolved(KeywordScale):
+        fwd_args_type = namespace["Args"]
+
+        def forward_args(self, input, params, extra_inputs, ctxs):
+            return namespace["Args"](input, None)
+
+        @classmethod
+        def forward_compute(cls, args, *, in_custom_op=False):
+            return ForwardResult(args.input * 2.0)
+
+    model = ops.Sequential(Unresolved())
+    x = torch.randn(4, 8, requires_grad=True)
+    model(x).sum().backward()  # eagerly fine
+    reason = model.plan(x).forward[0].compile_reason
+    assert "NameError" in reason and "Thing" in reason
+
+
+def test_empty_results_that_alias_an_input_are_copied():
+    """With zero tokens Identity and Reshape return their input: the boundary copies it."""
+    op = custom_ops.stage_op(ops.Identity, "forward")
+    x = torch.randn(0, 8)
+    args = tuple(op.flatten_args(ops.Identity.fwd_args_type(x)) + [None, False, "", False, "p"])
+    (out,) = op.overload(*args)
+    assert out.shape == (0, 8) and out is not x
+    assert torch._C._storage_id(out) != torch._C._storage_id(x)
+    torch.library.opcheck(op.overload, args)

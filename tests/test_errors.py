@@ -192,3 +192,19 @@ def test_failing_entry_point_plugin_is_reported(monkeypatch):
     for _ in range(2):  # and again: nothing is skipped silently later
         with pytest.raises(RuntimeError, match="fusion plugin 'broken'.*failed to load"):
             ops.Sequential(ops.Identity()).plan()
+
+
+def test_an_uninstalled_source_tree_says_so(monkeypatch):
+    """The built-in fusions are entry points: without fusible's distribution the first
+    planning explains, rather than planning without fusions."""
+    import importlib.metadata
+
+    import fusible.planning.registry as registry
+
+    def missing(name):
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setitem(registry._state, "loaded", False)
+    monkeypatch.setattr(registry.importlib.metadata, "distribution", missing)
+    with pytest.raises(RuntimeError, match=r"not installed.*pip install -e \."):
+        ops.Sequential(ops.Identity()).plan()

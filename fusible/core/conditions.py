@@ -41,11 +41,21 @@ class PlanConditions(NamedTuple):
     training: bool
 
     @classmethod
-    def of(cls, x: torch.Tensor, params, extra_inputs, recipe_key, training: bool,
-           grad_enabled: Optional[bool] = None) -> "PlanConditions":
+    def of(cls, x: torch.Tensor, params, extra_inputs, recipe_key,
+           training: bool) -> "PlanConditions":
         """The conditions of running on ``x`` with these parameters and extra inputs."""
-        grad = torch.is_grad_enabled() if grad_enabled is None else grad_enabled
-        return cls(x.dtype, x.device.type, grad, grad and x.requires_grad,
-                   tuple([grad and p.requires_grad for p in params]),
-                   tuple([grad and e.requires_grad for e in extra_inputs]), recipe_key,
-                   bool(training))
+        return cls(*conditions_key(x, params, extra_inputs, recipe_key, training))
+
+
+def conditions_key(x: torch.Tensor, params, extra_inputs, recipe_key, training: bool) -> tuple:
+    """The :class:`PlanConditions` of running on ``x``, as the plain tuple that is the plan
+    cache key (it hashes and compares equal to the PlanConditions). With grad disabled
+    nothing requires grad. ``params`` None leaves the parameters' pattern to be filled in
+    where they are read (the compiled path, at trace time)."""
+    if torch.is_grad_enabled():
+        return (x.dtype, x.device.type, True, x.requires_grad,
+                None if params is None else tuple([p.requires_grad for p in params]),
+                tuple([e.requires_grad for e in extra_inputs]), recipe_key, training)
+    return (x.dtype, x.device.type, False, False,
+            None if params is None else (False,) * len(params), (False,) * len(extra_inputs),
+            recipe_key, training)

@@ -121,13 +121,13 @@ def flatten_record(fields: tuple, record) -> list:
 def unflatten_record(record_type, fields: tuple, values) -> object:
     """Rebuild a ``record_type`` from its schema argument values (this runs in every
     custom-op call: a plain value is taken as it is, other fields rebuilt from their
-    slice)."""
-    steps = _STEPS.get(record_type) or _unflatten_steps(record_type, fields)
-    return record_type(*[values[i] if rebuild is None else rebuild(values[i:j])
-                         for i, j, rebuild in steps])
+    slice; positionally, unless the record has keyword-only fields)."""
+    steps, names = _STEPS.get(record_type) or _unflatten_steps(record_type, fields)
+    values = [values[i] if rebuild is None else rebuild(values[i:j]) for i, j, rebuild in steps]
+    return record_type(*values) if names is None else record_type(**dict(zip(names, values)))
 
 
-_STEPS: dict = {}  # record type -> ((start, stop, rebuild or None), ...) per field
+_STEPS: dict = {}  # record type -> (((start, stop, rebuild or None), ...), init names or None)
 
 
 def _unflatten_steps(record_type, fields: tuple) -> tuple:
@@ -136,7 +136,11 @@ def _unflatten_steps(record_type, fields: tuple) -> tuple:
         n = len(st.parts)
         steps.append((pos, pos + n, None if st.unflatten is _TAKE else st.unflatten))
         pos += n
-    _STEPS[record_type] = tuple(steps)
+    init = [f for f in attrs.fields(record_type) if f.init]
+    names = None
+    if any(f.kw_only for f in init):  # then every field by its __init__ name
+        names = tuple(getattr(f, "alias", None) or f.name.lstrip("_") for f in init)
+    _STEPS[record_type] = (tuple(steps), names)
     return _STEPS[record_type]
 
 

@@ -1,18 +1,16 @@
 """The registry of fusions: built-ins and third-party plugins, loaded the same way.
 
-A fusion is named by a ``"module:Class"`` spec. The built-ins are listed in
-:data:`BUILTIN_FUSIONS`; third-party packages advertise theirs in the entry-point
-group ``fusible.fusions`` (a class, or a module whose classes call
-:func:`register_fusion` when imported). Both are loaded at the first planning (or
-the first registration), built-ins first, entry points sorted by name; classes that
-user code registers come after. Among accepted matches of equal length the planner
-prefers the higher ``priority``, then the fusion registered first: priority is
-explicit, never an accident of import order.
+Fusions are advertised in the entry-point group ``fusible.fusions``: a class, or a module
+whose classes call :func:`register_fusion` when imported. fusible's own, the built-ins
+(``fusible.fusions``), are entry points of its distribution (``pyproject.toml``), like any
+plugin's. All are loaded at the first planning (or the first registration), sorted by
+entry-point name; classes that user code registers come after. Among accepted matches of
+equal length the planner prefers the higher ``priority``, then the fusion registered
+first: priority is explicit, never an accident of import order.
 """
 
 from __future__ import annotations
 
-import importlib
 import importlib.metadata
 import inspect
 
@@ -22,14 +20,6 @@ from fusible.core.pattern import Pattern
 from fusible.core.stage import check_stage_class
 
 ENTRY_POINT_GROUP = "fusible.fusions"
-BUILTIN_FUSIONS = (
-    "fusible.fusions.forward_linear_bias:ForwardLinearBias",
-    "fusible.fusions.forward_linear_bias_activation:ForwardLinearBiasActivation",
-    "fusible.fusions.forward_linear_bias_add:ForwardLinearBiasAdd",
-    "fusible.fusions.backward_activation_bias:BackwardActivationBias",
-    "fusible.fusions.backward_linear_add:BackwardLinearAdd",
-    "fusible.fusions.backward_linear_bias:BackwardLinearBias",
-)
 _DIRECTIONS = ("forward", "backward")
 _fusions: list = []
 _state = {"loaded": False, "loading": False}
@@ -83,17 +73,18 @@ def registered_fusions(direction: str | None = None) -> tuple:
 
 
 def load_plugins() -> None:
-    """Load the built-in fusions, then the entry points of ``fusible.fusions`` (once).
+    """Load the fusions of the entry-point group ``fusible.fusions`` (once), fusible's own
+    built-ins among them.
 
     A plugin that fails to load raises at every planning until it loads: nothing is
-    skipped silently.
+    skipped silently. So does a fusible that is not installed (its built-ins are entry
+    points of its distribution).
     """
     if _state["loaded"] or _state["loading"]:
         return
     _state["loading"] = True
     try:
-        for spec in BUILTIN_FUSIONS:
-            _register_loaded(spec, _load_spec(spec))
+        _require_installed()
         for ep in sorted(importlib.metadata.entry_points(group=ENTRY_POINT_GROUP),
                          key=lambda e: e.name):
             _register_loaded(_describe(ep), _load_entry_point(ep))
@@ -102,9 +93,13 @@ def load_plugins() -> None:
         _state["loading"] = False
 
 
-def _load_spec(spec: str):
-    module, _, name = spec.partition(":")
-    return getattr(importlib.import_module(module), name)
+def _require_installed() -> None:
+    try:
+        importlib.metadata.distribution("fusible")
+    except importlib.metadata.PackageNotFoundError:
+        raise RuntimeError("fusible is imported from a source tree that is not installed: its "
+                           "built-in fusions are entry points of the installed distribution "
+                           "(run `pip install -e .` in the checkout)") from None
 
 
 def _describe(ep) -> str:

@@ -31,7 +31,7 @@ import logging
 import torch
 
 from fusible.core import epoch, tokens
-from fusible.core.conditions import PlanConditions
+from fusible.core.conditions import PlanConditions, conditions_key
 from fusible.quantization import recipe
 
 log = logging.getLogger("fusible")
@@ -86,11 +86,8 @@ def _graph_break(message: str) -> None:
 
 def compiled_forward(module, x, extra_inputs: tuple):
     """``module(x, *extra_inputs)`` as dynamo should trace it."""
-    grad = torch.is_grad_enabled()
     training = module.training
-    conditions = (x.dtype, x.device.type, grad, grad and x.requires_grad, None,
-                  tuple(grad and e.requires_grad for e in extra_inputs), recipe.current_key(),
-                  training)
+    conditions = conditions_key(x, None, extra_inputs, recipe.current_key(), training)
     reason = _prepare(id(module), epoch.current(), conditions)  # dynamo guards on the epoch
     if reason is not None:
         _graph_break(reason)

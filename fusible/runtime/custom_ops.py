@@ -30,7 +30,6 @@ import torch
 
 from fusible.core.results import BackwardResult, ForwardResult
 from fusible.core.schema import flatten_record, record_fields, schema_type, unflatten_record
-from fusible.functional.linear import GemmBackwardArgs, GemmForwardArgs
 from fusible.quantization.boundary import decode_results, encode_results
 from fusible.quantization.format import Float8Format, to_format
 
@@ -56,33 +55,6 @@ class StageOp:
 
     def flatten_args(self, args) -> list:
         return flatten_record(self.fields, args)
-
-    def gemm_precisions(self, flat_args) -> list:
-        """``"fp8"`` or ``"high precision"`` for each linear-layer GEMM record among the
-        args (found by type, read from its format), given the op's flat arguments (values
-        or graph nodes: only the formats, which are constants, are read)."""
-        return _gemm_precisions(self.args_type, self.fields, list(flat_args))
-
-
-_GEMM_FORMATS = {GemmForwardArgs: "input_format", GemmBackwardArgs: "grad_format"}
-
-
-def _gemm_precisions(record_type, fields, flat) -> list:
-    if record_type in _GEMM_FORMATS:
-        pos = 0
-        for name, st in fields:
-            if name == _GEMM_FORMATS[record_type]:
-                fmt = st.unflatten(flat[pos:pos + len(st.parts)])
-                return ["high precision" if fmt is None else "fp8"]
-            pos += len(st.parts)
-    out, pos = [], 0
-    for _, st in fields:
-        n = len(st.parts)
-        if st.record_type is not None:
-            out += _gemm_precisions(st.record_type, record_fields(st.record_type),
-                                    flat[pos:pos + n])
-        pos += n
-    return out
 
 
 _BASES: dict = {}    # class -> its op base name, chosen once for both directions
@@ -143,12 +115,11 @@ def _unaliased(outputs: list, inputs: list) -> list:
     is what tells.) ``inputs`` are the tensor arguments (None where absent)."""
     seen = {_storage_id(t) for t in inputs if t is not None}
     for k, t in enumerate(outputs):
-        if t.numel():  # the empty placeholders are fresh
+        key = _storage_id(t)  # empty tensors too: each has a storage of its own
+        if key in seen:
+            t = outputs[k] = t.clone()
             key = _storage_id(t)
-            if key in seen:
-                t = outputs[k] = t.clone()
-                key = _storage_id(t)
-            seen.add(key)
+        seen.add(key)
     return outputs
 
 
@@ -192,8 +163,10 @@ def unsupported_reason(cls, direction: str) -> Optional[str]:
     if key not in _OPS and key not in _REASONS:
         try:
             _OPS[key] = _register(cls, direction)
-        except (TypeError, RuntimeError) as error:  # no schema type; a schema torch rejects
-            _REASONS[key] = f"{cls.__name__} ({direction}): {error}"
+        except Exception as error:  # no schema type, an annotation that does not resolve,
+            # a schema torch rejects: the stage runs eagerly, and the plan says why
+            detail = error if isinstance(error, TypeError) else f"{type(error).__name__}: {error}"
+            _REASONS[key] = f"{cls.__name__} ({direction}): {detail}"
     return _REASONS.get(key)
 
 

@@ -10,6 +10,8 @@ from functorch.compile import make_boxed_func
 from torch._dynamo.utils import counters
 from torch._functorch.aot_autograd import aot_module_simplified
 
+from fusible.core.schema import record_fields
+from fusible.functional.linear import GemmBackwardArgs, GemmForwardArgs
 from fusible.runtime.custom_ops import stage_op_named
 
 
@@ -101,10 +103,30 @@ def _graph_report(kind: str, frame: str, gm: torch.fx.GraphModule) -> GraphRepor
 
 
 def _gemm_precision(node) -> str:
-    """From a stage op's arguments: its GEMMs' precision (the formats of its GEMM records)."""
+    """From a stage op's arguments: its GEMMs' precision, read from the formats of the
+    linear-layer GEMM records among its args (found by type; only the formats, which are
+    constants in the graph, are read)."""
     op = stage_op_named(str(node.target).split(".")[1])
-    precisions = set(op.gemm_precisions(node.args)) if op is not None else set()
-    return " + ".join(sorted(precisions))
+    if op is None:
+        return ""
+    return " + ".join(sorted(set(_gemm_precisions(op.args_type, op.fields, list(node.args)))))
+
+
+_GEMM_FORMATS = {GemmForwardArgs: "input_format", GemmBackwardArgs: "grad_format"}
+
+
+def _gemm_precisions(record_type, fields, flat) -> list:
+    """``"fp8"`` or ``"high precision"`` per GEMM record in ``record_type``'s flat args."""
+    out, pos = [], 0
+    for name, st in fields:
+        n = len(st.parts)
+        if name == _GEMM_FORMATS.get(record_type):
+            out.append("high precision" if st.unflatten(flat[pos:pos + n]) is None else "fp8")
+        elif st.record_type is not None:
+            out += _gemm_precisions(st.record_type, record_fields(st.record_type),
+                                    flat[pos:pos + n])
+        pos += n
+    return out
 
 
 def compile_report(fn, *args, **kwargs) -> CompileReport:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import attrs
 import torch
 
-from fusible.core.conditions import PlanConditions
+from fusible.core.conditions import PlanConditions, conditions_key
 from fusible.planning.prepare import ExecPlan, prepare_group
 from fusible.quantization import recipe
 from fusible.runtime import custom_ops
@@ -22,8 +22,6 @@ class PipelineRunner:
         self.num_extra_outputs = sum(op.num_extra_outputs for op in self.ops)
         self._plans: dict = {}
         self._param_slots = [(op._parameters, name) for op in self.ops for name in op.param_names]
-        self._no_grad_params = (False,) * len(self._param_slots)
-        self._no_grad_extras = (False,) * self.num_extra_inputs
 
     def params(self) -> list:
         """The ops' parameters, read afresh each call (they may have been swapped)."""
@@ -38,22 +36,12 @@ class PipelineRunner:
         if type(x) is not torch.Tensor or len(extra_inputs) != self.num_extra_inputs \
                 or extra_inputs:
             self._check_inputs(x, extra_inputs)  # the full checks, with the errors
-        device_type = x.device.type
-        if torch.is_autocast_enabled(device_type):
+        if torch.is_autocast_enabled(x.device.type):
             raise RuntimeError(f"{self._name()} does not run under torch.autocast: its ops take "
                                f"the dtype of their parameters; convert the model with .to(dtype) "
                                f"instead")
         params = self.params() if params is None else list(params)
-        # The PlanConditions of this call; as a plain tuple it hashes and compares equal
-        # (the cache key), and becomes a PlanConditions only when a plan is made.
-        if torch.is_grad_enabled():
-            key = (x.dtype, device_type, True, x.requires_grad,
-                   tuple([p.requires_grad for p in params]),
-                   tuple([e.requires_grad for e in extra_inputs]), recipe.current_key(),
-                   training)
-        else:  # nothing requires grad
-            key = (x.dtype, device_type, False, False, self._no_grad_params,
-                   self._no_grad_extras, recipe.current_key(), training)
+        key = conditions_key(x, params, extra_inputs, recipe.current_key(), training)
         plan = self._plans.get(key) or self.lookup(PlanConditions(*key))
         if not plan.needs_backward:
             return run_forward(plan, x, params, extra_inputs, plan.idle_ctxs, save=False,

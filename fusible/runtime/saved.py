@@ -30,6 +30,10 @@ def _fields(record_type) -> tuple:
     return found
 
 
+# Saved records may be frozen: the fuser's own substitutions bypass that.
+_set = object.__setattr__
+
+
 class _SavedRef:
     """Placeholder in a saved record for an output kept through ``save_for_backward``."""
 
@@ -64,13 +68,13 @@ def stash_saved(fctx, ctxs, ops, inputs, outputs) -> None:
             if id(t) in input_ids:
                 to_save.append(t)
             elif id(t) in output_ids:
-                setattr(saved, name, _SavedRef(len(to_save)))
+                _set(saved, name, _SavedRef(len(to_save)))
                 to_save.append(t)
                 refs = (refs or []) + [name]
             elif isinstance(t, torch.Tensor):
                 if t._base is not None:  # shares the version counter, drops the base
                     t = t.detach()
-                    setattr(saved, name, t)
+                    _set(saved, name, t)
                 versions = versions or []
                 versions.append((name, t._version))
         if versions:
@@ -92,7 +96,7 @@ def restore_saved(fctx, ctxs, ops) -> list:
             _check_versions(c.saved, c.versions, op)
         if c.outputs:
             for name in c.outputs:
-                setattr(c.saved, name, kept[getattr(c.saved, name).index])
+                _set(c.saved, name, kept[getattr(c.saved, name).index])
     return ctxs
 
 
