@@ -44,18 +44,26 @@ class PlanConditions(NamedTuple):
     def of(cls, x: torch.Tensor, params, extra_inputs, recipe_key,
            training: bool) -> "PlanConditions":
         """The conditions of running on ``x`` with these parameters and extra inputs."""
-        return cls(*conditions_key(x, params, extra_inputs, recipe_key, training))
+        return cls(*conditions_key(x, x.device.type, params, extra_inputs, recipe_key,
+                                   training))
 
 
-def conditions_key(x: torch.Tensor, params, extra_inputs, recipe_key, training: bool) -> tuple:
-    """The :class:`PlanConditions` of running on ``x``, as the plain tuple that is the plan
-    cache key (it hashes and compares equal to the PlanConditions). With grad disabled
-    nothing requires grad. ``params`` None leaves the parameters' pattern to be filled in
-    where they are read (the compiled path, at trace time)."""
+def conditions_key(x: torch.Tensor, device_type: str, params, extra_inputs, recipe_key,
+                   training: bool) -> tuple:
+    """The :class:`PlanConditions` of running on ``x`` (on ``device_type``), as the plain
+    tuple that is the plan cache key (it hashes and compares equal to the PlanConditions).
+    With grad disabled nothing requires grad. ``params`` None leaves the parameters'
+    pattern to be filled in where they are read (the compiled path, at trace time)."""
     if torch.is_grad_enabled():
-        return (x.dtype, x.device.type, True, x.requires_grad,
+        return (x.dtype, device_type, True, x.requires_grad,
                 None if params is None else tuple([p.requires_grad for p in params]),
                 tuple([e.requires_grad for e in extra_inputs]), recipe_key, training)
-    return (x.dtype, x.device.type, False, False,
-            None if params is None else (False,) * len(params), (False,) * len(extra_inputs),
-            recipe_key, training)
+    return (x.dtype, device_type, False, False, None if params is None else _falses(len(params)),
+            _falses(len(extra_inputs)), recipe_key, training)
+
+
+_FALSES = [(False,) * n for n in range(64)]
+
+
+def _falses(n: int) -> tuple:
+    return _FALSES[n] if n < 64 else (False,) * n

@@ -87,7 +87,8 @@ def _graph_break(message: str) -> None:
 def compiled_forward(module, x, extra_inputs: tuple):
     """``module(x, *extra_inputs)`` as dynamo should trace it."""
     training = module.training
-    conditions = conditions_key(x, None, extra_inputs, recipe.current_key(), training)
+    conditions = conditions_key(x, x.device.type, None, extra_inputs, recipe.current_key(),
+                                training)
     reason = _prepare(id(module), epoch.current(), conditions)  # dynamo guards on the epoch
     if reason is not None:
         _graph_break(reason)

@@ -36,12 +36,13 @@ class PipelineRunner:
         if type(x) is not torch.Tensor or len(extra_inputs) != self.num_extra_inputs \
                 or extra_inputs:
             self._check_inputs(x, extra_inputs)  # the full checks, with the errors
-        if torch.is_autocast_enabled(x.device.type):
+        device_type = x.device.type
+        if torch.is_autocast_enabled(device_type):
             raise RuntimeError(f"{self._name()} does not run under torch.autocast: its ops take "
                                f"the dtype of their parameters; convert the model with .to(dtype) "
                                f"instead")
         params = self.params() if params is None else list(params)
-        key = conditions_key(x, params, extra_inputs, recipe.current_key(), training)
+        key = conditions_key(x, device_type, params, extra_inputs, recipe.current_key(), training)
         plan = self._plans.get(key) or self.lookup(PlanConditions(*key))
         if not plan.needs_backward:
             return run_forward(plan, x, params, extra_inputs, plan.idle_ctxs, save=False,
