@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import threading
 
 import attrs
 import torch
@@ -67,21 +68,20 @@ class Float8CurrentScaling:
         return Float8Format(self.backward_dtype, columnwise)
 
 
-# The recipe in effect: None when FP8 is off. Plain module globals: a compiled model
-# reads the key (a string) in traced code, and dynamo guards on its value.
-_recipe = None
-_recipe_key = None
+# The recipe in effect, per thread like torch.autocast's state: None when FP8 is off. A
+# compiled model reads the key (a string) in traced code, and dynamo guards on its value.
+_state = threading.local()
 _KNOWN: dict = {}  # key -> recipe, for every recipe autocast has turned on
 
 
 def fp8_recipe():
-    """The FP8 recipe in effect, or None."""
-    return _recipe
+    """The FP8 recipe in effect in this thread, or None."""
+    return getattr(_state, "recipe", None)
 
 
 def current_key():
-    """The key of the recipe in effect, or None (what plan conditions hold)."""
-    return _recipe_key
+    """The key of the recipe in effect in this thread, or None (what plan conditions hold)."""
+    return getattr(_state, "key", None)
 
 
 def recipe_for_key(key):
@@ -102,19 +102,21 @@ def autocast(*, enabled: bool = True, recipe=None):
 
     Notes
     -----
-    The recipe is read when a model runs, and is part of the conditions its
-    plan (and a compiled model's graph) depends on: changing it re-plans, and
-    recompiles rather than breaks.
+    The state is thread-local, like ``torch.autocast``'s: other threads keep theirs. The
+    recipe is read when a model runs, and is part of the conditions its plan (and a
+    compiled model's graph) depends on: changing it re-plans, and recompiles rather than
+    breaks.
     """
-    global _recipe, _recipe_key
+    if not isinstance(enabled, bool):
+        raise TypeError(f"autocast: enabled must be a bool, got {enabled!r}")
     if recipe is not None and not isinstance(recipe, Float8CurrentScaling):
         raise TypeError(f"autocast: recipe must be a Float8CurrentScaling, got {recipe!r}")
-    previous = _recipe, _recipe_key
-    _recipe = (recipe or Float8CurrentScaling()) if enabled else None
-    _recipe_key = None if _recipe is None else _recipe.key
-    if _recipe is not None:
-        _KNOWN.setdefault(_recipe_key, _recipe)
+    previous = fp8_recipe(), current_key()
+    active = (recipe or Float8CurrentScaling()) if enabled else None
+    if active is not None:
+        _KNOWN.setdefault(active.key, active)
+    _state.recipe, _state.key = active, None if active is None else active.key
     try:
         yield
     finally:
-        _recipe, _recipe_key = previous
+        _state.recipe, _state.key = previous
