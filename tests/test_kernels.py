@@ -65,10 +65,13 @@ _CAST_SCRIPT = textwrap.dedent("""
                 assert torch.equal(transpose.view(torch.uint8), bits.reshape(-1, shape[-1]).t())
                 assert (bits != 0).all()  # every tile was written (no |x| rounds to 0 here)
     x = torch.randn(40, 32)
-    x[3, 5] = float("inf")
+    x[3, 5] = float("inf")  # scale 0, scale_inv inf: every dequantized value NaN
     assert torch.equal(cast_to_fp8_triton(x, torch.float8_e4m3fn, 448.0, False)[1],
                        cast_to_fp8_torch(x, torch.float8_e4m3fn)[1])
-    x[7, 1] = float("nan")  # a nan amax gives scale 1, as in PyTorch
+    x[7, 1] = float("nan")  # a NaN amax: a NaN scale, as in PyTorch
+    ours = cast_to_fp8_triton(x, torch.float8_e4m3fn, 448.0, False)
+    assert ours[1].isnan() and cast_to_fp8_torch(x, torch.float8_e4m3fn)[1].isnan()
+    x = torch.full((40, 32), 1e-38)  # tiny: the scale stops at the largest float32
     assert torch.equal(cast_to_fp8_triton(x, torch.float8_e4m3fn, 448.0, False)[1],
                        cast_to_fp8_torch(x, torch.float8_e4m3fn)[1])
     print("ok")

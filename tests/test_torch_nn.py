@@ -3,6 +3,7 @@ more) per point."""
 
 import threading
 
+import pytest
 import torch
 
 import fusible
@@ -50,3 +51,42 @@ def test_autocast_in_a_thread_recompiles_there_only(fresh_dynamo):
         assert not torch.equal(_in_thread(fp8_run), plain)
         assert torch.equal(compiled(x), plain)
     assert stage_names(model.plan(x).forward) == ["ForwardLinearBias"]
+
+
+def test_fp8_tiny_finite_inputs_stay_finite():
+    x = torch.full((16, 32), 1e-38)
+    x[0, :4] = 0.0
+    q = fusible.quantize(x)
+    assert torch.isfinite(q.scale_inv) and torch.isfinite(q.dequantize()).all()
+    torch.testing.assert_close(q.dequantize(), x, rtol=0.07, atol=0)
+    model = ops.Sequential(ops.Linear(32, 32))
+    x = (torch.randn(16, 32) * 1e-37).requires_grad_()
+    with fusible.autocast():
+        y = model(x)
+    y.sum().backward()
+    assert torch.isfinite(y).all() and torch.isfinite(x.grad).all()
+
+
+def test_fp8_nan_in_one_row_makes_the_output_nan_never_finite_and_wrong():
+    model = ops.Sequential(ops.Linear(32, 32))
+    x = torch.randn(16, 32)
+    x[3, 7] = float("nan")
+    with fusible.autocast(), torch.no_grad():
+        assert model(x).isnan().all()
+        x[3, 7] = float("inf")
+        assert model(x).isnan().all()
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_zero_tokens(fp8, compiled, fresh_dynamo):
+    """An MoE expert may get no tokens: empty outputs, zero gradients."""
+    model = ops.Sequential(ops.LayerNorm(32), ops.Linear(32, 64), ops.GELU(),
+                           ops.Linear(64, 32)).to(torch.bfloat16)
+    run = torch.compile(model, fullgraph=True, backend="aot_eager") if compiled else model
+    x = torch.randn(0, 32, dtype=torch.bfloat16, requires_grad=True)
+    with fusible.autocast(enabled=fp8):
+        y = run(x)
+    y.sum().backward()
+    assert y.shape == (0, 32) and x.grad.shape == (0, 32)
+    assert all(p.grad is not None and not p.grad.any() for p in model.parameters())

@@ -163,6 +163,9 @@ def fp8_gemm(a: Tensor, a_scale_inv: Tensor, b: Tensor, b_scale_inv: Tensor,
     TransformerEngine and torchao we take it for the forward GEMM only (gradients sum
     over many more products).
     """
+    if not (a.shape[0] and a.shape[1] and b.shape[1]):  # zero tokens or features
+        y = a.new_zeros((a.shape[0], b.shape[1]), dtype=out_dtype)
+        return y if bias is None else y + bias
     epilogue = bias is not None and out_dtype in (torch.bfloat16, torch.float16)
     y = torch._scaled_mm(a, b, scale_a=a_scale_inv, scale_b=b_scale_inv,
                          bias=bias if epilogue else None, out_dtype=out_dtype,
@@ -213,7 +216,8 @@ def gather_fp8(x: Tensor, tp: TensorParallel, fmt: Float8Format) -> Float8Tensor
         x = x._dequantize_raw()
     x2 = tokens_2d(x)
     # One reduction kernel, no |x| temporary; NaN propagates as in the cast's own amax.
-    local_amax = torch.linalg.vector_norm(x2, float("inf"), dtype=torch.float32)
+    local_amax = (torch.linalg.vector_norm(x2, float("inf"), dtype=torch.float32)
+                  if x2.numel() else x2.new_zeros((), dtype=torch.float32))
     amax = parallel.all_reduce(local_amax, tp, "max")
     local = quantize_raw(x2, fmt.fp8_dtype, False, amax=amax)
     data = parallel.all_gather(local._data, tp)

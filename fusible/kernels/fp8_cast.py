@@ -39,9 +39,12 @@ if triton is not None:
 
     @triton.jit
     def scale_from_amax(amax_ptr, FP8_MAX):
-        """The current scale from the amax on the device: ``FP8_MAX / amax``, 1 for 0."""
+        """The current scale from the amax on the device: ``FP8_MAX / amax``, at most the
+        largest float32 (tiny tensors stay finite), 1 for 0, NaN for a NaN amax."""
         amax = tl.load(amax_ptr)
-        return tl.where(amax > 0.0, tl.math.div_rn(FP8_MAX, amax), 1.0)
+        scale = tl.minimum(tl.math.div_rn(FP8_MAX, amax), 3.4028234663852886e38,
+                           propagate_nan=tl.PropagateNan.ALL)
+        return tl.where(amax == 0.0, 1.0, scale)
 
     @triton.jit
     def store_fp8_tile(x, scale, rows, cols, mask, data_ptr, t_ptr, scale_inv_ptr, M, N,

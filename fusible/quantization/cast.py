@@ -14,17 +14,22 @@ from fusible.kernels import fp8_cast, plain_eager
 FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
 
 
+FLOAT32_MAX = torch.finfo(torch.float32).max
+
+
 def scale_from_amax(amax: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
     """float32 scale that maps ``amax`` to the largest finite value of ``fp8_dtype``.
 
-    An all-zero tensor gets scale 1. An inf amax gives scale 0 (the data becomes nan and
-    zeros, scale_inv inf); a nan amax gives scale 1 with the nans kept in the data.
+    Finite inputs give finite data and scales: the scale stops at the largest float32
+    (a tensor of tiny values), and an all-zero or empty tensor gets scale 1. Non-finite
+    inputs make everything NaN, loudly: a NaN amax gives a NaN scale (all data NaN), an
+    inf amax scale 0 and ``scale_inv`` inf (every dequantized value NaN).
     """
     amax = amax.float()
     # A true division (``scalar / tensor`` would multiply by a rounded reciprocal), as
-    # the Triton kernel computes it.
-    return torch.where(amax > 0, amax.new_full((), FP8_MAX[fp8_dtype]) / amax,
-                       torch.ones_like(amax))
+    # the Triton kernel computes it; clamp keeps NaN.
+    scale = (amax.new_full((), FP8_MAX[fp8_dtype]) / amax).clamp(max=FLOAT32_MAX)
+    return torch.where(amax == 0, torch.ones_like(amax), scale)
 
 
 def cast_to_fp8(x: torch.Tensor, fp8_dtype: torch.dtype, columnwise: bool = False,
@@ -48,7 +53,9 @@ def cast_to_fp8_torch(x: torch.Tensor, fp8_dtype: torch.dtype, columnwise: bool 
                       amax: torch.Tensor | None = None) -> list:
     """:func:`cast_to_fp8` in PyTorch ops."""
     xf = x.float().contiguous()  # contiguous outputs, whatever the input's strides
-    scale = scale_from_amax(xf.abs().amax() if amax is None else amax, fp8_dtype)
+    if amax is None:  # an empty tensor (zero tokens) has amax 0
+        amax = xf.abs().amax() if xf.numel() else xf.new_zeros(())
+    scale = scale_from_amax(amax, fp8_dtype)
     limit = FP8_MAX[fp8_dtype]
     data = (xf * scale).clamp_(-limit, limit).to(fp8_dtype)
     out = [data, torch.ones_like(scale) / scale]
