@@ -52,7 +52,7 @@ def test_wrong_number_of_extra_inputs():
 
 
 @pytest.mark.parametrize("make,message", [
-    (lambda: ops.BasicLinear(0, 3), "BasicLinear needs positive sizes, got in_features=0"),
+    (lambda: ops.BasicLinear(0, 3), "BasicLinear: in_features must be positive, got in_features=0"),
     (lambda: ops.BasicLinear(4, 4, tensor_parallel_mode="column"),
      "BasicLinear(in_features=4, out_features=4) needs torch.distributed: call "
      "torch.distributed.init_process_group() first"),
@@ -61,10 +61,11 @@ def test_wrong_number_of_extra_inputs():
     (lambda: ops.BasicLinear(4, 4, sequence_parallel=True),
      "sequence_parallel=True needs tensor_parallel_mode 'column' or 'row'"),
     (lambda: ops.AllReduce(), "AllReduce needs torch.distributed"),
-    (lambda: ops.GELU(approximate="fast"), "approximate must be 'none' or 'tanh', got 'fast'"),
+    (lambda: ops.GELU(approximate="fast"),
+     "GELU: approximate must be one of ('none', 'tanh'), got 'fast'"),
     (lambda: ops.Reshape((-1, -1)), "one -1"),
-    (lambda: ops.ConstantScale("2"), "ConstantScale needs a Python float, got scale='2'"),
-    (lambda: ops.LayerNorm(0), "LayerNorm needs positive sizes"),
+    (lambda: ops.ConstantScale("2"), "ConstantScale: scale must be a real number, got '2' (str)"),
+    (lambda: ops.LayerNorm(0), "LayerNorm: normalized_shape must hold ints of at least 1"),
 ])
 def test_bad_constructor_arguments(make, message):
     with pytest.raises((ValueError, TypeError, RuntimeError), match=message.replace(

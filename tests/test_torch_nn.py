@@ -1,6 +1,7 @@
 """fusible behaves like torch.nn where PyTorch users go (issue 11): one regression test (or
 more) per point."""
 
+import re
 import threading
 
 import pytest
@@ -90,3 +91,35 @@ def test_zero_tokens(fp8, compiled, fresh_dynamo):
     y.sum().backward()
     assert y.shape == (0, 32) and x.grad.shape == (0, 32)
     assert all(p.grad is not None and not p.grad.any() for p in model.parameters())
+
+
+@pytest.mark.parametrize("make,error,message", [
+    (lambda: ops.BasicLinear(4.7, 4), TypeError, "BasicLinear: in_features must be an int, "
+                                                 "got 4.7 (float)"),
+    (lambda: ops.BasicLinear(4, True), TypeError, "BasicLinear: out_features must be an int"),
+    (lambda: ops.Linear(4, 4, bias="yes"), TypeError, "Linear: bias must be a bool"),
+    (lambda: ops.Linear(4, -2), ValueError, "Linear: out_features must be positive"),
+    (lambda: ops.Bias(3.0), TypeError, "Bias: size must be an int, got 3.0 (float)"),
+    (lambda: ops.LayerNorm("12"), TypeError, "LayerNorm: normalized_shape must be an int or a "
+                                             "sequence of ints, got '12' (str)"),
+    (lambda: ops.RMSNorm(8, eps=-1e-5), ValueError, "RMSNorm: eps must be at least 0.0"),
+    (lambda: ops.RMSNorm(8, eps="small"), TypeError, "RMSNorm: eps must be a real number"),
+    (lambda: ops.Reshape("ab"), TypeError, "Reshape: shape must be an int or a sequence"),
+    (lambda: ops.Quantize(forward=1), TypeError, "Quantize: forward must be a bool"),
+    (lambda: ops.GELU("bogus"), ValueError, "GELU: approximate must be one of"),
+])
+def test_constructor_arguments_are_checked_by_type_and_value(make, error, message):
+    with pytest.raises(error, match=re.escape(message)):
+        make()
+
+
+def test_attributes_set_after_construction_are_checked_too():
+    gelu = ops.GELU()
+    with pytest.raises(ValueError, match="GELU: approximate must be one of"):
+        gelu.approximate = "bogus"
+    assert gelu.approximate == "none"
+    norm = ops.LayerNorm(8)
+    norm.eps = 1e-3  # a valid change is taken (and re-plans)
+    assert norm.eps == 1e-3 and isinstance(norm.eps, float)
+    with pytest.raises(TypeError, match="LayerNorm: eps must be a real number"):
+        norm.eps = None

@@ -29,7 +29,13 @@ _CONSTRUCTION_ONLY = frozenset({"tensor_parallel_mode", "sequence_parallel", "te
 
 
 class FusibleSpec(nn.Module):
-    """Anything that can stand in a Sequential: it stands for basic ops in order."""
+    """Anything that can stand in a Sequential: it stands for basic ops in order.
+
+    ``attribute_checks`` maps attribute names to checks (``fusible.core.checks``) that run on
+    every assignment, in the constructor and after it.
+    """
+
+    attribute_checks: ClassVar[dict] = {}
 
     def basic_ops(self) -> tuple:
         """The basic ops this operation stands for, in forward order."""
@@ -40,6 +46,9 @@ class FusibleSpec(nn.Module):
         return type(self).__name__
 
     def __setattr__(self, name: str, value: Any) -> None:
+        check = type(self).attribute_checks.get(name)
+        if check is not None:
+            value = check(type(self).__name__, value)
         if name in _CONSTRUCTION_ONLY and name in self.__dict__:
             raise AttributeError(f"{self.describe()}: {name} is fixed at construction (the "
                                  f"parameter shards and collectives depend on it); build a "

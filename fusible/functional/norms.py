@@ -6,15 +6,15 @@ from typing import Optional
 
 import torch
 
+from fusible.core import checks
+
 Tensor = torch.Tensor
 
 
-def normalized_shape_tuple(op_name: str, normalized_shape) -> tuple:
-    """``normalized_shape`` as a tuple of positive ints, or ValueError naming the op."""
-    shape = (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
-    if not shape or any(int(s) <= 0 for s in shape):
-        raise ValueError(f"{op_name} needs positive sizes, got normalized_shape={normalized_shape!r}")
-    return tuple(int(s) for s in shape)
+# The arguments the norm ops share, checked on every assignment.
+NORM_CHECKS = {"normalized_shape": checks.int_tuple("normalized_shape"),
+               "eps": checks.real("eps", minimum=0.0),
+               "sequence_parallel": checks.boolean("sequence_parallel")}
 
 
 def check_trailing(op, shape, normalized_shape) -> None:

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fusible.core import checks
 from fusible.core.example import Example
 from fusible.core.results import BackwardResult, ForwardResult
 from fusible.functional import parallel
@@ -63,6 +64,9 @@ class BasicLinear(BasicOperation):
     """
 
     param_names = ("weight",)
+    attribute_checks = {"in_features": checks.positive_int("in_features"),
+                        "out_features": checks.positive_int("out_features"),
+                        "sequence_parallel": checks.boolean("sequence_parallel")}
     fwd_args_type = GemmForwardArgs
     bwd_args_type = GemmBackwardArgs
     saved_type = LinearSaved
@@ -71,14 +75,12 @@ class BasicLinear(BasicOperation):
                  tensor_parallel_group=None, sequence_parallel: bool = False, device=None,
                  dtype=None):
         super().__init__()
-        if in_features <= 0 or out_features <= 0:
-            raise ValueError(f"BasicLinear needs positive sizes, got {in_features=}, "
-                             f"{out_features=}")
-        self.in_features, self.out_features = int(in_features), int(out_features)
+        self.in_features, self.out_features = in_features, out_features
+        self.sequence_parallel = sequence_parallel
         if sequence_parallel and tensor_parallel_mode is None:
             raise ValueError(f"{self.describe()}: sequence_parallel=True needs "
                              f"tensor_parallel_mode 'column' or 'row'")
-        self.tensor_parallel_mode, self.sequence_parallel = tensor_parallel_mode, sequence_parallel
+        self.tensor_parallel_mode = tensor_parallel_mode
         self.tp = parallel.tensor_parallel(self.describe(), tensor_parallel_mode,
                                               sequence_parallel, tensor_parallel_group)
         self.local_in, self.local_out = local_linear_sizes(self)

@@ -6,6 +6,7 @@ import attrs
 import torch
 from torch import nn
 
+from fusible.core import checks
 from fusible.core.example import Example
 from fusible.core.results import BackwardResult, ForwardResult
 from fusible.functional import parallel
@@ -53,20 +54,21 @@ class Bias(BasicOperation):
     """
 
     param_names = ("bias",)
+    attribute_checks = {"size": checks.positive_int("size"),
+                        "tensor_parallel": checks.boolean("tensor_parallel"),
+                        "sequence_parallel": checks.boolean("sequence_parallel")}
     fwd_args_type = BiasForwardArgs
     bwd_args_type = BiasBackwardArgs
 
     def __init__(self, size: int, *, tensor_parallel: bool = False, tensor_parallel_group=None,
                  sequence_parallel: bool = False, device=None, dtype=None):
         super().__init__()
-        if size <= 0:
-            raise ValueError(f"Bias needs a positive size, got {size=}")
-        self.size = int(size)
+        self.size = size
+        self.tensor_parallel, self.sequence_parallel = tensor_parallel, sequence_parallel
         if tensor_parallel and sequence_parallel:
             raise ValueError(f"Bias({size=}): a column-parallel output (tensor_parallel) has "
                              f"all tokens; sequence_parallel is for a replicated bias after a "
                              f"row-parallel reduce-scatter")
-        self.tensor_parallel, self.sequence_parallel = bool(tensor_parallel), sequence_parallel
         self.tp = parallel.tensor_parallel(
             self.describe(), "column" if tensor_parallel else None, False,
             tensor_parallel_group if tensor_parallel else None)

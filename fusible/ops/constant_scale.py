@@ -5,6 +5,7 @@ from __future__ import annotations
 import attrs
 import torch
 
+from fusible.core import checks
 from fusible.core.example import Example
 from fusible.core.results import BackwardResult, ForwardResult
 from fusible.module import BasicOperation
@@ -31,11 +32,11 @@ class ConstantScale(BasicOperation):
     fwd_args_type = ScaleForwardArgs
     bwd_args_type = ScaleBackwardArgs
 
+    attribute_checks = {"scale": checks.real("scale")}
+
     def __init__(self, scale: float):
         super().__init__()
-        if isinstance(scale, bool) or not isinstance(scale, (int, float)):
-            raise TypeError(f"ConstantScale needs a Python float, got scale={scale!r}")
-        self.scale = float(scale)
+        self.scale = scale
 
     def describe(self) -> str:
         return f"ConstantScale(scale={self.scale})"

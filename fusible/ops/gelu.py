@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch.nn.functional as F
 
+from fusible.core import checks
 from fusible.core.example import Example
 from fusible.ops.pointwise_activation import PointwiseActivation
 
@@ -17,10 +18,10 @@ class GELU(PointwiseActivation):
         As ``torch.nn.GELU``.
     """
 
+    attribute_checks = {"approximate": checks.one_of("approximate", ("none", "tanh"))}
+
     def __init__(self, approximate: str = "none"):
         super().__init__()
-        if approximate not in ("none", "tanh"):
-            raise ValueError(f"GELU: approximate must be 'none' or 'tanh', got {approximate!r}")
         self.approximate = approximate
 
     @property

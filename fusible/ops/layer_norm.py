@@ -12,8 +12,8 @@ from torch import nn
 from fusible.core.example import Example
 from fusible.core.results import BackwardResult, ForwardResult
 from fusible.functional import parallel
-from fusible.functional.norms import (check_trailing, layer_norm_backward, layer_norm_forward,
-                                      normalized_shape_tuple)
+from fusible.functional.norms import (NORM_CHECKS, check_trailing, layer_norm_backward,
+                                      layer_norm_forward)
 from fusible.module import BasicOperation
 
 Tensor = torch.Tensor
@@ -77,6 +77,7 @@ class LayerNorm(BasicOperation):
     """
 
     param_names = ("weight", "bias")
+    attribute_checks = NORM_CHECKS
     fwd_args_type = LayerNormForwardArgs
     bwd_args_type = LayerNormBackwardArgs
     saved_type = LayerNormSaved
@@ -84,11 +85,11 @@ class LayerNorm(BasicOperation):
     def __init__(self, normalized_shape, *, eps: float = 1e-5, sequence_parallel: bool = False,
                  tensor_parallel_group=None, device=None, dtype=None):
         super().__init__()
-        self.normalized_shape = normalized_shape_tuple("LayerNorm", normalized_shape)
+        self.normalized_shape = normalized_shape
         self.sequence_parallel = sequence_parallel
         self.sequence_parallel_group = parallel.sequence_parallel(
             self.describe(), sequence_parallel, tensor_parallel_group)
-        self.eps = float(eps)
+        self.eps = eps
         self.weight = nn.Parameter(torch.ones(self.normalized_shape, device=device, dtype=dtype))
         self.bias = nn.Parameter(torch.zeros(self.normalized_shape, device=device, dtype=dtype))
 

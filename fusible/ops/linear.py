@@ -7,6 +7,7 @@ import math
 import torch
 from torch import nn
 
+from fusible.core import checks
 from fusible.module import FusibleOperation
 from fusible.ops.basic_linear import BasicLinear, init_linear_weight, init_shard_, linear_shard
 from fusible.ops.bias import Bias
@@ -35,10 +36,15 @@ class Linear(FusibleOperation):
         Where and in which dtype to create the parameters.
     """
 
+    attribute_checks = {"in_features": checks.positive_int("in_features"),
+                        "out_features": checks.positive_int("out_features")}
+
     def __init__(self, in_features: int, out_features: int, *, bias: bool = True,
                  tensor_parallel_mode=None, tensor_parallel_group=None,
                  sequence_parallel: bool = False, device=None, dtype=None):
         super().__init__()
+        self.in_features, self.out_features = in_features, out_features  # checked here
+        checks.boolean("bias")("Linear", bias)
         linear = BasicLinear(in_features, out_features, tensor_parallel_mode=tensor_parallel_mode,
                              tensor_parallel_group=tensor_parallel_group,
                              sequence_parallel=sequence_parallel, device="meta")

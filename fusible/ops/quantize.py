@@ -6,6 +6,7 @@ from typing import Optional
 
 import attrs
 
+from fusible.core import checks
 from fusible.core.example import Example
 from fusible.core.results import BackwardResult, ForwardResult
 from fusible.module import BasicOperation
@@ -51,9 +52,12 @@ class Quantize(BasicOperation):
     fwd_args_type = QuantizeForwardArgs
     bwd_args_type = QuantizeBackwardArgs
 
+    attribute_checks = {"forward_fp8": checks.boolean("forward"),
+                        "backward_fp8": checks.boolean("backward")}
+
     def __init__(self, forward: bool = True, backward: bool = False):
         super().__init__()
-        self.forward_fp8, self.backward_fp8 = bool(forward), bool(backward)
+        self.forward_fp8, self.backward_fp8 = forward, backward
 
     def describe(self) -> str:
         return f"Quantize(forward={self.forward_fp8}, backward={self.backward_fp8})"

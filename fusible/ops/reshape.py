@@ -7,6 +7,7 @@ import math
 import attrs
 import torch
 
+from fusible.core import checks
 from fusible.core.example import Example
 from fusible.core.results import BackwardResult, ForwardResult
 from fusible.module import BasicOperation
@@ -46,12 +47,10 @@ class Reshape(BasicOperation):
     bwd_args_type = ReshapeBackwardArgs
     saved_type = ReshapeSaved
 
+    attribute_checks = {"shape": lambda op, value: _target_shape(value)}
+
     def __init__(self, shape):
         super().__init__()
-        shape = tuple(int(s) for s in shape)
-        if sum(s == -1 for s in shape) > 1 or any(s < -1 for s in shape):
-            raise ValueError(f"Reshape: shape may hold one -1 and no other negative size, "
-                             f"got {shape}")
         self.shape = shape
 
     def describe(self) -> str:
@@ -101,3 +100,10 @@ class Reshape(BasicOperation):
 
     def extra_repr(self) -> str:
         return f"shape={self.shape}"
+
+
+def _target_shape(value) -> tuple:
+    shape = checks.int_tuple("shape", minimum=-1)("Reshape", value)
+    if sum(s == -1 for s in shape) > 1:
+        raise ValueError(f"Reshape: shape may hold one -1, got shape={shape}")
+    return shape

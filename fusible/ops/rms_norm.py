@@ -11,7 +11,7 @@ from torch import nn
 from fusible.core.example import Example
 from fusible.core.results import BackwardResult, ForwardResult
 from fusible.functional import parallel
-from fusible.functional.norms import (check_trailing, normalized_shape_tuple, rms_norm_backward,
+from fusible.functional.norms import (NORM_CHECKS, check_trailing, rms_norm_backward,
                                       rms_norm_forward)
 from fusible.module import BasicOperation
 
@@ -71,6 +71,7 @@ class RMSNorm(BasicOperation):
     """
 
     param_names = ("weight",)
+    attribute_checks = NORM_CHECKS
     fwd_args_type = RMSNormForwardArgs
     bwd_args_type = RMSNormBackwardArgs
     saved_type = RMSNormSaved
@@ -78,11 +79,11 @@ class RMSNorm(BasicOperation):
     def __init__(self, normalized_shape, *, eps: float = 1e-5, sequence_parallel: bool = False,
                  tensor_parallel_group=None, device=None, dtype=None):
         super().__init__()
-        self.normalized_shape = normalized_shape_tuple("RMSNorm", normalized_shape)
+        self.normalized_shape = normalized_shape
         self.sequence_parallel = sequence_parallel
         self.sequence_parallel_group = parallel.sequence_parallel(
             self.describe(), sequence_parallel, tensor_parallel_group)
-        self.eps = float(eps)
+        self.eps = eps
         self.weight = nn.Parameter(torch.ones(self.normalized_shape, device=device, dtype=dtype))
 
     def describe(self) -> str:
