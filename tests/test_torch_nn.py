@@ -10,6 +10,7 @@ import torch
 import fusible
 from fusible import ops
 from fusible.testing import stage_names
+from fusible.testing.matrix import operation_classes, single_rank_group
 
 
 def _in_thread(fn):
@@ -123,3 +124,44 @@ def test_attributes_set_after_construction_are_checked_too():
     assert norm.eps == 1e-3 and isinstance(norm.eps, float)
     with pytest.raises(TypeError, match="LayerNorm: eps must be a real number"):
         norm.eps = None
+
+
+def _parameterised_ops():
+    found = []
+    with single_rank_group():
+        for cls in operation_classes():
+            example = cls.example()
+            if any(list(op.parameters()) for op in example.ops):
+                found.append(cls)
+    return found + [ops.Linear]
+
+
+@pytest.mark.parametrize("cls", _parameterised_ops(), ids=lambda c: c.__name__)
+def test_meta_init_then_reset_parameters_matches_the_constructor(cls):
+    """The deferred-init recipe: meta device, to_empty, reset_parameters on every module."""
+    def make():
+        if cls is ops.Linear:
+            return ops.Sequential(ops.Linear(24, 40))
+        return ops.Sequential(*cls.example().ops)
+
+    torch.manual_seed(3)
+    eager = make()
+    with torch.device("meta"):
+        deferred = make()
+    deferred.to_empty(device="cpu")
+    torch.manual_seed(3)
+    for module in deferred.modules():
+        if hasattr(module, "reset_parameters"):
+            module.reset_parameters()
+    for (name, a), (_, b) in zip(eager.named_parameters(), deferred.named_parameters()):
+        assert torch.equal(a, b), name
+
+
+def test_meta_tensors_flow_through():
+    with torch.device("meta"):
+        model = ops.Sequential(ops.LayerNorm(32), ops.Linear(32, 64), ops.SwiGLU(),
+                               ops.Linear(32, 32), ops.RMSNorm(32))
+    x = torch.empty(4, 7, 32, device="meta", requires_grad=True)
+    y = model(x)
+    y.sum().backward()
+    assert y.device.type == "meta" and y.shape == (4, 7, 32) and x.grad.shape == x.shape

@@ -86,6 +86,11 @@ class BasicLinear(BasicOperation):
         self.local_in, self.local_out = local_linear_sizes(self)
         self.weight = nn.Parameter(torch.empty(self.local_out, self.local_in, device=device,
                                                dtype=dtype))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Initialise ``weight`` like ``torch.nn.Linear`` of the global sizes (this rank's
+        shard of it)."""
         init_linear_weight(self.weight, self)
 
     @property

@@ -121,6 +121,11 @@ class Bias(BasicOperation):
     def example(cls):
         return Example((cls(40),), (2, 3, 40))
 
+    def reset_parameters(self) -> None:
+        """Zeros, as the constructor makes them."""
+        with torch.no_grad():
+            self.bias.zero_()
+
     def extra_repr(self) -> str:
         return self.describe()[len("Bias("):-1]
 

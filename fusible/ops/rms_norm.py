@@ -129,5 +129,10 @@ class RMSNorm(BasicOperation):
     def example(cls):
         return Example((cls(32),), (3, 5, 32))
 
+    def reset_parameters(self) -> None:
+        """Ones, as the constructor makes them."""
+        with torch.no_grad():
+            self.weight.fill_(1.0)
+
     def extra_repr(self) -> str:
         return f"normalized_shape={self.normalized_shape}, eps={self.eps}"

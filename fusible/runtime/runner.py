@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import attrs
 import torch
 
@@ -37,7 +39,7 @@ class PipelineRunner:
                 or extra_inputs:
             self._check_inputs(x, extra_inputs)  # the full checks, with the errors
         device_type = x.device.type
-        if torch.is_autocast_enabled(device_type):
+        if _autocast_available(device_type) and torch.is_autocast_enabled(device_type):
             raise RuntimeError(f"{self._name()} does not run under torch.autocast: its ops take "
                                f"the dtype of their parameters; convert the model with .to(dtype) "
                                f"instead")
@@ -73,6 +75,12 @@ class PipelineRunner:
 
     def _name(self) -> str:
         return "Sequential(" + ", ".join(type(op).__name__ for op in self.ops) + ")"
+
+
+@functools.lru_cache(maxsize=None)
+def _autocast_available(device_type: str) -> bool:
+    """Whether torch.autocast exists for the device type (not for "meta")."""
+    return torch.amp.is_autocast_available(device_type)
 
 
 def compile_reason(stage) -> "str | None":
