@@ -4,6 +4,7 @@ more) per point."""
 import re
 import threading
 
+import attrs
 import pytest
 import torch
 
@@ -165,3 +166,46 @@ def test_meta_tensors_flow_through():
     y = model(x)
     y.sum().backward()
     assert y.device.type == "meta" and y.shape == (4, 7, 32) and x.grad.shape == x.shape
+
+
+@attrs.define
+class _ModeArgs:
+    input: torch.Tensor
+    factor: float
+
+
+class _TrainOnlyScale(ops.BasicOperation):
+    """Doubles its input in training, passes it in eval: a stand-in for Dropout."""
+
+    fwd_args_type = bwd_args_type = _ModeArgs
+
+    def forward_args(self, input, params, extra_inputs, ctxs):
+        return _ModeArgs(input, 2.0 if self.training else 1.0)
+
+    @classmethod
+    def forward_compute(cls, args, *, in_custom_op=False):
+        return ops.ForwardResult(args.input * args.factor)
+
+    def save_for_backward(self, args, result, ctxs):
+        pass
+
+    def backward_args(self, grad_output, grad_extra_outputs, ctxs):
+        return _ModeArgs(grad_output, 2.0 if self.training else 1.0)
+
+    @classmethod
+    def backward_compute(cls, args, *, in_custom_op=False):
+        return ops.BackwardResult(args.input * args.factor)
+
+
+def test_compiled_models_honour_train_and_eval(fresh_dynamo):
+    model = ops.Sequential(ops.Linear(8, 8), _TrainOnlyScale())
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    x = torch.randn(4, 8)
+    with torch.no_grad():
+        for step in range(4):
+            model.train(step % 2 == 0)
+            assert torch.equal(compiled(x), model(x)), step
+        model.train()
+        model[1].eval()  # one op alone
+        assert torch.equal(compiled(x), model(x))
+        assert torch.equal(compiled(x), model[0](x))

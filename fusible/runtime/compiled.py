@@ -64,8 +64,10 @@ def _prepare(module_token: int, epoch_now: int, conditions: tuple):
 
 
 @torch.compiler.allow_in_graph
-def fusible_group(runner_token: int, num_extra: int, training: bool, x, *tensors):
-    """One group of fusible ops, run through its stages' custom ops."""
+def fusible_group(runner_token: int, num_extra: int, training: bool, modes: tuple, x,
+                  *tensors):
+    """One group of fusible ops, run through its stages' custom ops (``modes``: the ops'
+    training flags, which the compiled graph depends on)."""
     runner = tokens.lookup(runner_token)
     y, extra_outputs = runner.run(x, tensors[:num_extra], training, params=tensors[num_extra:],
                                   traced=True)
@@ -95,7 +97,11 @@ def compiled_forward(module, x, extra_inputs: tuple):
         return _run_eagerly(module, x, extra_inputs)
 
     def run_group(runner, y, extras):
-        out = fusible_group(id(runner), len(extras), training, y, *extras, *runner.params())
+        # Each op's own training flag is read here, so that dynamo guards on it: a stage's
+        # arguments may depend on it (an op switched to eval() alone recompiles too).
+        modes = tuple(op.training for op in runner.ops)
+        out = fusible_group(id(runner), len(extras), training, modes, y, *extras,
+                            *runner.params())
         return out[0], out[1:]
 
     return module._fusible_cache.run(x, extra_inputs, run_group)
