@@ -10,15 +10,16 @@ from torch import nn
 
 from fusible.core import epoch, tokens
 from fusible.core.conditions import PlanConditions
+from fusible.core.hooks import ReplanOnHooks, global_hooks_active, has_hooks
 from fusible.core.fused import FusedOperation
 from fusible.core.operation import BasicOperationSpec, FusibleSpec
 from fusible.planning.plan import FusionPlan
 from fusible.quantization import recipe
 from fusible.runtime.compiled import compiled_forward
-from fusible.runtime.layout import Layout
+from fusible.runtime.layout import Called, Layout
 
 
-class PipelineModule(nn.Module):
+class PipelineModule(ReplanOnHooks, nn.Module):
     """An ``nn.Module`` that runs as a fusible pipeline (a Sequential, or one op alone)
     and caches its layout with the plans.
 
@@ -35,10 +36,12 @@ class PipelineModule(nn.Module):
         tokens.register(self)
 
     def _layout(self) -> Layout:
-        """The cached :class:`~fusible.runtime.layout.Layout`, rebuilt when the epoch moved on."""
+        """The cached :class:`~fusible.runtime.layout.Layout`, rebuilt when the epoch moved on
+        (or global module hooks came or went)."""
         cache = self.__dict__.get("_fusible_cache")
-        if cache is None or cache.epoch != epoch.current():
-            cache = Layout(flatten(self))
+        hooks = global_hooks_active()
+        if cache is None or cache.epoch != epoch.current() or cache.global_hooks != hooks:
+            cache = Layout(_entries(self, hooks), hooks)
             object.__setattr__(self, "_fusible_cache", cache)
         return cache
 
@@ -102,15 +105,38 @@ def _plan_conditions(layout: Layout, example_inputs: tuple, training: bool) -> P
                           (False,) * layout.num_extra_inputs, recipe.current_key(), training)
 
 
-def flatten(module: nn.Module) -> list:
-    """Basic ops and ordinary modules of ``module``, nested Sequentials flattened."""
+def flatten(module: nn.Module, root: bool = True) -> list:
+    """Basic ops and ordinary modules of ``module``, nested Sequentials flattened; an
+    operation or Sequential below the root that has module hooks stays whole (it runs as
+    its own module call, see ``fusible.core.hooks``)."""
     if isinstance(module, (FusibleSpec, Sequential)):
         epoch.mark_planned(module)  # from now on its changes move the epoch
+        if not root and has_hooks(module):
+            return [module]
     if isinstance(module, FusibleSpec):
         return list(module.basic_ops())
     if isinstance(module, Sequential):
-        return [item for child in module for item in flatten(child)]
+        return [item for child in module for item in flatten(child, root=False)]
     return [module]
+
+
+def _entries(root: nn.Module, global_hooks: bool) -> list:
+    """The layout's entries: basic ops that run in groups, and :class:`Called` items (ordinary
+    modules; ops and Sequentials with hooks; every op but the root's own while global hooks
+    are registered)."""
+    entries = []
+    for item in flatten(root):
+        own = item is root  # a lone op's own hooks run around this very call
+        if isinstance(item, BasicOperationSpec) and (own or not (global_hooks
+                                                                  or has_hooks(item))):
+            entries.append(item)
+            continue
+        ops = flatten(item) if isinstance(item, (FusibleSpec, Sequential)) else ()
+        entries.append(Called(item, sum(op.num_extra_inputs for op in ops
+                                        if isinstance(op, BasicOperationSpec)),
+                              sum(op.num_extra_outputs for op in ops
+                                  if isinstance(op, BasicOperationSpec))))
+    return entries
 
 
 class FusibleOperation(PipelineModule, FusibleSpec):

@@ -209,3 +209,81 @@ def test_compiled_models_honour_train_and_eval(fresh_dynamo):
         model[1].eval()  # one op alone
         assert torch.equal(compiled(x), model(x))
         assert torch.equal(compiled(x), model[0](x))
+
+
+def _mlp():
+    torch.manual_seed(0)
+    return ops.Sequential(ops.BasicLinear(8, 16), ops.Bias(16), ops.GELU(), ops.Linear(16, 8))
+
+
+def test_forward_hooks_on_an_op_run_with_its_tensors_and_stop_fusion():
+    model = _mlp()
+    x = torch.randn(4, 8, requires_grad=True)
+    seen = []
+    handle = model[0].register_forward_hook(lambda m, args, out: seen.append((args[0], out)))
+    plan = model.plan(x)
+    assert stage_names(plan.forward)[:2] == ["BasicLinear", "Bias"]  # no ForwardLinearBias
+    assert "(hooks: own call)" in plan.explain()
+    y = model(x)
+    (inp, out), = seen
+    assert inp is x and torch.equal(out, x @ model[0].weight.t())
+    handle.remove()
+    assert stage_names(model.plan(x).forward)[0] == "ForwardLinearBias"  # re-planned
+    assert torch.equal(model(x), y)
+
+
+def test_hook_return_values_and_pre_hooks_take_effect_like_nn_sequential():
+    model = _mlp()
+    ref = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 8))
+    ref.load_state_dict({"0.weight": model[0].weight, "0.bias": model[1].bias,
+                         "2.weight": model[3].weight, "2.bias": model[3].bias})
+    model[2].register_forward_hook(lambda m, args, out: out * 0.5)
+    ref[1].register_forward_hook(lambda m, args, out: out * 0.5)
+    model[0].register_forward_pre_hook(lambda m, args: (args[0] + 1.0,))
+    ref[0].register_forward_pre_hook(lambda m, args: (args[0] + 1.0,))
+    x = torch.randn(4, 8)
+    torch.testing.assert_close(model(x), ref(x))
+
+
+def test_backward_hooks_see_the_op_gradients():
+    model = _mlp()
+    grads = []
+    model[2].register_full_backward_hook(lambda m, gin, gout: grads.append((gin[0], gout[0])))
+    x = torch.randn(4, 8, requires_grad=True)
+    model(x).sum().backward()
+    (gin, gout), = grads
+    h = x @ model[0].weight.t() + model[1].bias
+    expected = torch.autograd.grad(torch.nn.functional.gelu(h), h, gout)[0]
+    torch.testing.assert_close(gin, expected)
+
+
+def test_hooks_on_a_nested_sequential_and_global_hooks_run():
+    inner = ops.Sequential(ops.Linear(8, 8), ops.ReLU())
+    model = ops.Sequential(inner, ops.Linear(8, 4))
+    calls = []
+    inner.register_forward_hook(lambda m, a, o: calls.append("inner"))
+    x = torch.randn(2, 8)
+    model(x)
+    assert calls == ["inner"]
+    names = []
+    handle = torch.nn.modules.module.register_module_forward_hook(
+        lambda m, a, o: names.append(type(m).__name__))
+    try:
+        model(x)
+    finally:
+        handle.remove()
+    # the global hook sees every module call: the model, the nested Sequential, its ops
+    assert {"Sequential", "BasicLinear", "Bias", "ReLU"} <= set(names)
+    names.clear()
+    model(x)  # removed: nothing sees the calls, and the pipeline is fused again
+    assert names == [] and "ForwardLinearBias" in stage_names(model.plan(x).forward)
+
+
+def test_hooks_under_torch_compile(fresh_dynamo):
+    model = _mlp()
+    shapes = []
+    model[2].register_forward_hook(lambda m, a, o: shapes.append(tuple(o.shape)))
+    x = torch.randn(4, 8, requires_grad=True)
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    y = compiled(x)
+    assert torch.equal(y, model(x)) and shapes[0] == (4, 16)

@@ -8,6 +8,8 @@ import attrs
 import torch
 
 from fusible.core.conditions import PlanConditions
+from fusible.core.hooks import has_hooks
+from fusible.core.operation import FusibleSpec
 
 from fusible.planning.passes import op_communication
 from fusible.planning.planner import Stage
@@ -110,7 +112,8 @@ class FusionPlan:
 
 def _compile_note(stage) -> str:
     if stage.is_module:
-        return "(module)"
+        hooked = isinstance(stage.op, FusibleSpec) or has_hooks(stage.op)
+        return "(hooks: own call)" if hooked else "(module)"
     reason = stage.compile_reason
     return "compiles" if reason is None else f"EAGER ONLY ({reason})"
 

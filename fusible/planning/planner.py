@@ -86,6 +86,9 @@ class Stage:
     compile_reason : str or None
         Why this stage cannot run compiled, or None (ordinary modules: None); found by
         the runtime when it prepares the plan.
+    called_alone : bool
+        The item runs as its own module call: an ordinary module, or an operation with
+        module hooks (which no fusion crosses).
     """
 
     name: str
@@ -93,6 +96,7 @@ class Stage:
     op: Any = attrs.field(eq=False, repr=False)
     direction: str = "forward"
     compile_reason: Optional[str] = attrs.field(default=None, eq=False)
+    called_alone: bool = False
 
     @property
     def fused(self) -> bool:
@@ -101,8 +105,9 @@ class Stage:
 
     @property
     def is_module(self) -> bool:
-        """Whether the stage is an ordinary ``nn.Module`` run by PyTorch's autograd."""
-        return not isinstance(self.op, (FusibleSpec, FusedOperation))
+        """Whether the stage is a module call of its own (an ordinary ``nn.Module``, or an
+        operation with hooks) rather than a planned stage."""
+        return self.called_alone or not isinstance(self.op, (FusibleSpec, FusedOperation))
 
 
 @attrs.frozen

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import attrs
+
 from fusible.core import epoch, tokens
 from fusible.core.conditions import PlanConditions
 from fusible.core.operation import FusibleSpec
@@ -11,39 +13,57 @@ from fusible.quantization.recipe import recipe_for_key
 from fusible.runtime.runner import PipelineRunner
 
 
+@attrs.frozen
+class Called:
+    """A pipeline item that runs as its own module call: an ordinary module, or a fusible
+    operation or Sequential with module hooks. ``extra_inputs`` / ``extra_outputs``: how
+    many of the pipeline's extra inputs it takes and extra outputs it returns."""
+
+    module: object
+    extra_inputs: int = 0
+    extra_outputs: int = 0
+
+
 class Layout:
-    """The flattened pipeline split into runs of basic ops (one runner each) and modules.
+    """The flattened pipeline split into runs of basic ops (one runner each) and items that
+    run as their own module call.
 
     Attributes
     ----------
     items : tuple
         The flattened pipeline; plan indices are positions in it.
     groups : list
-        ``(runner, None)`` for a run of basic ops, ``(None, module)`` for a module.
+        ``(runner, None)`` for a run of basic ops, ``(None, Called)`` for an item called
+        on its own.
     single : PipelineRunner or None
         The only runner when the pipeline is one group of basic ops.
+    global_hooks : bool
+        Whether global module hooks were registered when it was built.
     """
 
-    def __init__(self, items: list):
+    def __init__(self, entries: list, global_hooks: bool = False):
         self.epoch = epoch.current()
-        self.items = tuple(items)
+        self.global_hooks = global_hooks
+        self.items = tuple(e.module if isinstance(e, Called) else e for e in entries)
         self.groups = []
         run: list = []
-        for i, item in enumerate(list(items) + [None]):
-            if isinstance(item, FusibleSpec):
-                run.append(item)
+        for i, entry in enumerate(list(entries) + [None]):
+            if isinstance(entry, FusibleSpec):
+                run.append(entry)
                 continue
             if run:
                 runner = PipelineRunner(tuple(run), i - len(run))
                 tokens.register(runner)
                 self.groups.append((runner, None))
                 run = []
-            if item is not None:
-                self.groups.append((None, item))
+            if entry is not None:
+                self.groups.append((None, entry))
         self.runners = [r for r, _ in self.groups if r is not None]
         self.single = self.runners[0] if len(self.groups) == 1 and self.runners else None
-        self.num_extra_inputs = sum(r.num_extra_inputs for r in self.runners)
-        self.num_extra_outputs = sum(r.num_extra_outputs for r in self.runners)
+        counts = [(r.num_extra_inputs, r.num_extra_outputs) if r is not None else
+                  (c.extra_inputs, c.extra_outputs) for r, c in self.groups]
+        self.num_extra_inputs = sum(n for n, _ in counts)
+        self.num_extra_outputs = sum(n for _, n in counts)
 
     def params(self) -> list:
         """The parameters of every group of basic ops, in order."""
@@ -65,13 +85,14 @@ class Layout:
             raise TypeError(f"Sequential expects {self.num_extra_inputs} extra input(s) for "
                             f"its AddExtraInput ops, got {len(extra_inputs)}")
         extra_outputs, pos = [], 0
-        for runner, module in self.groups:
+        for runner, called in self.groups:
             if runner is None:
-                x = module(x)
-                continue
-            k = runner.num_extra_inputs
-            x, outs = run_group(runner, x, extra_inputs[pos:pos + k])
-            pos += k
+                x, outs = _call(called, x, extra_inputs[pos:pos + called.extra_inputs])
+                pos += called.extra_inputs
+            else:
+                k = runner.num_extra_inputs
+                x, outs = run_group(runner, x, extra_inputs[pos:pos + k])
+                pos += k
             extra_outputs.extend(outs)
         return (x, *extra_outputs) if self.num_extra_outputs else x
 
@@ -80,14 +101,16 @@ class Layout:
         c = conditions
         forward, backward_groups, candidates, needs = [], [], [], {}
         upstream, p_pos, e_pos = c.input_requires_grad, 0, 0
-        for index, (runner, module) in self._positions():
+        for index, (runner, called) in self._positions():
             if runner is None:
-                forward.append(Stage(type(module).__name__, (index,), module))
+                module = called.module
+                forward.append(Stage(type(module).__name__, (index,), module,
+                                     called_alone=True))
                 upstream = upstream or (c.grad_enabled
                                         and any(p.requires_grad for p in module.parameters()))
                 if upstream:
                     backward_groups.append((Stage(type(module).__name__, (index,), module,
-                                                  "backward"),))
+                                                  "backward", called_alone=True),))
                 continue
             n, k = len(runner.params()), runner.num_extra_inputs
             plan = runner.lookup(c._replace(
@@ -105,8 +128,16 @@ class Layout:
                           recipe_for_key(c.recipe_key), needs)
 
     def _positions(self):
-        """Yield (index of the group's first op, (runner, module)) for each group."""
+        """Yield (index of the group's first item, (runner, Called)) for each group."""
         index = 0
-        for runner, module in self.groups:
-            yield index, (runner, module)
+        for runner, called in self.groups:
+            yield index, (runner, called)
             index += 1 if runner is None else len(runner.ops)
+
+
+def _call(called: Called, x, extra_inputs: tuple):
+    """Call an item on its own: ``(y, extra outputs)``."""
+    out = called.module(x, *extra_inputs)
+    if not called.extra_outputs:
+        return out, ()
+    return out[0], tuple(out[1:])
