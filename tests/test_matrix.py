@@ -29,7 +29,8 @@ def test_every_op_and_fusion_brings_an_example_and_a_reference():
 def test_eager_against_fp64(case, dtype):
     with single_rank_group():
         model, inputs, _ = build(case, dtype)
-        check_fusion(model, *inputs, **expected_stages(case), compiled=False)
+        check_fusion(model, *inputs, **expected_stages(case), compiled=False,
+                     strict=case.direction == "both")  # single ops: rounded once
 
 
 @pytest.mark.usefixtures("fresh_dynamo")

@@ -10,8 +10,8 @@ import torch
 
 import fusible
 from fusible import ops
-from fusible.testing import stage_names
-from fusible.testing.matrix import operation_classes, single_rank_group
+from fusible.testing import check_fusion, stage_names
+from fusible.testing.matrix import cases, expected_stages, operation_classes, single_rank_group
 
 
 def _in_thread(fn):
@@ -287,3 +287,62 @@ def test_hooks_under_torch_compile(fresh_dynamo):
     compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
     y = compiled(x)
     assert torch.equal(y, model(x)) and shapes[0] == (4, 16)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_check_fusion_defaults_pass_for_every_builtin_on_random_values(dtype):
+    """Plugin authors can trust check_fusion: every built-in op and fusion passes at the
+    default tolerances on random (not exactly representable) values."""
+    failures = []
+    for case in cases():
+        for seed in range(2):
+            with single_rank_group():
+                torch.manual_seed(seed)
+                example = case.cls.example()
+                model = ops.Sequential(*example.ops).to(dtype)
+                with torch.no_grad():
+                    for p in model.parameters():
+                        p.copy_(torch.randn_like(p))
+                inputs = [torch.randn(s).to(dtype).requires_grad_()
+                          for s in (example.input_shape, *example.extra_input_shapes)]
+                try:
+                    check_fusion(model, *inputs, **expected_stages(case), compiled=False)
+                except AssertionError as error:
+                    failures.append(f"{case.name} seed {seed}: {error}")
+    assert not failures, "\n".join(failures)
+
+
+@attrs.define
+class _ScaleBiasArgs:
+    input: torch.Tensor
+    bias: torch.Tensor
+    scale: float
+
+
+class _SlightlyWrongScaleBias(fusible.FusedOperation):
+    """ConstantScale + Bias with the scale 3% off: what check_fusion must catch."""
+
+    direction = "forward"
+    pattern = fusible.Pattern(fusible.Op(ops.ConstantScale, name="scale"),
+                              fusible.Op(ops.Bias))
+    fwd_args_type = _ScaleBiasArgs
+
+    def forward_args(self, input, params, extra_inputs, ctxs):
+        return _ScaleBiasArgs(input, params[0], self.match["scale"].scale)
+
+    @classmethod
+    def forward_compute(cls, args, *, in_custom_op=False):
+        return ops.ForwardResult(torch.add(args.bias, args.input, alpha=args.scale * 1.03))
+
+    def save_for_backward(self, args, result, ctxs):
+        pass
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_check_fusion_catches_a_wrong_fusion(dtype, registered):
+    registered(_SlightlyWrongScaleBias)
+    model = ops.Sequential(ops.BasicLinear(16, 16), ops.ConstantScale(0.5), ops.Bias(16))
+    model = model.to(dtype)
+    x = torch.randn(8, 16).to(dtype).requires_grad_()
+    with pytest.raises(AssertionError, match="output 0"):
+        check_fusion(model, x, forward=["_SlightlyWrongScaleBias"], compiled=False)

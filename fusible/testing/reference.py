@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Callable
 
+import attrs
 import torch
 from torch import nn
 
@@ -55,8 +56,53 @@ def exact_parameters_(model: nn.Module, bits: int = 3, generator=None) -> nn.Mod
     return model
 
 
-def reference_forward(model, x, *extra_inputs, dtype=torch.float64):
-    """Run ``model`` op by op with plain PyTorch in ``dtype``.
+class _RoundValue(torch.autograd.Function):
+    """The value rounded to a low dtype (as a stage writes its output); gradient as is."""
+
+    @staticmethod
+    def forward(ctx, t, low):
+        return t.to(low).to(t.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _RoundGrad(torch.autograd.Function):
+    """The value as is; its gradient rounded to a low dtype (as a backward stage writes it)."""
+
+    @staticmethod
+    def forward(ctx, t, low):
+        ctx.low = low
+        return t.view_as(t)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.to(ctx.low).to(grad.dtype), None
+
+
+@attrs.frozen
+class Rounding:
+    """Where the pipeline under test rounds to its dtype ``low``: the outputs of its forward
+    stages (``after``: the index of each stage's last op) and the input gradients of its
+    backward stages (``before``: the index of each stage's first op). A reference rounded
+    there computes each stage in high precision and rounds it once, as a correct stage
+    does."""
+
+    low: torch.dtype
+    after: frozenset
+    before: frozenset
+
+    @classmethod
+    def of_plan(cls, plan, low: torch.dtype) -> "Rounding":
+        return cls(low, frozenset(max(s.indices) for s in plan.forward),
+                   frozenset(min(s.indices) for s in plan.backward))
+
+
+def reference_forward(model, x, *extra_inputs, dtype=torch.float64,
+                      rounding: Rounding | None = None):
+    """Run ``model`` op by op with plain PyTorch in ``dtype``; with ``rounding``, round
+    values and gradients where the pipeline's stages do (see :class:`Rounding`).
 
     Returns ``(outputs, params)``: outputs as the model would return them and
     a dict mapping each original parameter (by id) to its differentiable copy.
@@ -69,7 +115,11 @@ def reference_forward(model, x, *extra_inputs, dtype=torch.float64):
         return params[id(p)]
 
     extras, extra_outputs = list(extra_inputs), []
-    for item in model.pipeline():
+    if rounding is not None:
+        extras = [_RoundGrad.apply(e, rounding.low) for e in extras]
+    for index, item in enumerate(model.pipeline()):
+        if rounding is not None and index in rounding.before:
+            x = _RoundGrad.apply(x, rounding.low)
         if isinstance(item, BasicOperationSpec):
             k = item.num_extra_inputs
             x, outs = op_reference(item, x, extras[:k], [copy_of(p) for p in item.fusible_params()])
@@ -80,4 +130,6 @@ def reference_forward(model, x, *extra_inputs, dtype=torch.float64):
             state.update({name: b.to(dtype) if b.is_floating_point() else b
                           for name, b in item.named_buffers()})
             x = torch.func.functional_call(item, state, (x,))
+        if rounding is not None and index in rounding.after:
+            x = _RoundValue.apply(x, rounding.low)
     return ((x, *extra_outputs) if extra_outputs else x), params
