@@ -346,3 +346,69 @@ def test_check_fusion_catches_a_wrong_fusion(dtype, registered):
     x = torch.randn(8, 16).to(dtype).requires_grad_()
     with pytest.raises(AssertionError, match="output 0"):
         check_fusion(model, x, forward=["_SlightlyWrongScaleBias"], compiled=False)
+
+
+def test_converter_refuses_settings_that_change_results():
+    model = ops.Sequential(ops.Linear(8, 16), ops.GELU(), ops.Linear(16, 8), ops.RMSNorm(8))
+    good = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 8),
+                               torch.nn.RMSNorm(8, eps=1e-5))
+    model.load_state_dict(fusible.state_dict_from_torch(model, good))
+    x = torch.randn(4, 8)
+    torch.testing.assert_close(model(x), good(x))
+    for bad, message in (
+            (torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(approximate="tanh"),
+                                 torch.nn.Linear(16, 8), torch.nn.RMSNorm(8, eps=1e-5)),
+             r"GELU with \('tanh',\) expected, it has \('none',\)"),
+            (torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 8),
+                                 torch.nn.RMSNorm(8)), "eps=None"),
+            (torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 8),
+                                 torch.nn.RMSNorm(8, eps=1e-6)), r"\(\(8,\), 1e-06\) expected"),
+            (torch.nn.Sequential(torch.nn.Linear(8, 16, bias=False), torch.nn.GELU(),
+                                 torch.nn.Linear(16, 8), torch.nn.RMSNorm(8, eps=1e-5)),
+             "does not pair with Bias"),
+            (torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Dropout(0.1), torch.nn.GELU(),
+                                 torch.nn.Linear(16, 8), torch.nn.RMSNorm(8, eps=1e-5)),
+             "Dropout.*no fusible counterpart")):
+        with pytest.raises(ValueError, match=message):
+            fusible.state_dict_from_torch(model, bad)
+    ln = ops.Sequential(ops.LayerNorm(8))
+    with pytest.raises(ValueError, match="LayerNorm.*has a weight and a bias"):
+        fusible.state_dict_from_torch(ln, torch.nn.Sequential(torch.nn.LayerNorm(8, bias=False)))
+
+
+class _OutOfOrder(torch.nn.Module):
+    """Registers its layers in another order than it runs them (same shapes)."""
+
+    def __init__(self):
+        super().__init__()
+        self.second = torch.nn.Linear(8, 8)
+        self.first = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.second(torch.relu(self.first(x)))
+
+
+def test_converter_pairs_layers_in_the_order_they_run():
+    torch.manual_seed(0)
+    src = _OutOfOrder()
+    model = ops.Sequential(ops.Linear(8, 8), ops.ReLU(), ops.Linear(8, 8))
+    x = torch.randn(4, 8)
+    with pytest.raises(ValueError, match="not an nn.Sequential.*pass example_input"):
+        fusible.state_dict_from_torch(model, src)
+    model.load_state_dict(fusible.state_dict_from_torch(model, src, example_input=x))
+    torch.testing.assert_close(model(x), src(x))
+
+
+class _Twice(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layer = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.layer(self.layer(x))
+
+
+def test_converter_refuses_ambiguous_pairings():
+    model = ops.Sequential(ops.Linear(8, 8), ops.Linear(8, 8))
+    with pytest.raises(ValueError, match="ambiguous.*run more than once"):
+        fusible.state_dict_from_torch(model, _Twice(), example_input=torch.randn(2, 8))
