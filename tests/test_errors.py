@@ -138,13 +138,10 @@ def test_invalid_patterns(make, message):
         make()
 
 
-def test_non_tensor_extra_input_and_autocast():
+def test_non_tensor_extra_input():
     model = ops.Sequential(ops.BasicLinear(4, 4), ops.AddExtraInput())
     with pytest.raises(TypeError, match=r"expects tensor extra inputs, got \['float'\]"):
         model(torch.randn(2, 4), 3.0)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        with pytest.raises(RuntimeError, match="does not run under torch.autocast"):
-            model(torch.randn(2, 4), torch.randn(2, 4))
 
 
 def test_wrong_number_of_extra_input_gradients_from_a_plugin():

@@ -412,3 +412,50 @@ def test_converter_refuses_ambiguous_pairings():
     model = ops.Sequential(ops.Linear(8, 8), ops.Linear(8, 8))
     with pytest.raises(ValueError, match="ambiguous.*run more than once"):
         fusible.state_dict_from_torch(model, _Twice(), example_input=torch.randn(2, 8))
+
+
+def _block():
+    torch.manual_seed(0)
+    model = ops.Sequential(ops.LayerNorm(32), ops.Linear(32, 64), ops.GELU(), ops.Linear(64, 32))
+    ref = torch.nn.Sequential(torch.nn.LayerNorm(32), torch.nn.Linear(32, 64), torch.nn.GELU(),
+                              torch.nn.Linear(64, 32))
+    ref.load_state_dict(model.state_dict())
+    return model, ref
+
+
+def _amp_step(run, model, x):
+    for p in model.parameters():
+        p.grad = None
+    x.grad = None
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = run(x)
+    y.float().square().sum().backward()
+    return y, [x.grad] + [p.grad for p in model.parameters()]
+
+
+def test_torch_autocast_with_float32_parameters_like_nn_linear(fresh_dynamo):
+    model, ref = _block()
+    x = torch.randn(16, 32, requires_grad=True)
+    y, grads = _amp_step(model, model, x)
+    y_ref, grads_ref = _amp_step(ref, ref, x)
+    assert y.dtype == y_ref.dtype == torch.bfloat16
+    assert all(g.dtype == torch.float32 for g in grads)  # on the float32 parameters
+    for got, want in zip([y] + grads, [y_ref] + grads_ref):
+        torch.testing.assert_close(got.float(), want.float(), rtol=0.05, atol=0.05)
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    y2, grads2 = _amp_step(compiled, model, x)
+    assert torch.equal(y2, y) and all(torch.equal(a, b) for a, b in zip(grads2, grads))
+
+
+def test_fp8_under_torch_autocast_quantizes_the_float32_weights_directly(monkeypatch):
+    import fusible.functional.linear as linear
+    seen = []
+    real = linear.quantize_raw
+    monkeypatch.setattr(linear, "quantize_raw",
+                        lambda t, *a, **k: seen.append(t.dtype) or real(t, *a, **k))
+    model, _ = _block()
+    x = torch.randn(16, 32, requires_grad=True)
+    with fusible.autocast():
+        y, grads = _amp_step(model, model, x)
+    assert seen == [torch.float32, torch.float32]  # the two weights, as they are
+    assert y.dtype == torch.bfloat16 and all(torch.isfinite(g).all() for g in grads)

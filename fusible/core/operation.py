@@ -12,6 +12,7 @@ of this contract (``fusible.module``).
 from __future__ import annotations
 
 import inspect
+import threading
 from typing import Any, ClassVar, Optional
 
 import attrs
@@ -22,6 +23,10 @@ from fusible.core import epoch
 from fusible.core.stage import StageSpec, check_stage_class
 
 Tensor = torch.Tensor
+
+# Set while a pipeline runs under torch.autocast: the parameters are cast (or quantized)
+# to the compute dtype for the call, so their own dtype need not match the input's.
+CASTING = threading.local()
 
 # Parallelism settings: set once in a constructor, never changed afterwards.
 _CONSTRUCTION_ONLY = frozenset({"tensor_parallel_mode", "sequence_parallel", "tensor_parallel",
@@ -78,9 +83,13 @@ class BasicOperationSpec(FusibleSpec, StageSpec):
     saved_type : attrs class or None
         The record ``ctx.saved`` holds for the backward (None: saves nothing). Every
         stage covering the op fills it in this layout.
+    quantized_params : tuple of str
+        Parameters that an FP8 recipe casts to FP8 from whatever dtype they have: under
+        ``torch.autocast`` they reach the op uncast (no detour through the autocast dtype).
     """
 
     param_names: ClassVar[tuple] = ()
+    quantized_params: ClassVar[tuple] = ()
     num_extra_inputs: ClassVar[int] = 0
     num_extra_outputs: ClassVar[int] = 0
     saved_type: ClassVar[Optional[type]] = None
@@ -166,7 +175,7 @@ class BasicOperationSpec(FusibleSpec, StageSpec):
 
     def _check_param(self, name: str, param: Tensor, dtype: torch.dtype,
                      device: torch.device) -> None:
-        if param.dtype != dtype:
+        if param.dtype != dtype and not getattr(CASTING, "active", False):
             raise TypeError(f"{self.describe()} has {name} of dtype {param.dtype} but got "
                             f"input of dtype {dtype}; convert the model or the input so "
                             f"that they match")

@@ -197,7 +197,9 @@ def gemm_forward(gemm: GemmForwardArgs, bias: Optional[Tensor] = None):
     else:
         x_q, lead = as_fp8(x, fmt if not handed_in(x, fmt) else fmt.rowwise()), x.shape[:-1]
     w_q = quantize_raw(weight, gemm.weight_format.fp8_dtype)
-    y = fp8_gemm(x_q._data, x_q._scale_inv, w_q._data.t(), w_q._scale_inv, bias, weight.dtype,
+    # The input's dtype is the compute dtype (under torch.autocast the weight may be the
+    # float32 parameter, quantized directly).
+    y = fp8_gemm(x_q._data, x_q._scale_inv, w_q._data.t(), w_q._scale_inv, bias, x_q.dtype,
                  fast_accum=True)
     return _reduce_output(y.view(*lead, y.shape[-1]), tp), x_q
 
@@ -277,12 +279,12 @@ def gemm_backward(args: GemmBackwardArgs, accumulate_into: Optional[Tensor] = No
     dx = dw = None
     if need_dgrad:
         dx = fp8_gemm(dy_q._data, dy_q._scale_inv, w_saved._transpose.t(), w_saved._scale_inv,
-                      None, w_saved.dtype)
+                      None, dy_q.dtype)
         dx = dx.view(*lead, dx.shape[-1])
         if accumulate_into is not None:
             dx = dx + accumulate_into
     dx = _start_dgrad_reduction(dx, tp)
     if need_wgrad:
         dw = fp8_gemm(dy_q._transpose, dy_q._scale_inv, x_saved._transpose.t(),
-                      x_saved._scale_inv, None, x_saved.dtype)
+                      x_saved._scale_inv, None, dy_q.dtype)
     return _finish(dx), dw

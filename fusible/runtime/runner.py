@@ -8,6 +8,7 @@ import attrs
 import torch
 
 from fusible.core.conditions import PlanConditions, conditions_key
+from fusible.core.operation import CASTING
 from fusible.planning.prepare import ExecPlan, prepare_group
 from fusible.quantization import recipe
 from fusible.runtime import custom_ops
@@ -24,6 +25,9 @@ class PipelineRunner:
         self.num_extra_outputs = sum(op.num_extra_outputs for op in self.ops)
         self._plans: dict = {}
         self._param_slots = [(op._parameters, name) for op in self.ops for name in op.param_names]
+        self._quantized = {i for i, (op, name) in enumerate(
+            (op, name) for op in self.ops for name in op.param_names)
+            if name in op.quantized_params}
 
     def params(self) -> list:
         """The ops' parameters, read afresh each call (they may have been swapped)."""
@@ -39,11 +43,9 @@ class PipelineRunner:
                 or extra_inputs:
             self._check_inputs(x, extra_inputs)  # the full checks, with the errors
         device_type = x.device.type
-        if _autocast_available(device_type) and torch.is_autocast_enabled(device_type):
-            raise RuntimeError(f"{self._name()} does not run under torch.autocast: its ops take "
-                               f"the dtype of their parameters; convert the model with .to(dtype) "
-                               f"instead")
         params = self.params() if params is None else list(params)
+        if _autocast_available(device_type) and torch.is_autocast_enabled(device_type):
+            return self._run_autocast(x, extra_inputs, training, params, traced, device_type)
         key = conditions_key(x, device_type, params, extra_inputs, recipe.current_key(), training)
         plan = self._plans.get(key) or self.lookup(PlanConditions(*key))
         if not plan.needs_backward:
@@ -53,6 +55,22 @@ class PipelineRunner:
         if self.num_extra_outputs == 0:
             return outputs, ()
         return outputs[0], tuple(outputs[1:])
+
+    def _run_autocast(self, x, extra_inputs, training, params, traced, device_type):
+        """Under torch.autocast: compute in the autocast dtype, from parameters cast to it
+        (differentiably: their gradients come back in their own dtype), like nn.Linear.
+        Under an FP8 recipe the weights GEMMs quantize are passed as they are."""
+        dtype = torch.get_autocast_dtype(device_type)
+        keep = self._quantized if recipe.current_key() is not None else ()
+        x = x.to(dtype)
+        extra_inputs = tuple(e.to(dtype) for e in extra_inputs)
+        params = [p if i in keep else p.to(dtype) for i, p in enumerate(params)]
+        CASTING.active = True
+        try:
+            with torch.autocast(device_type, enabled=False):
+                return self.run(x, extra_inputs, training, params, traced)
+        finally:
+            CASTING.active = False
 
     def lookup(self, conditions: PlanConditions) -> ExecPlan:
         """The cached plan for the group's ``conditions``, planned on first use."""
