@@ -459,3 +459,76 @@ def test_fp8_under_torch_autocast_quantizes_the_float32_weights_directly(monkeyp
         y, grads = _amp_step(model, model, x)
     assert seen == [torch.float32, torch.float32]  # the two weights, as they are
     assert y.dtype == torch.bfloat16 and all(torch.isfinite(g).all() for g in grads)
+
+
+class _Symmetric(torch.nn.Module):
+    def forward(self, w):
+        return (w + w.t()) / 2
+
+
+@pytest.mark.parametrize("make", [lambda: ops.BasicLinear(8, 8), lambda: ops.Linear(8, 8)],
+                         ids=["BasicLinear", "Linear"])
+def test_parametrizations_and_pruning_work(make):
+    import torch.nn.utils.parametrize as parametrize
+    import torch.nn.utils.prune as prune
+    x = torch.randn(4, 8)
+
+    def check(model, original):
+        layer = model[0]
+        bias = getattr(layer, "bias", None)
+        y = model(x)
+        torch.testing.assert_close(y, torch.relu(x @ layer.weight.t() + (0 if bias is None
+                                                                          else bias)))
+        y.sum().backward()
+        assert original().grad is not None and original().grad.abs().sum() > 0
+
+    model = ops.Sequential(make(), ops.ReLU())
+    parametrize.register_parametrization(model[0], "weight", _Symmetric())
+    check(model, lambda: model[0].parametrizations.weight.original)
+    model = ops.Sequential(make(), ops.ReLU())
+    prune.l1_unstructured(model[0], "weight", amount=0.5)
+    check(model, lambda: model[0].weight_orig)
+    assert (model[0].weight == 0).sum() == 32
+    prune.remove(model[0], "weight")
+    assert model(x).shape == (4, 8)
+
+
+def test_fsdp2_per_op_works(fresh_dynamo):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    with single_rank_group():
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        model = ops.Sequential(ops.Linear(8, 16), ops.GELU(), ops.Linear(16, 8))
+        ref = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 8))
+        ref.load_state_dict(model.state_dict())
+        fully_shard(model[0], mesh=mesh)  # per op: its hooks gather its parameters
+        fully_shard(model[2], mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        x = torch.randn(4, 8)
+        y = model(x)
+        y.sum().backward()
+        ref(x).sum().backward()
+        torch.testing.assert_close(y, ref(x))
+        torch.testing.assert_close(model[0].weight.grad.full_tensor(), ref[0].weight.grad)
+
+
+@pytest.mark.parametrize("run,message", [
+    (lambda m, x: torch.func.grad(lambda t: m(t).sum())(x), "cannot run under torch.func"),
+    (lambda m, x: torch.func.vmap(m)(x[:, None]), "cannot run under torch.func"),
+    (lambda m, x: torch.jit.trace(m, x), "torch.jit.trace cannot record"),
+], ids=["grad", "vmap", "jit.trace"])
+def test_transforms_get_a_clear_error(run, message):
+    model = ops.Sequential(ops.Linear(4, 4), ops.GELU())
+    with pytest.raises(RuntimeError, match=f"fusible: .*{message}"):
+        run(model, torch.randn(2, 4))
+
+
+def test_forward_mode_ad_gets_a_clear_error():
+    import torch.autograd.forward_ad as fw
+    model = ops.Sequential(ops.Linear(4, 4), ops.GELU())
+    x = torch.randn(2, 4)
+    with fw.dual_level():
+        with pytest.raises(RuntimeError, match="fusible: .* has no forward-mode AD"):
+            model(fw.make_dual(x, torch.ones_like(x)))
+        assert model(x).shape == (2, 4)  # no dual tensor: fine

@@ -50,6 +50,14 @@ class FusibleSpec(nn.Module):
         """A short label with sizes, for plans, diagrams and error messages."""
         return type(self).__name__
 
+    def register_parameter(self, name: str, param) -> None:
+        super().register_parameter(name, param)
+        epoch.bump_if_planned(self)  # parametrizations and pruning swap parameters so
+
+    def __delattr__(self, name: str) -> None:
+        super().__delattr__(name)
+        epoch.bump_if_planned(self)
+
     def __setattr__(self, name: str, value: Any) -> None:
         check = type(self).attribute_checks.get(name)
         if check is not None:
@@ -104,8 +112,17 @@ class BasicOperationSpec(FusibleSpec, StageSpec):
 
     def fusible_params(self) -> list:
         """Parameters that receive gradients through the fuser: ``param_names``, in order."""
-        params = self._parameters
-        return [params[name] for name in self.param_names]
+        return [self.param(name) for name in self.param_names]
+
+    def param(self, name: str):
+        """The tensor the op computes with for parameter ``name``: the registered parameter,
+        or, where a parametrization or pruning replaced it, what the module attribute gives
+        (computed from the original, so gradients reach it)."""
+        found = self._parameters.get(name)
+        if found is not None:
+            return found
+        owner = self.__dict__.get("_fusible_owner")  # the composite holding the parameter
+        return getattr(owner() if owner is not None else self, name)
 
     def diagram_label(self) -> str:
         """Sizes and settings shown under the op's name in plan diagrams."""

@@ -119,7 +119,7 @@ class BasicLinear(BasicOperation):
             shard = " (this rank's shard)" if self.local_in != self.in_features else ""
             raise ValueError(f"{self.describe()} got input with last dimension {shape[-1]}; "
                              f"expected {self.local_in}{shard}")
-        self._check_param("weight", self.weight, dtype, device)
+        self._check_param("weight", self.param("weight"), dtype, device)
         return (*parallel_tokens(self, shape), self.local_out)
 
     def validate_fp8(self, shape) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import weakref
 
 import torch
 from torch import nn
@@ -66,6 +67,7 @@ class Linear(FusibleOperation):
         # torch.func.functional_call) reaches them. They are not submodules: no duplicate state.
         for op in ops:
             object.__setattr__(op, "_parameters", self._parameters)
+            object.__setattr__(op, "_fusible_owner", weakref.ref(self))  # see param()
         object.__setattr__(self, "_ops", tuple(ops))
         self.reset_parameters()
 

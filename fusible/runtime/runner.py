@@ -6,6 +6,7 @@ import functools
 
 import attrs
 import torch
+from torch.autograd import forward_ad
 
 from fusible.core.conditions import PlanConditions, conditions_key
 from fusible.core.operation import CASTING
@@ -25,13 +26,19 @@ class PipelineRunner:
         self.num_extra_outputs = sum(op.num_extra_outputs for op in self.ops)
         self._plans: dict = {}
         self._param_slots = [(op._parameters, name) for op in self.ops for name in op.param_names]
+        # Parametrizations and pruning take parameters out of the dicts: then each op says
+        # what it computes with (slower; re-planned when they come or go).
+        self._direct = all(name in d for d, name in self._param_slots)
+        self._param_ops = [(op, name) for op in self.ops for name in op.param_names]
         self._quantized = {i for i, (op, name) in enumerate(
             (op, name) for op in self.ops for name in op.param_names)
             if name in op.quantized_params}
 
     def params(self) -> list:
         """The ops' parameters, read afresh each call (they may have been swapped)."""
-        return [params[name] for params, name in self._param_slots]
+        if self._direct:
+            return [params[name] for params, name in self._param_slots]
+        return [op.param(name) for op, name in self._param_ops]
 
     def run(self, x, extra_inputs: tuple, training: bool, params=None, traced: bool = False):
         """Run the group; returns (output, tuple of extra outputs).
@@ -42,6 +49,9 @@ class PipelineRunner:
         if type(x) is not torch.Tensor or len(extra_inputs) != self.num_extra_inputs \
                 or extra_inputs:
             self._check_inputs(x, extra_inputs)  # the full checks, with the errors
+        if not traced and (torch._C._are_functorch_transforms_active()
+                           or torch._C._is_tracing() or forward_ad._current_level >= 0):
+            self._refuse_transforms(x)
         device_type = x.device.type
         params = self.params() if params is None else list(params)
         if _autocast_available(device_type) and torch.is_autocast_enabled(device_type):
@@ -79,6 +89,22 @@ class PipelineRunner:
             plan = self._plans[conditions] = with_compile_reasons(
                 prepare_group(self.ops, self.start, conditions))
         return plan
+
+    def _refuse_transforms(self, x) -> None:
+        """torch.func transforms, forward-mode AD and torch.jit.trace: a clear error."""
+        if torch._C._is_tracing():
+            raise RuntimeError(f"fusible: torch.jit.trace cannot record {self._name()} (its "
+                               f"planning is Python and its stages custom ops): use "
+                               f"torch.compile, or torch.export")
+        if torch._C._are_functorch_transforms_active():
+            raise RuntimeError(f"fusible: {self._name()} cannot run under torch.func transforms "
+                               f"(grad, vmap, jacrev, jvp, ...): a pipeline is one "
+                               f"autograd.Function without vmap or forward-mode rules; take "
+                               f"gradients with torch.autograd (see docs/guide.md, Limits)")
+        if forward_ad.unpack_dual(x).tangent is not None or any(
+                forward_ad.unpack_dual(p).tangent is not None for p in self.params()):
+            raise RuntimeError(f"fusible: {self._name()} has no forward-mode AD (dual tensors): "
+                               f"take gradients with torch.autograd's reverse mode")
 
     def _check_inputs(self, x, extra_inputs) -> None:
         """Raise for inputs this group cannot take, naming what is wrong."""
