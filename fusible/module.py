@@ -3,6 +3,7 @@ subclass, and Sequential, the pipeline users build, plan and run."""
 
 from __future__ import annotations
 
+import weakref
 from typing import Iterable, Iterator
 
 import torch
@@ -57,7 +58,8 @@ class PipelineModule(ReplanOnHooks, nn.Module):
 
         Plan stage indices are positions in this tuple.
         """
-        return self._layout().items
+        layout = self._layout()
+        return (self,) if layout.lone else layout.items
 
     def plan(self, *example_inputs: torch.Tensor) -> FusionPlan:
         """The :class:`~fusible.FusionPlan` for the current grad mode, recipe and training mode.
@@ -82,6 +84,7 @@ class PipelineModule(ReplanOnHooks, nn.Module):
     def __getstate__(self):
         state = self.__dict__.copy()
         state.pop("_fusible_cache", None)
+        state.pop("_fusible_owner", None)  # a weak link the owner re-makes
         return state
 
 
@@ -122,13 +125,16 @@ def flatten(module: nn.Module, root: bool = True) -> list:
 
 def _entries(root: nn.Module, global_hooks: bool) -> list:
     """The layout's entries: basic ops that run in groups, and :class:`Called` items (ordinary
-    modules; ops and Sequentials with hooks; every op but the root's own while global hooks
-    are registered)."""
+    modules; ops and Sequentials with hooks; every op while global hooks are registered)."""
+    if isinstance(root, BasicOperationSpec):
+        # A lone op: its layout refers to it weakly, or op -> layout -> op would be a
+        # reference cycle, freed only by the cyclic GC (the autograd node holds it while
+        # a backward is pending). Its own hooks run around this very call.
+        epoch.mark_planned(root)
+        return [weakref.proxy(root)]
     entries = []
     for item in flatten(root):
-        own = item is root  # a lone op's own hooks run around this very call
-        if isinstance(item, BasicOperationSpec) and (own or not (global_hooks
-                                                                  or has_hooks(item))):
+        if isinstance(item, BasicOperationSpec) and not (global_hooks or has_hooks(item)):
             entries.append(item)
             continue
         ops = flatten(item) if isinstance(item, (FusibleSpec, Sequential)) else ()

@@ -532,3 +532,59 @@ def test_forward_mode_ad_gets_a_clear_error():
         with pytest.raises(RuntimeError, match="fusible: .* has no forward-mode AD"):
             model(fw.make_dual(x, torch.ones_like(x)))
         assert model(x).shape == (2, 4)  # no dual tensor: fine
+
+
+LIFETIME_MODELS = {
+    "lone basic op": lambda: ops.BasicLinear(8, 8),
+    "lone composite op": lambda: ops.Linear(8, 8),
+    "sequential": lambda: ops.Sequential(ops.Linear(8, 8), ops.GELU()),
+}
+
+
+@pytest.fixture
+def no_cyclic_gc():
+    import gc
+    gc.collect()
+    gc.disable()
+    yield
+    gc.enable()
+
+
+@pytest.mark.parametrize("make", LIFETIME_MODELS.values(), ids=LIFETIME_MODELS.keys())
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("backward", [False, True], ids=["forward", "step"])
+def test_a_dropped_model_is_freed_without_the_cyclic_gc(make, compiled, backward, no_cyclic_gc,
+                                                          fresh_dynamo):
+    """Like torch.nn: reference counting alone frees a model, its plan and its parameters
+    (no reference cycle through the plan, the autograd node or dynamo's trace)."""
+    import weakref
+    model = make()
+    weight = weakref.ref(next(model.parameters()))
+    run = torch.compile(model, backend="aot_eager", fullgraph=True) if compiled else model
+    y = run(torch.randn(4, 8, requires_grad=True))
+    if backward:
+        y.sum().backward()
+    del model, run, y
+    assert weight() is None
+
+
+@pytest.mark.parametrize("make", LIFETIME_MODELS.values(), ids=LIFETIME_MODELS.keys())
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_the_backward_runs_after_the_model_is_dropped(make, compiled, fresh_dynamo):
+    import copy
+    model = make()
+    twin = copy.deepcopy(model)
+    run = torch.compile(model, backend="aot_eager", fullgraph=True) if compiled else model
+    x = torch.randn(4, 8, requires_grad=True)
+    y = run(x)
+    weights = list(model.parameters())
+    del model, run
+    y.sum().backward()
+    twin(x.detach()).sum().backward()
+    for weight, expected in zip(weights, twin.parameters(), strict=True):
+        torch.testing.assert_close(weight.grad, expected.grad, rtol=0, atol=0)
+
+
+def test_pipeline_of_a_lone_op_is_the_op_itself():
+    op = ops.BasicLinear(4, 4)
+    assert op.pipeline()[0] is op

@@ -65,11 +65,18 @@ class Linear(FusibleOperation):
         # The basic ops share this module's parameter dict, so that every way of replacing
         # a parameter (assignment, load_state_dict(assign=True), .to_empty(),
         # torch.func.functional_call) reaches them. They are not submodules: no duplicate state.
-        for op in ops:
+        object.__setattr__(self, "_ops", tuple(ops))
+        self._link_ops()
+        self.reset_parameters()
+
+    def _link_ops(self) -> None:
+        for op in self._ops:
             object.__setattr__(op, "_parameters", self._parameters)
             object.__setattr__(op, "_fusible_owner", weakref.ref(self))  # see param()
-        object.__setattr__(self, "_ops", tuple(ops))
-        self.reset_parameters()
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        self._link_ops()  # pickling drops the weak links to this module
 
     def reset_parameters(self) -> None:
         """Initialise like ``torch.nn.Linear`` (of the global sizes)."""

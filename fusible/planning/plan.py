@@ -86,7 +86,7 @@ class FusionPlan:
         for i in stage.indices:
             op = self.ops[i]
             for where, what in op_communication(op, direction, self.op_needs.get(i)):
-                out.append(f"{type(op).__name__}: {what}" + ("" if where == "is" else
+                out.append(f"{op.__class__.__name__}: {what}" + ("" if where == "is" else
                                                            f" ({where} its compute)"))
         return out
 
@@ -124,4 +124,4 @@ def _indices(indices) -> str:
 
 def _describe(op) -> str:
     describe = getattr(op, "describe", None)
-    return describe() if describe is not None else type(op).__name__
+    return describe() if describe is not None else op.__class__.__name__

@@ -112,7 +112,7 @@ def _exec_stage(ops, start, stage, backward: bool, op_needs: tuple) -> ExecStage
         a = sum(count(op) for op in ops[:lo])
         return slice(a, a + sum(count(op) for op in ops[lo:hi]))
 
-    cls = type(stage.op)
+    cls = stage.op.__class__  # a lone op's proxy reports its op's class
     compute = cls.backward_compute if backward else cls.forward_compute
     provenance = (f"{stage.name} {list(stage.indices)}: "
                   + " + ".join(op.describe() for op in ops[lo:hi]))
@@ -135,6 +135,6 @@ def _with_output_format(stage: ExecStage, fmt) -> ExecStage:
     if fmt is None:
         return stage
     compute = stage.compute
-    if type(stage.op).quantizes_own_output:
+    if stage.op.__class__.quantizes_own_output:
         compute = functools.partial(compute, output_format=fmt)
     return attrs.evolve(stage, output_format=fmt, compute=compute)

@@ -29,8 +29,9 @@ def _quote(text: str) -> str:
 def _op_label(op) -> str:
     label = getattr(op, "diagram_label", None)
     if label is not None:
-        return f"{type(op).__name__}\n{label()}" if label() else type(op).__name__
-    return f"{type(op).__name__}\n(torch module)"
+        name = op.__class__.__name__  # a lone op's proxy reports its op's class
+        return f"{name}\n{label()}" if label() else name
+    return f"{op.__class__.__name__}\n(torch module)"
 
 
 def _node(lane: str, index: int) -> str:

@@ -96,12 +96,16 @@ def compiled_forward(module, x, extra_inputs: tuple):
         _graph_break(reason)
         return _run_eagerly(module, x, extra_inputs)
 
+    layout = module._fusible_cache
+    lone = (module,) if layout.lone else None  # dynamo cannot trace the layout's proxy
+
     def run_group(runner, y, extras):
         # Each op's own training flag is read here, so that dynamo guards on it: a stage's
         # arguments may depend on it (an op switched to eval() alone recompiles too).
-        modes = tuple(op.training for op in runner.ops)
+        ops = lone or runner.ops
+        modes = tuple(op.training for op in ops)
         out = fusible_group(id(runner), len(extras), training, modes, y, *extras,
-                            *runner.params())
+                            *runner.params(ops))
         return out[0], out[1:]
 
-    return module._fusible_cache.run(x, extra_inputs, run_group)
+    return layout.run(x, extra_inputs, run_group)

@@ -171,7 +171,7 @@ def unsupported_reason(cls, direction: str) -> Optional[str]:
 
 
 def _call(stage, direction: str, args, quantized: bool, outer_dtype):
-    op = stage_op(type(stage.op), direction)
+    op = stage_op(stage.op.__class__, direction)
     flat = op.flatten_args(args) + _FORMAT.flatten(stage.output_format) + [quantized,
                                                                            stage.provenance]
     if recorder is not None:

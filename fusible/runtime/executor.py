@@ -10,6 +10,8 @@ has run, so intermediates are freed during the backward pass.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from fusible.core.context import OperationContext
@@ -137,7 +139,13 @@ class _PipelineFunction(torch.autograd.Function):
         y, extra_outputs = run_forward(plan, x, params, extra_inputs, ctxs, save=True,
                                        traced=traced)
         stash_saved(fctx, ctxs, plan.ops, (x, *tensors), (y, *extra_outputs))
-        fctx.fusible = plan, ctxs, traced
+        # Traced (compiled) runs keep the plan and ops weakly: a trace may keep this node alive
+        # after the module is gone (dynamo's fake propagation never runs its backward), and
+        # the compiled graph does not use the node at run time.
+        if traced:
+            fctx.fusible = weakref.ref(plan), ctxs, traced, ()
+        else:
+            fctx.fusible = plan, ctxs, traced, _anchors(plan)
         if plan.constant_extra_outputs:
             fctx.mark_non_differentiable(*(extra_outputs[j] for j in plan.constant_extra_outputs))
         return (y, *extra_outputs) if extra_outputs else y
@@ -148,12 +156,25 @@ class _PipelineFunction(torch.autograd.Function):
             raise RuntimeError("fusible pipelines are differentiable once: double backward "
                                "(create_graph=True) is not supported, since saved "
                                "intermediates carry no autograd history")
-        plan, ctxs, traced = fctx.fusible
-        fctx.fusible = plan, None, traced  # the contexts are consumed: backward runs once
+        if fctx.fusible is None:
+            raise RuntimeError("fusible frees saved intermediates during the backward pass: "
+                               "backward through the same graph twice (retain_graph=True) is "
+                               "not supported; run the forward again")
+        plan, ctxs, traced, _ = fctx.fusible
+        plan = plan() if traced else plan
+        # Consumed: backward runs once, and the node (which traces may keep) holds nothing.
+        fctx.fusible = None
         ctxs = restore_saved(fctx, ctxs, plan.ops)
         dx, grad_extras, grad_params = run_backward(plan, grad_output, grad_extra_outputs, ctxs,
                                                     traced)
         return (None, None, dx, *grad_extras, *grad_params)
+
+
+def _anchors(plan) -> tuple:
+    """The op a lone op's plan refers to weakly (its own layout must not keep it alive),
+    held strongly by the autograd node until the backward has run."""
+    first = plan.ops[0] if plan.ops else None
+    return first.basic_ops() if type(first) in weakref.ProxyTypes else ()
 
 
 # torch.autograd.Function.apply wraps the C++ apply in Python for functorch transforms

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import weakref
+
 import attrs
 
 from fusible.core import epoch, tokens
@@ -39,11 +41,14 @@ class Layout:
         The only runner when the pipeline is one group of basic ops.
     global_hooks : bool
         Whether global module hooks were registered when it was built.
+    lone : bool
+        Whether it is a lone op's layout, whose only entry is a ``weakref.proxy`` of the op.
     """
 
     def __init__(self, entries: list, global_hooks: bool = False):
         self.epoch = epoch.current()
         self.global_hooks = global_hooks
+        self.lone = len(entries) == 1 and type(entries[0]) in weakref.ProxyTypes
         self.items = tuple(e.module if isinstance(e, Called) else e for e in entries)
         self.groups = []
         run: list = []

@@ -34,11 +34,14 @@ class PipelineRunner:
             (op, name) for op in self.ops for name in op.param_names)
             if name in op.quantized_params}
 
-    def params(self) -> list:
-        """The ops' parameters, read afresh each call (they may have been swapped)."""
+    def params(self, ops: "tuple | None" = None) -> list:
+        """The ops' parameters, read afresh each call (they may have been swapped);
+        ``ops``: the group's ops themselves, where :attr:`ops` holds a lone op's proxy."""
         if self._direct:
             return [params[name] for params, name in self._param_slots]
-        return [op.param(name) for op, name in self._param_ops]
+        if ops is None:
+            return [op.param(name) for op, name in self._param_ops]
+        return [op.param(name) for op in ops for name in op.param_names]
 
     def run(self, x, extra_inputs: tuple, training: bool, params=None, traced: bool = False):
         """Run the group; returns (output, tuple of extra outputs).
@@ -118,7 +121,7 @@ class PipelineRunner:
                             f"{[type(e).__name__ for e in extra_inputs]}")
 
     def _name(self) -> str:
-        return "Sequential(" + ", ".join(type(op).__name__ for op in self.ops) + ")"
+        return "Sequential(" + ", ".join(op.__class__.__name__ for op in self.ops) + ")"
 
 
 @functools.lru_cache(maxsize=None)
@@ -132,7 +135,7 @@ def compile_reason(stage) -> "str | None":
     custom-op schema), or None."""
     direction = stage.direction
     return (stage.op.compile_unsupported_reason(direction)
-            or custom_ops.unsupported_reason(type(stage.op), direction))
+            or custom_ops.unsupported_reason(stage.op.__class__, direction))
 
 
 def with_compile_reasons(plan: ExecPlan) -> ExecPlan:

@@ -86,10 +86,6 @@ def stash_saved(fctx, ctxs, ops, inputs, outputs) -> None:
 
 def restore_saved(fctx, ctxs, ops) -> list:
     """The op contexts with every saved tensor in place, after checking versions."""
-    if ctxs is None:
-        raise RuntimeError("fusible frees saved intermediates during the backward pass: "
-                           "backward through the same graph twice (retain_graph=True) is not "
-                           "supported; run the forward again")
     kept = fctx.saved_tensors  # autograd checks these tensors' versions
     for c, op in zip(ctxs, ops):
         if c.versions:

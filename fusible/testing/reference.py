@@ -33,7 +33,7 @@ def register_reference(op_type: type) -> Callable:
 def op_reference(op, x, extra_inputs, params):
     """``(y, extra_outputs)`` of ``op`` in plain PyTorch: a registered reference, else the
     op's own ``reference()``."""
-    fn = _REFERENCES.get(type(op))
+    fn = _REFERENCES.get(op.__class__)
     if fn is not None:
         return fn(op, x, extra_inputs, params)
     return op.reference(x, tuple(extra_inputs), tuple(params))
