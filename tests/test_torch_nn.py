@@ -588,3 +588,36 @@ def test_the_backward_runs_after_the_model_is_dropped(make, compiled, fresh_dyna
 def test_pipeline_of_a_lone_op_is_the_op_itself():
     op = ops.BasicLinear(4, 4)
     assert op.pipeline()[0] is op
+
+
+def _fp8_grads(model, x, run, backward_inside: bool) -> list:
+    for p in model.parameters():
+        p.grad = None
+    x = x.clone().requires_grad_()
+    with fusible.autocast():
+        y = run(x)
+        if backward_inside:
+            y.square().sum().backward()
+    if not backward_inside:  # where users often run it (outside the FP8 block)
+        y.square().sum().backward()
+    return [x.grad] + [p.grad for p in model.parameters()]
+
+
+@pytest.mark.parametrize("backward_inside", [False, True], ids=["backward-outside",
+                                                                "backward-inside"])
+@pytest.mark.parametrize("how", ["reentrant", "non-reentrant", "compiled-checkpoint"])
+def test_fp8_under_activation_checkpointing_recomputes_under_the_forward_recipe(
+        how, backward_inside, fresh_dynamo):
+    from torch.utils.checkpoint import checkpoint
+    torch.manual_seed(0)
+    model = ops.Sequential(ops.Linear(32, 64), ops.GELU(), ops.Linear(64, 32))
+    x = torch.randn(16, 32)
+    expected = _fp8_grads(model, x, model, backward_inside)
+    if how == "compiled-checkpoint":  # dynamo traces the checkpoint region itself
+        run = torch.compile(lambda t: checkpoint(model, t, use_reentrant=False),
+                            backend="aot_eager", fullgraph=True)
+    else:
+        def run(t):
+            return checkpoint(model, t, use_reentrant=how == "reentrant")
+    for got, want in zip(_fp8_grads(model, x, run, backward_inside), expected, strict=True):
+        assert torch.equal(got, want)

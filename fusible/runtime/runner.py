@@ -16,6 +16,9 @@ from fusible.runtime import custom_ops
 from fusible.runtime.executor import apply_pipeline, run_forward
 
 
+_UNSET = object()
+
+
 class PipelineRunner:
     """Plans (with a cache keyed by :class:`PlanConditions`) and runs one group of basic ops."""
 
@@ -33,6 +36,15 @@ class PipelineRunner:
         self._quantized = {i for i, (op, name) in enumerate(
             (op, name) for op in self.ops for name in op.param_names)
             if name in op.quantized_params}
+        self._forward_key = _UNSET  # the FP8 recipe key of the latest forward
+
+    def _recipe_key(self, traced: bool):
+        """The FP8 recipe key to run under: the one in effect, except for a forward run
+        during a backward pass, activation checkpointing's recomputation, which repeats
+        the latest forward's (as torch.utils.checkpoint restores torch.autocast's state)."""
+        if traced or torch._C._current_graph_task_id() == -1 or self._forward_key is _UNSET:
+            self._forward_key = recipe.current_key()
+        return self._forward_key
 
     def params(self, ops: "tuple | None" = None) -> list:
         """The ops' parameters, read afresh each call (they may have been swapped);
@@ -59,7 +71,8 @@ class PipelineRunner:
         params = self.params() if params is None else list(params)
         if _autocast_available(device_type) and torch.is_autocast_enabled(device_type):
             return self._run_autocast(x, extra_inputs, training, params, traced, device_type)
-        key = conditions_key(x, device_type, params, extra_inputs, recipe.current_key(), training)
+        key = conditions_key(x, device_type, params, extra_inputs, self._recipe_key(traced),
+                             training)
         plan = self._plans.get(key) or self.lookup(PlanConditions(*key))
         if not plan.needs_backward:
             return run_forward(plan, x, params, extra_inputs, plan.idle_ctxs, save=False,
@@ -74,7 +87,7 @@ class PipelineRunner:
         (differentiably: their gradients come back in their own dtype), like nn.Linear.
         Under an FP8 recipe the weights GEMMs quantize are passed as they are."""
         dtype = torch.get_autocast_dtype(device_type)
-        keep = self._quantized if recipe.current_key() is not None else ()
+        keep = self._quantized if self._recipe_key(traced) is not None else ()
         x = x.to(dtype)
         extra_inputs = tuple(e.to(dtype) for e in extra_inputs)
         params = [p if i in keep else p.to(dtype) for i, p in enumerate(params)]
