@@ -621,3 +621,24 @@ def test_fp8_under_activation_checkpointing_recomputes_under_the_forward_recipe(
             return checkpoint(model, t, use_reentrant=how == "reentrant")
     for got, want in zip(_fp8_grads(model, x, run, backward_inside), expected, strict=True):
         assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("reentrant", [True, False], ids=["reentrant", "non-reentrant"])
+def test_a_compiled_model_inside_an_eager_checkpoint_never_recomputes_silently_otherwise(
+        reentrant, fresh_dynamo):
+    """Its compiled code is picked by the recipe at backward time: the same recipe gives
+    bitwise the run without checkpointing, another one a clear error."""
+    from torch.utils.checkpoint import checkpoint
+    torch.manual_seed(0)
+    model = ops.Sequential(ops.Linear(32, 64), ops.GELU(), ops.Linear(64, 32))
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    x = torch.randn(16, 32)
+    expected = _fp8_grads(model, x, model, backward_inside=True)
+
+    def run(t):
+        return checkpoint(compiled, t, use_reentrant=reentrant)
+    for got, want in zip(_fp8_grads(model, x, run, backward_inside=True), expected, strict=True):
+        assert torch.equal(got, want)
+    with pytest.raises(RuntimeError, match="recomputes the compiled ForwardLinearBias stage "
+                                           "without FP8, but its forward ran with it"):
+        _fp8_grads(model, x, run, backward_inside=False)

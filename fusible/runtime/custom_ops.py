@@ -32,6 +32,7 @@ from fusible.core.results import BackwardResult, ForwardResult
 from fusible.core.schema import flatten_record, record_fields, schema_type, unflatten_record
 from fusible.quantization.boundary import decode_results, encode_results
 from fusible.quantization.format import Float8Format, to_format
+from fusible.runtime import recompute
 
 _LIB = torch.library.Library("fusible", "FRAGMENT")
 _OPS: dict = {}      # (class, direction) -> StageOp
@@ -72,8 +73,9 @@ def _op_name(cls, direction: str) -> str:
     return f"{_BASES[cls]}_{'fwd' if direction == 'forward' else 'bwd'}"
 
 
-def _kernel(cls, direction: str, args_type, fields, compute):
+def _kernel(cls, direction: str, args_type, fields, compute, real: bool = True):
     bound = functools.partial(compute, in_custom_op=True)
+    check_recompute = real and direction == "forward"
     own_cast = cls.quantizes_own_output
     # Where tensors can be among the arguments (the rest are scalars): the alias check
     # looks only there.
@@ -88,6 +90,8 @@ def _kernel(cls, direction: str, args_type, fields, compute):
         inputs = [values[i] for i in slots]
         if list_slots:
             inputs += [t for i in list_slots for t in values[i]]
+        if check_recompute:
+            recompute.note_forward(cls, inputs, values[-2])
         like = inputs[0] if inputs[0] is not None else next(t for t in inputs if t is not None)
         return _unaliased(_flatten_result(result, direction, like, values[-2], fmt), inputs)
 
@@ -135,7 +139,8 @@ def _register(cls, direction: str) -> StageOp:
     _LIB.impl(name, _kernel(cls, direction, args_type, fields, compute),
               "CompositeExplicitAutograd")
     torch.library.register_fake(f"fusible::{name}",
-                                _kernel(cls, direction, args_type, fields, fake), lib=_LIB)
+                                _kernel(cls, direction, args_type, fields, fake, real=False),
+                                lib=_LIB)
     op = StageOp(name, getattr(torch.ops.fusible, name).default, args_type, fields)
     _BY_NAME[name] = op
     return op

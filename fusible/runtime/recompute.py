@@ -1,0 +1,41 @@
+"""Activation checkpointing's recomputation of compiled stages: a loud error, never a
+silently different recipe.
+
+Eagerly a recomputation repeats its forward's recipe (``PipelineRunner._recipe_key``). A
+compiled fusible model called inside an eager ``torch.utils.checkpoint`` is recomputed by
+its compiled code, which dynamo picks by the recipe in effect at backward time: where
+that differs from the forward's, the stage custom ops say so. They key the forward's
+choice by the parameters they read (the same tensors in the recomputation).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+_FORWARD_FP8: dict = {}  # (op class, parameter data_ptr) -> whether its forward ran FP8
+_LIMIT = 1 << 16         # stale entries (freed parameters) are dropped past this many
+_PLAIN = (torch.Tensor, nn.Parameter)
+
+
+def note_forward(cls, tensors, quantized: bool) -> None:
+    """Record (outside a backward pass) or check (inside one: a recomputation) whether a
+    compiled forward stage of ``cls`` reading these parameters runs under an FP8 recipe."""
+    in_backward = torch._C._current_graph_task_id() != -1
+    for t in tensors:
+        if t is None or t.__class__ not in _PLAIN or not (t.is_leaf and t.requires_grad):
+            continue
+        key = (cls, t.data_ptr())
+        if not in_backward:
+            if len(_FORWARD_FP8) >= _LIMIT:
+                _FORWARD_FP8.clear()
+            _FORWARD_FP8[key] = quantized
+        elif _FORWARD_FP8.get(key, quantized) != quantized:
+            raise RuntimeError(
+                f"fusible: activation checkpointing recomputes the compiled {cls.__name__} "
+                f"stage {'with' if quantized else 'without'} FP8, but its forward ran "
+                f"{'without' if quantized else 'with'} it: a compiled model called inside an "
+                f"eager torch.utils.checkpoint is recomputed under the fusible.autocast state "
+                f"in effect at backward time. Run the backward inside the same "
+                f"fusible.autocast block, or compile the checkpointed function instead "
+                f"(torch.compile over torch.utils.checkpoint), or run the model eagerly")
