@@ -642,3 +642,38 @@ def test_a_compiled_model_inside_an_eager_checkpoint_never_recomputes_silently_o
     with pytest.raises(RuntimeError, match="recomputes the compiled ForwardLinearBias stage "
                                            "without FP8, but its forward ran with it"):
         _fp8_grads(model, x, run, backward_inside=False)
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_linear_bias_can_be_removed_and_added_like_nn_linear(compiled, fresh_dynamo):
+    x = torch.randn(4, 8)
+    model = ops.Sequential(ops.Linear(8, 6), ops.GELU())
+    run = torch.compile(model, backend="aot_eager", fullgraph=True) if compiled else model
+    run(x)
+    linear = model[0]
+    linear.bias = None
+    torch.testing.assert_close(run(x), torch.nn.functional.gelu(x @ linear.weight.t()))
+    assert "bias" not in model.state_dict().keys() - {"0.weight"}
+    linear.bias = torch.nn.Parameter(torch.ones(6))
+    torch.testing.assert_close(run(x), torch.nn.functional.gelu(x @ linear.weight.t() + 1))
+    assert stage_names(model.plan(x).forward)[0] == "ForwardLinearBias"
+    unbiased = ops.Linear(8, 6, bias=False)
+    unbiased.bias = torch.nn.Parameter(torch.ones(6))
+    torch.testing.assert_close(unbiased(x), x @ unbiased.weight.t() + 1)
+
+
+def test_parameters_replaced_by_a_wrong_shape_or_none_get_a_clear_error():
+    x = torch.randn(4, 8)
+    linear = ops.Linear(8, 6)
+    linear.bias = torch.nn.Parameter(torch.ones(5))
+    with pytest.raises(ValueError, match=r"Bias\(size=6\) has bias of shape \(5,\); "
+                                         r"expected \(6,\)"):
+        linear(x)
+    basic = ops.BasicLinear(8, 6)
+    basic.weight = torch.nn.Parameter(torch.ones(6, 7))
+    with pytest.raises(ValueError, match=r"has weight of shape \(6, 7\); expected \(6, 8\)"):
+        basic(x)
+    norm = ops.LayerNorm(8)
+    norm.bias = None
+    with pytest.raises(TypeError, match=r"LayerNorm\(normalized_shape=\(8,\)\) has no bias"):
+        norm(x)

@@ -191,7 +191,13 @@ class BasicOperationSpec(FusibleSpec, StageSpec):
     # Helpers shared by subclasses -------------------------------------------------
 
     def _check_param(self, name: str, param: Tensor, dtype: torch.dtype,
-                     device: torch.device) -> None:
+                     device: torch.device, shape: tuple) -> None:
+        if param is None:
+            raise TypeError(f"{self.describe()} has no {name} (it was set to None); it "
+                            f"needs a tensor of shape {tuple(shape)}")
+        if tuple(param.shape) != tuple(shape):
+            raise ValueError(f"{self.describe()} has {name} of shape {tuple(param.shape)}; "
+                             f"expected {tuple(shape)}")
         if param.dtype != dtype and not getattr(CASTING, "active", False):
             raise TypeError(f"{self.describe()} has {name} of dtype {param.dtype} but got "
                             f"input of dtype {dtype}; convert the model or the input so "

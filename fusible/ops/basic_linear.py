@@ -119,7 +119,8 @@ class BasicLinear(BasicOperation):
             shard = " (this rank's shard)" if self.local_in != self.in_features else ""
             raise ValueError(f"{self.describe()} got input with last dimension {shape[-1]}; "
                              f"expected {self.local_in}{shard}")
-        self._check_param("weight", self.param("weight"), dtype, device)
+        self._check_param("weight", self.param("weight"), dtype, device,
+                          (self.local_out, self.local_in))
         return (*parallel_tokens(self, shape), self.local_out)
 
     def validate_fp8(self, shape) -> None:

@@ -92,7 +92,7 @@ class Bias(BasicOperation):
     def validate(self, shape, dtype, device, extra_inputs=()):
         self._check_last_dim(shape, self.local_size,
                              "size / world_size" if self.tensor_parallel else "size")
-        self._check_param("bias", self.param("bias"), dtype, device)
+        self._check_param("bias", self.param("bias"), dtype, device, (self.local_size,))
         return tuple(shape)
 
     def forward_args(self, input, params, extra_inputs, ctxs):

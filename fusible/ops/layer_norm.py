@@ -99,8 +99,9 @@ class LayerNorm(BasicOperation):
 
     def validate(self, shape, dtype, device, extra_inputs=()):
         check_trailing(self, shape, self.normalized_shape)
-        self._check_param("weight", self.param("weight"), dtype, device)
-        self._check_param("bias", self.param("bias"), dtype, device)
+        self._check_param("weight", self.param("weight"), dtype, device,
+                          self.normalized_shape)
+        self._check_param("bias", self.param("bias"), dtype, device, self.normalized_shape)
         return tuple(shape)
 
     def forward_args(self, input, params, extra_inputs, ctxs):

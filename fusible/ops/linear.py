@@ -51,20 +51,19 @@ class Linear(FusibleOperation):
                              sequence_parallel=sequence_parallel, device="meta")
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight = nn.Parameter(torch.empty(linear.weight.shape, device=device, dtype=dtype))
-        ops = [linear]
+        column = tensor_parallel_mode == "column"
+        bias_sp = tensor_parallel_mode == "row" and sequence_parallel
+        # The Bias op exists either way: assigning a bias later (or None) works as on
+        # nn.Linear, and basic_ops() follows.
+        add_bias = Bias(out_features, tensor_parallel=column, sequence_parallel=bias_sp,
+                        tensor_parallel_group=tensor_parallel_group if column or bias_sp
+                        else None, device="meta")
         if bias:
-            column = tensor_parallel_mode == "column"
-            bias_sp = tensor_parallel_mode == "row" and sequence_parallel
-            ops.append(Bias(out_features, tensor_parallel=column, sequence_parallel=bias_sp,
-                            tensor_parallel_group=tensor_parallel_group if column or bias_sp
-                            else None, device="meta"))
-            self.bias = nn.Parameter(torch.empty(ops[1].bias.shape, device=device,
+            self.bias = nn.Parameter(torch.empty(add_bias.bias.shape, device=device,
                                                 dtype=dtype))
         else:
             self.register_parameter("bias", None)
-        # The basic ops share this module's parameter dict, so that every way of replacing
-        # a parameter (assignment, load_state_dict(assign=True), .to_empty(),
-        # torch.func.functional_call) reaches them. They are not submodules: no duplicate state.
+        ops = [linear, add_bias]
         object.__setattr__(self, "_ops", tuple(ops))
         self._link_ops()
         self.reset_parameters()
@@ -87,7 +86,9 @@ class Linear(FusibleOperation):
                         1 / math.sqrt(self.in_features))
 
     def basic_ops(self):
-        return self._ops
+        has_bias = (self._parameters.get("bias") is not None
+                    or "bias" in getattr(self, "parametrizations", {}))
+        return self._ops if has_bias else self._ops[:1]
 
     def extra_repr(self) -> str:
         tp = self._ops[0].tp

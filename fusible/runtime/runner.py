@@ -29,6 +29,11 @@ class PipelineRunner:
         self.num_extra_outputs = sum(op.num_extra_outputs for op in self.ops)
         self._plans: dict = {}
         self._param_slots = [(op._parameters, name) for op in self.ops for name in op.param_names]
+        for params, name in self._param_slots:
+            if name in params and params[name] is None:
+                op = next(op for op in self.ops if op._parameters is params)
+                raise TypeError(f"{op.describe()} has no {name} (it was set to None); "
+                                f"{op.__class__.__name__} computes with one")
         # Parametrizations and pruning take parameters out of the dicts: then each op says
         # what it computes with (slower; re-planned when they come or go).
         self._direct = all(name in d for d, name in self._param_slots)
