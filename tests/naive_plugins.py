@@ -42,3 +42,21 @@ class GeluOfLinearWrongLayout(GeluOfLinear):
 
     def save_for_backward(self, args, result, ctxs):
         ctxs[0].saved = (args.input, args.weight)
+
+
+class ActivationBiasKeepdim(fusible.FusedOperation):
+    """Bias + ReLU backward that sums the bias gradient with keepdim=True: shape (1, n) for
+    a bias of shape (n,), which autograd alone would sum down silently."""
+
+    direction = "backward"
+    pattern = fusible.Pattern(fusible.Op(ops.Bias), fusible.Op(ops.ReLU))
+    bwd_args_type = GeluOfLinearArgs  # (grad_output, saved output): two tensors
+    priority = 1  # over the built-in BackwardActivationBias
+
+    def backward_args(self, grad_output, grad_extra_outputs, ctxs):
+        return GeluOfLinearArgs(grad_output, ctxs[1].saved.tensor)
+
+    @classmethod
+    def backward_compute(cls, args, *, in_custom_op=False):
+        dy = args.input * (args.weight > 0)
+        return ops.BackwardResult(dy, (dy.sum(0, keepdim=True),))

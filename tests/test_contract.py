@@ -18,7 +18,7 @@ from fusible import FusedOperation, Op, Pattern, ops, unregister_fusion
 from fusible.functional.linear import GemmForwardArgs, gemm_forward
 from fusible.ops import BackwardResult, BasicOperation, ForwardResult
 from fusible.testing import check_fusion, exact_tensor, stage_names
-from naive_plugins import GeluOfLinear, GeluOfLinearWrongLayout
+from naive_plugins import ActivationBiasKeepdim, GeluOfLinear, GeluOfLinearWrongLayout
 
 ROOT = pathlib.Path(__file__).parent.parent
 
@@ -274,3 +274,15 @@ def test_saved_records_may_be_frozen():
     y = ops.Sequential(ops.Reshape((-1, 4)), _Exp())(h.requires_grad_())  # saves a view
     y.sum().backward()
     assert torch.allclose(h.grad, h.exp())
+
+
+def test_a_parameter_gradient_of_another_shape_is_an_error(registered):
+    """Autograd would sum a (1, n) gradient down to the (n,) bias silently."""
+    registered(ActivationBiasKeepdim)
+    model = ops.Sequential(ops.Bias(8), ops.ReLU())
+    x = torch.randn(4, 8, requires_grad=True)
+    assert stage_names(model.plan(x).backward) == ["ActivationBiasKeepdim"]
+    with pytest.raises(RuntimeError, match=r"ActivationBiasKeepdim returned a gradient of "
+                                           r"shape \(1, 8\) for Bias\(size=8\)'s bias, whose "
+                                           r"shape is \(8,\)"):
+        model(x).sum().backward()

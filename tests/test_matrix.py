@@ -71,3 +71,55 @@ def test_fp8_against_fp64(case):
         pairs += [(p.grad, ref_params[id(p)].grad) for p in model.parameters()]
         for i, (got, want) in enumerate(pairs):
             assert snr_db(got, want) > floor, (i, snr_db(got, want), floor)
+
+
+def _variants(model, inputs) -> list:
+    """Each parameter frozen in turn, each input not requiring grad in turn, with the
+    unfrozen model between them: one model sees every change between calls (a plan cache
+    that ignored one would hand a stale plan)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    inputs_rg = [i for i, t in enumerate(inputs) if t.requires_grad]
+    variants = [((), ())]
+    for p in params:
+        variants += [((id(p),), ()), ((), ())]
+    for i in inputs_rg:
+        variants += [((), (i,)), ((), ())]
+    return variants
+
+
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_freezing_any_parameter_or_input_between_calls(case):
+    with single_rank_group():
+        model, inputs, _ = build(case, torch.float64)
+        ref_inputs = [t.detach().clone().requires_grad_(t.requires_grad) for t in inputs]
+        ref_outputs, ref_params = reference_forward(model, *ref_inputs)
+        ref_outputs = ref_outputs if isinstance(ref_outputs, tuple) else (ref_outputs,)
+        gen = torch.Generator().manual_seed(5)
+        grads = [torch.randn(o.shape, generator=gen, dtype=o.dtype) for o in ref_outputs]
+        torch.autograd.backward(ref_outputs, grads)
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        for frozen_params, frozen_inputs in _variants(model, inputs):
+            for p in trainable:
+                p.requires_grad_(id(p) not in frozen_params)
+                p.grad = None
+            run_inputs = [t.detach().clone().requires_grad_(t.requires_grad
+                                                           and i not in frozen_inputs)
+                          for i, t in enumerate(inputs)]
+            outputs = model(*run_inputs)
+            outputs = outputs if isinstance(outputs, tuple) else (outputs,)
+            if not any(o.requires_grad for o in outputs):
+                continue  # everything frozen: nothing to run backward through
+            torch.autograd.backward([o for o in outputs if o.requires_grad],
+                                    [g for g, o in zip(grads, outputs) if o.requires_grad])
+            what = f"frozen params {len(frozen_params)}, inputs {frozen_inputs}"
+            for i, (t, r) in enumerate(zip(run_inputs, ref_inputs)):
+                if t.requires_grad:
+                    torch.testing.assert_close(t.grad, r.grad, msg=f"input {i}, {what}")
+                else:
+                    assert t.grad is None
+            for name, p in model.named_parameters():
+                if p.requires_grad:
+                    torch.testing.assert_close(p.grad, ref_params[id(p)].grad,
+                                               msg=f"{name}, {what}")
+                else:
+                    assert p.grad is None, f"{name} frozen but got a gradient"

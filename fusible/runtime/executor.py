@@ -142,10 +142,11 @@ class _PipelineFunction(torch.autograd.Function):
         # Traced (compiled) runs keep the plan and ops weakly: a trace may keep this node alive
         # after the module is gone (dynamo's fake propagation never runs its backward), and
         # the compiled graph does not use the node at run time.
+        shapes = [p.shape for p in params]  # what each parameter gradient must match
         if traced:
-            fctx.fusible = weakref.ref(plan), ctxs, traced, ()
+            fctx.fusible = weakref.ref(plan), ctxs, traced, (), shapes
         else:
-            fctx.fusible = plan, ctxs, traced, _anchors(plan)
+            fctx.fusible = plan, ctxs, traced, _anchors(plan), shapes
         if plan.constant_extra_outputs:
             fctx.mark_non_differentiable(*(extra_outputs[j] for j in plan.constant_extra_outputs))
         return (y, *extra_outputs) if extra_outputs else y
@@ -160,14 +161,30 @@ class _PipelineFunction(torch.autograd.Function):
             raise RuntimeError("fusible frees saved intermediates during the backward pass: "
                                "backward through the same graph twice (retain_graph=True) is "
                                "not supported; run the forward again")
-        plan, ctxs, traced, _ = fctx.fusible
+        plan, ctxs, traced, _, shapes = fctx.fusible
         plan = plan() if traced else plan
         # Consumed: backward runs once, and the node (which traces may keep) holds nothing.
         fctx.fusible = None
         ctxs = restore_saved(fctx, ctxs, plan.ops)
         dx, grad_extras, grad_params = run_backward(plan, grad_output, grad_extra_outputs, ctxs,
                                                     traced)
+        for g, shape in zip(grad_params, shapes):
+            if g is not None and g.shape != shape:
+                _wrong_grad_shape(plan, grad_params, shapes)
         return (None, None, dx, *grad_extras, *grad_params)
+
+
+def _wrong_grad_shape(plan, grad_params, shapes) -> None:
+    """Raise naming the stage and the parameter whose gradient has another shape than the
+    parameter (autograd would sum it down to the parameter's shape silently)."""
+    for st in plan.backward:
+        owners = [(op, name) for op in st.ops for name in op.param_names]
+        for k, (op, name) in zip(range(st.params.start, st.params.stop), owners):
+            g = grad_params[k]
+            if g is not None and g.shape != shapes[k]:
+                raise RuntimeError(f"{st.op.__class__.__name__} returned a gradient of shape "
+                                   f"{tuple(g.shape)} for {op.describe()}'s {name}, whose "
+                                   f"shape is {tuple(shapes[k])}")
 
 
 def _anchors(plan) -> tuple:
