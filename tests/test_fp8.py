@@ -8,11 +8,16 @@ import torch
 
 import fusible
 from fusible import ops
-from fusible.testing import fp8_snr_floor, reference_forward, snr_db
+from fusible.testing import Rounding, reference_forward, snr_db
+from fp8_emulation import emulation, quantize_dequantize
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 DEVICES = ["cpu", "cuda"] if torch.cuda.is_available() else ["cpu"]
 RECIPES = {"hybrid": fusible.Float8CurrentScaling(), "e4m3": fusible.Float8CurrentScaling("e4m3")}
+# Against the emulated reference only accumulation order and the rounding of results remain:
+# bf16 runs reach 51-57 dB (or agree exactly), float32 ones far more. A wrong format, scale
+# or operand costs tens of dB.
+FLOOR_DB = {torch.bfloat16: 50, torch.float32: 120}
 
 
 @pytest.fixture(params=DEVICES)
@@ -28,33 +33,66 @@ def _scaled_mm_calls(fn):
     return sum(e.name == "aten::_scaled_mm" for e in prof.events())
 
 
-def _run_with_reference(model, x, recipe, dtype):
-    """Outputs and gradients of the FP8 model and of an FP64 reference."""
-    model = model.to(dtype)
-    xs = x.detach().to(dtype).clone().requires_grad_()
+class _GradThrough(torch.autograd.Function):
+    """The value as is; its gradient through ``fn`` (what a consumer sends back)."""
+
+    @staticmethod
+    def forward(ctx, t, fn):
+        ctx.fn = fn
+        return t.view_as(t)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return ctx.fn(grad), None
+
+
+def _check_against_emulation(model, inputs, run, recipe, floor_db, output_grad=None,
+                             leaves=None):
+    """Run ``run(*inputs)`` under ``recipe`` and back-propagate a random gradient; compare
+    the outputs and every gradient (inputs, parameters) with the emulated FP64 reference:
+    GEMM operands quantized with the formats' constants, stages rounded where the plan
+    rounds. ``output_grad(t)``: what the consumer of a quantized output sends back;
+    ``leaves``: the tensors whose ``.grad`` is each input's gradient (default: the inputs).
+    Returns the SNRs (dB) by result."""
+    low = inputs[0].dtype
     with fusible.autocast(recipe=recipe):
-        y = model(xs)
-    dy = torch.randn_like(y)
-    y.backward(dy)
-    ref_x = x.double().requires_grad_()
-    ref_y, ref_params = reference_forward(model, ref_x)
-    ref_y.backward(dy.double())
-    return y, xs, ref_y, ref_x, ref_params
+        plan = model.plan(*inputs)
+        outputs = run(*inputs)
+    outputs = outputs if isinstance(outputs, tuple) else (outputs,)
+    gen = torch.Generator().manual_seed(3)
+    grads = [torch.randn(o.shape, generator=gen).to(low) for o in outputs]
+    torch.autograd.backward([o.dequantize() if isinstance(o, fusible.Float8Tensor) and
+                             output_grad is None else o for o in outputs], grads)
+    ref_inputs = [(t.dequantize() if isinstance(t, fusible.Float8Tensor) else t)
+                  .detach().double().requires_grad_(t.requires_grad) for t in inputs]
+    ref_outputs, ref_params = reference_forward(model, *ref_inputs, fp8=emulation(recipe),
+                                                rounding=Rounding.of_plan(plan, low))
+    ref_outputs = ref_outputs if isinstance(ref_outputs, tuple) else (ref_outputs,)
+    if output_grad is not None:
+        ref_outputs = tuple(_GradThrough.apply(r, output_grad) for r in ref_outputs)
+    torch.autograd.backward(ref_outputs, [g.double() for g in grads])
+    results = {f"output {i}": (o, r) for i, (o, r) in enumerate(zip(outputs, ref_outputs))}
+    results.update({f"input {i} grad": (t.grad, r.grad)
+                    for i, (t, r) in enumerate(zip(leaves or inputs, ref_inputs))
+                    if t.requires_grad})
+    results.update({f"{n} grad": (p.grad, ref_params[id(p)].grad)
+                    for n, p in model.named_parameters() if p.requires_grad})
+    snrs = {what: snr_db(got, want) for what, (got, want) in results.items()}
+    low_ones = {what: snr for what, snr in snrs.items() if not snr > floor_db}
+    assert not low_ones, f"below {floor_db} dB: {low_ones}"
+    return snrs
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=str)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
-def test_linear_layer_against_fp64(recipe, dtype, device):
+def test_linear_layer_against_the_emulated_reference(recipe, dtype, device):
+    """Output, input, weight and bias gradients: the emulation quantizes exactly what the
+    library should (the input, the weight, the output gradient; the bias gradient comes
+    from the unquantized one), so only accumulation and output rounding remain."""
     torch.manual_seed(0)
-    model = ops.Sequential(ops.Linear(64, 48))
-    x = torch.randn(2, 16, 64)
-    y, xs, ref_y, ref_x, ref_params = _run_with_reference(model, x, RECIPES[recipe], dtype)
-    grad_dtype = RECIPES[recipe].backward_dtype
-    assert snr_db(y, ref_y) > fp8_snr_floor(E4M3, E4M3)
-    assert snr_db(xs.grad, ref_x.grad) > fp8_snr_floor(grad_dtype, E4M3)
-    weight, bias = model[0].weight, model[0].bias
-    assert snr_db(weight.grad, ref_params[id(weight)].grad) > fp8_snr_floor(grad_dtype, E4M3)
-    assert snr_db(bias.grad, ref_params[id(bias)].grad) > 40  # dbias: before quantization
+    model = ops.Sequential(ops.Linear(64, 48)).to(dtype)
+    x = torch.randn(2, 16, 64, dtype=dtype, requires_grad=True)
+    _check_against_emulation(model, [x], model, RECIPES[recipe], FLOOR_DB[dtype])
 
 
 def test_three_fp8_gemms_per_linear_layer(device):
@@ -69,7 +107,7 @@ def test_three_fp8_gemms_per_linear_layer(device):
     assert _scaled_mm_calls(lambda: model(x).sum().backward()) == 0  # outside autocast
 
 
-def test_fp8_residual_block_against_fp64(device):
+def test_fp8_residual_block_against_the_emulated_reference(device):
     torch.manual_seed(0)
     model = ops.Sequential(ops.MakeExtraOutput(), ops.LayerNorm(64), ops.Linear(64, 128),
                            ops.GELU(approximate="tanh"), ops.Linear(128, 64),
@@ -78,16 +116,11 @@ def test_fp8_residual_block_against_fp64(device):
     r = torch.randn(32, 64, dtype=torch.bfloat16, requires_grad=True)
     with fusible.autocast():
         plan = model.plan(x, r)
-        y, branch = model(x, r)
     assert "BackwardLinearAdd" not in [s.name for s in plan.backward]  # LayerNorm in between
     assert [s.name for s in plan.forward][-1] == "ForwardLinearBiasAdd"
-    (y.float().sum() + branch.float().sum()).backward()
-    ref_in = [t.detach().double().requires_grad_() for t in (x, r)]
-    (ref_y, ref_branch), _ = reference_forward(model, *ref_in)
-    (ref_y.sum() + ref_branch.sum()).backward()
-    two_gemms = fp8_snr_floor(E4M3, E4M3, E4M3, E4M3)  # the second GEMM's input carries noise
-    assert snr_db(y, ref_y) > two_gemms
-    assert snr_db(x.grad, ref_in[0].grad) > fp8_snr_floor(E5M2, E4M3, E5M2, E4M3)
+    snrs = _check_against_emulation(model, [x, r], model, RECIPES["hybrid"],
+                                    FLOOR_DB[torch.bfloat16])
+    assert len(snrs) == 2 + 2 + 6  # outputs, both input gradients, every parameter
 
 
 def test_fp8_shape_constraints_are_explained():
@@ -191,50 +224,71 @@ def test_quantized_tensors_flow_between_stages():
     assert data.dtype == E5M2 and scale_inv.dim() == 0 and transpose is not None
 
 
-@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
-@pytest.mark.parametrize("gradient", ["dequantize", "e4m3", "plain"])
+_PLAIN_GRAD_INTO_COMPILED_FP8 = pytest.mark.xfail(
+    raises=RuntimeError, strict=True,
+    reason="PyTorch cannot turn a plain gradient into the Float8Tensor tangent a compiled graph "
+           "with a Float8Tensor output expects: call .dequantize() or send a Float8Tensor "
+           "gradient")
+# What the consumer of the E4M3 output sends back, as the emulated reference sees it.
+_CONSUMERS = {"dequantize": lambda g: quantize_dequantize(g, E5M2),  # dequantize's backward
+              "e4m3": lambda g: quantize_dequantize(g, E4M3),
+              "plain": lambda g: g,
+              # a compiled backward is traced with an E5M2 tangent: an E4M3 gradient is
+              # requantized to it (docs/fp8.md, known limits)
+              "e4m3-compiled": lambda g: quantize_dequantize(quantize_dequantize(g, E4M3),
+                                                             E5M2)}
+
+
+@pytest.mark.parametrize("compiled,gradient", [
+    (False, "dequantize"), (False, "e4m3"), (False, "plain"), (True, "dequantize"),
+    (True, "e4m3"), pytest.param(True, "plain", marks=_PLAIN_GRAD_INTO_COMPILED_FP8)],
+    ids=lambda v: {False: "eager", True: "compiled"}.get(v, v))
 def test_fp8_output(compiled, gradient, device):
-    if compiled and gradient == "plain":
-        pytest.xfail("PyTorch cannot turn a plain gradient into the Float8Tensor tangent a "
-                     "compiled graph with a Float8Tensor output expects: call .dequantize() "
-                     "or send a Float8Tensor gradient")
+    """A pipeline ending in Quantize hands out an E4M3 Float8Tensor; whatever its consumer
+    sends back (E5M2 from dequantize, E4M3, plain), every gradient matches the emulation."""
     torch._dynamo.reset()
-    model, eager_twin = _pipeline(tail=[ops.Quantize()]), _pipeline(tail=[ops.Quantize()])
+    model = _pipeline(tail=[ops.Quantize()])
     run = torch.compile(model, fullgraph=True, backend="aot_eager") if compiled else model
-    x, g = torch.randn(16, 32, requires_grad=True), torch.randn(16, 32)
-    x_twin = x.detach().clone().requires_grad_()
+    x = torch.randn(16, 32, requires_grad=True)
     with fusible.autocast():
-        y, y_twin = run(x), eager_twin(x_twin)
+        y = run(x)
     assert isinstance(y, fusible.Float8Tensor) and y.fp8_dtype == E4M3 and y.requires_grad
-    assert torch.equal(y.dequantize(), y_twin.dequantize())
-    for out in (y, y_twin):
+    consumer = _CONSUMERS["e4m3-compiled" if compiled and gradient == "e4m3" else gradient]
+
+    def run_and_consume(t):
+        out = run(t)
         if gradient == "dequantize":
-            out.dequantize().backward(g)
-        elif gradient == "e4m3":
-            out.backward(fusible.quantize(g, E4M3))
-        else:
-            out.backward(g)
-    assert torch.equal(x.grad, x_twin.grad)
-    assert snr_db(model[0].weight.grad, eager_twin[0].weight.grad) == float("inf")
+            return out.dequantize()
+        return _SendBack.apply(out, consumer) if gradient == "e4m3" else out
+    snrs = _check_against_emulation(model, [x], run_and_consume, RECIPES["hybrid"],
+                                    FLOOR_DB[torch.float32], output_grad=consumer)
+    assert len(snrs) == 1 + 1 + 4
+
+
+class _SendBack(torch.autograd.Function):
+    """Identity on a Float8Tensor output whose backward sends an E4M3 Float8Tensor."""
+
+    @staticmethod
+    def forward(ctx, t, fn):
+        return t.view_as(t)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return fusible.quantize(grad.dequantize() if isinstance(grad, fusible.Float8Tensor)
+                                else grad, E4M3), None
 
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 def test_fp8_grad_consumed_in_graph(compiled, device):
     """Quantize(backward=True) after a linear layer: the layer's backward takes E5M2."""
     torch._dynamo.reset()
-    def make():
-        torch.manual_seed(0)
-        return ops.Sequential(ops.Linear(32, 64), ops.Quantize(forward=False, backward=True),
-                              ops.GELU(), ops.Linear(64, 32))
-    model, twin = make(), make()
+    torch.manual_seed(0)
+    model = ops.Sequential(ops.Linear(32, 64), ops.Quantize(forward=False, backward=True),
+                           ops.GELU(), ops.Linear(64, 32))
     run = torch.compile(model, fullgraph=True, backend="aot_eager") if compiled else model
     x = torch.randn(16, 32, requires_grad=True)
-    x_twin = x.detach().clone().requires_grad_()
-    with fusible.autocast():
-        run(x).sum().backward()
-        twin(x_twin).sum().backward()
-    assert torch.equal(x.grad, x_twin.grad)
-    assert torch.equal(model[0].weight.grad, twin[0].weight.grad)
+    snrs = _check_against_emulation(model, [x], run, RECIPES["hybrid"], FLOOR_DB[torch.float32])
+    assert len(snrs) == 1 + 1 + 4
 
 
 def test_fp8_grad_crossing_the_graph_boundary_eager(device):
@@ -246,7 +300,8 @@ def test_fp8_grad_crossing_the_graph_boundary_eager(device):
 
 
 @pytest.mark.xfail(reason="AOTAutograd cannot return a Float8Tensor gradient for a plain "
-                          "graph input ('Unexpected fake buffer'); eager works", strict=True)
+                          "graph input ('Unexpected fake buffer'); eager works", strict=True,
+                   raises=RuntimeError)
 def test_fp8_grad_crossing_the_graph_boundary_compiled():
     torch._dynamo.reset()
     model = _pipeline(ops.Quantize(forward=False, backward=True))
@@ -259,17 +314,16 @@ def test_fp8_grad_crossing_the_graph_boundary_compiled():
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 def test_externally_quantized_input(compiled, device):
+    """An E4M3 Float8Tensor input goes to the first GEMM as it is; the gradient reaches
+    the plain tensor it was quantized from, and every parameter gets its own."""
     torch._dynamo.reset()
-    model, twin = _pipeline(), _pipeline()
+    model = _pipeline()
     run = torch.compile(model, fullgraph=True, backend="aot_eager") if compiled else model
     x = torch.randn(16, 32, requires_grad=True)
-    x_twin = x.detach().clone().requires_grad_()
-    with fusible.autocast():
-        y, y_twin = run(fusible.quantize(x)), twin(fusible.quantize(x_twin))
-    assert torch.equal(y, y_twin)
-    y.sum().backward(), y_twin.sum().backward()
-    assert torch.equal(x.grad, x_twin.grad)
-    assert snr_db(y, _pipeline()(x)) > fp8_snr_floor(E4M3, E4M3, E4M3, E4M3)
+    q = fusible.quantize(x)
+    snrs = _check_against_emulation(model, [q], run, RECIPES["hybrid"], FLOOR_DB[torch.float32],
+                                    leaves=[x])
+    assert len(snrs) == 1 + 1 + 4 and x.grad.dtype == torch.float32
 
 
 def test_compile_report_says_which_gemms_ran_in_fp8():

@@ -81,6 +81,50 @@ class _RoundGrad(torch.autograd.Function):
         return grad.to(ctx.low).to(grad.dtype), None
 
 
+class _QuantizedValue(torch.autograd.Function):
+    """The value through ``fn`` (an emulated quantize-dequantize); gradient as is."""
+
+    @staticmethod
+    def forward(ctx, t, fn):
+        return fn(t)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _QuantizedGrad(torch.autograd.Function):
+    """The value as is; its gradient through ``fn``."""
+
+    @staticmethod
+    def forward(ctx, t, fn):
+        ctx.fn = fn
+        return t.view_as(t)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return ctx.fn(grad), None
+
+
+@attrs.frozen
+class FP8Emulation:
+    """How a reference emulates an FP8 ``recipe``: ``forward(t)`` and ``grad(t)`` return
+    ``t`` quantized (in the recipe's forward and gradient formats) and dequantized, in
+    ``t``'s dtype. Written by the test, from the formats' definitions, so that the
+    library's own FP8 constants and casts are checked rather than reused.
+
+    The reference applies ``forward`` to the input and the quantized parameters
+    (``quantized_params``) of every op that has some, and ``grad`` to the gradient of its
+    output: the operands of an FP8 linear layer's three GEMMs. Other ops that quantize
+    under the recipe (``quantizes(recipe, direction)``, e.g. Quantize) get ``forward``
+    on their output and ``grad`` on the gradient they send back.
+    """
+
+    recipe: object
+    forward: Callable
+    grad: Callable
+
+
 @attrs.frozen
 class Rounding:
     """Where the pipeline under test rounds to its dtype ``low``: the outputs of its forward
@@ -100,9 +144,10 @@ class Rounding:
 
 
 def reference_forward(model, x, *extra_inputs, dtype=torch.float64,
-                      rounding: Rounding | None = None):
+                      rounding: Rounding | None = None, fp8: FP8Emulation | None = None):
     """Run ``model`` op by op with plain PyTorch in ``dtype``; with ``rounding``, round
-    values and gradients where the pipeline's stages do (see :class:`Rounding`).
+    values and gradients where the pipeline's stages do (see :class:`Rounding`); with
+    ``fp8``, quantize the GEMM operands as an FP8 recipe does (see :class:`FP8Emulation`).
 
     Returns ``(outputs, params)``: outputs as the model would return them and
     a dict mapping each original parameter (by id) to its differentiable copy.
@@ -122,7 +167,20 @@ def reference_forward(model, x, *extra_inputs, dtype=torch.float64,
             x = _RoundGrad.apply(x, rounding.low)
         if isinstance(item, BasicOperationSpec):
             k = item.num_extra_inputs
-            x, outs = op_reference(item, x, extras[:k], [copy_of(p) for p in item.fusible_params()])
+            op_params = [copy_of(p) for p in item.fusible_params()]
+            gemm = fp8 is not None and bool(item.quantized_params)
+            if gemm:
+                x = _QuantizedValue.apply(x, fp8.forward)
+                op_params = [_QuantizedValue.apply(p, fp8.forward) if name in
+                             item.quantized_params else p
+                             for name, p in zip(item.param_names, op_params)]
+            elif fp8 is not None and item.quantizes(fp8.recipe, "backward"):
+                x = _QuantizedGrad.apply(x, fp8.grad)
+            x, outs = op_reference(item, x, extras[:k], op_params)
+            if gemm:
+                x = _QuantizedGrad.apply(x, fp8.grad)
+            elif fp8 is not None and item.quantizes(fp8.recipe, "forward"):
+                x = _QuantizedValue.apply(x, fp8.forward)
             extras = extras[k:]
             extra_outputs += outs
         else:  # an ordinary module: run it on float64 copies of its parameters and buffers
