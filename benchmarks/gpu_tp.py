@@ -73,7 +73,8 @@ def main():
     for var in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS"):
         os.environ.setdefault(var, "0" if var == "NCCL_NVLS_ENABLE" else "1")  # no multicast
     import gpu_tp  # the children import bench by module name, not from __main__
-    per_rank = run_distributed(gpu_tp.bench, 2, backend="nccl")
+    # rank 1 waits at a barrier while rank 0 compiles and measures alone: minutes
+    per_rank = run_distributed(gpu_tp.bench, 2, backend="nccl", timeout=1200)
     out = {"torch": torch.__version__, "gpu": torch.cuda.get_device_name(),
            "shape": {"tokens": TOKENS, "hidden": HIDDEN, "ffn": FFN}, "ranks": per_rank}
     for name in ("bf16", "fp8"):

@@ -1,14 +1,18 @@
 """Collectives, plans, errors, initialisation, checkpoints, sequence-parallel norms and
-fusion guards under tensor parallelism (run by tests/test_parallel.py on every rank)."""
+fusion guards under tensor parallelism (run by tests/test_parallel.py on every rank), and
+two sets of cases for the harness itself: a rank that fails alone, a rank that hangs."""
 
 import copy
+import time
 
 import pytest
 import torch
+import torch.distributed as dist
 
 import fusible
 from fusible import ops
 from fusible.testing import assert_close, exact_tensor
+from fusible.testing.distributed import run_cases
 from naive_plugins import GeluOfLinear
 from parallel_layers import DEVICE, IN, OUT, TOKENS, _load_mlp_shards, _part
 
@@ -197,3 +201,25 @@ def _check_all_gather_then_column(rank, ws):
         results.append((y, x.grad, model[-1].weight.grad))
     for a, b in zip(*results):
         assert torch.equal(a, b)
+
+
+def one_rank_fails_cases(rank, ws):
+    """Rank 1 fails a case before an all-reduce that rank 0 enters (an asymmetric bug)."""
+    def one_rank_fails():
+        if rank == 1:
+            raise RuntimeError("rank 1 fails before the all-reduce")
+        dist.all_reduce(torch.ones(1))
+
+    return run_cases({"all-reduce": lambda: dist.all_reduce(torch.ones(1)),
+                      "one rank fails": one_rank_fails,
+                      "next": lambda: dist.all_reduce(torch.ones(1))})
+
+
+def one_rank_hangs_cases(rank, ws):
+    """Rank 1 hangs (outside any collective) while rank 0 waits in an all-reduce."""
+    def one_rank_hangs():
+        if rank == 1:
+            time.sleep(600)  # terminated by the parent once rank 0 raises
+        dist.all_reduce(torch.ones(1))
+
+    return run_cases({"one rank hangs": one_rank_hangs})

@@ -2,25 +2,26 @@
 
 Every rank builds the same full FP64 reference from one seed, runs its shard of the layer,
 and compares its outputs and gradients with the matching slices of the reference. Failures
-are collected per case and reported together by the parent.
+are checked case by case (``run_cases``): the ranks stop together at the first case that
+failed on any of them, and the parent reports that failure.
 """
-
-import traceback
 
 import pytest
 import torch
+from torch.multiprocessing import ProcessRaisedException
 
-from fusible.testing.distributed import run_distributed
+from fusible.testing.distributed import NOT_RUN, failure_report, run_cases, run_distributed
 from parallel_layers import (DEVICE, _check_dgrad_reduction_overlaps_wgrad, _check_fp8_gather,
                              _check_fp8_gathered_tokens, _check_linear, _check_linear_fp8,
                              _check_mlp)
 from parallel_ops import (_check_all_gather_then_column, _check_collectives, _check_guards,
                           _check_init, _check_norm_sp, _check_plan, _check_size_errors,
-                          _check_state_dict_from_torch)
+                          _check_state_dict_from_torch, one_rank_fails_cases,
+                          one_rank_hangs_cases)
 
 
 def parallel_cases(rank, ws, device="cpu"):
-    """Every case on this rank: ``{case: None or the failure's traceback}``."""
+    """Every case on this rank: ``{case: outcome}``, as ``run_cases`` gives them."""
     torch.set_num_threads(1)
     DEVICE[0] = device
     cases = {"collectives": lambda: _check_collectives(rank, ws),
@@ -51,15 +52,14 @@ def parallel_cases(rank, ws, device="cpu"):
             cases[f"mlp sp={sp} {dtype}"] = lambda s=sp, d=dtype: _check_mlp(rank, ws, s, d)
         cases[f"mlp fp8 sp={sp}"] = lambda s=sp: _check_mlp(rank, ws, s, torch.bfloat16, True)
     cases["mlp inductor"] = lambda: _check_mlp(rank, ws, True, torch.float32, backend="inductor")
-    failures = {}
-    for name, check in cases.items():
+    return run_cases({name: _fresh_dynamo(check) for name, check in cases.items()})
+
+
+def _fresh_dynamo(check):
+    def run():
         torch._dynamo.reset()  # each case compiles afresh (no recompile limits across cases)
-        try:
-            check()
-            failures[name] = None
-        except Exception:
-            failures[name] = traceback.format_exc(limit=-3)
-    return failures
+        check()
+    return run
 
 
 @pytest.mark.parametrize("world_size", [1, 2])
@@ -73,10 +73,34 @@ def test_tensor_parallel_nccl():
 
 
 def _report(results):
-    failed = {f"rank {rank}: {name}": error for rank, result in enumerate(results)
-              for name, error in result.items() if error is not None}
-    assert not failed, "\n".join(f"{name}\n{error}" for name, error in failed.items())
-    assert len(results[0]) == 49
+    report = failure_report(results)
+    assert not report, report
+    assert [len(outcomes) for outcomes in results] == [49] * len(results)
+
+
+def test_a_rank_that_fails_alone_stops_every_rank_at_once():
+    """Rank 1 raises before an all-reduce that rank 0 waits in: rank 0 gets an error as
+    soon as rank 1 gives up (not at the collective timeout), and both skip the rest."""
+    results = run_distributed(one_rank_fails_cases, 2)
+    assert [r["all-reduce"] for r in results] == [None, None]
+    assert "RuntimeError: rank 1 fails before the all-reduce" in results[1]["one rank fails"]
+    freed = results[0]["one rank fails"]  # by rank 1 leaving the group, not by the timeout
+    assert freed.startswith("after rank 1 failed this case: ") and "Timed out" not in freed
+    for outcomes in results:
+        assert outcomes["next"] == f"{NOT_RUN}case 'one rank fails' failed on rank 1"
+    report = failure_report(results)
+    assert report.startswith("case 'one rank fails' failed on rank 1 (of 2):\n"), report
+    assert "rank 1 fails before the all-reduce" in report, report
+    assert "\nalso failed on rank 0, after: " in report, report
+    assert report.endswith("\n1 later case not run"), report
+
+
+def test_a_hung_rank_times_out():
+    """Rank 1 hangs outside any collective: rank 0's all-reduce times out, the exchange
+    after the case too, and the parent raises with rank 0's traceback."""
+    with pytest.raises(ProcessRaisedException, match=r"(?s)rank 0: the ranks could not agree "
+                       r"whether case 'one rank hangs' passed; here it failed:.*Timed out"):
+        run_distributed(one_rank_hangs_cases, 2, timeout=3)
 
 
 def test_tensor_parallel_example():
