@@ -4,17 +4,16 @@ the library's casts and GEMMs rather than reuse them."""
 import torch
 
 from fusible.testing import FP8Emulation
+from fp8_formats import FP8_MAX
 
-# The largest finite values, from the OCP FP8 formats (E4M3 without infinities).
-FORMAT_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
-FLOAT32_MAX = 3.4028234663852886e38
+FLOAT32_MAX = torch.finfo(torch.float32).max
 
 
 def quantize_dequantize(t: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
     """``t`` scaled so that its absolute maximum maps to the format's largest value
     (a float32 scale, at most the largest float32; 1 for an all-zero tensor), rounded to
     the format, and scaled back, in ``t``'s dtype."""
-    limit = FORMAT_MAX[fp8_dtype]
+    limit = FP8_MAX[fp8_dtype]
     amax = t.detach().abs().max().float()
     scale = torch.tensor(limit, dtype=torch.float32) / amax if amax > 0 else torch.ones(())
     scale = scale.clamp(max=FLOAT32_MAX)

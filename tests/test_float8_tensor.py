@@ -5,9 +5,10 @@ import torch
 
 import fusible
 from fusible.quantization import Float8CurrentScaling, Float8Tensor, autocast, fp8_recipe, quantize
-from fusible.quantization.cast import FP8_MAX
+from fusible.quantization.float8_tensor import _HANDLERS
+from fp8_formats import E4M3, E5M2, FP8_MAX, MANTISSA_BITS
 
-E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+aten = torch.ops.aten
 
 
 def snr_db(approx, exact):
@@ -16,10 +17,10 @@ def snr_db(approx, exact):
     return (10 * torch.log10(exact.square().sum() / (approx - exact).square().sum())).item()
 
 
-# A uniform rounding error of half a unit in the last place, relative: E4M3 keeps 3 mantissa
-# bits, E5M2 2. Per-element SNR of round-to-nearest is about 6.02 * (bits + 1) + 10.8 dB for
-# values spread over a binade; we ask for 6 dB less to allow values near the scale's edge.
-SNR_FLOOR = {E4M3: 6.02 * 4 + 4.8, E5M2: 6.02 * 3 + 4.8}
+# A uniform rounding error of half a unit in the last place, relative. Per-element SNR of
+# round-to-nearest is about 6.02 * (mantissa bits + 1) + 10.8 dB for values spread over a
+# binade; we ask for 6 dB less to allow values near the scale's edge.
+SNR_FLOOR = {d: 6.02 * (MANTISSA_BITS[d] + 1) + 4.8 for d in (E4M3, E5M2)}
 
 
 @pytest.mark.parametrize("fp8_dtype", [E4M3, E5M2], ids=str)
@@ -32,6 +33,17 @@ def test_quantize_round_trip(fp8_dtype, dtype):
     assert q._data.float().abs().max().item() == FP8_MAX[fp8_dtype]  # current scaling: amax hits max
     torch.testing.assert_close(q._transpose, q._data.t().contiguous(), rtol=0, atol=0)
     assert snr_db(q.dequantize(), x) > SNR_FLOOR[fp8_dtype]
+
+
+@pytest.mark.parametrize("fp8_dtype", [E4M3, E5M2], ids=str)
+def test_current_scaling_maps_amax_to_the_format_max(fp8_dtype):
+    """The scale comes from the format's largest value (the spec's, not the library's): a
+    wrong constant moves both the data's maximum and ``scale_inv``."""
+    x = torch.tensor([[-4.0, 1.0], [0.5, 3.0]])  # amax a power of two: amax / max is exact
+    q = quantize(x, fp8_dtype)
+    assert q._data.float()[0, 0].item() == -FP8_MAX[fp8_dtype]
+    assert q._data.float().abs().max().item() == FP8_MAX[fp8_dtype]
+    assert q.scale_inv.item() == (torch.tensor(4.0) / torch.tensor(FP8_MAX[fp8_dtype])).item()
 
 
 def test_zero_tensor_gets_scale_one():
@@ -184,3 +196,150 @@ def test_clone_shares_no_storage_and_the_op_boundary_copies_what_passes():
                         & _storages(x))
         eager = ops.Quantize.forward_compute(QuantizeForwardArgs(x, fmt)).output
         assert eager is x  # eagerly nothing is copied
+
+
+# Every entry of Float8Tensor's dispatch table against the same op on the dequantized values.
+# A case: (function of the inputs, whether it stays in FP8 (a Float8Tensor result; for a GEMM,
+# torch._scaled_mm), makers of the inputs). Each maker gets the test's ``columnwise``, so every
+# case runs with and without the transposed copy.
+
+def _fp8(*shape, fp8_dtype=E4M3):
+    return lambda columnwise: quantize(torch.randn(shape), fp8_dtype, columnwise=columnwise)
+
+
+def _plain(*shape):
+    return lambda columnwise: torch.randn(shape)
+
+
+_VIEW_SHAPES = {  # from (16, 32); those that change the last dimension can't keep the copy as is
+    "same": [16, 32], "split tokens": [4, 4, 32], "split last": [16, 2, 16],
+    "to (32, 16)": [32, 16], "flat": [512], "flat -1": [-1],
+}
+
+_CASES = {
+    aten.detach.default: {
+        "2d": (aten.detach.default, True, _fp8(16, 32)),
+        "3d": (aten.detach.default, True, _fp8(2, 8, 32)),
+        "of t()": (lambda x: aten.detach.default(aten.t.default(x)), True, _fp8(16, 32)),
+    },
+    aten.clone.default: {
+        "2d": (aten.clone.default, True, _fp8(16, 32)),
+        "of t()": (lambda x: aten.clone.default(aten.t.default(x)), True, _fp8(16, 32)),
+        "of t(), contiguous": (lambda x: aten.clone.default(
+            aten.t.default(x), memory_format=torch.contiguous_format), True, _fp8(16, 32)),
+    },
+    **{op: {
+        **{name: (lambda x, s=shape, op=op: op(x, s), True, _fp8(16, 32))
+           for name, shape in _VIEW_SHAPES.items()},
+        "3d to 2d": (lambda x, op=op: op(x, [16, 32]), True, _fp8(2, 8, 32)),
+        "of t()": (lambda x, op=op: op(aten.t.default(x), [2, 16, 16]), True, _fp8(16, 32)),
+    } for op in (aten.view.default, aten._unsafe_view.default)},
+    aten.t.default: {
+        "2d": (aten.t.default, True, _fp8(16, 32)),
+        "twice": (lambda x: aten.t.default(aten.t.default(x)), True, _fp8(16, 32)),
+        "1d": (aten.t.default, True, _fp8(32)),
+        # a view that changes the last dimension, then the op that uses the transposed copy
+        "of a view to (32, 16)": (lambda x: aten.t.default(aten.view.default(x, [32, 16])),
+                                  True, _fp8(16, 32)),
+        "of a view to (64, 8)": (lambda x: aten.t.default(aten.view.default(x, [64, 8])),
+                                 True, _fp8(16, 32)),
+    },
+    aten.transpose.int: {
+        "0 1": (lambda x: aten.transpose.int(x, 0, 1), True, _fp8(16, 32)),
+        "-1 -2": (lambda x: aten.transpose.int(x, -1, -2), True, _fp8(16, 32)),
+        "0 0": (lambda x: aten.transpose.int(x, 0, 0), False, _fp8(16, 32)),
+        "3d": (lambda x: aten.transpose.int(x, 1, 2), False, _fp8(2, 8, 32)),
+    },
+    aten.mm.default: {  # the three GEMMs of a linear layer; the gradient in E5M2
+        "x @ w.t()": (lambda x, w: aten.mm.default(x, aten.t.default(w)), True,
+                      _fp8(16, 32), _fp8(24, 32)),
+        "dy @ w": (aten.mm.default, True, _fp8(16, 24, fp8_dtype=E5M2), _fp8(24, 32)),
+        "dy.t() @ x": (lambda dy, x: aten.mm.default(aten.t.default(dy), x), True,
+                       _fp8(16, 24, fp8_dtype=E5M2), _fp8(16, 32)),
+        "view @ w.t()": (lambda x, w: aten.mm.default(aten.view.default(x, [16, 32]),
+                                                      aten.t.default(w)),
+                         True, _fp8(2, 8, 32), _fp8(24, 32)),
+        "view(32, 16).t() @ w.t()": (lambda x, w: aten.mm.default(
+            aten.t.default(aten.view.default(x, [32, 16])), aten.t.default(w)),
+            True, _fp8(16, 32), _fp8(24, 32)),
+        "x @ plain": (aten.mm.default, False, _fp8(16, 32), _plain(32, 24)),
+    },
+    aten.addmm.default: {
+        "bias": (lambda b, x, w: aten.addmm.default(b, x, aten.t.default(w)), True,
+                 _plain(24), _fp8(16, 32), _fp8(24, 32)),
+        "bias, beta, alpha": (lambda b, x, w: aten.addmm.default(
+            b, x, aten.t.default(w), beta=0.5, alpha=2.0), False,
+            _plain(24), _fp8(16, 32), _fp8(24, 32)),
+        "2d bias": (lambda b, x, w: aten.addmm.default(b, x, aten.t.default(w)), False,
+                    _plain(16, 24), _fp8(16, 32), _fp8(24, 32)),
+    },
+}
+
+_GEMMS = {aten.mm.default, aten.addmm.default}
+
+
+def _params(gemms: bool):
+    return [pytest.param(fn, stays_fp8, makers, id=f"{op.__name__}: {name}")
+            for op, cases in _CASES.items() if (op in _GEMMS) == gemms
+            for name, (fn, stays_fp8, *makers) in cases.items()]
+
+
+def _dequantized(t):
+    return t.dequantize() if isinstance(t, Float8Tensor) else t
+
+
+def _assert_consistent(t: Float8Tensor):
+    """What GEMMs and later ops rely on: data of the outer shape and strides, and a kept
+    transposed copy that is the data seen as (tokens, last dim), transposed, row-major."""
+    assert t._data.shape == t.shape and t._data.stride() == t.stride()
+    if t._transpose is not None:
+        expected = t._data.reshape(-1, t.shape[-1]).t().contiguous()
+        assert t._transpose.shape == expected.shape and t._transpose.is_contiguous()
+        assert torch.equal(t._transpose.view(torch.uint8), expected.view(torch.uint8))
+
+
+def test_every_dispatch_table_entry_has_cases():
+    assert set(_CASES) == set(_HANDLERS)
+
+
+columnwise = pytest.mark.parametrize("columnwise", [False, True], ids=["rowwise", "columnwise"])
+
+
+@columnwise
+@pytest.mark.parametrize("fn, stays_fp8, makers", _params(gemms=False))
+def test_fp8_view_like_op_matches_the_op_on_dequantized_values(fn, stays_fp8, makers,
+                                                               columnwise):
+    """Views, transposes, detach and clone move FP8 bytes: the result, dequantized, is the
+    op's result on the dequantized input bit for bit."""
+    inputs = [make(columnwise) for make in makers]
+    out, ref = fn(*inputs), fn(*map(_dequantized, inputs))
+    assert isinstance(out, Float8Tensor) == stays_fp8
+    if stays_fp8:
+        _assert_consistent(out)
+        assert out.dtype == ref.dtype
+        out = out.dequantize()
+    assert out.shape == ref.shape and torch.equal(out, ref)
+
+
+@columnwise
+@pytest.mark.parametrize("fn, stays_fp8, makers", _params(gemms=True))
+def test_fp8_gemm_matches_the_fp64_product_of_dequantized_operands(fn, stays_fp8, makers,
+                                                                   columnwise):
+    """FP8 products are exact in float32; what is left is float32 accumulation over K and the
+    scaling: a relative error of (K + 4) float32 units of the sum of absolute terms."""
+    inputs = [make(columnwise) for make in makers]
+    with torch.profiler.profile() as prof:
+        out = fn(*inputs)
+    assert any(e.name == "aten::_scaled_mm" for e in prof.events()) == stays_fp8
+    ref = fn(*[_dequantized(t).double() for t in inputs])
+    magnitude = fn(*[_dequantized(t).double().abs() for t in inputs])  # beta, alpha > 0
+    k = inputs[-1].shape[0]  # mm(a, b) and addmm(bias, a, b) take the same size from b
+    assert type(out) is torch.Tensor and out.dtype == torch.float32 and out.shape == ref.shape
+    assert ((out.double() - ref).abs() <= (k + 4) * 2.0 ** -24 * magnitude).all()
+
+
+@pytest.mark.parametrize("shape", [[4, 4, 32], [-1, 32], [2, 8, 32]])
+def test_views_that_keep_the_last_dimension_keep_the_transposed_copy(shape):
+    """Dropping it would cost another cast for the GEMM that needs the other layout."""
+    q = quantize(torch.randn(16, 32), columnwise=True)
+    assert aten.view.default(q, shape)._transpose is not None

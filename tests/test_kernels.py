@@ -33,8 +33,10 @@ _SCRIPT = textwrap.dedent("""
 
 
 def _run_interpreted(script: str) -> None:
-    """Run ``script`` in a fresh process with Triton's interpreter; it prints "ok"."""
-    env = dict(os.environ, TRITON_INTERPRET="1")
+    """Run ``script`` in a fresh process with Triton's interpreter; it prints "ok". The
+    tests folder is on its path, for the FP8 constants of ``fp8_formats``."""
+    path = os.pathsep.join(filter(None, [os.path.dirname(__file__), os.environ.get("PYTHONPATH")]))
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=path)
     result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
                             text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -50,7 +52,8 @@ def test_dact_dbias_triton_matches_reference():
 _CAST_SCRIPT = textwrap.dedent("""
     import torch
     from fusible.kernels.fp8_cast import cast_to_fp8_triton
-    from fusible.quantization.cast import FP8_MAX, cast_to_fp8_torch
+    from fp8_formats import FP8_MAX
+    from fusible.quantization.cast import cast_to_fp8_torch
     torch.manual_seed(0)
     for dtype in (torch.float32, torch.bfloat16):
         for fp8_dtype in FP8_MAX:
@@ -110,7 +113,7 @@ _DACT_FP8_SCRIPT = textwrap.dedent("""
     import torch
     from fusible.kernels.dact_dbias import dact_dbias_fp8_triton, dact_dbias_triton
     from fusible.kernels.fp8_cast import cast_to_fp8_triton
-    from fusible.quantization.cast import FP8_MAX
+    from fp8_formats import FP8_MAX
     torch.manual_seed(0)
     for kind in ("gelu_tanh", "relu"):
         for shape in ((70, 200), (3, 5, 48)):
