@@ -8,8 +8,7 @@ import torch
 
 import fusible
 from fusible import ops
-from fusible.testing import Rounding, reference_forward, snr_db
-from fp8_emulation import emulation, quantize_dequantize
+from fp8_emulation import check_against_emulation, quantize_dequantize
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 DEVICES = ["cpu", "cuda"] if torch.cuda.is_available() else ["cpu"]
@@ -33,56 +32,6 @@ def _scaled_mm_calls(fn):
     return sum(e.name == "aten::_scaled_mm" for e in prof.events())
 
 
-class _GradThrough(torch.autograd.Function):
-    """The value as is; its gradient through ``fn`` (what a consumer sends back)."""
-
-    @staticmethod
-    def forward(ctx, t, fn):
-        ctx.fn = fn
-        return t.view_as(t)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return ctx.fn(grad), None
-
-
-def _check_against_emulation(model, inputs, run, recipe, floor_db, output_grad=None,
-                             leaves=None):
-    """Run ``run(*inputs)`` under ``recipe`` and back-propagate a random gradient; compare
-    the outputs and every gradient (inputs, parameters) with the emulated FP64 reference:
-    GEMM operands quantized with the formats' constants, stages rounded where the plan
-    rounds. ``output_grad(t)``: what the consumer of a quantized output sends back;
-    ``leaves``: the tensors whose ``.grad`` is each input's gradient (default: the inputs).
-    Returns the SNRs (dB) by result."""
-    low = inputs[0].dtype
-    with fusible.autocast(recipe=recipe):
-        plan = model.plan(*inputs)
-        outputs = run(*inputs)
-    outputs = outputs if isinstance(outputs, tuple) else (outputs,)
-    gen = torch.Generator().manual_seed(3)
-    grads = [torch.randn(o.shape, generator=gen).to(low) for o in outputs]
-    torch.autograd.backward([o.dequantize() if isinstance(o, fusible.Float8Tensor) and
-                             output_grad is None else o for o in outputs], grads)
-    ref_inputs = [(t.dequantize() if isinstance(t, fusible.Float8Tensor) else t)
-                  .detach().double().requires_grad_(t.requires_grad) for t in inputs]
-    ref_outputs, ref_params = reference_forward(model, *ref_inputs, fp8=emulation(recipe),
-                                                rounding=Rounding.of_plan(plan, low))
-    ref_outputs = ref_outputs if isinstance(ref_outputs, tuple) else (ref_outputs,)
-    if output_grad is not None:
-        ref_outputs = tuple(_GradThrough.apply(r, output_grad) for r in ref_outputs)
-    torch.autograd.backward(ref_outputs, [g.double() for g in grads])
-    results = {f"output {i}": (o, r) for i, (o, r) in enumerate(zip(outputs, ref_outputs))}
-    results.update({f"input {i} grad": (t.grad, r.grad)
-                    for i, (t, r) in enumerate(zip(leaves or inputs, ref_inputs))
-                    if t.requires_grad})
-    results.update({f"{n} grad": (p.grad, ref_params[id(p)].grad)
-                    for n, p in model.named_parameters() if p.requires_grad})
-    snrs = {what: snr_db(got, want) for what, (got, want) in results.items()}
-    low_ones = {what: snr for what, snr in snrs.items() if not snr > floor_db}
-    assert not low_ones, f"below {floor_db} dB: {low_ones}"
-    return snrs
-
-
 @pytest.mark.parametrize("recipe", RECIPES, ids=str)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
 def test_linear_layer_against_the_emulated_reference(recipe, dtype, device):
@@ -92,7 +41,7 @@ def test_linear_layer_against_the_emulated_reference(recipe, dtype, device):
     torch.manual_seed(0)
     model = ops.Sequential(ops.Linear(64, 48)).to(dtype)
     x = torch.randn(2, 16, 64, dtype=dtype, requires_grad=True)
-    _check_against_emulation(model, [x], model, RECIPES[recipe], FLOOR_DB[dtype])
+    check_against_emulation(model, [x], model, RECIPES[recipe], FLOOR_DB[dtype])
 
 
 def test_three_fp8_gemms_per_linear_layer(device):
@@ -118,7 +67,7 @@ def test_fp8_residual_block_against_the_emulated_reference(device):
         plan = model.plan(x, r)
     assert "BackwardLinearAdd" not in [s.name for s in plan.backward]  # LayerNorm in between
     assert [s.name for s in plan.forward][-1] == "ForwardLinearBiasAdd"
-    snrs = _check_against_emulation(model, [x, r], model, RECIPES["hybrid"],
+    snrs = check_against_emulation(model, [x, r], model, RECIPES["hybrid"],
                                     FLOOR_DB[torch.bfloat16])
     assert len(snrs) == 2 + 2 + 6  # outputs, both input gradients, every parameter
 
@@ -260,7 +209,7 @@ def test_fp8_output(compiled, gradient, device):
         if gradient == "dequantize":
             return out.dequantize()
         return _SendBack.apply(out, consumer) if gradient == "e4m3" else out
-    snrs = _check_against_emulation(model, [x], run_and_consume, RECIPES["hybrid"],
+    snrs = check_against_emulation(model, [x], run_and_consume, RECIPES["hybrid"],
                                     FLOOR_DB[torch.float32], output_grad=consumer)
     assert len(snrs) == 1 + 1 + 4
 
@@ -287,7 +236,7 @@ def test_fp8_grad_consumed_in_graph(compiled, device):
                            ops.GELU(), ops.Linear(64, 32))
     run = torch.compile(model, fullgraph=True, backend="aot_eager") if compiled else model
     x = torch.randn(16, 32, requires_grad=True)
-    snrs = _check_against_emulation(model, [x], run, RECIPES["hybrid"], FLOOR_DB[torch.float32])
+    snrs = check_against_emulation(model, [x], run, RECIPES["hybrid"], FLOOR_DB[torch.float32])
     assert len(snrs) == 1 + 1 + 4
 
 
@@ -321,7 +270,7 @@ def test_externally_quantized_input(compiled, device):
     run = torch.compile(model, fullgraph=True, backend="aot_eager") if compiled else model
     x = torch.randn(16, 32, requires_grad=True)
     q = fusible.quantize(x)
-    snrs = _check_against_emulation(model, [q], run, RECIPES["hybrid"], FLOOR_DB[torch.float32],
+    snrs = check_against_emulation(model, [q], run, RECIPES["hybrid"], FLOOR_DB[torch.float32],
                                     leaves=[x])
     assert len(snrs) == 1 + 1 + 4 and x.grad.dtype == torch.float32
 
