@@ -1,0 +1,323 @@
+"""Plant realistic bugs in the library one at a time and report which the test suite catches.
+
+Each mutation replaces one exact snippet (which must occur once) in one file, runs the
+tests (stopping at the first failure), and restores the file. A mutation the suite
+survives is a hole in the tests. Run on demand (it takes a while), not in CI:
+
+    bash scripts/mutation_check.sh                 # the curated set
+    bash scripts/mutation_check.sh --only e4m3_max # one mutation
+    bash scripts/mutation_check.sh --set fresh     # the set not used to write the tests
+
+The score of each set is recorded in docs/design.md ("Testing").
+"""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+import subprocess
+import sys
+import time
+
+import attrs
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+@attrs.frozen
+class Mutation:
+    name: str
+    path: str
+    old: str
+    new: str
+    why: str  # the bug it stands for
+
+
+def _m(name, path, old, new, why):
+    return Mutation(name, path, old, new, why)
+
+
+# The bugs the mutation audit planted (issue 20) and their kin: wrong operands, dropped
+# terms, swapped masks, wrong FP8 constants, stale caches and views.
+CURATED = [
+    _m("fp8_dgrad_drops_branch", "fusible/functional/linear.py",
+       "            dx = dx + accumulate_into\n", "            dx = dx\n",
+       "FP8 BackwardLinearAdd forgets to accumulate the branch gradient"),
+    _m("layer_norm_mask_swapped", "fusible/ops/layer_norm.py",
+       "ctx.needs.input, *ctx.needs.params)", "ctx.needs.input, *reversed(ctx.needs.params))",
+       "LayerNorm's weight and bias gradient masks swapped"),
+    _m("e4m3_max", "fusible/quantization/cast.py",
+       "FP8_MAX = {torch.float8_e4m3fn: 448.0,", "FP8_MAX = {torch.float8_e4m3fn: 240.0,",
+       "E4M3's largest value wrong (240, the fnuz variant's)"),
+    _m("dgrad_weight_e5m2", "fusible/functional/linear_state.py",
+       "w_q = quantize_raw(weight, recipe.weight_format().fp8_dtype, columnwise=True)",
+       "w_q = quantize_raw(weight, torch.float8_e5m2, columnwise=True)",
+       "the weight quantized to E5M2 for the dgrad GEMM"),
+    _m("view_keeps_stale_transpose", "fusible/quantization/float8_tensor.py",
+       "keep = t._transpose is not None and data.shape[-1] == t._data.shape[-1]",
+       "keep = t._transpose is not None",
+       "a Float8Tensor view that changes the last dimension keeps its transposed copy"),
+    _m("addmm_drops_bias", "fusible/quantization/float8_tensor.py",
+       "        return scaled_mm(a, b, bias=bias)\n", "        return scaled_mm(a, b)\n",
+       "addmm on two Float8Tensors drops the bias"),
+    _m("swiglu_in_16_bits", "fusible/functional/activations.py",
+       "    a, b = x.to(compute_dtype(x.dtype)).chunk(2, -1)\n    return",
+       "    a, b = x.chunk(2, -1)\n    return",
+       "SwiGLU's forward computes in bf16 instead of float32"),
+    _m("plan_cache_ignores_extra_rg", "fusible/core/conditions.py",
+       "                tuple([e.requires_grad for e in extra_inputs]), recipe_key, training)",
+       "                _falses(len(extra_inputs)), recipe_key, training)",
+       "the plan cache ignores whether extra inputs require grad"),
+    _m("all_gather_backward_wrong_rank", "fusible/ops/all_gather.py",
+       "        return BackwardResult(args.grad_output[mine])",
+       "        return BackwardResult(args.grad_output[mine] if parallel.group_rank(args.group) "
+       "== 0 else args.grad_output[:mine.stop - mine.start])",
+       "AllGather's backward slices rank 0's rows on the other ranks"),
+    _m("bias_grad_keepdim", "fusible/functional/linear.py",
+       "    return tokens_2d(grad_output).sum(0)\n",
+       "    return tokens_2d(grad_output).sum(0, keepdim=True)\n",
+       "a bias gradient of shape (1, n): autograd would sum it silently"),
+    _m("scale_inverted", "fusible/quantization/cast.py",
+       "scale = (amax.new_full((), FP8_MAX[fp8_dtype]) / amax)",
+       "scale = (amax / amax.new_full((), FP8_MAX[fp8_dtype]))",
+       "the FP8 scale computed upside down"),
+    _m("gelu_tanh_ignored", "fusible/functional/activations.py",
+       '    "gelu_tanh": (lambda x: F.gelu(x, approximate="tanh"),',
+       '    "gelu_tanh": (lambda x: F.gelu(x),',
+       "GELU's tanh approximation ignored in the forward"),
+    _m("relu_backward_reads_input_sign", "fusible/functional/activations.py",
+       '"relu": (torch.relu, lambda dy, y: aten.threshold_backward(dy, y, 0), True)',
+       '"relu": (torch.relu, lambda dy, y: aten.threshold_backward(dy, y, -1), True)',
+       "ReLU's backward passes gradient where the output is zero"),
+    _m("rms_norm_eps_outside", "fusible/functional/norms.py",
+       "rstd = torch.rsqrt(xf.square().mean(dims, keepdim=True) + eps)",
+       "rstd = torch.rsqrt(xf.square().mean(dims, keepdim=True)) + eps",
+       "RMSNorm adds eps after the square root"),
+    _m("make_extra_output_drops_branch", "fusible/ops/make_extra_output.py",
+       "        return BackwardResult(args.grad_output + args.grad_extra_output)",
+       "        return BackwardResult(args.grad_output)",
+       "MakeExtraOutput's backward drops the branch gradient"),
+    _m("add_extra_input_no_grad", "fusible/ops/add_extra_input.py",
+       "(dy if args.need_grad_extra_input else None,))",
+       "(dy if args.need_grad_input else None,))",
+       "AddExtraInput's extra-input gradient follows the wrong mask"),
+    _m("constant_scale_backward_unscaled", "fusible/ops/constant_scale.py",
+       "return BackwardResult(args.grad_output * args.scale if args.need_grad_input else None)",
+       "return BackwardResult(args.grad_output if args.need_grad_input else None)",
+       "ConstantScale's backward forgets the scale"),
+    _m("bias_grad_follows_input_mask", "fusible/ops/bias.py",
+       "(bias_grad(args.grad_output) if args.need_grad_bias else None,))",
+       "(bias_grad(args.grad_output) if args.need_grad_input else None,))",
+       "Bias computes its gradient when the input (not the bias) needs one"),
+    _m("attribute_change_keeps_plan", "fusible/core/operation.py",
+       '        if name != "training" and epoch.changed(old, value):\n',
+       '        if False and epoch.changed(old, value):\n',
+       "changing an op's attribute keeps the stale plan"),
+    _m("recipe_not_in_plan_key", "fusible/core/conditions.py",
+       "        return (x.dtype, device_type, True, x.requires_grad,\n"
+       "                None if params is None else tuple([p.requires_grad for p in params]),\n"
+       "                tuple([e.requires_grad for e in extra_inputs]), recipe_key, training)",
+       "        return (x.dtype, device_type, True, x.requires_grad,\n"
+       "                None if params is None else tuple([p.requires_grad for p in params]),\n"
+       "                tuple([e.requires_grad for e in extra_inputs]), None, training)",
+       "the FP8 recipe left out of the plan cache key (with grad enabled)"),
+    _m("recompute_ignores_forward_recipe", "fusible/runtime/runner.py",
+       "        if traced or torch._C._current_graph_task_id() == -1 "
+       "or self._forward_key is _UNSET:",
+       "        if True:",
+       "activation checkpointing recomputes under the recipe at backward time"),
+    _m("wgrad_wrong_scale", "fusible/functional/linear.py",
+       "        dw = fp8_gemm(dy_q._transpose, dy_q._scale_inv, x_saved._transpose.t(),\n"
+       "                      x_saved._scale_inv, None, dy_q.dtype)",
+       "        dw = fp8_gemm(dy_q._transpose, dy_q._scale_inv, x_saved._transpose.t(),\n"
+       "                      dy_q._scale_inv, None, dy_q.dtype)",
+       "the FP8 wgrad scaled by the wrong operand's scale"),
+    _m("reshape_backward_keeps_shape", "fusible/ops/reshape.py",
+       "        return BackwardResult(args.grad_output.reshape(args.input_shape))",
+       "        return BackwardResult(args.grad_output.reshape(-1, args.input_shape[-1]))",
+       "Reshape's backward returns a flattened gradient"),
+]
+
+# Bugs nobody tuned the tests for (the "fresh" set): picked from the library's source
+# alone, without reading tests/, to measure how the suite does on bugs it has not seen.
+FRESH = [
+    _m("dgrad_accumulate_weight_transposed", "fusible/functional/linear.py",
+       "dx = torch.addmm(tokens_2d(accumulate_into), dy2, weight)",
+       "dx = torch.addmm(tokens_2d(accumulate_into), dy2, weight.t())",
+       "the accumulating dgrad (BackwardLinearAdd) multiplies by weight.T: silently wrong "
+       "for square layers"),
+    _m("grad_sync_without_offset", "fusible/planning/prepare.py",
+       "sync += [(offset + k, tp) for k in range(len(op.param_names))] if tp else []",
+       "sync += [(k, tp) for k in range(len(op.param_names))] if tp else []",
+       "a fused backward stage all-reduces the wrong parameter gradients: the sequence-"
+       "parallel Bias after a row-parallel linear has dweight summed over the group, not "
+       "dbias"),
+    _m("grad_format_columnwise_follows_input", "fusible/functional/linear_state.py",
+       "recipe.grad_format(columnwise=needs.params[0])",
+       "recipe.grad_format(columnwise=needs.input)",
+       "dy's transposed FP8 copy (read by wgrad) kept when the input needs a gradient "
+       "rather than the weight: wgrad of a first layer finds none"),
+    _m("rms_norm_dx_mean_last_dim", "fusible/functional/norms.py",
+       "(g * x_hat).mean(dims, keepdim=True)",
+       "(g * x_hat).mean(-1, keepdim=True)",
+       "RMSNorm's dx averages over the last dimension only: wrong for a multi-dimensional "
+       "normalized_shape"),
+    _m("gelu_tanh_backward_exact", "fusible/functional/activations.py",
+       'lambda dy, x: aten.gelu_backward(dy, x, approximate="tanh")',
+       "lambda dy, x: aten.gelu_backward(dy, x)",
+       "tanh GELU's backward uses the exact GELU derivative (forward stays tanh)"),
+    _m("swiglu_backward_halves_swapped", "fusible/functional/activations.py",
+       "return torch.cat([da, db], -1).to(x.dtype)",
+       "return torch.cat([db, da], -1).to(x.dtype)",
+       "SwiGLU's backward concatenates the gate and value gradients in the wrong order"),
+    _m("dbias_sums_dy_not_dact", "fusible/functional/activations.py",
+       "return dact, bias_grad(dact)",
+       "return dact, bias_grad(grad_output)",
+       "BackwardActivationBias's PyTorch path sums dy, not the activation gradient, "
+       "into dbias"),
+    _m("dequantize_in_outer_dtype", "fusible/quantization/cast.py",
+       "return (data.float() * scale_inv).to(dtype).contiguous()",
+       "return (data.to(dtype) * scale_inv.to(dtype)).contiguous()",
+       "FP8 dequantization multiplies in the outer dtype (bf16 scale, bf16 product) "
+       "instead of float32"),
+    _m("cast_fake_transpose_shape", "fusible/quantization/cast.py",
+       "x.new_empty((x.shape[-1], x.numel() // x.shape[-1]), dtype=fp8_dtype)",
+       "x.new_empty((x.numel() // x.shape[-1], x.shape[-1]), dtype=fp8_dtype)",
+       "the FP8 cast's fake kernel gives the transposed copy the untransposed shape: "
+       "compiled FP8 graphs traced with wrong shapes"),
+    _m("recipe_key_ignores_format", "fusible/quantization/recipe.py",
+       'return f"current/{self.fp8_format}"',
+       'return "current"',
+       "the recipe key leaves out fp8_format: switching hybrid/e4m3 keeps the first "
+       "recipe's plans (and recipe_for_key returns the first recipe)"),
+    _m("dequantize_grad_e4m3", "fusible/quantization/float8_tensor.py",
+       "return quantize_raw(grad.contiguous(), torch.float8_e5m2)",
+       "return quantize_raw(grad.contiguous(), torch.float8_e4m3fn)",
+       "Float8Tensor.dequantize()'s backward sends an E4M3 gradient instead of E5M2"),
+    _m("needs_ignore_extra_inputs_upstream", "fusible/planning/passes.py",
+       "upstream = upstream or any(params) or any(extras)",
+       "upstream = upstream or any(params)",
+       "an extra input that requires grad does not make the ops after it produce dgrad: "
+       "the residual gets no gradient when x and the weights need none"),
+    _m("backward_stage_filter_first_op", "fusible/planning/prepare.py",
+       "if any(n.any for n in needs[es.lo:es.hi])]",
+       "if needs[es.lo].any]",
+       "a backward stage is kept only if its first op needs a gradient: "
+       "BackwardLinearBias with a frozen weight (and input) drops dbias"),
+    _m("priority_order_inverted", "fusible/planning/registry.py",
+       "key=lambda i: (-_fusions[i].priority, i))",
+       "key=lambda i: (_fusions[i].priority, i))",
+       "fusion priority sorted ascending: among matches of equal length the lower "
+       "priority wins"),
+    _m("backward_reads_extra_in_slice", "fusible/runtime/executor.py",
+       "grad_extra_outputs[st.extra_out] if st.num_extra_out",
+       "grad_extra_outputs[st.extra_in] if st.num_extra_out",
+       "a backward stage is handed the extra-output gradients sliced by its extra-input "
+       "span"),
+    _m("saved_inputs_skip_version_check", "fusible/runtime/saved.py",
+       "            if id(t) in input_ids:\n                to_save.append(t)\n",
+       "            if id(t) in input_ids:\n                pass\n",
+       "saved inputs and parameters kept only in the record, not through "
+       "save_for_backward: an in-place change after the forward goes undetected"),
+    _m("autocast_extra_inputs_not_cast", "fusible/runtime/runner.py",
+       "extra_inputs = tuple(e.to(dtype) for e in extra_inputs)",
+       "extra_inputs = tuple(extra_inputs)",
+       "under torch.autocast the extra inputs are not cast to the autocast dtype"),
+    _m("compiled_ignores_recipe", "fusible/runtime/compiled.py",
+       "extra_inputs, recipe.current_key(),",
+       "extra_inputs, None,",
+       "the compiled path leaves the FP8 recipe out of its conditions: no guard on it, "
+       "so a recipe change does not recompile"),
+    _m("real_check_accepts_nan", "fusible/core/checks.py",
+       "if minimum is not None and not value >= minimum:",
+       "if minimum is not None and value < minimum:",
+       "a real-valued argument with a minimum (eps) accepts NaN"),
+    _m("hooks_miss_backward_pre", "fusible/core/hooks.py",
+       '_LOCAL = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", '
+       '"_backward_pre_hooks")',
+       '_LOCAL = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks")',
+       "an op with only a full backward pre-hook is fused into its group: the hook never "
+       "runs"),
+    _m("all_reduce_backward_reduces", "fusible/ops/all_reduce.py",
+       "return BackwardResult(args.grad_output if args.need_grad_input else None)",
+       "return BackwardResult(parallel.all_reduce(args.grad_output, args.group) "
+       "if args.need_grad_input else None)",
+       "AllReduce's backward all-reduces the (replicated) gradient too: world_size times "
+       "too large"),
+    _m("quantize_backward_reads_forward_flag", "fusible/ops/quantize.py",
+       "recipe is not None and self.backward_fp8 else None",
+       "recipe is not None and self.forward_fp8 else None",
+       "Quantize quantizes the gradient per its forward flag: Quantize() (backward=False) "
+       "sends FP8 gradients"),
+    _m("layer_norm_saves_only_for_dx", "fusible/ops/layer_norm.py",
+       "        if ctx.needs.any:\n            ctx.saved = LayerNormSaved(",
+       "        if ctx.needs.input:\n            ctx.saved = LayerNormSaved(",
+       "LayerNorm saves for the backward only when its input needs a gradient: "
+       "a first-layer LayerNorm's weight and bias gradients fail"),
+    _m("cpu_epilogue_gelu_tanh", "fusions/forward_linear_bias_activation.py",
+       'EPILOGUE_GELU = {"cuda": "tanh", "cpu": "none"}',
+       'EPILOGUE_GELU = {"cuda": "tanh", "cpu": "tanh"}',
+       "the CPU GEMM epilogue is taken for tanh GELU: inference computes exact GELU"),
+    _m("layer_norm_eps_default", "fusible/ops/layer_norm.py",
+       "eps: float = 1e-5",
+       "eps: float = 1e-6",
+       "LayerNorm's default eps 1e-6 instead of torch.nn.LayerNorm's 1e-5"),
+]
+
+SETS = {"curated": CURATED, "fresh": FRESH}
+
+
+def _run_tests(timeout: int) -> tuple:
+    """(caught, seconds, the first failing test)."""
+    start = time.monotonic()
+    cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "tests"]
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return True, time.monotonic() - start, "timed out (a hang counts as caught)"
+    failed = [line for line in proc.stdout.splitlines() if line.startswith(("FAILED", "ERROR"))]
+    return proc.returncode != 0, time.monotonic() - start, failed[0] if failed else ""
+
+
+def run(mutations, timeout: int) -> int:
+    """Plant each mutation, run the tests, restore; print a table; return the survivors."""
+    survivors = 0
+    for m in mutations:
+        path = ROOT / m.path
+        text = path.read_text()
+        if text.count(m.old) != 1:
+            print(f"{m.name:36s} STALE  (its snippet occurs {text.count(m.old)} times in "
+                  f"{m.path}: update the mutation)")
+            survivors += 1
+            continue
+        path.write_text(text.replace(m.old, m.new))
+        try:
+            caught, seconds, where = _run_tests(timeout)
+        finally:
+            path.write_text(text)
+        survivors += not caught
+        print(f"{m.name:36s} {'caught ' if caught else 'SURVIVED'} {seconds:6.0f} s  "
+              f"{m.why}  {where}", flush=True)
+    total = len(mutations)
+    print(f"caught {total - survivors} of {total} ({100 * (total - survivors) / total:.0f}%)")
+    return survivors
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--set", default="curated", choices=sorted(SETS))
+    parser.add_argument("--only", nargs="*", help="names of mutations to run")
+    parser.add_argument("--timeout", type=int, default=900, help="seconds per run")
+    parser.add_argument("--check", action="store_true",
+                        help="only check that every snippet occurs once")
+    args = parser.parse_args()
+    mutations = [m for m in SETS[args.set] if not args.only or m.name in args.only]
+    if args.check:
+        stale = [m.name for m in mutations if (ROOT / m.path).read_text().count(m.old) != 1]
+        print(f"stale: {stale}" if stale else f"all {len(mutations)} snippets found once")
+        sys.exit(1 if stale else 0)
+    sys.exit(1 if run(mutations, args.timeout) else 0)
+
+
+if __name__ == "__main__":
+    main()
