@@ -16,7 +16,7 @@ def quantize_dequantize(t: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor
     the format, and scaled back, in ``t``'s dtype."""
     limit = FP8_MAX[fp8_dtype]
     amax = t.detach().abs().max().float()
-    scale = torch.tensor(limit, dtype=torch.float32) / amax if amax > 0 else torch.ones(())
+    scale = amax.new_full((), limit) / amax if amax > 0 else amax.new_ones(())
     scale = scale.clamp(max=FLOAT32_MAX)
     data = (t.detach().float() * scale).clamp(-limit, limit).to(fp8_dtype)
     return (data.double() * (1 / scale).double()).to(t.dtype)
@@ -55,7 +55,8 @@ def check_against_emulation(model, inputs, run, recipe, floor_db, output_grad=No
         outputs = run(*inputs)
     outputs = outputs if isinstance(outputs, tuple) else (outputs,)
     gen = torch.Generator().manual_seed(3)
-    grads = [torch.randn(o.shape, generator=gen).to(low) for o in outputs]
+    grads = [torch.randn(o.shape, generator=gen, device="cpu").to(o.device, low)
+             for o in outputs]
     torch.autograd.backward([o.dequantize() if isinstance(o, fusible.Float8Tensor) and
                              output_grad is None else o for o in outputs], grads)
     ref_inputs = [(t.dequantize() if isinstance(t, fusible.Float8Tensor) else t)
