@@ -51,7 +51,7 @@ CURATED = [
        "E4M3's largest value wrong (240, the fnuz variant's)"),
     _m("dgrad_weight_e5m2", "fusible/functional/linear_state.py",
        "w_q = quantize_raw(weight, recipe.weight_format().fp8_dtype, columnwise=True)",
-       "w_q = quantize_raw(weight, torch.float8_e5m2, columnwise=True)",
+       "w_q = quantize_raw(weight, recipe.grad_format().fp8_dtype, columnwise=True)",
        "the weight quantized to E5M2 for the dgrad GEMM"),
     _m("view_keeps_stale_transpose", "fusible/quantization/float8_tensor.py",
        "keep = t._transpose is not None and data.shape[-1] == t._data.shape[-1]",
@@ -276,7 +276,10 @@ def _run_tests(timeout: int) -> tuple:
     except subprocess.TimeoutExpired:
         return True, time.monotonic() - start, "timed out (a hang counts as caught)"
     failed = [line for line in proc.stdout.splitlines() if line.startswith(("FAILED", "ERROR"))]
-    return proc.returncode != 0, time.monotonic() - start, failed[0] if failed else ""
+    where = failed[0] if failed else ""
+    if any(e in proc.stdout for e in ("NameError", "SyntaxError", "ImportError")):
+        return None, time.monotonic() - start, where  # the mutation itself is broken
+    return proc.returncode != 0, time.monotonic() - start, where
 
 
 def run(mutations, timeout: int) -> int:
@@ -295,6 +298,11 @@ def run(mutations, timeout: int) -> int:
             caught, seconds, where = _run_tests(timeout)
         finally:
             path.write_text(text)
+        if caught is None:
+            print(f"{m.name:36s} BROKEN (the mutated code does not run: fix the mutation)  "
+                  f"{where}")
+            survivors += 1
+            continue
         survivors += not caught
         print(f"{m.name:36s} {'caught ' if caught else 'SURVIVED'} {seconds:6.0f} s  "
               f"{m.why}  {where}", flush=True)
