@@ -17,6 +17,8 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 # folder and the built-in fusions are entry points of the installed distribution.
 python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . || exit 1
 export PYTHONUNBUFFERED=1
+# Every FP8 check against the emulated reference records what it reached (floors calibrate)
+export SNR_LOG="$(realpath "$OUT")/snrs.jsonl"
 # NVLink multicast stays off on the lent machines (the NCCL tests and the TP benchmark)
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"

@@ -1,6 +1,9 @@
 """FP8 current scaling emulated from the formats' definitions, for references that check
 the library's casts and GEMMs rather than reuse them."""
 
+import json
+import os
+
 import torch
 
 import fusible
@@ -26,6 +29,16 @@ def emulation(recipe) -> FP8Emulation:
     """The reference's FP8 GEMM operands under ``recipe`` (its formats, our constants)."""
     return FP8Emulation(recipe, lambda t: quantize_dequantize(t, recipe.forward_dtype),
                         lambda t: quantize_dequantize(t, recipe.backward_dtype))
+
+
+def log_snrs(snrs: dict) -> None:
+    """Append the reached SNRs to the file ``$SNR_LOG`` names, if any: how floors are
+    calibrated on new hardware (``scripts/gpu_check.sh`` collects them)."""
+    path = os.environ.get("SNR_LOG")
+    if path:
+        with open(path, "a") as log:
+            log.write(json.dumps({"test": os.environ.get("PYTEST_CURRENT_TEST", "?"),
+                                  "snrs": {k: round(v, 2) for k, v in snrs.items()}}) + "\n")
 
 
 class _GradThrough(torch.autograd.Function):
@@ -74,6 +87,7 @@ def check_against_emulation(model, inputs, run, recipe, floor_db, output_grad=No
     results.update({f"{n} grad": (p.grad, ref_params[id(p)].grad)
                     for n, p in model.named_parameters() if p.requires_grad})
     snrs = {what: snr_db(got, want) for what, (got, want) in results.items()}
+    log_snrs(snrs)
     low_ones = {what: snr for what, snr in snrs.items() if not snr > floor_db}
     assert not low_ones, f"below {floor_db} dB: {low_ones}"
     return snrs

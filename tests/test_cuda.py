@@ -188,6 +188,6 @@ def test_backward_activation_bias_writes_fp8_directly_on_gpu(monkeypatch):
     model = ops.Sequential(ops.Linear(64, 4096), ops.GELU(), ops.Linear(4096, 64)).to(
         "cuda", torch.bfloat16)
     x = torch.randn(4096, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    snrs = check_against_emulation(model, [x], model, fusible.Float8CurrentScaling(), 35)
+    # 48.2 dB on an H200: bf16 results of Hopper's FP8 GEMMs, one re-quantized (tests/test_fp8.py)
+    check_against_emulation(model, [x], model, fusible.Float8CurrentScaling(), 46.5)
     assert calls == [torch.float8_e5m2]
-    print("fp8 gpu snrs", {k: round(v, 1) for k, v in snrs.items()})

@@ -13,10 +13,16 @@ from fp8_emulation import check_against_emulation, quantize_dequantize
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 DEVICES = ["cpu", "cuda"] if torch.cuda.is_available() else ["cpu"]
 RECIPES = {"hybrid": fusible.Float8CurrentScaling(), "e4m3": fusible.Float8CurrentScaling("e4m3")}
-# Against the emulated reference only accumulation order and the rounding of results remain:
-# bf16 runs reach 51-57 dB (or agree exactly), float32 ones far more. A wrong format, scale
-# or operand costs tens of dB.
-FLOOR_DB = {torch.bfloat16: 50, torch.float32: 120}
+# Against the emulated reference on CPU only accumulation order and the rounding of results
+# remain: bf16 runs reach 53-56 dB, float32 ones 130-136. Hopper's FP8 GEMMs accumulate in
+# less than float32 (the forward GEMM in the fast mode TE and torchao use too): there one
+# float32 GEMM reaches 83-88 dB, and where a GEMM's result is re-quantized for the next one
+# its small errors flip E4M3 roundings, so chains reach less. Each test's floors sit about
+# 1.5 dB below what it reaches on CPU and on an H200 (tests/fp8_emulation.py's SNR_LOG
+# records them); a wrong format, scale or operand costs more.
+def floor_db(device, cpu, cuda):
+    """The SNR floor (dB) on ``device``."""
+    return {"cpu": cpu, "cuda": cuda}[device]
 
 
 @pytest.fixture(params=DEVICES)
@@ -32,6 +38,9 @@ def _scaled_mm_calls(fn):
     return sum(e.name == "aten::_scaled_mm" for e in prof.events())
 
 
+LINEAR_FLOORS_DB = {torch.bfloat16: (54, 54), torch.float32: (134.5, 82)}
+
+
 @pytest.mark.parametrize("recipe", RECIPES, ids=str)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
 def test_linear_layer_against_the_emulated_reference(recipe, dtype, device):
@@ -41,7 +50,8 @@ def test_linear_layer_against_the_emulated_reference(recipe, dtype, device):
     torch.manual_seed(0)
     model = ops.Sequential(ops.Linear(64, 48)).to(dtype)
     x = torch.randn(2, 16, 64, dtype=dtype, requires_grad=True)
-    check_against_emulation(model, [x], model, RECIPES[recipe], FLOOR_DB[dtype])
+    check_against_emulation(model, [x], model, RECIPES[recipe],
+                            floor_db(device, *LINEAR_FLOORS_DB[dtype]))
 
 
 def test_three_fp8_gemms_per_linear_layer(device):
@@ -68,7 +78,7 @@ def test_fp8_residual_block_against_the_emulated_reference(device):
     assert "BackwardLinearAdd" not in [s.name for s in plan.backward]  # LayerNorm in between
     assert [s.name for s in plan.forward][-1] == "ForwardLinearBiasAdd"
     snrs = check_against_emulation(model, [x, r], model, RECIPES["hybrid"],
-                                    FLOOR_DB[torch.bfloat16])
+                                    floor_db(device, cpu=51.5, cuda=47))
     assert len(snrs) == 2 + 2 + 6  # outputs, both input gradients, every parameter
 
 
@@ -210,7 +220,8 @@ def test_fp8_output(compiled, gradient, device):
             return out.dequantize()
         return _SendBack.apply(out, consumer) if gradient == "e4m3" else out
     snrs = check_against_emulation(model, [x], run_and_consume, RECIPES["hybrid"],
-                                    FLOOR_DB[torch.float32], output_grad=consumer)
+                                    floor_db(device, cpu=128.5, cuda=72),
+                                    output_grad=consumer)
     assert len(snrs) == 1 + 1 + 4
 
 
@@ -236,7 +247,8 @@ def test_fp8_grad_consumed_in_graph(compiled, device):
                            ops.GELU(), ops.Linear(64, 32))
     run = torch.compile(model, fullgraph=True, backend="aot_eager") if compiled else model
     x = torch.randn(16, 32, requires_grad=True)
-    snrs = check_against_emulation(model, [x], run, RECIPES["hybrid"], FLOOR_DB[torch.float32])
+    snrs = check_against_emulation(model, [x], run, RECIPES["hybrid"],
+                                    floor_db(device, cpu=133, cuda=48))
     assert len(snrs) == 1 + 1 + 4
 
 
@@ -270,8 +282,8 @@ def test_externally_quantized_input(compiled, device):
     run = torch.compile(model, fullgraph=True, backend="aot_eager") if compiled else model
     x = torch.randn(16, 32, requires_grad=True)
     q = fusible.quantize(x)
-    snrs = check_against_emulation(model, [q], run, RECIPES["hybrid"], FLOOR_DB[torch.float32],
-                                    leaves=[x])
+    snrs = check_against_emulation(model, [q], run, RECIPES["hybrid"],
+                                    floor_db(device, cpu=130, cuda=73), leaves=[x])
     assert len(snrs) == 1 + 1 + 4 and x.grad.dtype == torch.float32
 
 

@@ -10,7 +10,7 @@ import fusible
 from fusible.testing import (Rounding, check_compiled_matches_eager, check_fusion,
                              opcheck_stages, reference_forward, snr_db, stage_names)
 from fusible.testing.matrix import build, cases, expected_stages, single_rank_group
-from fp8_emulation import emulation
+from fp8_emulation import emulation, log_snrs
 
 CASES = cases()
 IDS = [c.name for c in CASES]
@@ -48,10 +48,11 @@ with single_rank_group():  # the collectives' examples need a group to be built
 
 
 # Against the emulated reference (operands quantized with the formats' constants, stages
-# rounded where the plan rounds) the FP8 runs reach 51-57 dB (bf16 parameter gradients) or
-# agree exactly; against plain FP64 only 24-29 dB. A wrong format, scale or operand costs
-# far more than the margin below what is reached.
-EMULATED_FLOOR_DB = 48
+# rounded where the plan rounds) the FP8 runs reach 54.5-57.7 dB (bf16 parameter gradients)
+# or agree exactly, BackwardLinearAdd 51.2 (its input gradient sums two rounded GEMMs);
+# against plain FP64 only 24-29 dB. The floors sit 1.5-2 dB below the lowest reached.
+EMULATED_FLOOR_DB = {"BackwardLinearAdd": 49.5}
+EMULATED_FLOOR_DEFAULT_DB = 53
 
 
 @pytest.mark.parametrize("case", FP8_CASES, ids=[c.name for c in FP8_CASES])
@@ -82,8 +83,11 @@ def test_fp8_against_the_emulated_reference(case):
                   for i, (t, r) in enumerate(zip(inputs, ref_inputs)) if t.requires_grad]
         pairs += [(f"{n} grad", p.grad, ref_params[id(p)].grad)
                   for n, p in model.named_parameters() if p.requires_grad]
-        for what, got, want in pairs:
-            assert snr_db(got, want) > EMULATED_FLOOR_DB, (what, snr_db(got, want))
+        snrs = {what: snr_db(got, want) for what, got, want in pairs}
+        log_snrs(snrs)
+        floor = EMULATED_FLOOR_DB.get(case.name, EMULATED_FLOOR_DEFAULT_DB)
+        low = {what: snr for what, snr in snrs.items() if not snr > floor}
+        assert not low, f"below {floor} dB: {low}"
 
 
 def _variants(model, inputs) -> list:
