@@ -677,3 +677,27 @@ def test_parameters_replaced_by_a_wrong_shape_or_none_get_a_clear_error():
     norm.bias = None
     with pytest.raises(TypeError, match=r"LayerNorm\(normalized_shape=\(8,\)\) has no bias"):
         norm(x)
+
+
+@pytest.mark.parametrize("name", ["LayerNorm", "RMSNorm"])
+def test_norms_over_several_dimensions_match_torch_nn(name):
+    """A normalized_shape of two dimensions: output and every gradient as torch.nn's, in
+    float64 (statistics over both dimensions, not the last one alone)."""
+    torch.manual_seed(0)
+    shape = (3, 8)
+    ours, theirs = getattr(ops, name)(shape, dtype=torch.float64), \
+        getattr(torch.nn, name)(shape, eps=1e-5, dtype=torch.float64)
+    with torch.no_grad():
+        for p, q in zip(ours.parameters(), theirs.parameters(), strict=True):
+            p.copy_(torch.randn_like(p))
+            q.copy_(p)
+    x = torch.randn(5, *shape, dtype=torch.float64, requires_grad=True)
+    x2 = x.detach().clone().requires_grad_()
+    y, y2 = ops.Sequential(ours)(x), theirs(x2)
+    grad = torch.randn_like(y)
+    y.backward(grad)
+    y2.backward(grad)
+    torch.testing.assert_close(y, y2, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(x.grad, x2.grad, rtol=1e-10, atol=1e-10)
+    for (n, p), q in zip(ours.named_parameters(), theirs.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-10, atol=1e-10, msg=n)
