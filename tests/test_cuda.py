@@ -191,3 +191,109 @@ def test_backward_activation_bias_writes_fp8_directly_on_gpu(monkeypatch):
     # 48.2 dB on an H200: bf16 results of Hopper's FP8 GEMMs, one re-quantized (tests/test_fp8.py)
     check_against_emulation(model, [x], model, fusible.Float8CurrentScaling(), 46.5)
     assert calls == [torch.float8_e5m2]
+
+
+@pytest.mark.parametrize("dtype", GPU_DTYPES, ids=str)
+def test_rms_norm_and_swiglu_triton_on_gpu(dtype):
+    from fusible.functional.activations import swiglu_backward, swiglu_forward
+    from fusible.functional.norms import rms_norm_backward, rms_norm_forward
+    from fusible.kernels.rms_norm import rms_norm_backward_triton, rms_norm_forward_triton
+    from fusible.kernels.swiglu import swiglu_backward_triton, swiglu_forward_triton
+    torch.manual_seed(0)
+    for shape in ((1000, 4096), (3, 77, 3000), (5, 9000)):
+        x = (3 * torch.randn(shape, device="cuda")).to(dtype)
+        dy = torch.randn(shape, device="cuda").to(dtype)
+        w = torch.randn(shape[-1], device="cuda").to(dtype)
+        y, rstd = rms_norm_forward_triton(x, w, 1e-5)
+        ref_y, ref_rstd = rms_norm_forward(x.double(), w.double(), [shape[-1]], 1e-5)
+        assert_close(y, ref_y, dtype, "rms_norm y")
+        assert_close(rstd, ref_rstd, torch.float32, "rstd")
+        dx, dw = rms_norm_backward_triton(dy, x, rstd, w, True, True)
+        ref_dx, ref_dw = rms_norm_backward(dy.double(), x.double(), ref_rstd, w.double(),
+                                           [shape[-1]], True, True)
+        assert_close(dx, ref_dx, dtype, "rms_norm dx")
+        assert_close(dw, ref_dw, dtype, "rms_norm dweight")
+        half = dy[..., : shape[-1] // 2]
+        assert_close(swiglu_forward_triton(x), swiglu_forward(x.double()), dtype, "swiglu")
+        assert_close(swiglu_backward_triton(half.contiguous(), x),
+                     swiglu_backward(half.double(), x.double()), dtype, "swiglu dx")
+
+
+@pytest.mark.parametrize("columnwise", [False, True])
+@pytest.mark.parametrize("fp8_dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=str)
+def test_fused_fp8_outputs_same_bits_as_kernel_then_cast_on_gpu(fp8_dtype, columnwise):
+    from fusible.kernels.fp8_cast import cast_to_fp8_triton
+    from fusible.kernels.rms_norm import rms_norm_forward_fp8_triton, rms_norm_forward_triton
+    from fusible.kernels.swiglu import (swiglu_backward_fp8_triton, swiglu_backward_triton,
+                                        swiglu_forward_fp8_triton, swiglu_forward_triton)
+    torch.manual_seed(0)
+    args = (fp8_dtype, FP8_MAX[fp8_dtype], columnwise)
+
+    def same(fused, plain):
+        ref = cast_to_fp8_triton(plain, *args)
+        assert len(fused) == len(ref)
+        for got, want in zip(fused, ref):
+            assert got.shape == want.shape and got.dtype == want.dtype
+            assert torch.equal(got.view(torch.uint8) if got.element_size() == 1 else got,
+                               want.view(torch.uint8) if want.element_size() == 1 else want)
+    for shape in ((2048, 4096), (3, 77, 640)):
+        x = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
+        dy = torch.randn(*shape[:-1], shape[-1] // 2, device="cuda", dtype=torch.bfloat16)
+        same(swiglu_forward_fp8_triton(x, *args), swiglu_forward_triton(x))
+        same(swiglu_backward_fp8_triton(dy, x, *args), swiglu_backward_triton(dy, x))
+        w = torch.randn(shape[-1], device="cuda", dtype=torch.bfloat16)
+        parts, rstd = rms_norm_forward_fp8_triton(x, w, 1e-5, *args)
+        y, ref_rstd = rms_norm_forward_triton(x, w, 1e-5)
+        assert torch.equal(rstd, ref_rstd)
+        same(parts, y)
+
+
+def _llama_ffn(hidden, ffn):
+    """``x + W2(SwiGLU(W13(RMSNorm(x))))``, called as ``model(x, x)``."""
+    return ops.Sequential(ops.RMSNorm(hidden), ops.BasicLinear(hidden, 2 * ffn), ops.SwiGLU(),
+                          ops.BasicLinear(ffn, hidden), ops.AddExtraInput())
+
+
+@pytest.mark.parametrize("dtype", GPU_DTYPES, ids=str)
+def test_llama_ffn_block_on_gpu(dtype):
+    model = _cuda(_llama_ffn(64, 96), dtype)
+    x = exact_tensor((4, 32, 64), dtype, device="cuda").requires_grad_()
+    residual = exact_tensor((4, 32, 64), dtype, device="cuda").requires_grad_()
+    check_fusion(model, x, residual, forward=["ForwardLinearBiasAdd"], tolerance_scale=4)
+
+
+def test_llama_ffn_block_fp8_writes_fp8_in_the_norm_and_swiglu_kernels(monkeypatch):
+    """Under FP8 the RMSNorm and SwiGLU kernels write the GEMM inputs, and SwiGLU's
+    backward the first GEMM's output gradient, in FP8 themselves; every result matches
+    the emulated reference; compiled is bitwise eager."""
+    import copy
+
+    import fusible
+    from fusible.kernels import rms_norm, swiglu
+    calls = []
+    for module, name in ((rms_norm, "rms_norm_forward_fp8_triton"),
+                         (swiglu, "swiglu_forward_fp8_triton"),
+                         (swiglu, "swiglu_backward_fp8_triton")):
+        real = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, _real=real, _name=name, **k:
+                            calls.append((_name, a[-3])) or _real(*a, **k))
+    torch.manual_seed(0)
+    model = _llama_ffn(256, 512).to("cuda", torch.bfloat16)
+    x = torch.randn(1024, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    r = torch.randn(1024, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    check_against_emulation(model, [x, r], model, fusible.Float8CurrentScaling(), 46.5)
+    assert calls == [("rms_norm_forward_fp8_triton", torch.float8_e4m3fn),
+                     ("swiglu_forward_fp8_triton", torch.float8_e4m3fn),
+                     ("swiglu_backward_fp8_triton", torch.float8_e5m2)]
+    torch._dynamo.reset()
+    twin = copy.deepcopy(model)
+    compiled = torch.compile(twin, fullgraph=True)
+    dy = torch.randn(1024, 256, device="cuda", dtype=torch.bfloat16)
+    x1, x2 = (x.detach().clone().requires_grad_() for _ in range(2))
+    with fusible.autocast():
+        y1, y2 = model(x1, x1), compiled(x2, x2)
+    y1.backward(dy)
+    y2.backward(dy)
+    assert torch.equal(y1, y2) and torch.equal(x1.grad, x2.grad)
+    for (n, p), p2 in zip(model.named_parameters(), twin.parameters()):
+        assert torch.equal(p.grad, p2.grad), n

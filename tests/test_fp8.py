@@ -82,6 +82,21 @@ def test_fp8_residual_block_against_the_emulated_reference(device):
     assert len(snrs) == 2 + 2 + 6  # outputs, both input gradients, every parameter
 
 
+def test_fp8_llama_ffn_block_against_the_emulated_reference(device):
+    """RMSNorm, SwiGLU (both may write their GEMM's input in FP8 themselves), no biases,
+    the residual added in the second GEMM's stage."""
+    torch.manual_seed(0)
+    model = ops.Sequential(ops.RMSNorm(64), ops.BasicLinear(64, 192), ops.SwiGLU(),
+                           ops.BasicLinear(96, 64), ops.AddExtraInput()).to(torch.bfloat16)
+    x = torch.randn(32, 64, dtype=torch.bfloat16, requires_grad=True)
+    r = torch.randn(32, 64, dtype=torch.bfloat16, requires_grad=True)
+    with fusible.autocast():
+        assert [s.name for s in model.plan(x, r).forward][-1] == "ForwardLinearBiasAdd"
+    snrs = check_against_emulation(model, [x, r], model, RECIPES["hybrid"],
+                                    floor_db(device, cpu=54, cuda=47))
+    assert len(snrs) == 1 + 2 + 3
+
+
 def test_fp8_shape_constraints_are_explained():
     model = ops.Sequential(ops.Linear(64, 48))
     with fusible.autocast():

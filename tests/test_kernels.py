@@ -140,3 +140,90 @@ _DACT_FP8_SCRIPT = textwrap.dedent("""
 @_GPU_COVERS
 def test_dact_dbias_fp8_triton_matches_dact_then_cast():
     _run_interpreted(_DACT_FP8_SCRIPT)
+
+
+_NORM_SWIGLU_SCRIPT = textwrap.dedent("""
+    import torch
+    from fusible.functional.activations import swiglu_backward, swiglu_forward
+    from fusible.functional.norms import rms_norm_backward, rms_norm_forward
+    from fusible.kernels.rms_norm import rms_norm_backward_triton, rms_norm_forward_triton
+    from fusible.kernels.swiglu import swiglu_backward_triton, swiglu_forward_triton
+    from fusible.testing import assert_close
+    torch.manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        for shape in ((7, 66), (3, 5, 34), (0, 10)):
+            x, dy = torch.randn(shape).to(dtype), torch.randn(*shape[:-1], shape[-1] // 2).to(dtype)
+            y = swiglu_forward_triton(x, block_m=4, block_n=16)
+            assert_close(y, swiglu_forward(x.double()), dtype, f"swiglu {dtype} {shape}")
+            dx = swiglu_backward_triton(dy, x, block_m=4, block_n=16)
+            assert_close(dx, swiglu_backward(dy.double(), x.double()), dtype, "swiglu dx")
+        for shape, ns in (((7, 70), (70,)), ((3, 5, 3, 12), (3, 12)), ((0, 8), (8,))):
+            x, dy = (3 * torch.randn(shape)).to(dtype), torch.randn(shape).to(dtype)
+            w = torch.randn(ns).to(dtype)
+            y, rstd = rms_norm_forward_triton(x, w, 1e-5, block_n=16)
+            ref_y, ref_rstd = rms_norm_forward(x.double(), w.double(), list(ns), 1e-5)
+            assert_close(y, ref_y, dtype, f"rms_norm {dtype} {shape}")
+            assert rstd.shape == ref_rstd.shape and rstd.dtype == torch.float32
+            assert_close(rstd, ref_rstd, torch.float32, "rstd")
+            for need_dx, need_dw in ((True, True), (True, False), (False, True)):
+                dx, dw = rms_norm_backward_triton(dy, x, rstd, w, need_dx, need_dw,
+                                                  rows_per_program=8, block_n=16)
+                ref_dx, ref_dw = rms_norm_backward(dy.double(), x.double(), ref_rstd,
+                                                   w.double(), list(ns), need_dx, need_dw)
+                assert (dx is None) != need_dx and (dw is None) != need_dw
+                if need_dx:
+                    assert_close(dx, ref_dx, dtype, f"rms_norm dx {dtype} {shape}")
+                if need_dw:
+                    assert dw.shape == w.shape
+                    assert_close(dw, ref_dw, dtype, f"rms_norm dweight {dtype} {shape}")
+    print("ok")
+""")
+
+
+@_GPU_COVERS
+def test_rms_norm_and_swiglu_triton_match_fp64():
+    _run_interpreted(_NORM_SWIGLU_SCRIPT)
+
+
+_FUSED_CAST_SCRIPT = textwrap.dedent("""
+    import torch
+    from fusible.kernels.fp8_cast import cast_to_fp8_triton
+    from fusible.kernels.rms_norm import rms_norm_forward_fp8_triton, rms_norm_forward_triton
+    from fusible.kernels.swiglu import (swiglu_backward_fp8_triton, swiglu_backward_triton,
+                                        swiglu_forward_fp8_triton, swiglu_forward_triton)
+    from fp8_formats import FP8_MAX
+    torch.manual_seed(0)
+
+    def same(fused, plain, fp8, columnwise):
+        ref = cast_to_fp8_triton(plain, fp8, FP8_MAX[fp8], columnwise, block=256,
+                                 block_m=16, block_n=32)
+        assert len(fused) == len(ref) and fused[0].shape == plain.shape
+        for got, want in zip(fused, ref):
+            assert got.dtype == want.dtype and got.shape == want.shape
+            assert torch.equal(got.view(torch.uint8) if got.element_size() == 1 else got,
+                               want.view(torch.uint8) if want.element_size() == 1 else want)
+
+    for fp8 in FP8_MAX:
+        for columnwise in (False, True):
+            for shape in ((70, 96), (3, 5, 34)):
+                x = torch.randn(shape).to(torch.bfloat16)
+                dy = torch.randn(*shape[:-1], shape[-1] // 2).to(torch.bfloat16)
+                args = (fp8, FP8_MAX[fp8], columnwise)
+                same(swiglu_forward_fp8_triton(x, *args, block_m=4, block_n=16),
+                     swiglu_forward_triton(x), fp8, columnwise)
+                same(swiglu_backward_fp8_triton(dy, x, *args, block_m=4, block_n=16),
+                     swiglu_backward_triton(dy, x), fp8, columnwise)
+                w = torch.randn(shape[-1]).to(torch.bfloat16)
+                parts, rstd = rms_norm_forward_fp8_triton(x, w, 1e-5, *args, block_n=16)
+                y, ref_rstd = rms_norm_forward_triton(x, w, 1e-5, block_n=16)
+                assert torch.equal(rstd, ref_rstd)
+                same(parts, y, fp8, columnwise)
+    print("ok")
+""")
+
+
+@_GPU_COVERS
+def test_fused_fp8_outputs_are_the_plain_kernel_then_the_cast():
+    """RMSNorm and SwiGLU writing FP8 themselves: the bits of their plain kernel followed
+    by the FP8 cast kernel (scale, data, transposed copy)."""
+    _run_interpreted(_FUSED_CAST_SCRIPT)

@@ -701,3 +701,22 @@ def test_norms_over_several_dimensions_match_torch_nn(name):
     torch.testing.assert_close(x.grad, x2.grad, rtol=1e-10, atol=1e-10)
     for (n, p), q in zip(ours.named_parameters(), theirs.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-10, atol=1e-10, msg=n)
+
+
+def test_torch_autocast_casts_extra_inputs_too(fresh_dynamo):
+    """Under torch.autocast a residual given in float32 joins the computation in the
+    autocast dtype, as the input does, and its gradient comes back in float32."""
+    torch.manual_seed(0)
+    model = ops.Sequential(ops.Linear(32, 32), ops.AddExtraInput())
+    x = torch.randn(16, 32, requires_grad=True)
+    r = torch.randn(16, 32, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = model(x, r)
+        plan = model.plan(x, r)
+    assert y.dtype == torch.bfloat16 and plan.forward[-1].name == "ForwardLinearBiasAdd"
+    y.float().square().sum().backward()
+    assert r.grad.dtype == torch.float32
+    w, b = (p.detach().bfloat16().double() for p in (model[0].weight, model[0].bias))
+    want = x.detach().bfloat16().double() @ w.t() + b + r.detach().bfloat16().double()
+    torch.testing.assert_close(y.double(), want, rtol=0.01, atol=0.01)
+    torch.testing.assert_close(r.grad.double(), 2 * y.double(), rtol=0, atol=0)

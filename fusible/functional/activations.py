@@ -10,8 +10,10 @@ from torch._subclasses.fake_tensor import FakeTensor
 
 from fusible.functional.linear import bias_grad
 from fusible.kernels import dact_dbias as kernels
+from fusible.kernels import swiglu as swiglu_kernels
+from fusible.kernels import triton_can_run
 from fusible.quantization.cast import FP8_MAX
-from fusible.quantization.float8_tensor import Float8Tensor
+from fusible.quantization.float8_tensor import Float8Tensor, from_cast_parts
 from fusible.quantization.format import Float8Format
 
 Tensor = torch.Tensor
@@ -74,14 +76,33 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
 
 
-def swiglu_forward(x: Tensor) -> Tensor:
-    """``a, b = x.chunk(2, -1); silu(a) * b``, in float32 for 16-bit inputs."""
+def swiglu_forward(x: Tensor, output_format: Optional[Float8Format] = None):
+    """``a, b = x.chunk(2, -1); silu(a) * b``, in float32 for 16-bit inputs.
+
+    On CUDA one Triton kernel; with ``output_format`` the result comes as that
+    Float8Tensor, never written in high precision. Elsewhere the PyTorch ops, and a
+    high-precision result (the caller quantizes it).
+    """
+    if triton_can_run(x):
+        if output_format is not None and x.numel():
+            fp8 = output_format.fp8_dtype
+            return from_cast_parts(swiglu_kernels.swiglu_forward_fp8_triton(
+                x, fp8, FP8_MAX[fp8], output_format.columnwise), x.dtype)
+        return swiglu_kernels.swiglu_forward_triton(x)
     a, b = x.to(compute_dtype(x.dtype)).chunk(2, -1)
     return (F.silu(a) * b).to(x.dtype)
 
 
-def swiglu_backward(grad_output: Tensor, x: Tensor) -> Tensor:
-    """The gradient of :func:`swiglu_forward` w.r.t. ``x``."""
+def swiglu_backward(grad_output: Tensor, x: Tensor,
+                    output_format: Optional[Float8Format] = None):
+    """The gradient of :func:`swiglu_forward` w.r.t. ``x``; ``output_format`` and the
+    devices as there."""
+    if triton_can_run(grad_output, x):
+        if output_format is not None and x.numel():
+            fp8 = output_format.fp8_dtype
+            return from_cast_parts(swiglu_kernels.swiglu_backward_fp8_triton(
+                grad_output, x, fp8, FP8_MAX[fp8], output_format.columnwise), grad_output.dtype)
+        return swiglu_kernels.swiglu_backward_triton(grad_output, x)
     cdt = compute_dtype(x.dtype)
     a, b = x.to(cdt).chunk(2, -1)
     dy = grad_output.to(cdt)

@@ -7,6 +7,11 @@ from typing import Optional
 import torch
 
 from fusible.core import checks
+from fusible.kernels import rms_norm as rms_norm_kernels
+from fusible.kernels import triton_can_run
+from fusible.quantization.cast import FP8_MAX
+from fusible.quantization.float8_tensor import from_cast_parts
+from fusible.quantization.format import Float8Format
 
 Tensor = torch.Tensor
 
@@ -55,9 +60,22 @@ def _float(t: Tensor) -> Tensor:
     return t.float() if t.dtype in (torch.bfloat16, torch.float16) else t
 
 
-def rms_norm_forward(x: Tensor, weight: Tensor, normalized_shape: list, eps: float) -> tuple:
+def rms_norm_forward(x: Tensor, weight: Tensor, normalized_shape: list, eps: float,
+                     output_format: Optional[Float8Format] = None) -> tuple:
     """``(y, rstd)``: ``x * rsqrt(mean(x**2) + eps) * weight`` in float32 for 16-bit
-    inputs, ``y`` in ``x``'s dtype."""
+    inputs, ``y`` in ``x``'s dtype.
+
+    On CUDA one Triton kernel; with ``output_format`` ``y`` comes as that Float8Tensor,
+    never written in high precision. Elsewhere the PyTorch ops, and a high-precision
+    ``y`` (the caller quantizes it).
+    """
+    if triton_can_run(x, weight):
+        if output_format is not None and x.numel():
+            fp8 = output_format.fp8_dtype
+            parts, rstd = rms_norm_kernels.rms_norm_forward_fp8_triton(
+                x, weight, eps, fp8, FP8_MAX[fp8], output_format.columnwise)
+            return from_cast_parts(parts, x.dtype), rstd
+        return rms_norm_kernels.rms_norm_forward_triton(x, weight, eps)
     xf = _float(x)
     dims = tuple(range(-len(normalized_shape), 0))
     rstd = torch.rsqrt(xf.square().mean(dims, keepdim=True) + eps)
@@ -67,7 +85,9 @@ def rms_norm_forward(x: Tensor, weight: Tensor, normalized_shape: list, eps: flo
 def rms_norm_backward(dy: Tensor, x: Tensor, rstd: Tensor, weight: Tensor,
                       normalized_shape: list, need_dx: bool,
                       need_dw: bool) -> tuple[Optional[Tensor], Optional[Tensor]]:
-    """``(dx, dweight)``, each None where not needed."""
+    """``(dx, dweight)``, each None where not needed (one Triton kernel on CUDA)."""
+    if triton_can_run(dy, x, weight):
+        return rms_norm_kernels.rms_norm_backward_triton(dy, x, rstd, weight, need_dx, need_dw)
     dtype = dy.dtype
     dims = tuple(range(-len(normalized_shape), 0))
     dyf, x_hat = _float(dy), _float(x) * rstd

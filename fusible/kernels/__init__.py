@@ -2,7 +2,14 @@
 plain-PyTorch arithmetic (the CPU path and the reference)."""
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 
+try:
+    import triton
+except ImportError:  # optional: CPU-only installs run the PyTorch ops
+    triton = None
+HAVE_TRITON = triton is not None
+_TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _PLAIN = (torch.Tensor, torch.nn.Parameter)  # a Parameter is a plain tensor to the kernels
 
 
@@ -17,3 +24,11 @@ def plain_eager(*tensors: torch.Tensor) -> bool:
     return (all(type(t) in _PLAIN for t in tensors)
             and torch._C._len_torch_dispatch_stack() == 0
             and not torch._C._are_functorch_transforms_active())
+
+
+def triton_can_run(*tensors) -> bool:
+    """Whether the Triton kernels take these tensors: real CUDA tensors (not the fake
+    ones of a trace, which get the PyTorch ops for their shapes) in a dtype the kernels
+    compute in, with Triton installed."""
+    return HAVE_TRITON and all(t.is_cuda and t.dtype in _TRITON_DTYPES
+                               and not isinstance(t, FakeTensor) for t in tensors)

@@ -50,6 +50,9 @@ class RMSNormBackwardArgs:
 class RMSNorm(BasicOperation):
     """``x * rsqrt(mean(x**2) + eps) * weight``, computed in float32 for 16-bit inputs.
 
+    On CUDA one Triton kernel each way; under an FP8 recipe the forward writes the next
+    linear layer's input in FP8 directly.
+
     Parameters
     ----------
     normalized_shape : int or tuple of int
@@ -75,6 +78,7 @@ class RMSNorm(BasicOperation):
     fwd_args_type = RMSNormForwardArgs
     bwd_args_type = RMSNormBackwardArgs
     saved_type = RMSNormSaved
+    quantizes_own_output = True
 
     def __init__(self, normalized_shape, *, eps: float = 1e-5, sequence_parallel: bool = False,
                  tensor_parallel_group=None, device=None, dtype=None):
@@ -100,8 +104,9 @@ class RMSNorm(BasicOperation):
         return RMSNormForwardArgs(input, params[0], list(self.normalized_shape), self.eps)
 
     @classmethod
-    def forward_compute(cls, args, *, in_custom_op=False):
-        y, rstd = rms_norm_forward(args.input, args.weight, args.normalized_shape, args.eps)
+    def forward_compute(cls, args, *, in_custom_op=False, output_format=None):
+        y, rstd = rms_norm_forward(args.input, args.weight, args.normalized_shape, args.eps,
+                                   output_format)
         return ForwardResult(y, (), (rstd,))
 
     def save_for_backward(self, args, result, ctxs):
@@ -116,7 +121,8 @@ class RMSNorm(BasicOperation):
                                    ctx.needs.params[0])
 
     @classmethod
-    def backward_compute(cls, args, *, in_custom_op=False):
+    def backward_compute(cls, args, *, in_custom_op=False, output_format=None):
+        # dx in high precision: the caller quantizes it where the previous stage wants FP8
         dx, dw = rms_norm_backward(args.grad_output, args.input, args.rstd, args.weight,
                                    args.normalized_shape, args.need_grad_input,
                                    args.need_grad_weight)

@@ -118,6 +118,13 @@ def _is_fake(t) -> bool:
     return isinstance(t, torch._subclasses.FakeTensor)
 
 
+def from_cast_parts(parts: list, dtype: torch.dtype) -> Float8Tensor:
+    """The Float8Tensor of a cast kernel's ``[data, scale_inv] (+ transposed copy)``,
+    dequantizing to ``dtype``."""
+    data, scale_inv, *transpose = parts
+    return Float8Tensor(data, scale_inv, dtype, transpose[0] if transpose else None)
+
+
 def quantize_raw(x: torch.Tensor, fp8_dtype: torch.dtype, columnwise: bool = False,
                  dtype: Optional[torch.dtype] = None,
                  amax: Optional[torch.Tensor] = None) -> Float8Tensor:
