@@ -49,8 +49,10 @@ def prepare(model, mode: str):
 
 
 def measure(model, tokens: int, hidden: int, ffn: int, mode: str = "eager",
-            context=contextlib.nullcontext, snapshot: str | None = None) -> dict:
+            context=contextlib.nullcontext, snapshot: str | None = None,
+            flops: float | None = None) -> dict:
     """Time and peak memory of fwd+bwd steps; each step runs inside ``context()``.
+    ``flops``: of one step (default: the MLP's 6 GEMMs).
 
     ``snapshot``: a path for the allocator history of the step whose peak is reported
     (``torch.cuda.memory._dump_snapshot``), to see what is alive at the peak.
@@ -87,7 +89,7 @@ def measure(model, tokens: int, hidden: int, ffn: int, mode: str = "eager",
         torch.cuda.memory._dump_snapshot(snapshot)
         torch.cuda.memory._record_memory_history(enabled=None)
     ms = triton.testing.do_bench(step, warmup=100, rep=1000, return_mode="median")
-    flops = 3 * 2 * tokens * hidden * ffn * 2
+    flops = flops or 3 * 2 * tokens * hidden * ffn * 2
     return {"ms": ms, "tflops": flops / ms / 1e9, "peak_gib": peak, "first3_s": first3}
 
 
