@@ -105,6 +105,7 @@ def test_zero_tokens(fp8, compiled, fresh_dynamo):
     (lambda: ops.LayerNorm("12"), TypeError, "LayerNorm: normalized_shape must be an int or a "
                                              "sequence of ints, got '12' (str)"),
     (lambda: ops.RMSNorm(8, eps=-1e-5), ValueError, "RMSNorm: eps must be at least 0.0"),
+    (lambda: ops.LayerNorm(8, eps=float("nan")), ValueError, "LayerNorm: eps must be at least"),
     (lambda: ops.RMSNorm(8, eps="small"), TypeError, "RMSNorm: eps must be a real number"),
     (lambda: ops.Reshape("ab"), TypeError, "Reshape: shape must be an int or a sequence"),
     (lambda: ops.Quantize(forward=1), TypeError, "Quantize: forward must be a bool"),
@@ -255,6 +256,18 @@ def test_backward_hooks_see_the_op_gradients():
     h = x @ model[0].weight.t() + model[1].bias
     expected = torch.autograd.grad(torch.nn.functional.gelu(h), h, gout)[0]
     torch.testing.assert_close(gin, expected)
+
+
+def test_a_backward_pre_hook_alone_runs_and_sees_the_op_output_gradient():
+    model = _mlp()
+    seen = []
+    model[2].register_full_backward_pre_hook(lambda m, gout: seen.append(gout[0]))
+    x = torch.randn(4, 8, requires_grad=True)
+    y = model(x)
+    dy = torch.randn_like(y)
+    y.backward(dy)
+    (gout,) = seen
+    torch.testing.assert_close(gout, dy @ model[3].weight)
 
 
 def test_hooks_on_a_nested_sequential_and_global_hooks_run():
