@@ -297,3 +297,21 @@ def test_llama_ffn_block_fp8_writes_fp8_in_the_norm_and_swiglu_kernels(monkeypat
     assert torch.equal(y1, y2) and torch.equal(x1.grad, x2.grad)
     for (n, p), p2 in zip(model.named_parameters(), twin.parameters()):
         assert torch.equal(p.grad, p2.grad), n
+
+
+@pytest.mark.parametrize("kind", ["gelu", "gelu_tanh", "silu"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_activation_writing_fp8_on_gpu(kind, dtype):
+    """Its activation against FP64, its FP8 bits against that activation then the cast."""
+    from fusible.functional.activations import activation_forward
+    from fusible.kernels.activation_cast import activation_fp8_triton, activation_triton
+    from fusible.kernels.fp8_cast import cast_to_fp8_triton
+    x = (3 * torch.randn(3000, 1000, device="cuda")).to(dtype)
+    y = activation_triton(kind, x)
+    assert_close(y, activation_forward(kind, x.double()), dtype, kind)
+    for fp8 in FP8_MAX:
+        fused = activation_fp8_triton(kind, x, fp8, FP8_MAX[fp8], True)
+        ref = cast_to_fp8_triton(y, fp8, FP8_MAX[fp8], True)
+        assert torch.equal(fused[1], ref[1])
+        for got, want in (fused[0], ref[0]), (fused[2], ref[2]):
+            assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))

@@ -165,9 +165,12 @@ _NORM_SWIGLU_SCRIPT = textwrap.dedent("""
             assert_close(y, ref_y, dtype, f"rms_norm {dtype} {shape}")
             assert rstd.shape == ref_rstd.shape and rstd.dtype == torch.float32
             assert_close(rstd, ref_rstd, torch.float32, "rstd")
-            for need_dx, need_dw in ((True, True), (True, False), (False, True)):
+            # tiles narrower than a row (two passes) and whole rows; few programs
+            for need_dx, need_dw, block_n, programs in (
+                    (True, True, 16, 3), (True, False, 16, None), (False, True, 16, 2),
+                    (True, True, None, 3), (True, False, None, None), (False, True, None, 2)):
                 dx, dw = rms_norm_backward_triton(dy, x, rstd, w, need_dx, need_dw,
-                                                  rows_per_program=8, block_n=16)
+                                                  block_n=block_n, programs=programs)
                 ref_dx, ref_dw = rms_norm_backward(dy.double(), x.double(), ref_rstd,
                                                    w.double(), list(ns), need_dx, need_dw)
                 assert (dx is None) != need_dx and (dw is None) != need_dw
@@ -214,7 +217,8 @@ _FUSED_CAST_SCRIPT = textwrap.dedent("""
                 same(swiglu_backward_fp8_triton(dy, x, *args, block_m=4, block_n=16),
                      swiglu_backward_triton(dy, x), fp8, columnwise)
                 w = torch.randn(shape[-1]).to(torch.bfloat16)
-                parts, rstd = rms_norm_forward_fp8_triton(x, w, 1e-5, *args, block_n=16)
+                parts, rstd = rms_norm_forward_fp8_triton(x, w, 1e-5, *args, block_n=16,
+                                                          cast_block=(16, 32))
                 y, ref_rstd = rms_norm_forward_triton(x, w, 1e-5, block_n=16)
                 assert torch.equal(rstd, ref_rstd)
                 same(parts, y, fp8, columnwise)
@@ -227,3 +231,35 @@ def test_fused_fp8_outputs_are_the_plain_kernel_then_the_cast():
     """RMSNorm and SwiGLU writing FP8 themselves: the bits of their plain kernel followed
     by the FP8 cast kernel (scale, data, transposed copy)."""
     _run_interpreted(_FUSED_CAST_SCRIPT)
+
+
+_ACTIVATION_CAST_SCRIPT = textwrap.dedent("""
+    import torch
+    from fusible.functional.activations import activation_forward
+    from fusible.kernels.activation_cast import activation_fp8_triton, activation_triton
+    from fusible.kernels.fp8_cast import cast_to_fp8_triton
+    from fusible.testing import assert_close
+    from fp8_formats import FP8_MAX
+    torch.manual_seed(0)
+    for kind in ("gelu", "gelu_tanh", "silu"):
+        for dtype in (torch.float32, torch.bfloat16):
+            for shape in ((37, 100), (3, 5, 48)):
+                x = (3 * torch.randn(shape)).to(dtype)
+                y = activation_triton(kind, x, block_m=16, block_n=32)
+                assert_close(y, activation_forward(kind, x.double()), dtype, f"{kind} {dtype}")
+                for fp8 in FP8_MAX:
+                    fused = activation_fp8_triton(kind, x, fp8, FP8_MAX[fp8], True, block_m=16,
+                                                  block_n=32)
+                    ref = cast_to_fp8_triton(y, fp8, FP8_MAX[fp8], True, block=256,
+                                             block_m=16, block_n=32)
+                    assert fused[0].shape == x.shape and fused[0].dtype == fp8
+                    assert torch.equal(fused[1], ref[1])
+                    for got, want in (fused[0], ref[0]), (fused[2], ref[2]):
+                        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+    print("ok")
+""")
+
+
+@_GPU_COVERS
+def test_activation_writing_fp8_is_the_activation_then_the_cast():
+    _run_interpreted(_ACTIVATION_CAST_SCRIPT)

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensor
 
 from fusible.functional.linear import bias_grad
+from fusible.kernels import activation_cast
 from fusible.kernels import dact_dbias as kernels
 from fusible.kernels import swiglu as swiglu_kernels
 from fusible.kernels import triton_can_run
@@ -29,8 +30,18 @@ ACTIVATIONS = {
 }
 
 
-def activation_forward(kind: str, x: Tensor) -> Tensor:
-    """Apply the pointwise activation ``kind``."""
+def activation_forward(kind: str, x: Tensor, output_format: Optional[Float8Format] = None):
+    """Apply the pointwise activation ``kind``.
+
+    With ``output_format``, on CUDA, for the activations whose backward reads their
+    input, the result comes as that Float8Tensor from Triton kernels that never write it
+    in high precision. Otherwise a high-precision result (the caller quantizes it).
+    """
+    if output_format is not None and kind in activation_cast.KINDS and x.numel() \
+            and triton_can_run(x):
+        fp8 = output_format.fp8_dtype
+        return from_cast_parts(activation_cast.activation_fp8_triton(
+            kind, x, fp8, FP8_MAX[fp8], output_format.columnwise), x.dtype)
     return ACTIVATIONS[kind][0](x)
 
 

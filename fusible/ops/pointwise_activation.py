@@ -49,6 +49,9 @@ class PointwiseActivation(BasicOperation, abstract=True):
     fwd_args_type = ActivationForwardArgs
     bwd_args_type = ActivationBackwardArgs
     saved_type = ActivationSaved
+    # GELU and SiLU write the next GEMM's FP8 input themselves on CUDA (see
+    # fusible.functional.activations.activation_forward)
+    quantizes_own_output = True
 
     @property
     def kind(self) -> str:
@@ -62,8 +65,8 @@ class PointwiseActivation(BasicOperation, abstract=True):
         return ActivationForwardArgs(input, self.kind)
 
     @classmethod
-    def forward_compute(cls, args, *, in_custom_op=False):
-        return ForwardResult(activation_forward(args.kind, args.input))
+    def forward_compute(cls, args, *, in_custom_op=False, output_format=None):
+        return ForwardResult(activation_forward(args.kind, args.input, output_format))
 
     def save_for_backward(self, args, result, ctxs):
         save_activation(self, ctxs[0], args.input, result.output)
@@ -73,7 +76,7 @@ class PointwiseActivation(BasicOperation, abstract=True):
         return ActivationBackwardArgs(grad_output, ctx.saved.tensor, self.kind, ctx.needs.input)
 
     @classmethod
-    def backward_compute(cls, args, *, in_custom_op=False):
+    def backward_compute(cls, args, *, in_custom_op=False, output_format=None):
         if not args.need_grad_input:
             return BackwardResult(None)
         return BackwardResult(activation_backward(args.kind, args.grad_output, args.saved))
