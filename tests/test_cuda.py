@@ -281,7 +281,10 @@ def test_llama_ffn_block_fp8_writes_fp8_in_the_norm_and_swiglu_kernels(monkeypat
     model = _llama_ffn(256, 512).to("cuda", torch.bfloat16)
     x = torch.randn(1024, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     r = torch.randn(1024, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    check_against_emulation(model, [x, r], model, fusible.Float8CurrentScaling(), 46.5)
+    # 42.3 dB on an H200, the same with the fused kernels off
+    # (benchmarks/diagnostics/fp8_snr_sources.py): Hopper's FP8 accumulation in a chain of
+    # re-quantized GEMMs, as in tests/test_fp8.py
+    check_against_emulation(model, [x, r], model, fusible.Float8CurrentScaling(), 41)
     assert calls == [("rms_norm_forward_fp8_triton", torch.float8_e4m3fn),
                      ("swiglu_forward_fp8_triton", torch.float8_e4m3fn),
                      ("swiglu_backward_fp8_triton", torch.float8_e5m2)]
