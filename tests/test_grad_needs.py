@@ -152,3 +152,22 @@ def test_branch_of_an_input_without_grad_is_not_differentiable():
     model = ops.Sequential(ops.MakeExtraOutput(), ops.BasicLinear(4, 3))
     y, branch = model(torch.randn(2, 4))
     assert y.requires_grad and not branch.requires_grad
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_a_residual_alone_requiring_grad_gets_it_through_the_ops_after_it(compiled):
+    """Frozen weights, an input without grad: only the residual added in the middle needs
+    a gradient, which the ops after the add must still send back."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = ops.Sequential(ops.Linear(8, 8), ops.AddExtraInput(), ops.Linear(8, 16),
+                           ops.GELU(), ops.Linear(16, 8)).double().requires_grad_(False)
+    run = torch.compile(model, fullgraph=True, backend="aot_eager") if compiled else model
+    x = torch.randn(4, 8, dtype=torch.float64)
+    r = torch.randn(4, 8, dtype=torch.float64, requires_grad=True)
+    run(x, r).sum().backward()
+    r2 = r.detach().clone().requires_grad_()
+    h = torch.nn.functional.linear(x, model[0].weight, model[0].bias) + r2
+    h = torch.nn.functional.gelu(torch.nn.functional.linear(h, model[2].weight, model[2].bias))
+    torch.nn.functional.linear(h, model[4].weight, model[4].bias).sum().backward()
+    torch.testing.assert_close(r.grad, r2.grad, rtol=1e-12, atol=1e-12)

@@ -91,16 +91,19 @@ def test_fp8_against_the_emulated_reference(case):
 
 
 def _variants(model, inputs) -> list:
-    """Each parameter frozen in turn, each input not requiring grad in turn, with the
-    unfrozen model between them: one model sees every change between calls (a plan cache
-    that ignored one would hand a stale plan)."""
-    params = [p for p in model.parameters() if p.requires_grad]
+    """Each parameter frozen in turn, each input not requiring grad in turn, then each
+    input alone requiring grad (all else frozen: an extra input must make the ops after it
+    produce their input gradients), with the unfrozen model between them: one model sees
+    every change between calls (a plan cache that ignored one would hand a stale plan)."""
+    params = [id(p) for p in model.parameters() if p.requires_grad]
     inputs_rg = [i for i, t in enumerate(inputs) if t.requires_grad]
     variants = [((), ())]
     for p in params:
-        variants += [((id(p),), ()), ((), ())]
+        variants += [((p,), ()), ((), ())]
     for i in inputs_rg:
         variants += [((), (i,)), ((), ())]
+    for i in inputs_rg:
+        variants += [(tuple(params), tuple(j for j in inputs_rg if j != i)), ((), ())]
     return variants
 
 

@@ -733,3 +733,11 @@ def test_torch_autocast_casts_extra_inputs_too(fresh_dynamo):
     want = x.detach().bfloat16().double() @ w.t() + b + r.detach().bfloat16().double()
     torch.testing.assert_close(y.double(), want, rtol=0.01, atol=0.01)
     torch.testing.assert_close(r.grad.double(), 2 * y.double(), rtol=0, atol=0)
+
+
+def test_layer_norm_default_eps_is_torch_nn_s():
+    """Rows of nearly constant values, where eps decides the output."""
+    x = 1 + 1e-4 * torch.randn(4, 8, dtype=torch.float64)
+    ours, theirs = ops.LayerNorm(8, dtype=torch.float64), torch.nn.LayerNorm(8, dtype=torch.float64)
+    assert ours.eps == theirs.eps
+    torch.testing.assert_close(ops.Sequential(ours)(x), theirs(x), rtol=1e-12, atol=1e-12)
