@@ -6,8 +6,8 @@ from torch._subclasses.fake_tensor import FakeTensor
 
 try:
     import triton
-except ImportError:  # optional: CPU-only installs run the PyTorch ops
-    triton = None
+except ImportError as error:  # optional: CPU-only installs run the PyTorch ops
+    triton, _TRITON_IMPORT_ERROR = None, error
 HAVE_TRITON = triton is not None
 _TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _PLAIN = (torch.Tensor, torch.nn.Parameter)  # a Parameter is a plain tensor to the kernels
@@ -32,3 +32,10 @@ def triton_can_run(*tensors) -> bool:
     compute in, with Triton installed."""
     return HAVE_TRITON and all(t.is_cuda and t.dtype in _TRITON_DTYPES
                                and not isinstance(t, FakeTensor) for t in tensors)
+
+
+def require_triton(name: str) -> None:
+    """RuntimeError naming ``name`` when Triton failed to import."""
+    if triton is None:
+        raise RuntimeError(f"{name} needs Triton, which failed to import: "
+                           f"{_TRITON_IMPORT_ERROR!r}")

@@ -12,14 +12,16 @@ from __future__ import annotations
 
 import torch
 
+from fusible.kernels import require_triton
+
 try:
     import triton
     import triton.language as tl
 
     from fusible.kernels.fp8_cast import (fp8_buffers, fp8_results, max_keep_nan,
                                           scale_from_amax, store_fp8_tile)
-except ImportError as error:  # Triton is optional: CPU-only installs use PyTorch ops
-    triton, _TRITON_IMPORT_ERROR = None, error
+except ImportError:  # Triton is optional: CPU-only installs use PyTorch ops
+    triton = None
 
 # The activations whose backward reads their input (ReLU's reads its output, which
 # must then stay in high precision: it keeps the unfused path).
@@ -74,9 +76,7 @@ if triton is not None:
 
 
 def _rows_cols(name: str, kind: str, x: torch.Tensor) -> tuple:
-    if triton is None:
-        raise RuntimeError(f"{name} needs Triton, which failed to import: "
-                           f"{_TRITON_IMPORT_ERROR!r}")
+    require_triton(name)
     if kind not in KINDS:
         raise ValueError(f"{name}: kind must be one of {list(KINDS)}, got {kind!r}")
     n = x.shape[-1] if x.dim() else 1

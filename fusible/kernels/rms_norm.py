@@ -18,14 +18,16 @@ from __future__ import annotations
 
 import torch
 
+from fusible.kernels import require_triton
+
 try:
     import triton
     import triton.language as tl
 
     from fusible.kernels.fp8_cast import (fp8_buffers, fp8_results, max_keep_nan,
                                           scale_from_amax, store_fp8_tile)
-except ImportError as error:  # Triton is optional: CPU-only installs use PyTorch ops
-    triton, _TRITON_IMPORT_ERROR = None, error
+except ImportError:  # Triton is optional: CPU-only installs use PyTorch ops
+    triton = None
 
 
 if triton is not None:
@@ -152,12 +154,6 @@ if triton is not None:
                     tl.store(partial_row + cols, acc, mask=col_ok)
 
 
-def _need_triton(name: str) -> None:
-    if triton is None:
-        raise RuntimeError(f"{name} needs Triton, which failed to import: "
-                           f"{_TRITON_IMPORT_ERROR!r}")
-
-
 def _blocks(n: int, block_n: int | None) -> tuple:
     """``(BLOCK_M, BLOCK_N)``: about 2048 elements a tile, a whole row where it fits."""
     block_n = block_n or min(triton.next_power_of_2(max(n, 1)), 2048)
@@ -184,7 +180,7 @@ def rms_norm_forward_triton(x: torch.Tensor, weight: torch.Tensor, eps: float,
                             block_n: int | None = None) -> tuple:
     """``(y, rstd)`` over the trailing ``weight.numel()`` elements of each row: ``y`` in
     ``x``'s dtype, ``rstd`` float32 with a trailing size-1 dimension per normalised one."""
-    _need_triton("rms_norm_forward_triton")
+    require_triton("rms_norm_forward_triton")
     x, n = x.contiguous(), weight.numel()
     m = _rows(x, n)
     y = torch.empty_like(x)
@@ -205,7 +201,7 @@ def rms_norm_forward_fp8_triton(x: torch.Tensor, weight: torch.Tensor, eps: floa
     """``([data, scale_inv] (+ transposed copy), rstd)``: ``y`` in ``fp8_dtype`` with a
     current per-tensor scale, as the FP8 cast of :func:`rms_norm_forward_triton`'s ``y``
     would give, never written in ``x``'s dtype."""
-    _need_triton("rms_norm_forward_fp8_triton")
+    require_triton("rms_norm_forward_fp8_triton")
     x, w, n = x.contiguous(), weight.contiguous(), weight.numel()
     m = _rows(x, n)
     if not m or not n:
@@ -231,7 +227,7 @@ def rms_norm_backward_triton(grad_output: torch.Tensor, x: torch.Tensor, rstd: t
     """``(dx, dweight)`` of :func:`rms_norm_forward_triton`, each None where not needed;
     ``dweight`` sums the float32 per-program sums, rounded once to ``weight``'s dtype.
     Rows up to 16384 wide are held whole (unless ``block_n`` asks for narrower tiles)."""
-    _need_triton("rms_norm_backward_triton")
+    require_triton("rms_norm_backward_triton")
     dy, x, w, n = grad_output.contiguous(), x.contiguous(), weight.contiguous(), weight.numel()
     m = _rows(x, n)
     dx = torch.empty_like(x, dtype=dy.dtype) if need_dx else None

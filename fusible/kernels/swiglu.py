@@ -14,14 +14,16 @@ from __future__ import annotations
 
 import torch
 
+from fusible.kernels import require_triton
+
 try:
     import triton
     import triton.language as tl
 
     from fusible.kernels.fp8_cast import (fp8_buffers, fp8_results, max_keep_nan,
                                           scale_from_amax, store_fp8_tile)
-except ImportError as error:  # Triton is optional: CPU-only installs use PyTorch ops
-    triton, _TRITON_IMPORT_ERROR = None, error
+except ImportError:  # Triton is optional: CPU-only installs use PyTorch ops
+    triton = None
 
 
 if triton is not None:
@@ -116,12 +118,6 @@ if triton is not None:
                        2 * N, FP8_MAX, HAS_T)
 
 
-def _need_triton(name: str) -> None:
-    if triton is None:
-        raise RuntimeError(f"{name} needs Triton, which failed to import: "
-                           f"{_TRITON_IMPORT_ERROR!r}")
-
-
 def _rows_and_half(x: torch.Tensor) -> tuple:
     if x.dim() == 0 or x.shape[-1] % 2:
         raise ValueError(f"SwiGLU needs an even last dimension, got {tuple(x.shape)}")
@@ -135,7 +131,7 @@ def _grid(m: int, n: int, block_m: int, block_n: int) -> tuple:
 
 def swiglu_forward_triton(x: torch.Tensor, block_m: int = 32, block_n: int = 128):
     """``silu(a) * b`` for ``a, b = x.chunk(2, -1)``, in ``x``'s dtype."""
-    _need_triton("swiglu_forward_triton")
+    require_triton("swiglu_forward_triton")
     x = x.contiguous()
     m, n = _rows_and_half(x)
     y = x.new_empty((*x.shape[:-1], n))
@@ -150,7 +146,7 @@ def swiglu_forward_fp8_triton(x: torch.Tensor, fp8_dtype: torch.dtype, fp8_max: 
     """``[data, scale_inv]`` (+ the transposed copy when ``columnwise``) of the forward's
     result in ``fp8_dtype`` with a current per-tensor scale, as the FP8 cast of
     :func:`swiglu_forward_triton`'s result would give."""
-    _need_triton("swiglu_forward_fp8_triton")
+    require_triton("swiglu_forward_fp8_triton")
     x = x.contiguous()
     m, n = _rows_and_half(x)
     if not m * n:
@@ -169,7 +165,7 @@ def swiglu_forward_fp8_triton(x: torch.Tensor, fp8_dtype: torch.dtype, fp8_max: 
 def swiglu_backward_triton(grad_output: torch.Tensor, x: torch.Tensor, block_m: int = 32,
                            block_n: int = 128):
     """The gradient of :func:`swiglu_forward_triton` with respect to ``x``."""
-    _need_triton("swiglu_backward_triton")
+    require_triton("swiglu_backward_triton")
     dy, x = grad_output.contiguous(), x.contiguous()
     m, n = _rows_and_half(x)
     dx = torch.empty_like(x, dtype=dy.dtype)
@@ -184,7 +180,7 @@ def swiglu_backward_fp8_triton(grad_output: torch.Tensor, x: torch.Tensor,
                                block_m: int = 32, block_n: int = 128):
     """:func:`swiglu_backward_triton`'s result as :func:`swiglu_forward_fp8_triton` gives
     the forward's."""
-    _need_triton("swiglu_backward_fp8_triton")
+    require_triton("swiglu_backward_fp8_triton")
     dy, x = grad_output.contiguous(), x.contiguous()
     m, n = _rows_and_half(x)
     if not m * n:
