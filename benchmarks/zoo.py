@@ -94,35 +94,43 @@ class FusibleBlock(nn.Module):
 
 
 def fusible_twin(name: str, ref: nn.Module) -> nn.Module:
-    """The fusible block of ``ref``'s kind, on ``ref``'s weights (device and dtype too)."""
+    """The fusible block of ``ref``'s kind on ``ref``'s weights, device and dtype (moved
+    first, so the weights load without a round trip through float32)."""
+    block, loads = _fusible_block(name, ref)
     weight = ref.norm.weight
-    return _fusible_block(name, ref).to(weight.device, weight.dtype)
-
-
-def _fusible_block(name: str, ref: nn.Module) -> nn.Module:
+    block.to(weight.device, weight.dtype)
     sd = ref.state_dict()
+    for seq, names in loads:
+        seq.load_state_dict({ours: sd[theirs] for ours, theirs in names.items()})
+    # each parameter's name in ref, by its name here (the tests compare their gradients)
+    block.ref_names = {f"{attr}.{ours}": theirs for attr in ("first", "last")
+                       for seq, names in loads if seq is getattr(block, attr)
+                       for ours, theirs in names.items()}
+    return block
+
+
+def _fusible_block(name: str, ref: nn.Module) -> tuple:
+    """``(block, [(Sequential, {its parameter: ref's}), ...])``."""
     if name == "llama_ffn":
         hidden, ffn = ref.w2.out_features, ref.w2.in_features
         seq = ops.Sequential(ops.RMSNorm(hidden), ops.BasicLinear(hidden, 2 * ffn), ops.SwiGLU(),
                              ops.BasicLinear(ffn, hidden), ops.AddExtraInput())
-        seq.load_state_dict({"0.weight": sd["norm.weight"], "1.weight": sd["w13.weight"],
-                             "3.weight": sd["w2.weight"]})
-        return FusibleBlock(seq)
+        return FusibleBlock(seq), [(seq, {"0.weight": "norm.weight", "1.weight": "w13.weight",
+                                          "3.weight": "w2.weight"})]
     if name == "gpt_mlp":
         hidden, ffn = ref.fc2.out_features, ref.fc2.in_features
         seq = ops.Sequential(ops.LayerNorm(hidden), ops.Linear(hidden, ffn),
                              ops.GELU(approximate="tanh"), ops.Linear(ffn, hidden),
                              ops.AddExtraInput())
-        seq.load_state_dict({"0.weight": sd["norm.weight"], "0.bias": sd["norm.bias"],
-                             "1.weight": sd["fc1.weight"], "1.bias": sd["fc1.bias"],
-                             "3.weight": sd["fc2.weight"], "3.bias": sd["fc2.bias"]})
-        return FusibleBlock(seq)
+        return FusibleBlock(seq), [(seq, {"0.weight": "norm.weight", "0.bias": "norm.bias",
+                                          "1.weight": "fc1.weight", "1.bias": "fc1.bias",
+                                          "3.weight": "fc2.weight", "3.bias": "fc2.bias"})]
     hidden, qkv = ref.qkv.in_features, ref.qkv.out_features
     first = ops.Sequential(ops.RMSNorm(hidden), ops.BasicLinear(hidden, qkv))
     last = ops.Sequential(ops.BasicLinear(hidden, hidden), ops.AddExtraInput())
-    first.load_state_dict({"0.weight": sd["norm.weight"], "1.weight": sd["qkv.weight"]})
-    last.load_state_dict({"0.weight": sd["out.weight"]})
-    return FusibleBlock(first, _Attend(ref.shape), last)
+    return FusibleBlock(first, _Attend(ref.shape), last), [
+        (first, {"0.weight": "norm.weight", "1.weight": "qkv.weight"}),
+        (last, {"0.weight": "out.weight"})]
 
 
 class _Attend(nn.Module):
