@@ -194,23 +194,36 @@ def test_backward_activation_bias_writes_fp8_directly_on_gpu(monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", GPU_DTYPES, ids=str)
-def test_rms_norm_and_swiglu_triton_on_gpu(dtype):
+def test_norms_and_swiglu_triton_on_gpu(dtype):
     from fusible.functional.activations import swiglu_backward, swiglu_forward
+    from fusible.functional.norms import layer_norm_backward, layer_norm_forward
     from fusible.functional.norms import rms_norm_backward, rms_norm_forward
-    from fusible.kernels.rms_norm import rms_norm_backward_triton, rms_norm_forward_triton
+    from fusible.kernels.norms import norm_backward_triton, norm_forward_triton
     from fusible.kernels.swiglu import swiglu_backward_triton, swiglu_forward_triton
     torch.manual_seed(0)
-    for shape in ((1000, 4096), (3, 77, 3000), (5, 9000)):
-        x = (3 * torch.randn(shape, device="cuda")).to(dtype)
+    for shape in ((1000, 4096), (3, 77, 3000), (5, 20000)):  # whole rows; wider than 16384
+        x = (3 * torch.randn(shape, device="cuda") + 2).to(dtype)
         dy = torch.randn(shape, device="cuda").to(dtype)
-        w = torch.randn(shape[-1], device="cuda").to(dtype)
-        y, rstd = rms_norm_forward_triton(x, w, 1e-5)
-        ref_y, ref_rstd = rms_norm_forward(x.double(), w.double(), [shape[-1]], 1e-5)
+        w, b = (torch.randn(shape[-1], device="cuda").to(dtype) for _ in range(2))
+        ns = [shape[-1]]
+        y, mean, rstd = norm_forward_triton(x, w, b, 1e-5, True)
+        ref_y, ref_mean, ref_rstd = layer_norm_forward(x.double(), w.double(), b.double(), ns,
+                                                       1e-5)
+        assert_close(y, ref_y, dtype, "layer_norm y")
+        assert_close(mean, ref_mean, torch.float32, "mean")
+        assert_close(rstd, ref_rstd, torch.float32, "layer_norm rstd")
+        grads = norm_backward_triton(dy, x, mean, rstd, w, True, True, True, True)
+        refs = layer_norm_backward(dy.double(), x.double(), ref_mean, ref_rstd, w.double(),
+                                   b.double(), ns, [True, True, True])
+        for got, want, what in zip(grads, refs, ("dx", "dweight", "dbias")):
+            assert_close(got, want, dtype, f"layer_norm {what}")
+        y, _, rstd = norm_forward_triton(x, w, None, 1e-5, False)
+        ref_y, ref_rstd = rms_norm_forward(x.double(), w.double(), ns, 1e-5)
         assert_close(y, ref_y, dtype, "rms_norm y")
         assert_close(rstd, ref_rstd, torch.float32, "rstd")
-        dx, dw = rms_norm_backward_triton(dy, x, rstd, w, True, True)
-        ref_dx, ref_dw = rms_norm_backward(dy.double(), x.double(), ref_rstd, w.double(),
-                                           [shape[-1]], True, True)
+        dx, dw, _ = norm_backward_triton(dy, x, None, rstd, w, False, True, True)
+        ref_dx, ref_dw = rms_norm_backward(dy.double(), x.double(), ref_rstd, w.double(), ns,
+                                           True, True)
         assert_close(dx, ref_dx, dtype, "rms_norm dx")
         assert_close(dw, ref_dw, dtype, "rms_norm dweight")
         half = dy[..., : shape[-1] // 2]
@@ -223,7 +236,7 @@ def test_rms_norm_and_swiglu_triton_on_gpu(dtype):
 @pytest.mark.parametrize("fp8_dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=str)
 def test_fused_fp8_outputs_same_bits_as_kernel_then_cast_on_gpu(fp8_dtype, columnwise):
     from fusible.kernels.fp8_cast import cast_to_fp8_triton
-    from fusible.kernels.rms_norm import rms_norm_forward_fp8_triton, rms_norm_forward_triton
+    from fusible.kernels.norms import norm_forward_fp8_triton, norm_forward_triton
     from fusible.kernels.swiglu import (swiglu_backward_fp8_triton, swiglu_backward_triton,
                                         swiglu_forward_fp8_triton, swiglu_forward_triton)
     torch.manual_seed(0)
@@ -241,11 +254,14 @@ def test_fused_fp8_outputs_same_bits_as_kernel_then_cast_on_gpu(fp8_dtype, colum
         dy = torch.randn(*shape[:-1], shape[-1] // 2, device="cuda", dtype=torch.bfloat16)
         same(swiglu_forward_fp8_triton(x, *args), swiglu_forward_triton(x))
         same(swiglu_backward_fp8_triton(dy, x, *args), swiglu_backward_triton(dy, x))
-        w = torch.randn(shape[-1], device="cuda", dtype=torch.bfloat16)
-        parts, rstd = rms_norm_forward_fp8_triton(x, w, 1e-5, *args)
-        y, ref_rstd = rms_norm_forward_triton(x, w, 1e-5)
-        assert torch.equal(rstd, ref_rstd)
-        same(parts, y)
+        w, b = (torch.randn(shape[-1], device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        for center in (True, False):
+            bias = b if center else None
+            parts, mean, rstd = norm_forward_fp8_triton(x, w, bias, 1e-5, center, *args)
+            y, ref_mean, ref_rstd = norm_forward_triton(x, w, bias, 1e-5, center)
+            assert torch.equal(rstd, ref_rstd)
+            assert (mean is None and ref_mean is None) or torch.equal(mean, ref_mean)
+            same(parts, y)
 
 
 def _llama_ffn(hidden, ffn):
@@ -269,9 +285,9 @@ def test_llama_ffn_block_fp8_writes_fp8_in_the_norm_and_swiglu_kernels(monkeypat
     import copy
 
     import fusible
-    from fusible.kernels import rms_norm, swiglu
+    from fusible.kernels import norms, swiglu
     calls = []
-    for module, name in ((rms_norm, "rms_norm_forward_fp8_triton"),
+    for module, name in ((norms, "norm_forward_fp8_triton"),
                          (swiglu, "swiglu_forward_fp8_triton"),
                          (swiglu, "swiglu_backward_fp8_triton")):
         real = getattr(module, name)
@@ -285,7 +301,7 @@ def test_llama_ffn_block_fp8_writes_fp8_in_the_norm_and_swiglu_kernels(monkeypat
     # (benchmarks/diagnostics/fp8_snr_sources.py): Hopper's FP8 accumulation in a chain of
     # re-quantized GEMMs, as in tests/test_fp8.py
     check_against_emulation(model, [x, r], model, fusible.Float8CurrentScaling(), 41)
-    assert calls == [("rms_norm_forward_fp8_triton", torch.float8_e4m3fn),
+    assert calls == [("norm_forward_fp8_triton", torch.float8_e4m3fn),
                      ("swiglu_forward_fp8_triton", torch.float8_e4m3fn),
                      ("swiglu_backward_fp8_triton", torch.float8_e5m2)]
     torch._dynamo.reset()

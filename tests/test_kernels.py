@@ -145,11 +145,24 @@ def test_dact_dbias_fp8_triton_matches_dact_then_cast():
 _NORM_SWIGLU_SCRIPT = textwrap.dedent("""
     import torch
     from fusible.functional.activations import swiglu_backward, swiglu_forward
-    from fusible.functional.norms import rms_norm_backward, rms_norm_forward
-    from fusible.kernels.rms_norm import rms_norm_backward_triton, rms_norm_forward_triton
+    from fusible.functional.norms import (layer_norm_backward, layer_norm_forward,
+                                          rms_norm_backward, rms_norm_forward)
+    from fusible.kernels.norms import norm_backward_triton, norm_forward_triton
     from fusible.kernels.swiglu import swiglu_backward_triton, swiglu_forward_triton
     from fusible.testing import assert_close
     torch.manual_seed(0)
+
+    def reference(center, x, w, b, ns):
+        if center:
+            return layer_norm_forward(x, w, b, ns, 1e-5)
+        y, rstd = rms_norm_forward(x, w, ns, 1e-5)
+        return y, None, rstd
+
+    def reference_grads(center, dy, x, mean, rstd, w, b, ns, mask):
+        if center:
+            return layer_norm_backward(dy, x, mean, rstd, w, b, ns, list(mask))
+        return (*rms_norm_backward(dy, x, rstd, w, ns, *mask[:2]), None)
+
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
         for shape in ((7, 66), (3, 5, 34), (0, 10)):
             x, dy = torch.randn(shape).to(dtype), torch.randn(*shape[:-1], shape[-1] // 2).to(dtype)
@@ -157,41 +170,50 @@ _NORM_SWIGLU_SCRIPT = textwrap.dedent("""
             assert_close(y, swiglu_forward(x.double()), dtype, f"swiglu {dtype} {shape}")
             dx = swiglu_backward_triton(dy, x, block_m=4, block_n=16)
             assert_close(dx, swiglu_backward(dy.double(), x.double()), dtype, "swiglu dx")
-        for shape, ns in (((7, 70), (70,)), ((3, 5, 3, 12), (3, 12)), ((0, 8), (8,))):
-            x, dy = (3 * torch.randn(shape)).to(dtype), torch.randn(shape).to(dtype)
-            w = torch.randn(ns).to(dtype)
-            y, rstd = rms_norm_forward_triton(x, w, 1e-5, block_n=16)
-            ref_y, ref_rstd = rms_norm_forward(x.double(), w.double(), list(ns), 1e-5)
-            assert_close(y, ref_y, dtype, f"rms_norm {dtype} {shape}")
-            assert rstd.shape == ref_rstd.shape and rstd.dtype == torch.float32
-            assert_close(rstd, ref_rstd, torch.float32, "rstd")
-            # tiles narrower than a row (two passes) and whole rows; few programs
-            for need_dx, need_dw, block_n, programs in (
-                    (True, True, 16, 3), (True, False, 16, None), (False, True, 16, 2),
-                    (True, True, None, 3), (True, False, None, None), (False, True, None, 2)):
-                dx, dw = rms_norm_backward_triton(dy, x, rstd, w, need_dx, need_dw,
-                                                  block_n=block_n, programs=programs)
-                ref_dx, ref_dw = rms_norm_backward(dy.double(), x.double(), ref_rstd,
-                                                   w.double(), list(ns), need_dx, need_dw)
-                assert (dx is None) != need_dx and (dw is None) != need_dw
-                if need_dx:
-                    assert_close(dx, ref_dx, dtype, f"rms_norm dx {dtype} {shape}")
-                if need_dw:
-                    assert dw.shape == w.shape
-                    assert_close(dw, ref_dw, dtype, f"rms_norm dweight {dtype} {shape}")
+        for shape, ns in (((7, 70), [70]), ((3, 5, 3, 12), [3, 12]), ((0, 8), [8])):
+            # an offset mean, so that LayerNorm's centring shows
+            x, dy = (3 * torch.randn(shape) + 2).to(dtype), torch.randn(shape).to(dtype)
+            w, b = torch.randn(ns).to(dtype), torch.randn(ns).to(dtype)
+            for center in (True, False):
+                what = f"{'layer' if center else 'rms'}_norm {dtype} {shape}"
+                y, mean, rstd = norm_forward_triton(x, w, b if center else None, 1e-5, center,
+                                                    block_n=16)
+                ref_y, ref_mean, ref_rstd = reference(center, x.double(), w.double(),
+                                                      b.double(), ns)
+                assert_close(y, ref_y, dtype, what)
+                assert rstd.shape == ref_rstd.shape and rstd.dtype == torch.float32
+                assert_close(rstd, ref_rstd, torch.float32, f"{what} rstd")
+                assert (mean is None) != center
+                if center:
+                    assert_close(mean, ref_mean, torch.float32, f"{what} mean")
+                # tiles narrower than a row (two passes) and whole rows; few programs
+                for mask, block_n, programs in (
+                        ((True, True, True), 16, 3), ((True, False, False), 16, None),
+                        ((False, True, False), 16, 2), ((False, False, True), 16, 2),
+                        ((True, True, True), None, 3), ((True, False, True), None, None),
+                        ((False, True, False), None, 2)):
+                    got = norm_backward_triton(dy, x, mean, rstd, w, center, *mask,
+                                               block_n=block_n, programs=programs)
+                    want = reference_grads(center, dy.double(), x.double(), ref_mean,
+                                           ref_rstd, w.double(), b.double(), ns, mask)
+                    for g, r, need, name in zip(got, want, mask, ("dx", "dweight", "dbias")):
+                        if need and (center or name != "dbias"):
+                            assert_close(g, r, dtype, f"{what} {name} {block_n}")
+                        else:
+                            assert g is None, (what, name)
     print("ok")
 """)
 
 
 @_GPU_COVERS
-def test_rms_norm_and_swiglu_triton_match_fp64():
+def test_norms_and_swiglu_triton_match_fp64():
     _run_interpreted(_NORM_SWIGLU_SCRIPT)
 
 
 _FUSED_CAST_SCRIPT = textwrap.dedent("""
     import torch
     from fusible.kernels.fp8_cast import cast_to_fp8_triton
-    from fusible.kernels.rms_norm import rms_norm_forward_fp8_triton, rms_norm_forward_triton
+    from fusible.kernels.norms import norm_forward_fp8_triton, norm_forward_triton
     from fusible.kernels.swiglu import (swiglu_backward_fp8_triton, swiglu_backward_triton,
                                         swiglu_forward_fp8_triton, swiglu_forward_triton)
     from fp8_formats import FP8_MAX
@@ -216,20 +238,24 @@ _FUSED_CAST_SCRIPT = textwrap.dedent("""
                      swiglu_forward_triton(x), fp8, columnwise)
                 same(swiglu_backward_fp8_triton(dy, x, *args, block_m=4, block_n=16),
                      swiglu_backward_triton(dy, x), fp8, columnwise)
-                w = torch.randn(shape[-1]).to(torch.bfloat16)
-                parts, rstd = rms_norm_forward_fp8_triton(x, w, 1e-5, *args, block_n=16,
-                                                          cast_block=(16, 32))
-                y, ref_rstd = rms_norm_forward_triton(x, w, 1e-5, block_n=16)
-                assert torch.equal(rstd, ref_rstd)
-                same(parts, y, fp8, columnwise)
+                w, b = (torch.randn(shape[-1]).to(torch.bfloat16) for _ in range(2))
+                for center in (True, False):
+                    bias = b if center else None
+                    parts, mean, rstd = norm_forward_fp8_triton(
+                        x, w, bias, 1e-5, center, *args, block_n=16, cast_block=(16, 32))
+                    y, ref_mean, ref_rstd = norm_forward_triton(x, w, bias, 1e-5, center,
+                                                                block_n=16)
+                    assert torch.equal(rstd, ref_rstd)
+                    assert (mean is None and ref_mean is None) or torch.equal(mean, ref_mean)
+                    same(parts, y, fp8, columnwise)
     print("ok")
 """)
 
 
 @_GPU_COVERS
 def test_fused_fp8_outputs_are_the_plain_kernel_then_the_cast():
-    """RMSNorm and SwiGLU writing FP8 themselves: the bits of their plain kernel followed
-    by the FP8 cast kernel (scale, data, transposed copy)."""
+    """LayerNorm, RMSNorm and SwiGLU writing FP8 themselves: the bits of their plain
+    kernel followed by the FP8 cast kernel (scale, data, transposed copy)."""
     _run_interpreted(_FUSED_CAST_SCRIPT)
 
 

@@ -7,7 +7,7 @@ from typing import Optional
 import torch
 
 from fusible.core import checks
-from fusible.kernels import rms_norm as rms_norm_kernels
+from fusible.kernels import norms as norm_kernels
 from fusible.kernels import triton_can_run
 from fusible.quantization.cast import FP8_MAX
 from fusible.quantization.float8_tensor import from_cast_parts
@@ -39,9 +39,27 @@ def _cpu_float_copies(*tensors):
     return tensors
 
 
+def _norm_fp8(x, weight, bias, eps, center, output_format) -> tuple:
+    """``(Float8Tensor y, mean, rstd)`` from the Triton kernels that write ``y`` in FP8."""
+    fp8 = output_format.fp8_dtype
+    parts, mean, rstd = norm_kernels.norm_forward_fp8_triton(
+        x, weight, bias, eps, center, fp8, FP8_MAX[fp8], output_format.columnwise)
+    return from_cast_parts(parts, x.dtype), mean, rstd
+
+
 def layer_norm_forward(x: Tensor, weight: Tensor, bias: Tensor, normalized_shape: list,
-                       eps: float) -> tuple:
-    """``(y, mean, rstd)``, ``y`` in ``x``'s dtype."""
+                       eps: float, output_format: Optional[Float8Format] = None) -> tuple:
+    """``(y, mean, rstd)``, ``y`` in ``x``'s dtype (the statistics float32 for 16-bit
+    inputs).
+
+    On CUDA one Triton kernel; with ``output_format`` ``y`` comes as that Float8Tensor,
+    never written in high precision. Elsewhere PyTorch's kernel, and a high-precision
+    ``y`` (the caller quantizes it).
+    """
+    if triton_can_run(x, weight, bias):
+        if output_format is not None and x.numel():
+            return _norm_fp8(x, weight, bias, eps, True, output_format)
+        return norm_kernels.norm_forward_triton(x, weight, bias, eps, True)
     xc, w, b = _cpu_float_copies(x, weight, bias)
     y, mean, rstd = torch.native_layer_norm(xc, normalized_shape, w, b, eps)
     return y.to(x.dtype), mean, rstd
@@ -49,7 +67,10 @@ def layer_norm_forward(x: Tensor, weight: Tensor, bias: Tensor, normalized_shape
 
 def layer_norm_backward(dy: Tensor, x: Tensor, mean: Tensor, rstd: Tensor, weight: Tensor,
                         bias: Tensor, normalized_shape: list, mask: list) -> tuple:
-    """``(dx, dweight, dbias)``, each None where ``mask`` says it is not needed."""
+    """``(dx, dweight, dbias)``, each None where ``mask`` says it is not needed (one
+    Triton kernel on CUDA)."""
+    if triton_can_run(dy, x, weight):
+        return norm_kernels.norm_backward_triton(dy, x, mean, rstd, weight, True, *mask)
     dyc, xc, w, b = _cpu_float_copies(dy, x, weight, bias)
     grads = torch.ops.aten.native_layer_norm_backward(dyc, xc, normalized_shape, mean, rstd,
                                                       w, b, mask)
@@ -71,11 +92,10 @@ def rms_norm_forward(x: Tensor, weight: Tensor, normalized_shape: list, eps: flo
     """
     if triton_can_run(x, weight):
         if output_format is not None and x.numel():
-            fp8 = output_format.fp8_dtype
-            parts, rstd = rms_norm_kernels.rms_norm_forward_fp8_triton(
-                x, weight, eps, fp8, FP8_MAX[fp8], output_format.columnwise)
-            return from_cast_parts(parts, x.dtype), rstd
-        return rms_norm_kernels.rms_norm_forward_triton(x, weight, eps)
+            y, _, rstd = _norm_fp8(x, weight, None, eps, False, output_format)
+            return y, rstd
+        y, _, rstd = norm_kernels.norm_forward_triton(x, weight, None, eps, False)
+        return y, rstd
     xf = _float(x)
     dims = tuple(range(-len(normalized_shape), 0))
     rstd = torch.rsqrt(xf.square().mean(dims, keepdim=True) + eps)
@@ -87,7 +107,9 @@ def rms_norm_backward(dy: Tensor, x: Tensor, rstd: Tensor, weight: Tensor,
                       need_dw: bool) -> tuple[Optional[Tensor], Optional[Tensor]]:
     """``(dx, dweight)``, each None where not needed (one Triton kernel on CUDA)."""
     if triton_can_run(dy, x, weight):
-        return rms_norm_kernels.rms_norm_backward_triton(dy, x, rstd, weight, need_dx, need_dw)
+        dx, dw, _ = norm_kernels.norm_backward_triton(dy, x, None, rstd, weight, False, need_dx,
+                                                      need_dw)
+        return dx, dw
     dtype = dy.dtype
     dims = tuple(range(-len(normalized_shape), 0))
     dyf, x_hat = _float(dy), _float(x) * rstd

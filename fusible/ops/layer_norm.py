@@ -56,6 +56,9 @@ class LayerNormBackwardArgs:
 class LayerNorm(BasicOperation):
     """``(x - mean) / sqrt(var + eps) * weight + bias`` over the trailing dimensions.
 
+    On CUDA one Triton kernel each way; under an FP8 recipe the forward writes the next
+    linear layer's input in FP8 directly.
+
     Parameters
     ----------
     normalized_shape : int or tuple of int
@@ -81,6 +84,7 @@ class LayerNorm(BasicOperation):
     fwd_args_type = LayerNormForwardArgs
     bwd_args_type = LayerNormBackwardArgs
     saved_type = LayerNormSaved
+    quantizes_own_output = True
 
     def __init__(self, normalized_shape, *, eps: float = 1e-5, sequence_parallel: bool = False,
                  tensor_parallel_group=None, device=None, dtype=None):
@@ -109,9 +113,9 @@ class LayerNorm(BasicOperation):
         return LayerNormForwardArgs(input, weight, bias, list(self.normalized_shape), self.eps)
 
     @classmethod
-    def forward_compute(cls, args, *, in_custom_op=False):
+    def forward_compute(cls, args, *, in_custom_op=False, output_format=None):
         y, mean, rstd = layer_norm_forward(args.input, args.weight, args.bias,
-                                           args.normalized_shape, args.eps)
+                                           args.normalized_shape, args.eps, output_format)
         return ForwardResult(y, (), (mean, rstd))
 
     def save_for_backward(self, args, result, ctxs):
@@ -126,7 +130,8 @@ class LayerNorm(BasicOperation):
                                      ctx.needs.input, *ctx.needs.params)
 
     @classmethod
-    def backward_compute(cls, args, *, in_custom_op=False):
+    def backward_compute(cls, args, *, in_custom_op=False, output_format=None):
+        # dx in high precision: the caller quantizes it where the previous stage wants FP8
         mask = [args.need_grad_input, args.need_grad_weight, args.need_grad_bias]
         dx, dw, db = layer_norm_backward(args.grad_output, args.input, args.mean, args.rstd,
                                          args.weight, args.bias, args.normalized_shape, mask)

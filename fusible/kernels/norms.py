@@ -1,0 +1,317 @@
+"""LayerNorm and RMSNorm forward and backward as Triton kernels, float32 in registers only.
+
+Rows are the tokens, ``N`` the normalised size; ``CENTER`` selects LayerNorm (subtract the
+mean, add a bias) over RMSNorm. The forward reads a row for its statistics (LayerNorm: the
+mean, then the variance around it; two reads, the second from L2) and again to write ``y``
+and the float32 statistics the backward needs: no float32 copy of ``x`` or ``y`` is ever
+written. The backward holds rows up to 16384 wide in one program and reads each once
+(wider rows: column tiles, read twice); each program adds its rows' ``dy * x_hat`` (and
+``dy``) into its own row of small float32 partial-sum buffers, summed over programs
+afterwards for ``dweight`` (and ``dbias``): deterministic, no atomics.
+
+When the next linear layer takes ``y`` in FP8, ``y`` is never written in high precision: a
+first pass computes the statistics and the absolute maximum of the rounded ``y``, a second
+computes ``y`` again over 2-D tiles and writes the FP8 data and its transposed copy (the
+bits of the plain kernel followed by the FP8 cast).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fusible.kernels import require_triton
+
+try:
+    import triton
+    import triton.language as tl
+
+    from fusible.kernels.fp8_cast import (fp8_buffers, fp8_results, max_keep_nan,
+                                          scale_from_amax, store_fp8_tile)
+except ImportError:  # Triton is optional: CPU-only installs use PyTorch ops
+    triton = None
+
+
+if triton is not None:
+
+    @triton.jit
+    def _tile(ptr, rows, cols, M, N):
+        mask = (rows[:, None] < M) & (cols[None, :] < N)
+        offs = rows[:, None].to(tl.int64) * N + cols[None, :]
+        return tl.load(ptr + offs, mask=mask, other=0.0).to(tl.float32), offs, mask
+
+    @triton.jit
+    def _row_stats(x_ptr, rows, M, N, eps, CENTER: tl.constexpr, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr):
+        """``(mean, rstd)`` of each row (``mean`` 0 without ``CENTER``)."""
+        mean = tl.zeros((BLOCK_M,), dtype=tl.float32)
+        if CENTER:
+            for start in range(0, N, BLOCK_N):
+                x, _, _ = _tile(x_ptr, rows, start + tl.arange(0, BLOCK_N), M, N)
+                mean += tl.sum(x, axis=1)
+            mean = mean / N
+        acc = tl.zeros((BLOCK_M,), dtype=tl.float32)
+        for start in range(0, N, BLOCK_N):
+            x, _, mask = _tile(x_ptr, rows, start + tl.arange(0, BLOCK_N), M, N)
+            d = tl.where(mask, x - mean[:, None], 0.0)
+            acc += tl.sum(d * d, axis=1)
+        return mean, 1.0 / tl.sqrt(acc / N + eps)
+
+    @triton.jit
+    def _normalized(x_ptr, w_ptr, b_ptr, rows, cols, mean, rstd, M, N, CENTER: tl.constexpr):
+        """The tile of ``y`` rounded to ``x``'s dtype, in float32; its offsets and mask."""
+        x, offs, mask = _tile(x_ptr, rows, cols, M, N)
+        w = tl.load(w_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)
+        y = (x - mean[:, None]) * rstd[:, None] * w[None, :]
+        if CENTER:
+            y += tl.load(b_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+        return y.to(x_ptr.dtype.element_ty).to(tl.float32), offs, mask
+
+    @triton.jit
+    def _norm_fwd_kernel(x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, amax_ptr, M, N, eps,
+                         CENTER: tl.constexpr, AMAX_ONLY: tl.constexpr, BLOCK_M: tl.constexpr,
+                         BLOCK_N: tl.constexpr):
+        """The statistics and ``y``, or (``AMAX_ONLY``) the statistics and ``y``'s
+        absolute maximum."""
+        rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        mean, rstd = _row_stats(x_ptr, rows, M, N, eps, CENTER, BLOCK_M, BLOCK_N)
+        tl.store(rstd_ptr + rows, rstd, mask=rows < M)
+        if CENTER:
+            tl.store(mean_ptr + rows, mean, mask=rows < M)
+        amax = tl.zeros((BLOCK_M,), dtype=tl.float32)
+        for start in range(0, N, BLOCK_N):
+            cols = start + tl.arange(0, BLOCK_N)
+            y, offs, mask = _normalized(x_ptr, w_ptr, b_ptr, rows, cols, mean, rstd, M, N,
+                                        CENTER)
+            if AMAX_ONLY:
+                amax = tl.maximum(amax, tl.reduce(tl.where(mask, tl.abs(y), 0.0), 1,
+                                                  max_keep_nan),
+                                  propagate_nan=tl.PropagateNan.ALL)
+            else:
+                tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
+        if AMAX_ONLY:
+            tl.atomic_max(amax_ptr, tl.reduce(amax, 0, max_keep_nan))
+
+    @triton.jit
+    def _norm_fwd_cast_kernel(x_ptr, w_ptr, b_ptr, mean_ptr, rstd_ptr, amax_ptr, data_ptr,
+                              t_ptr, scale_inv_ptr, M, N, FP8_MAX, CENTER: tl.constexpr,
+                              HAS_T: tl.constexpr, BLOCK_M: tl.constexpr,
+                              BLOCK_N: tl.constexpr):
+        """The second FP8 pass, over 2-D tiles (the transposed copy's stores stay coalesced)."""
+        scale = scale_from_amax(amax_ptr, FP8_MAX)
+        rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        rstd = tl.load(rstd_ptr + rows, mask=rows < M, other=0.0)
+        mean = tl.zeros((BLOCK_M,), dtype=tl.float32)
+        if CENTER:
+            mean = tl.load(mean_ptr + rows, mask=rows < M, other=0.0)
+        y, _, mask = _normalized(x_ptr, w_ptr, b_ptr, rows, cols, mean, rstd, M, N, CENTER)
+        store_fp8_tile(y, scale, rows, cols, mask, data_ptr, t_ptr, scale_inv_ptr, M, N,
+                       FP8_MAX, HAS_T)
+
+    @triton.jit
+    def _norm_bwd_row_kernel(dy_ptr, x_ptr, w_ptr, mean_ptr, rstd_ptr, dx_ptr, dw_part_ptr,
+                             db_part_ptr, M, N, rows_per_program, CENTER: tl.constexpr,
+                             NEED_DX: tl.constexpr, NEED_DW: tl.constexpr,
+                             NEED_DB: tl.constexpr, BLOCK_N: tl.constexpr):
+        """The backward for rows that fit in one tile: each row read once,
+        ``dx = rstd * (g - mean(g) - x_hat * mean(g * x_hat))`` with ``g = dy * w``
+        (``mean(g)`` only with ``CENTER``); the parameter gradients' partial sums kept in
+        registers and stored once per program."""
+        pid = tl.program_id(0)
+        cols = tl.arange(0, BLOCK_N)
+        col_ok = cols < N
+        w = tl.load(w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+        dw = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        db = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        for i in range(0, rows_per_program):
+            row = pid * rows_per_program + i
+            ok = col_ok & ((row + tl.zeros((BLOCK_N,), dtype=tl.int32)) < M)
+            offs = row.to(tl.int64) * N + cols
+            safe = tl.minimum(row, M - 1)  # past M every load and store is masked
+            dy = tl.load(dy_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+            x = tl.load(x_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+            rstd = tl.load(rstd_ptr + safe)
+            mean = 0.0
+            if CENTER:
+                mean = tl.load(mean_ptr + safe)
+            x_hat = tl.where(ok, (x - mean) * rstd, 0.0)
+            if NEED_DX:
+                g = dy * w
+                c1 = tl.sum(g * x_hat, axis=0) / N
+                c0 = 0.0
+                if CENTER:
+                    c0 = tl.sum(g, axis=0) / N
+                dx = rstd * (g - c0 - x_hat * c1)
+                tl.store(dx_ptr + offs, dx.to(dx_ptr.dtype.element_ty), mask=ok)
+            if NEED_DW:
+                dw += dy * x_hat
+            if NEED_DB:
+                db += dy
+        if NEED_DW:
+            tl.store(dw_part_ptr + pid.to(tl.int64) * N + cols, dw, mask=col_ok)
+        if NEED_DB:
+            tl.store(db_part_ptr + pid.to(tl.int64) * N + cols, db, mask=col_ok)
+
+    @triton.jit
+    def _norm_bwd_kernel(dy_ptr, x_ptr, w_ptr, mean_ptr, rstd_ptr, dx_ptr, dw_part_ptr,
+                         db_part_ptr, M, N, rows_per_program, CENTER: tl.constexpr,
+                         NEED_DX: tl.constexpr, NEED_DW: tl.constexpr, NEED_DB: tl.constexpr,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+        """The backward of :func:`_norm_bwd_row_kernel` for rows wider than a tile: each row
+        read twice (the second time mostly from L2); partial sums added into this
+        program's rows of the (zeroed) partial buffers."""
+        pid = tl.program_id(0)
+        for row_start in range(0, rows_per_program, BLOCK_M):
+            rows = pid * rows_per_program + row_start + tl.arange(0, BLOCK_M)
+            rstd = tl.load(rstd_ptr + rows, mask=rows < M, other=0.0)
+            mean = tl.zeros((BLOCK_M,), dtype=tl.float32)
+            if CENTER:
+                mean = tl.load(mean_ptr + rows, mask=rows < M, other=0.0)
+            c0 = tl.zeros((BLOCK_M,), dtype=tl.float32)
+            c1 = tl.zeros((BLOCK_M,), dtype=tl.float32)
+            if NEED_DX:
+                for start in range(0, N, BLOCK_N):
+                    cols = start + tl.arange(0, BLOCK_N)
+                    dy, _, mask = _tile(dy_ptr, rows, cols, M, N)
+                    x, _, _ = _tile(x_ptr, rows, cols, M, N)
+                    w = tl.load(w_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)
+                    g = dy * w[None, :]
+                    c1 += tl.sum(g * tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0),
+                                 axis=1)
+                    if CENTER:
+                        c0 += tl.sum(g, axis=1)
+                c0, c1 = c0 / N, c1 / N
+            for start in range(0, N, BLOCK_N):
+                cols = start + tl.arange(0, BLOCK_N)
+                dy, offs, mask = _tile(dy_ptr, rows, cols, M, N)
+                x, _, _ = _tile(x_ptr, rows, cols, M, N)
+                x_hat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
+                if NEED_DX:
+                    w = tl.load(w_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)
+                    dx = rstd[:, None] * (dy * w[None, :] - c0[:, None] - x_hat * c1[:, None])
+                    tl.store(dx_ptr + offs, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+                col_ok = cols < N
+                part = pid.to(tl.int64) * N + cols
+                if NEED_DW:
+                    acc = tl.load(dw_part_ptr + part, mask=col_ok, other=0.0)
+                    tl.store(dw_part_ptr + part, acc + tl.sum(dy * x_hat, axis=0), mask=col_ok)
+                if NEED_DB:
+                    acc = tl.load(db_part_ptr + part, mask=col_ok, other=0.0)
+                    tl.store(db_part_ptr + part, acc + tl.sum(dy, axis=0), mask=col_ok)
+
+
+def _blocks(n: int, block_n: int | None) -> tuple:
+    """``(BLOCK_M, BLOCK_N)``: about 2048 elements a tile, a whole row where it fits."""
+    block_n = block_n or min(triton.next_power_of_2(max(n, 1)), 2048)
+    return max(1, min(16, 2048 // block_n)), block_n
+
+
+# Rows up to this wide are held whole in one program's registers by the backward.
+_WHOLE_ROW_MAX = 16384
+_CAST_BLOCK = (64, 128)  # the tile of the FP8 cast pass
+
+
+def _programs(m: int, device: torch.device) -> int:
+    """Enough programs to fill the GPU a few times over, at most one per row."""
+    sms = (torch.cuda.get_device_properties(device).multi_processor_count
+           if device.type == "cuda" else 8)
+    return max(1, min(m, 4 * sms))
+
+
+def _stats_buffers(x: torch.Tensor, weight: torch.Tensor, center: bool) -> tuple:
+    """``(mean or None, rstd)``: float32, a trailing size-1 dimension per normalised one."""
+    shape = x.shape[:x.dim() - weight.dim()] + (1,) * weight.dim()
+    rstd = torch.empty(shape, device=x.device, dtype=torch.float32)
+    return (torch.empty_like(rstd) if center else None), rstd
+
+
+def _rows(x: torch.Tensor, n: int) -> int:
+    return x.numel() // n if n else 0
+
+
+def norm_forward_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                        eps: float, center: bool, block_n: int | None = None) -> tuple:
+    """``(y, mean, rstd)`` over the trailing ``weight.numel()`` elements of each row:
+    LayerNorm with ``center`` (``bias`` added), RMSNorm without (``mean`` None). ``y`` in
+    ``x``'s dtype; the statistics float32 with a trailing size-1 dimension per normalised
+    one, as ``torch.native_layer_norm`` gives them."""
+    require_triton("norm_forward_triton")
+    x, w, n = x.contiguous(), weight.contiguous(), weight.numel()
+    m = _rows(x, n)
+    y = torch.empty_like(x)
+    mean, rstd = _stats_buffers(x, weight, center)
+    if m:
+        block_m, block_n = _blocks(n, block_n)
+        b = bias.contiguous() if center else w
+        _norm_fwd_kernel[(triton.cdiv(m, block_m),)](
+            x, w, b, y, rstd if mean is None else mean, rstd, rstd, m, n, eps, CENTER=center,
+            AMAX_ONLY=False, BLOCK_M=block_m, BLOCK_N=block_n)
+    return y, mean, rstd
+
+
+def norm_forward_fp8_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                            eps: float, center: bool, fp8_dtype: torch.dtype, fp8_max: float,
+                            columnwise: bool, block_n: int | None = None,
+                            cast_block: tuple | None = None) -> tuple:
+    """``([data, scale_inv] (+ transposed copy), mean, rstd)``: :func:`norm_forward_triton`
+    with ``y`` in ``fp8_dtype`` (current per-tensor scale), as the FP8 cast of its ``y``
+    would give, never written in ``x``'s dtype."""
+    require_triton("norm_forward_fp8_triton")
+    x, w, n = x.contiguous(), weight.contiguous(), weight.numel()
+    m = _rows(x, n)
+    if not m or not n:
+        raise ValueError(f"norm_forward_fp8_triton: empty input {tuple(x.shape)}")
+    mean, rstd = _stats_buffers(x, weight, center)
+    b = bias.contiguous() if center else w
+    mean_or_rstd = rstd if mean is None else mean  # an unused pointer for RMSNorm
+    amax = torch.zeros((), device=x.device, dtype=torch.float32)
+    block_m, block_n = _blocks(n, block_n)
+    _norm_fwd_kernel[(triton.cdiv(m, block_m),)](  # y_ptr: unused in this pass
+        x, w, b, x, mean_or_rstd, rstd, amax, m, n, eps, CENTER=center, AMAX_ONLY=True,
+        BLOCK_M=block_m, BLOCK_N=block_n)
+    data, transpose, scale_inv, in_kernel_t = fp8_buffers(x, fp8_dtype, columnwise)
+    cast_m, cast_n = cast_block or _CAST_BLOCK
+    _norm_fwd_cast_kernel[(triton.cdiv(m, cast_m), triton.cdiv(n, cast_n))](
+        x, w, b, mean_or_rstd, rstd, amax, data, transpose, scale_inv, m, n, fp8_max,
+        CENTER=center, HAS_T=in_kernel_t, BLOCK_M=cast_m, BLOCK_N=cast_n)
+    return fp8_results(data, scale_inv, transpose, columnwise, in_kernel_t), mean, rstd
+
+
+def norm_backward_triton(grad_output: torch.Tensor, x: torch.Tensor, mean: torch.Tensor | None,
+                         rstd: torch.Tensor, weight: torch.Tensor, center: bool, need_dx: bool,
+                         need_dw: bool, need_db: bool = False, block_n: int | None = None,
+                         programs: int | None = None) -> tuple:
+    """``(dx, dweight, dbias)`` of :func:`norm_forward_triton`, each None where not needed
+    (``dbias`` only with ``center``); the parameter gradients sum the float32 per-program
+    sums, rounded once to ``weight``'s dtype. Rows up to 16384 wide are held whole (unless
+    ``block_n`` asks for narrower tiles)."""
+    require_triton("norm_backward_triton")
+    dy, x, w, n = grad_output.contiguous(), x.contiguous(), weight.contiguous(), weight.numel()
+    need_db = need_db and center
+    m = _rows(x, n)
+    dx = torch.empty_like(x, dtype=dy.dtype) if need_dx else None
+    if not (need_dx or need_dw or need_db):
+        return None, None, None
+    if not m:
+        zeros = torch.zeros_like(weight)
+        return dx, (zeros if need_dw else None), (zeros.clone() if need_db else None)
+    whole = triton.next_power_of_2(n)
+    whole_row = (block_n is None or block_n >= whole) and n <= _WHOLE_ROW_MAX
+    block_m, block_n = (1, whole) if whole_row else _blocks(n, block_n)
+    programs = min(programs or _programs(m, x.device), triton.cdiv(m, block_m))
+    rows_per_program = triton.cdiv(triton.cdiv(m, programs), block_m) * block_m
+    programs = triton.cdiv(m, rows_per_program)
+    make = torch.empty if whole_row else torch.zeros
+    dw_part, db_part = (make((programs, n) if need else (1,), device=x.device,
+                             dtype=torch.float32) for need in (need_dw, need_db))
+    args = (dy, x, w, rstd if mean is None else mean.contiguous(), rstd.contiguous(),
+            dx if need_dx else dy, dw_part, db_part, m, n, rows_per_program)
+    flags = dict(CENTER=center, NEED_DX=need_dx, NEED_DW=need_dw, NEED_DB=need_db)
+    if whole_row:
+        _norm_bwd_row_kernel[(programs,)](*args, **flags, BLOCK_N=block_n,
+                                          num_warps=max(4, min(16, block_n // 512)))
+    else:
+        _norm_bwd_kernel[(programs,)](*args, **flags, BLOCK_M=block_m, BLOCK_N=block_n)
+    dw = dw_part.sum(0).view(weight.shape).to(weight.dtype) if need_dw else None
+    db = db_part.sum(0).view(weight.shape).to(weight.dtype) if need_db else None
+    return dx, dw, db
