@@ -136,6 +136,24 @@ CURATED = [
        "        return BackwardResult(args.grad_output.reshape(args.input_shape))",
        "        return BackwardResult(args.grad_output.reshape(-1, args.input_shape[-1]))",
        "Reshape's backward returns a flattened gradient"),
+    # the Triton kernels of issue 12 (checked on CPU under TRITON_INTERPRET)
+    _m("layer_norm_dx_drops_mean_grad", "fusible/kernels/norms.py",
+       "                dx = rstd * (g - c0 - x_hat * c1)\n",
+       "                dx = rstd * (g - x_hat * c1)\n",
+       "LayerNorm's whole-row backward forgets the mean of g (the centring's gradient)"),
+    _m("swiglu_grad_drops_silu_term", "fusible/kernels/swiglu.py",
+       "return dy * b * sig * (1.0 + a * (1.0 - sig)), dy * a * sig",
+       "return dy * b * sig, dy * a * sig",
+       "SwiGLU's backward takes sigmoid for the derivative of silu"),
+    _m("gelu_tanh_fp8_constant", "fusible/kernels/activation_cast.py",
+       "tl.sigmoid(1.5957691216057308 * (x + 0.044715 * x * x * x))",
+       "tl.sigmoid(0.7978845608028654 * (x + 0.044715 * x * x * x))",
+       "the FP8-writing tanh GELU uses sqrt(2/pi) where 2 sqrt(2/pi) belongs"),
+    _m("norm_fp8_amax_of_unrounded", "fusible/kernels/norms.py",
+       "        return y.to(x_ptr.dtype.element_ty).to(tl.float32), offs, mask",
+       "        return y, offs, mask",
+       "the FP8-writing norm takes its amax and cast from unrounded values (bits differ from "
+       "norm-then-cast)"),
 ]
 
 # Bugs nobody tuned the tests for (the "fresh" set): picked from the library's source
