@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
 # Everything the GPU machine runs, in one call: the whole test suite (CUDA tests included)
 # under the machine's PyTorch, then the GPU benchmarks. Results land in $OUT (or out/).
-# Usage there: [TESTS="tests/test_fp8.py ..."] bash scripts/gpu_check.sh [bf16] [fp8] [tp]
-# (no argument: bf16 and fp8; tp needs two GPUs (kind nvidia-h200-x2); TESTS: which tests,
-# default all)
+# Usage there: [TESTS="tests/test_fp8.py ..."] bash scripts/gpu_check.sh [bf16] [fp8] [tp] [zoo]
+# (no argument: bf16 and fp8; tp needs two GPUs (kind nvidia-h200-x2); zoo: the block zoo,
+# ZOO_CONFIGS of its configs (default all) with kernel profiles; TESTS: which tests, default
+# all; "none" runs no benchmark)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out}
 mkdir -p "$OUT"
+OUT_ABS=$(realpath "$OUT")
 if ls .whl/*.whl >/dev/null 2>&1; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
         --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
@@ -18,7 +20,7 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . || exit 1
 export PYTHONUNBUFFERED=1
 # Every FP8 check against the emulated reference records what it reached (floors calibrate)
-export SNR_LOG="$(realpath "$OUT")/snrs.jsonl"
+export SNR_LOG="$OUT_ABS/snrs.jsonl"
 # NVLink multicast stays off on the lent machines (the NCCL tests and the TP benchmark)
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
@@ -41,6 +43,11 @@ if [[ " $benches " == *" fp8 "* ]]; then
 fi
 if [[ " $benches " == *" tp "* ]]; then
     python3 benchmarks/gpu_tp.py --output "$OUT/gpu_tp.json" 2>&1 | tee "$OUT/bench_tp.log"
+    bench_rc=$(( bench_rc || PIPESTATUS[0] ))
+fi
+if [[ " $benches " == *" zoo "* ]]; then
+    (cd benchmarks && python3 zoo.py --configs "${ZOO_CONFIGS:-99}" \
+        --output "$OUT_ABS/zoo.json" --profile "$OUT_ABS/zoo_profile.txt") 2>&1 | tee "$OUT/zoo.log"
     bench_rc=$(( bench_rc || PIPESTATUS[0] ))
 fi
 echo "tests rc=$tests_rc bench rc=$bench_rc"

@@ -8,7 +8,7 @@ survives is a hole in the tests. Run on demand (it takes a while), not in CI:
     bash scripts/mutation_check.sh --only e4m3_max # one mutation
     bash scripts/mutation_check.sh --set fresh     # the set not used to write the tests
 
-The score of each set is recorded in docs/design.md ("Testing").
+The score of each set is recorded in docs/design.md ("Tests follow the registry").
 """
 
 from __future__ import annotations
