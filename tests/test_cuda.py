@@ -254,14 +254,16 @@ def test_fused_fp8_outputs_same_bits_as_kernel_then_cast_on_gpu(fp8_dtype, colum
         dy = torch.randn(*shape[:-1], shape[-1] // 2, device="cuda", dtype=torch.bfloat16)
         same(swiglu_forward_fp8_triton(x, *args), swiglu_forward_triton(x))
         same(swiglu_backward_fp8_triton(dy, x, *args), swiglu_backward_triton(dy, x))
-        w, b = (torch.randn(shape[-1], device="cuda", dtype=torch.bfloat16) for _ in range(2))
-        for center in (True, False):
-            bias = b if center else None
-            parts, mean, rstd = norm_forward_fp8_triton(x, w, bias, 1e-5, center, *args)
-            y, ref_mean, ref_rstd = norm_forward_triton(x, w, bias, 1e-5, center)
-            assert torch.equal(rstd, ref_rstd)
-            assert (mean is None and ref_mean is None) or torch.equal(mean, ref_mean)
-            same(parts, y)
+        for ns in (shape[-1:], shape[-2:]):  # the copy is transposed over the last dim alone
+            w, b = (torch.randn(ns, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+            for center in (True, False):
+                bias = b if center else None
+                parts, mean, rstd = norm_forward_fp8_triton(x, w, bias, 1e-5, center, *args)
+                y, ref_mean, ref_rstd = norm_forward_triton(x, w, bias, 1e-5, center)
+                assert torch.equal(rstd, ref_rstd)
+                assert (mean is None) == (ref_mean is None)
+                assert mean is None or torch.equal(mean, ref_mean)
+                same(parts, y)
 
 
 def _llama_ffn(hidden, ffn):

@@ -125,11 +125,14 @@ def _fp8_models():
                               ops.Linear(64, 32)),
         "residual": ops.Sequential(ops.MakeExtraOutput(), ops.BasicLinear(32, 32), ops.SiLU(),
                                    ops.Linear(32, 32), ops.AddExtraInput()),
+        # the norms write their GEMM's FP8 input themselves on CUDA
+        "norms": ops.Sequential(ops.LayerNorm(32), ops.Linear(32, 64), ops.SwiGLU(),
+                                ops.RMSNorm(32), ops.Linear(32, 32)),
     }
 
 
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
-@pytest.mark.parametrize("name", ["mlp", "residual"])
+@pytest.mark.parametrize("name", ["mlp", "residual", "norms"])
 def test_fp8_compiled_same_bits_as_eager(name, backend, device):
     torch._dynamo.reset()
     torch.manual_seed(0)

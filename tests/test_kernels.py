@@ -238,16 +238,21 @@ _FUSED_CAST_SCRIPT = textwrap.dedent("""
                      swiglu_forward_triton(x), fp8, columnwise)
                 same(swiglu_backward_fp8_triton(dy, x, *args, block_m=4, block_n=16),
                      swiglu_backward_triton(dy, x), fp8, columnwise)
-                w, b = (torch.randn(shape[-1]).to(torch.bfloat16) for _ in range(2))
-                for center in (True, False):
-                    bias = b if center else None
-                    parts, mean, rstd = norm_forward_fp8_triton(
-                        x, w, bias, 1e-5, center, *args, block_n=16, cast_block=(16, 32))
-                    y, ref_mean, ref_rstd = norm_forward_triton(x, w, bias, 1e-5, center,
-                                                                block_n=16)
-                    assert torch.equal(rstd, ref_rstd)
-                    assert (mean is None and ref_mean is None) or torch.equal(mean, ref_mean)
-                    same(parts, y, fp8, columnwise)
+                # one normalised dimension, and two (the transposed copy is still over the
+                # last dimension alone)
+                for ns in (shape[-1:], shape[-2:]) if columnwise and len(shape) > 2 \
+                        else (shape[-1:],):
+                    w, b = (torch.randn(ns).to(torch.bfloat16) for _ in range(2))
+                    for center in (True, False):
+                        bias = b if center else None
+                        parts, mean, rstd = norm_forward_fp8_triton(
+                            x, w, bias, 1e-5, center, *args, block_n=16, cast_block=(16, 32))
+                        y, ref_mean, ref_rstd = norm_forward_triton(x, w, bias, 1e-5, center,
+                                                                    block_n=16)
+                        assert torch.equal(rstd, ref_rstd)
+                        assert (mean is None) == (ref_mean is None)
+                        assert mean is None or torch.equal(mean, ref_mean)
+                        same(parts, y, fp8, columnwise)
     print("ok")
 """)
 

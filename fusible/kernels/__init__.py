@@ -2,7 +2,6 @@
 plain-PyTorch arithmetic (the CPU path and the reference)."""
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensor
 
 try:
     import triton
@@ -27,11 +26,11 @@ def plain_eager(*tensors: torch.Tensor) -> bool:
 
 
 def triton_can_run(*tensors) -> bool:
-    """Whether the Triton kernels take these tensors: real CUDA tensors (not the fake
-    ones of a trace, which get the PyTorch ops for their shapes) in a dtype the kernels
-    compute in, with Triton installed."""
-    return HAVE_TRITON and all(t.is_cuda and t.dtype in _TRITON_DTYPES
-                               and not isinstance(t, FakeTensor) for t in tensors)
+    """Whether the Triton kernels take these tensors: plain CUDA tensors (not the fake
+    ones of a trace, which get the PyTorch ops for their shapes, nor other subclasses) in a
+    dtype the kernels compute in, with Triton installed."""
+    return HAVE_TRITON and all(type(t) in _PLAIN and t.is_cuda and t.dtype in _TRITON_DTYPES
+                               for t in tensors)
 
 
 def require_triton(name: str) -> None:

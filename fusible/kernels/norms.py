@@ -269,7 +269,10 @@ def norm_forward_fp8_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.T
     _norm_fwd_kernel[(triton.cdiv(m, block_m),)](  # y_ptr: unused in this pass
         x, w, b, x, mean_or_rstd, rstd, amax, m, n, eps, CENTER=center, AMAX_ONLY=True,
         BLOCK_M=block_m, BLOCK_N=block_n)
-    data, transpose, scale_inv, in_kernel_t = fp8_buffers(x, fp8_dtype, columnwise)
+    # The transposed copy is (last dimension, the rest): the kernel's (N, M) tiles are that
+    # only when one dimension is normalised; otherwise it comes from the FP8 data afterwards.
+    data, transpose, scale_inv, in_kernel_t = fp8_buffers(x, fp8_dtype,
+                                                          columnwise and weight.dim() == 1)
     cast_m, cast_n = cast_block or _CAST_BLOCK
     _norm_fwd_cast_kernel[(triton.cdiv(m, cast_m), triton.cdiv(n, cast_n))](
         x, w, b, mean_or_rstd, rstd, amax, data, transpose, scale_inv, m, n, fp8_max,
