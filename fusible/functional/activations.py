@@ -13,7 +13,6 @@ from fusible.kernels import activation_cast
 from fusible.kernels import dact_dbias as kernels
 from fusible.kernels import swiglu as swiglu_kernels
 from fusible.kernels import triton_can_run
-from fusible.quantization.cast import FP8_MAX
 from fusible.quantization.float8_tensor import Float8Tensor, from_cast_parts
 from fusible.quantization.format import Float8Format
 
@@ -39,9 +38,8 @@ def activation_forward(kind: str, x: Tensor, output_format: Optional[Float8Forma
     """
     if output_format is not None and kind in activation_cast.KINDS and x.numel() \
             and triton_can_run(x):
-        fp8 = output_format.fp8_dtype
         return from_cast_parts(activation_cast.activation_fp8_triton(
-            kind, x, fp8, FP8_MAX[fp8], output_format.columnwise), x.dtype)
+            kind, x, *output_format.cast_args()), x.dtype)
     return ACTIVATIONS[kind][0](x)
 
 
@@ -68,9 +66,8 @@ def dact_dbias(kind: str, grad_output: Tensor, saved: Tensor,
             and grad_output.numel() >= kernels.TRITON_MIN_NUMEL
             and not isinstance(grad_output, FakeTensor)):  # fake kernels: no launch
         if output_format is not None:
-            fp8 = output_format.fp8_dtype
             data, scale_inv, transpose, dbias = kernels.dact_dbias_fp8_triton(
-                kind, grad_output, saved, fp8, FP8_MAX[fp8], output_format.columnwise)
+                kind, grad_output, saved, *output_format.cast_args())
             return Float8Tensor(data, scale_inv, grad_output.dtype, transpose), dbias
         return kernels.dact_dbias_triton(kind, grad_output, saved)
     return dact_dbias_torch(kind, grad_output, saved)
@@ -96,9 +93,8 @@ def swiglu_forward(x: Tensor, output_format: Optional[Float8Format] = None):
     """
     if triton_can_run(x):
         if output_format is not None and x.numel():
-            fp8 = output_format.fp8_dtype
             return from_cast_parts(swiglu_kernels.swiglu_forward_fp8_triton(
-                x, fp8, FP8_MAX[fp8], output_format.columnwise), x.dtype)
+                x, *output_format.cast_args()), x.dtype)
         return swiglu_kernels.swiglu_forward_triton(x)
     a, b = x.to(compute_dtype(x.dtype)).chunk(2, -1)
     return (F.silu(a) * b).to(x.dtype)
@@ -110,9 +106,8 @@ def swiglu_backward(grad_output: Tensor, x: Tensor,
     devices as there."""
     if triton_can_run(grad_output, x):
         if output_format is not None and x.numel():
-            fp8 = output_format.fp8_dtype
             return from_cast_parts(swiglu_kernels.swiglu_backward_fp8_triton(
-                grad_output, x, fp8, FP8_MAX[fp8], output_format.columnwise), grad_output.dtype)
+                grad_output, x, *output_format.cast_args()), grad_output.dtype)
         return swiglu_kernels.swiglu_backward_triton(grad_output, x)
     cdt = compute_dtype(x.dtype)
     a, b = x.to(cdt).chunk(2, -1)

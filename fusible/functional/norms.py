@@ -9,7 +9,6 @@ import torch
 from fusible.core import checks
 from fusible.kernels import norms as norm_kernels
 from fusible.kernels import triton_can_run
-from fusible.quantization.cast import FP8_MAX
 from fusible.quantization.float8_tensor import from_cast_parts
 from fusible.quantization.format import Float8Format
 
@@ -41,9 +40,8 @@ def _cpu_float_copies(*tensors):
 
 def _norm_fp8(x, weight, bias, eps, center, output_format) -> tuple:
     """``(Float8Tensor y, mean, rstd)`` from the Triton kernels that write ``y`` in FP8."""
-    fp8 = output_format.fp8_dtype
     parts, mean, rstd = norm_kernels.norm_forward_fp8_triton(
-        x, weight, bias, eps, center, fp8, FP8_MAX[fp8], output_format.columnwise)
+        x, weight, bias, eps, center, *output_format.cast_args())
     return from_cast_parts(parts, x.dtype), mean, rstd
 
 

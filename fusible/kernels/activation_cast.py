@@ -18,8 +18,8 @@ try:
     import triton
     import triton.language as tl
 
-    from fusible.kernels.fp8_cast import (fp8_buffers, fp8_results, max_keep_nan,
-                                          scale_from_amax, store_fp8_tile)
+    from fusible.kernels.fp8_cast import (atomic_amax_of_tile, fp8_buffers, fp8_results,
+                                          scale_from_amax, store_fp8_tile, tile_coords)
 except ImportError:  # Triton is optional: CPU-only installs use PyTorch ops
     triton = None
 
@@ -43,9 +43,7 @@ if triton is not None:
     def _activation_tile(x_ptr, M, N, KIND: tl.constexpr, BLOCK_M: tl.constexpr,
                          BLOCK_N: tl.constexpr):
         """The rounded activation of this program's tile, in float32; rows, cols, mask."""
-        rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        mask = (rows[:, None] < M) & (cols[None, :] < N)
+        rows, cols, mask = tile_coords(M, N, BLOCK_M, BLOCK_N)
         x = tl.load(x_ptr + rows[:, None].to(tl.int64) * N + cols[None, :], mask=mask,
                     other=0.0).to(tl.float32)
         y = _activation(x, KIND).to(x_ptr.dtype.element_ty).to(tl.float32)
@@ -59,8 +57,7 @@ if triton is not None:
         activation itself (the high-precision kernel the FP8 one is checked against)."""
         y, rows, cols, mask = _activation_tile(x_ptr, M, N, KIND, BLOCK_M, BLOCK_N)
         if AMAX_ONLY:
-            tile_max = tl.reduce(tl.where(mask, tl.abs(y), 0.0), 1, max_keep_nan)
-            tl.atomic_max(amax_ptr, tl.reduce(tile_max, 0, max_keep_nan))
+            atomic_amax_of_tile(y, mask, amax_ptr)
         else:
             offs = rows[:, None].to(tl.int64) * N + cols[None, :]
             tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=mask)

@@ -47,6 +47,20 @@ if triton is not None:
         return tl.where(amax == 0.0, 1.0, scale)
 
     @triton.jit
+    def tile_coords(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+        """This program's ``(rows, cols, mask)`` of an ``M x N`` tensor on a 2-D grid."""
+        rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        return rows, cols, (rows[:, None] < M) & (cols[None, :] < N)
+
+    @triton.jit
+    def atomic_amax_of_tile(v, mask, amax_ptr):
+        """Fold the absolute maximum of the float32 tile ``v`` (where ``mask``) into
+        ``*amax_ptr`` (an atomic max: order-independent; NaN wins)."""
+        tile_max = tl.reduce(tl.where(mask, tl.abs(v), 0.0), 1, max_keep_nan)
+        tl.atomic_max(amax_ptr, tl.reduce(tile_max, 0, max_keep_nan))
+
+    @triton.jit
     def store_fp8_tile(x, scale, rows, cols, mask, data_ptr, t_ptr, scale_inv_ptr, M, N,
                        FP8_MAX, HAS_T: tl.constexpr):
         """Quantize the float32 tile ``x`` (rows x cols of an M x N tensor) and store it,

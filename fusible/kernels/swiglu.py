@@ -20,8 +20,8 @@ try:
     import triton
     import triton.language as tl
 
-    from fusible.kernels.fp8_cast import (fp8_buffers, fp8_results, max_keep_nan,
-                                          scale_from_amax, store_fp8_tile)
+    from fusible.kernels.fp8_cast import (atomic_amax_of_tile, fp8_buffers, fp8_results,
+                                          scale_from_amax, store_fp8_tile, tile_coords)
 except ImportError:  # Triton is optional: CPU-only installs use PyTorch ops
     triton = None
 
@@ -47,25 +47,14 @@ if triton is not None:
         return dy * b * sig * (1.0 + a * (1.0 - sig)), dy * a * sig
 
     @triton.jit
-    def _tile_coords(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-        rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        return rows, cols, (rows[:, None] < M) & (cols[None, :] < N)
-
-    @triton.jit
-    def _amax_of(v, mask, amax_ptr):
-        tile_max = tl.reduce(tl.where(mask, tl.abs(v), 0.0), 1, max_keep_nan)
-        tl.atomic_max(amax_ptr, tl.reduce(tile_max, 0, max_keep_nan))
-
-    @triton.jit
     def _swiglu_fwd_kernel(x_ptr, y_ptr, amax_ptr, M, N, AMAX_ONLY: tl.constexpr,
                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
         """``y`` (``M x N``), or (``AMAX_ONLY``) only the absolute maximum of its values."""
-        rows, cols, mask = _tile_coords(M, N, BLOCK_M, BLOCK_N)
+        rows, cols, mask = tile_coords(M, N, BLOCK_M, BLOCK_N)
         a, b = _swiglu_tile(x_ptr, rows, cols, mask, N)
         y = _swiglu_values(a, b).to(x_ptr.dtype.element_ty)
         if AMAX_ONLY:
-            _amax_of(y.to(tl.float32), mask, amax_ptr)
+            atomic_amax_of_tile(y.to(tl.float32), mask, amax_ptr)
         else:
             offs = rows[:, None].to(tl.int64) * N + cols[None, :]
             tl.store(y_ptr + offs, y, mask=mask)
@@ -75,7 +64,7 @@ if triton is not None:
                                 FP8_MAX, HAS_T: tl.constexpr, BLOCK_M: tl.constexpr,
                                 BLOCK_N: tl.constexpr):
         scale = scale_from_amax(amax_ptr, FP8_MAX)
-        rows, cols, mask = _tile_coords(M, N, BLOCK_M, BLOCK_N)
+        rows, cols, mask = tile_coords(M, N, BLOCK_M, BLOCK_N)
         a, b = _swiglu_tile(x_ptr, rows, cols, mask, N)
         y = _swiglu_values(a, b).to(x_ptr.dtype.element_ty).to(tl.float32)
         store_fp8_tile(y, scale, rows, cols, mask, data_ptr, t_ptr, scale_inv_ptr, M, N,
@@ -85,15 +74,16 @@ if triton is not None:
     def _swiglu_bwd_kernel(dy_ptr, x_ptr, dx_ptr, amax_ptr, M, N, AMAX_ONLY: tl.constexpr,
                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
         """``dx`` (``M x 2N``), or (``AMAX_ONLY``) only the absolute maximum of its values."""
-        rows, cols, mask = _tile_coords(M, N, BLOCK_M, BLOCK_N)
+        rows, cols, mask = tile_coords(M, N, BLOCK_M, BLOCK_N)
         a, b = _swiglu_tile(x_ptr, rows, cols, mask, N)
         dy = tl.load(dy_ptr + rows[:, None].to(tl.int64) * N + cols[None, :], mask=mask,
                      other=0.0).to(tl.float32)
         da, db = _swiglu_grads(dy, a, b)
         da, db = da.to(dy_ptr.dtype.element_ty), db.to(dy_ptr.dtype.element_ty)
         if AMAX_ONLY:
-            _amax_of(tl.maximum(tl.abs(da.to(tl.float32)), tl.abs(db.to(tl.float32)),
-                                propagate_nan=tl.PropagateNan.ALL), mask, amax_ptr)
+            both = tl.maximum(tl.abs(da.to(tl.float32)), tl.abs(db.to(tl.float32)),
+                              propagate_nan=tl.PropagateNan.ALL)
+            atomic_amax_of_tile(both, mask, amax_ptr)
         else:
             offs = rows[:, None].to(tl.int64) * (2 * N) + cols[None, :]
             tl.store(dx_ptr + offs, da, mask=mask)
@@ -104,7 +94,7 @@ if triton is not None:
                                 M, N, FP8_MAX, HAS_T: tl.constexpr, BLOCK_M: tl.constexpr,
                                 BLOCK_N: tl.constexpr):
         scale = scale_from_amax(amax_ptr, FP8_MAX)
-        rows, cols, mask = _tile_coords(M, N, BLOCK_M, BLOCK_N)
+        rows, cols, mask = tile_coords(M, N, BLOCK_M, BLOCK_N)
         a, b = _swiglu_tile(x_ptr, rows, cols, mask, N)
         dy = tl.load(dy_ptr + rows[:, None].to(tl.int64) * N + cols[None, :], mask=mask,
                      other=0.0).to(tl.float32)

@@ -52,6 +52,10 @@ class Float8Format:
             raise ValueError(f"Float8Format: granularity must be one of {GRANULARITIES}, "
                              f"got {value!r}")
 
+    def cast_args(self) -> tuple:
+        """``(fp8_dtype, its largest value, columnwise)``: what the fused cast kernels take."""
+        return self.fp8_dtype, FP8_MAX[self.fp8_dtype], self.columnwise
+
     def rowwise(self) -> "Float8Format":
         """The same format without the transposed copy."""
         return attrs.evolve(self, columnwise=False) if self.columnwise else self
