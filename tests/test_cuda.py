@@ -307,6 +307,7 @@ def test_llama_ffn_block_fp8_writes_fp8_in_the_norm_and_swiglu_kernels(monkeypat
                      ("swiglu_forward_fp8_triton", torch.float8_e4m3fn),
                      ("swiglu_backward_fp8_triton", torch.float8_e5m2)]
     torch._dynamo.reset()
+    model.zero_grad(set_to_none=True)  # deepcopy leaves a Parameter's .grad behind
     twin = copy.deepcopy(model)
     compiled = torch.compile(twin, fullgraph=True)
     dy = torch.randn(1024, 256, device="cuda", dtype=torch.bfloat16)

@@ -19,7 +19,8 @@ try:
     import triton.language as tl
 
     from fusible.kernels.fp8_cast import (atomic_amax_of_tile, fp8_buffers, fp8_results,
-                                          scale_from_amax, store_fp8_tile, tile_coords)
+                                          scale_from_amax, store_fp8_tile, tile_coords,
+                                          tile_grid)
 except ImportError:  # Triton is optional: CPU-only installs use PyTorch ops
     triton = None
 
@@ -88,7 +89,7 @@ def activation_triton(kind: str, x: torch.Tensor, block_m: int = 64,
     x = x.contiguous()
     y = torch.empty_like(x)
     if m * n:
-        _activation_kernel[(triton.cdiv(m, block_m), triton.cdiv(n, block_n))](
+        _activation_kernel[tile_grid(m, n, block_m, block_n)](
             x, y, y, m, n, KIND=KINDS[kind], AMAX_ONLY=False, BLOCK_M=block_m,
             BLOCK_N=block_n)
     return y
@@ -104,7 +105,7 @@ def activation_fp8_triton(kind: str, x: torch.Tensor, fp8_dtype: torch.dtype, fp
         raise ValueError(f"activation_fp8_triton: empty input {tuple(x.shape)}")
     x = x.contiguous()
     amax = torch.zeros((), device=x.device, dtype=torch.float32)
-    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
+    grid = tile_grid(m, n, block_m, block_n)
     _activation_kernel[grid](x, amax, amax, m, n, KIND=KINDS[kind], AMAX_ONLY=True,
                              BLOCK_M=block_m, BLOCK_N=block_n)
     data, transpose, scale_inv, in_kernel_t = fp8_buffers(x, fp8_dtype, columnwise)

@@ -21,7 +21,8 @@ try:
     import triton.language as tl
 
     from fusible.kernels.fp8_cast import (fp8_buffers, fp8_results, max_keep_nan,
-                                          scale_from_amax, store_fp8_tile)
+                                          scale_from_amax, store_fp8_tile, tile_coords,
+                                          tile_grid)
 except ImportError as error:  # Triton is optional: CPU-only installs use the fallback
     triton, _TRITON_IMPORT_ERROR = None, error
 
@@ -91,9 +92,7 @@ if triton is not None:
                           FP8_MAX, KIND: tl.constexpr, HAS_T: tl.constexpr,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
         scale = scale_from_amax(amax_ptr, FP8_MAX)
-        rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        mask = (rows[:, None] < M) & (cols[None, :] < N)
+        rows, cols, mask = tile_coords(M, N, BLOCK_M, BLOCK_N)
         offs = rows[:, None].to(tl.int64) * N + cols[None, :]
         dy = tl.load(dy_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         s = tl.load(s_ptr + offs, mask=mask, other=0.0).to(tl.float32)
@@ -150,7 +149,7 @@ def dact_dbias_fp8_triton(kind: str, grad_output: torch.Tensor, saved: torch.Ten
         dy, s, partial, partial, amax, m, n, KIND=_KINDS[kind], KEEP_AMAX=True,
         ROWS_PER_PROGRAM=rows_per_program, BLOCK_M=block_m, BLOCK_N=block_n)
     data, transpose, scale_inv, in_kernel_t = fp8_buffers(dy, fp8_dtype, columnwise)
-    _dact_cast_kernel[(triton.cdiv(m, cast_block_m), triton.cdiv(n, cast_block_n))](
+    _dact_cast_kernel[tile_grid(m, n, cast_block_m, cast_block_n)](
         dy, s, amax, data, transpose, scale_inv, m, n, fp8_max, KIND=_KINDS[kind],
         HAS_T=in_kernel_t, BLOCK_M=cast_block_m, BLOCK_N=cast_block_n)
     data, scale_inv, *transpose = fp8_results(data, scale_inv, transpose, columnwise, in_kernel_t)

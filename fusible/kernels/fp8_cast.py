@@ -48,9 +48,13 @@ if triton is not None:
 
     @triton.jit
     def tile_coords(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-        """This program's ``(rows, cols, mask)`` of an ``M x N`` tensor on a 2-D grid."""
-        rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        """This program's ``(rows, cols, mask)`` of an ``M x N`` tensor on the 1-D grid of
+        :func:`tile_grid`: row tiles vary fastest (a column strip is walked down, as a 2-D
+        grid would), and no grid axis limits ``M`` or ``N``."""
+        pid = tl.program_id(0)
+        tiles_m = tl.cdiv(M, BLOCK_M)
+        rows = (pid % tiles_m) * BLOCK_M + tl.arange(0, BLOCK_M)
+        cols = (pid // tiles_m) * BLOCK_N + tl.arange(0, BLOCK_N)
         return rows, cols, (rows[:, None] < M) & (cols[None, :] < N)
 
     @triton.jit
@@ -65,7 +69,7 @@ if triton is not None:
                        FP8_MAX, HAS_T: tl.constexpr):
         """Quantize the float32 tile ``x`` (rows x cols of an M x N tensor) and store it,
         and its transpose into the N x M copy; the first program stores ``1 / scale``."""
-        if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
+        if tl.program_id(0) == 0:  # 1-D grids (tile_grid)
             tl.store(scale_inv_ptr, tl.math.div_rn(1.0, scale))
         v = tl.maximum(x * scale, -FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
         v = tl.minimum(v, FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
@@ -81,9 +85,7 @@ if triton is not None:
     def _cast_kernel(x_ptr, amax_ptr, data_ptr, t_ptr, scale_inv_ptr, M, N, FP8_MAX,
                      HAS_T: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
         scale = scale_from_amax(amax_ptr, FP8_MAX)
-        rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        mask = (rows[:, None] < M) & (cols[None, :] < N)
+        rows, cols, mask = tile_coords(M, N, BLOCK_M, BLOCK_N)
         offs = rows[:, None].to(tl.int64) * N + cols[None, :]
         x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         store_fp8_tile(x, scale, rows, cols, mask, data_ptr, t_ptr, scale_inv_ptr, M, N,
@@ -100,6 +102,13 @@ if triton is not None:
         mask = (cols[:, None] < N) & (rows[None, :] < M)
         tile = tl.load(src_ptr + rows[None, :].to(tl.int64) * N + cols[:, None], mask=mask)
         tl.store(dst_ptr + cols[:, None].to(tl.int64) * M + rows[None, :], tile, mask=mask)
+
+
+def tile_grid(m: int, n: int, block_m: int, block_n: int) -> tuple:
+    """The 1-D grid of the tile kernels (see ``tile_coords``): one program per
+    ``block_m x block_n`` tile of an ``m x n`` tensor. One axis: CUDA caps the second and
+    third at 65535 programs, which a LayerNorm over several dimensions passes."""
+    return (triton.cdiv(m, block_m) * triton.cdiv(n, block_n),)
 
 
 def cast_to_fp8_triton(x: torch.Tensor, fp8_dtype: torch.dtype, fp8_max: float,
@@ -122,8 +131,7 @@ def cast_to_fp8_triton(x: torch.Tensor, fp8_dtype: torch.dtype, fp8_max: float,
         _amax_kernel[(programs,)](x, amax, x.numel(), per_program, BLOCK=block)
     else:
         amax = amax.to(torch.float32).contiguous()
-    grid = (triton.cdiv(n_rows, block_m), triton.cdiv(n_cols, block_n))
-    _cast_kernel[grid](x, amax, data, transpose, scale_inv, n_rows, n_cols, fp8_max,
+    _cast_kernel[tile_grid(n_rows, n_cols, block_m, block_n)](x, amax, data, transpose, scale_inv, n_rows, n_cols, fp8_max,
                        HAS_T=in_kernel_t, BLOCK_M=block_m, BLOCK_N=block_n)
     return fp8_results(data, scale_inv, transpose, columnwise, in_kernel_t)
 

@@ -26,7 +26,8 @@ try:
     import triton.language as tl
 
     from fusible.kernels.fp8_cast import (fp8_buffers, fp8_results, max_keep_nan,
-                                          scale_from_amax, store_fp8_tile)
+                                          scale_from_amax, store_fp8_tile, tile_coords,
+                                          tile_grid)
 except ImportError:  # Triton is optional: CPU-only installs use PyTorch ops
     triton = None
 
@@ -98,8 +99,7 @@ if triton is not None:
                               BLOCK_N: tl.constexpr):
         """The second FP8 pass, over 2-D tiles (the transposed copy's stores stay coalesced)."""
         scale = scale_from_amax(amax_ptr, FP8_MAX)
-        rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        rows, cols, _ = tile_coords(M, N, BLOCK_M, BLOCK_N)
         rstd = tl.load(rstd_ptr + rows, mask=rows < M, other=0.0)
         mean = tl.zeros((BLOCK_M,), dtype=tl.float32)
         if CENTER:
@@ -274,7 +274,7 @@ def norm_forward_fp8_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.T
     data, transpose, scale_inv, in_kernel_t = fp8_buffers(x, fp8_dtype,
                                                           columnwise and weight.dim() == 1)
     cast_m, cast_n = cast_block or _CAST_BLOCK
-    _norm_fwd_cast_kernel[(triton.cdiv(m, cast_m), triton.cdiv(n, cast_n))](
+    _norm_fwd_cast_kernel[tile_grid(m, n, cast_m, cast_n)](
         x, w, b, mean_or_rstd, rstd, amax, data, transpose, scale_inv, m, n, fp8_max,
         CENTER=center, HAS_T=in_kernel_t, BLOCK_M=cast_m, BLOCK_N=cast_n)
     return fp8_results(data, scale_inv, transpose, columnwise, in_kernel_t), mean, rstd

@@ -21,7 +21,8 @@ try:
     import triton.language as tl
 
     from fusible.kernels.fp8_cast import (atomic_amax_of_tile, fp8_buffers, fp8_results,
-                                          scale_from_amax, store_fp8_tile, tile_coords)
+                                          scale_from_amax, store_fp8_tile, tile_coords,
+                                          tile_grid)
 except ImportError:  # Triton is optional: CPU-only installs use PyTorch ops
     triton = None
 
@@ -115,10 +116,6 @@ def _rows_and_half(x: torch.Tensor) -> tuple:
     return (x.numel() // x.shape[-1] if x.shape[-1] else 0), n
 
 
-def _grid(m: int, n: int, block_m: int, block_n: int) -> tuple:
-    return (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
-
-
 def swiglu_forward_triton(x: torch.Tensor, block_m: int = 32, block_n: int = 128):
     """``silu(a) * b`` for ``a, b = x.chunk(2, -1)``, in ``x``'s dtype."""
     require_triton("swiglu_forward_triton")
@@ -126,7 +123,7 @@ def swiglu_forward_triton(x: torch.Tensor, block_m: int = 32, block_n: int = 128
     m, n = _rows_and_half(x)
     y = x.new_empty((*x.shape[:-1], n))
     if y.numel():
-        _swiglu_fwd_kernel[_grid(m, n, block_m, block_n)](x, y, y, m, n, AMAX_ONLY=False,
+        _swiglu_fwd_kernel[tile_grid(m, n, block_m, block_n)](x, y, y, m, n, AMAX_ONLY=False,
                                                           BLOCK_M=block_m, BLOCK_N=block_n)
     return y
 
@@ -142,7 +139,7 @@ def swiglu_forward_fp8_triton(x: torch.Tensor, fp8_dtype: torch.dtype, fp8_max: 
     if not m * n:
         raise ValueError(f"swiglu_forward_fp8_triton: empty input {tuple(x.shape)}")
     amax = torch.zeros((), device=x.device, dtype=torch.float32)
-    grid = _grid(m, n, block_m, block_n)
+    grid = tile_grid(m, n, block_m, block_n)
     _swiglu_fwd_kernel[grid](x, amax, amax, m, n, AMAX_ONLY=True, BLOCK_M=block_m,
                              BLOCK_N=block_n)
     like = x.new_empty(()).expand(*x.shape[:-1], n)  # the result's shape, no memory
@@ -160,7 +157,7 @@ def swiglu_backward_triton(grad_output: torch.Tensor, x: torch.Tensor, block_m: 
     m, n = _rows_and_half(x)
     dx = torch.empty_like(x, dtype=dy.dtype)
     if dx.numel():
-        _swiglu_bwd_kernel[_grid(m, n, block_m, block_n)](dy, x, dx, dx, m, n, AMAX_ONLY=False,
+        _swiglu_bwd_kernel[tile_grid(m, n, block_m, block_n)](dy, x, dx, dx, m, n, AMAX_ONLY=False,
                                                           BLOCK_M=block_m, BLOCK_N=block_n)
     return dx
 
@@ -176,7 +173,7 @@ def swiglu_backward_fp8_triton(grad_output: torch.Tensor, x: torch.Tensor,
     if not m * n:
         raise ValueError(f"swiglu_backward_fp8_triton: empty input {tuple(x.shape)}")
     amax = torch.zeros((), device=x.device, dtype=torch.float32)
-    grid = _grid(m, n, block_m, block_n)
+    grid = tile_grid(m, n, block_m, block_n)
     _swiglu_bwd_kernel[grid](dy, x, amax, amax, m, n, AMAX_ONLY=True, BLOCK_M=block_m,
                              BLOCK_N=block_n)
     like = dy.new_empty(()).expand(x.shape)
