@@ -207,16 +207,21 @@ def profile(config: tuple, rows, path: str) -> None:
         model, mode, context = build_row(row, name, hidden, size)
         x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         dy = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
-        for _ in range(3):
+        run = torch.compile(model, fullgraph=True) if mode == "compile" else model
+
+        def step():  # as gpu_mlp.measure's: gradients reset, not accumulated
             with context():
-                y = model(x)
+                y = run(x)
             y.backward(dy)
+            x.grad = None
+            for p in model.parameters():
+                p.grad = None
+        for _ in range(3):
+            step()
         torch.cuda.synchronize()
         with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             for _ in range(3):
-                with context():
-                    y = model(x)
-                y.backward(dy)
+                step()
             torch.cuda.synchronize()
         with open(path, "a") as f:
             f.write(f"== {row} {config}, 3 steps\n")

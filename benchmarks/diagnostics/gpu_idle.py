@@ -1,18 +1,28 @@
-"""Where a step's GPU time goes besides kernels: the GPU's idle gaps in one profiled
-fwd+bwd step of the zoo's Llama-3-8B FFN block (fusible, FP8 eager and bf16 eager), the
-largest gaps with the kernels around them, and the host time of a step.
+"""Where a step's GPU time goes besides kernels, for the zoo's Llama-3-8B FFN block (fusible
+FP8 and bf16 eager, torchao tensorwise compiled):
+
+- the host time to launch one step, and the GPU's idle gaps in one step launched on an idle
+  GPU (the largest, with the kernels around them);
+- the steady state that ``do_bench`` measures: ten steps launched back to back (the L2
+  flushed between them, as ``do_bench`` does), their kernel time per step against their
+  span per step, which is what a median step costs;
+- every host-device synchronisation inside a step (``torch.cuda.set_sync_debug_mode``),
+  each of which drains the launch queue.
 
     PYTHONPATH=.:benchmarks python3 benchmarks/diagnostics/gpu_idle.py
 """
 
 import time
+import warnings
 
 import torch
+import triton.testing
 from torch.profiler import ProfilerActivity, profile
 
 from zoo import build_row
 
 CUDA = torch.autograd.DeviceType.CUDA
+STEADY_STEPS = 10
 
 
 def step_fn(model, context, x, dy):
@@ -26,8 +36,32 @@ def step_fn(model, context, x, dy):
     return step
 
 
+def kernels_of(prof) -> list:
+    return sorted((e for e in prof.events() if e.device_type == CUDA),
+                  key=lambda e: e.time_range.start)
+
+
+def busy_and_span(kernels) -> tuple:
+    busy = sum(e.time_range.end - e.time_range.start for e in kernels) / 1e3
+    return busy, (kernels[-1].time_range.end - kernels[0].time_range.start) / 1e3
+
+
+def syncs_in(step) -> list:
+    """The messages of the synchronisations one step makes."""
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    return [str(w.message).splitlines()[0][:100] for w in caught]
+
+
 def report(row: str, tokens: int = 8192, hidden: int = 4096, ffn: int = 14336) -> None:
-    model, _, context = build_row(row, "llama_ffn", hidden, ffn)
+    model, mode, context = build_row(row, "llama_ffn", hidden, ffn)
+    if mode == "compile":
+        model = torch.compile(model, fullgraph=True)
     x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     dy = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
     step = step_fn(model, context, x, dy)
@@ -41,18 +75,31 @@ def report(row: str, tokens: int = 8192, hidden: int = 4096, ffn: int = 14336) -
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         step()
         torch.cuda.synchronize()
-    kernels = sorted((e for e in prof.events() if e.device_type == CUDA),
-                     key=lambda e: e.time_range.start)
-    busy = sum(e.time_range.end - e.time_range.start for e in kernels) / 1e3
-    span = (kernels[-1].time_range.end - kernels[0].time_range.start) / 1e3
+    kernels = kernels_of(prof)
+    busy, span = busy_and_span(kernels)
     gaps = sorted(((b.time_range.start - a.time_range.end) / 1e3, a.name[:40], b.name[:40])
                   for a, b in zip(kernels, kernels[1:]))[::-1]
-    print(f"== {row}: host {host_ms:.2f} ms to launch a step; GPU span {span:.2f} ms, "
-          f"kernels {busy:.2f} ms, idle {span - busy:.2f} ms over {len(kernels)} kernels")
+    print(f"== {row}: host {host_ms:.2f} ms to launch a step; one step from idle: GPU span "
+          f"{span:.2f} ms, kernels {busy:.2f} ms, idle {span - busy:.2f} ms over "
+          f"{len(kernels)} kernels")
     for gap, before, after in gaps[:8]:
         print(f"   gap {gap:6.3f} ms after {before:40s} before {after}")
+    flush = torch.empty(256 * 2**20, dtype=torch.int8, device="cuda")
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(STEADY_STEPS):
+            flush.zero_()
+            step()
+        torch.cuda.synchronize()
+    busy, span = busy_and_span(kernels_of(prof))
+    bench = triton.testing.do_bench(step, warmup=100, rep=1000, return_mode="median")
+    print(f"   steady: {STEADY_STEPS} steps back to back: span {span / STEADY_STEPS:.2f} ms/step, "
+          f"kernels {busy / STEADY_STEPS:.2f} ms/step (L2 flush included); do_bench median "
+          f"{bench:.2f} ms")
+    syncs = syncs_in(step)
+    print(f"   synchronisations in a step: {len(syncs)}" + "".join(f"\n     {s}" for s in syncs))
 
 
 if __name__ == "__main__":
-    for row in ("fusible_fp8_eager", "fusible_bf16_eager", "torchao_tensorwise"):
+    for row in ("fusible_fp8_eager", "fusible_bf16_eager", "torch_compile",
+                "torchao_tensorwise"):
         report(row)
