@@ -51,8 +51,8 @@ class ForwardLinearBias(FusedOperation):
 
     @classmethod
     def forward_compute(cls, args, *, in_custom_op=False):
-        y, x_q = gemm_forward(args.gemm, args.bias)
-        return ForwardResult(y, (), forward_aux(args.gemm, x_q))
+        y, kept = gemm_forward(args.gemm, args.bias)
+        return ForwardResult(y, (), forward_aux(args.gemm, kept))
 
     def save_for_backward(self, args, result, ctxs):
         save_linear(ctxs[0], args.gemm, result.aux)

@@ -50,8 +50,8 @@ class ForwardLinearBiasAdd(FusedOperation):
     def forward_compute(cls, args, *, in_custom_op=False):
         gemm = args.gemm
         if gemm.fp8:
-            y, x_q = gemm_forward(gemm, args.bias)
-            return ForwardResult(y + args.extra_input, (), forward_aux(gemm, x_q))
+            y, kept = gemm_forward(gemm, args.bias)
+            return ForwardResult(y + args.extra_input, (), forward_aux(gemm, kept))
         x = gemm.input
         y = torch.addmm(tokens_2d(args.extra_input), tokens_2d(x), gemm.weight.t())
         if args.bias is not None:

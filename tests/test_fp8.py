@@ -66,6 +66,36 @@ def test_three_fp8_gemms_per_linear_layer(device):
     assert _scaled_mm_calls(lambda: model(x).sum().backward()) == 0  # outside autocast
 
 
+def test_backward_quantizes_each_weight_by_the_forwards_amax(device, monkeypatch):
+    """The backward re-quantizes the weight (with its transposed copy) by the amax the
+    forward measured, not by reading the weight again: same scale, same bits."""
+    from fusible.quantization import cast
+    casts = []
+    real = cast.cast_to_fp8
+
+    def recording(x, fp8_dtype, columnwise=False, amax=None):
+        out = real(x, fp8_dtype, columnwise, amax)
+        casts.append((tuple(x.shape), columnwise, amax, out))
+        return out
+    monkeypatch.setattr(cast, "cast_to_fp8", recording)
+    torch.manual_seed(0)
+    model = ops.Sequential(ops.Linear(64, 48), ops.GELU(), ops.Linear(48, 32))
+    x = torch.randn(16, 64, requires_grad=True)
+    with fusible.autocast():
+        y = model(x)
+    forward = {shape: (amax, out) for shape, _, amax, out in casts if shape in ((48, 64), (32, 48))}
+    casts.clear()
+    y.sum().backward()
+    backward = [(shape, columnwise, amax, out) for shape, columnwise, amax, out in casts
+                if shape in forward]
+    assert sorted(shape for shape, *_ in backward) == [(32, 48), (48, 64)]
+    for shape, columnwise, amax, out in backward:
+        assert columnwise and amax is forward[shape][0] is not None, shape
+        for got, want in zip(out, forward[shape][1]):  # data and scale: the forward's bits
+            assert torch.equal(got.view(torch.uint8) if got.element_size() == 1 else got,
+                               want.view(torch.uint8) if want.element_size() == 1 else want)
+
+
 def test_fp8_residual_block_against_the_emulated_reference(device):
     torch.manual_seed(0)
     model = ops.Sequential(ops.MakeExtraOutput(), ops.LayerNorm(64), ops.Linear(64, 128),

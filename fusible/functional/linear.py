@@ -21,6 +21,7 @@ import torch
 from fusible.functional import parallel
 from fusible.functional.parallel import TensorParallel
 from fusible.kernels.fp8_cast import transposed_copy
+from fusible.quantization.cast import tensor_amax
 from fusible.quantization.float8_tensor import Float8Tensor, Fp8Able, quantize_raw
 from fusible.quantization.format import Float8Format, to_format
 
@@ -89,6 +90,7 @@ class LinearSaved:
 
     input: Optional[Fp8Able]
     weight: Optional[Tensor]
+    weight_amax: Optional[Tensor] = None  # under FP8: the forward's, reused by the backward
 
 
 def _wrong_record(args, record_type, where: str) -> TypeError:
@@ -176,8 +178,10 @@ def fp8_gemm(a: Tensor, a_scale_inv: Tensor, b: Tensor, b_scale_inv: Tensor,
 
 
 def gemm_forward(gemm: GemmForwardArgs, bias: Optional[Tensor] = None):
-    """``(y, the input as saved)``: in high precision the gathered input (column +
-    sequence parallel) or None, under FP8 the FP8 input.
+    """``(y, kept)``, ``kept`` being what :func:`~fusible.functional.linear_state.forward_aux`
+    takes: in high precision the gathered input (column + sequence parallel) or None;
+    under FP8 ``(the FP8 input, the weight's amax)`` (the backward quantizes the weight
+    again with that amax: the same bits, without reading the weight for it).
 
     Tensor parallelism: column + sequence parallel all-gathers ``x`` first; row sums
     the output over the group (all-reduce, or reduce-scatter with sequence parallel),
@@ -196,12 +200,13 @@ def gemm_forward(gemm: GemmForwardArgs, bias: Optional[Tensor] = None):
         x_q, lead = gather_fp8(x, tp, fmt), _gathered_lead(x, tp)
     else:
         x_q, lead = as_fp8(x, fmt if not handed_in(x, fmt) else fmt.rowwise()), x.shape[:-1]
-    w_q = quantize_raw(weight, gemm.weight_format.fp8_dtype)
+    w_amax = tensor_amax(weight)
+    w_q = quantize_raw(weight, gemm.weight_format.fp8_dtype, amax=w_amax)
     # The input's dtype is the compute dtype (under torch.autocast the weight may be the
     # float32 parameter, quantized directly).
     y = fp8_gemm(x_q._data, x_q._scale_inv, w_q._data.t(), w_q._scale_inv, bias, x_q.dtype,
                  fast_accum=True)
-    return _reduce_output(y.view(*lead, y.shape[-1]), tp), x_q
+    return _reduce_output(y.view(*lead, y.shape[-1]), tp), (x_q, w_amax)
 
 
 def gather_fp8(x: Tensor, tp: TensorParallel, fmt: Float8Format) -> Float8Tensor:

@@ -33,16 +33,18 @@ def gemm_forward_args(input, weight, tp: TensorParallel, ctx) -> GemmForwardArgs
                            recipe.weight_format(), tp)
 
 
-def forward_aux(gemm: GemmForwardArgs, x_q) -> tuple:
-    """The aux tensors a forward GEMM stage returns: in high precision the gathered input
-    (column + sequence parallel) if any; under FP8 the input's transposed copy and scale,
-    ``(x_t, x_scale_inv)`` (None where not kept). An input that arrived in FP8 is the
-    caller's to save (see :func:`~fusible.functional.linear.handed_in`)."""
+def forward_aux(gemm: GemmForwardArgs, kept) -> tuple:
+    """The aux tensors a forward GEMM stage returns, from ``gemm_forward``'s ``kept``: in
+    high precision the gathered input (column + sequence parallel) if any; under FP8 the
+    input's transposed copy and scale and the weight's amax, ``(x_t, x_scale_inv,
+    w_amax)`` (None where not kept). An input that arrived in FP8 is the caller's to save
+    (see :func:`~fusible.functional.linear.handed_in`): then ``(w_amax,)``."""
     if gemm.input_format is None:
-        return () if x_q is None else (x_q,)
+        return () if kept is None else (kept,)
+    x_q, w_amax = kept
     if _kept_by_caller(gemm):
-        return ()
-    return (x_q._transpose, x_q._scale_inv)
+        return (w_amax,)
+    return (x_q._transpose, x_q._scale_inv, w_amax)
 
 
 def _kept_by_caller(gemm: GemmForwardArgs) -> bool:
@@ -55,9 +57,11 @@ def save_linear(ctx, gemm: GemmForwardArgs, aux: tuple) -> None:
     """Set ``ctx.saved`` to the linear layer's :class:`LinearSaved`: the input for wgrad,
     the weight for dgrad. Under FP8 the input is kept as its transposed FP8 copy only
     (all wgrad reads), from the forward result's aux (see :func:`forward_aux`); the weight
-    is kept as the parameter itself and quantized again in the backward."""
+    is kept as the parameter itself and quantized again in the backward, with the
+    forward's amax where the aux has it (a fusion without aux: measured again)."""
     needs = ctx.needs
     x = None
+    w_amax = aux[-1] if gemm.input_format is not None and aux and needs.input else None
     if needs.params[0]:
         fmt = gemm.input_format
         if fmt is None:
@@ -69,15 +73,16 @@ def save_linear(ctx, gemm: GemmForwardArgs, aux: tuple) -> None:
             else:
                 x_t, x_scale_inv = aux[:2]
             x = transposed_only(x_t, x_scale_inv, gemm.input.dtype)
-    ctx.saved = LinearSaved(x, gemm.weight if needs.input else None)
+    ctx.saved = LinearSaved(x, gemm.weight if needs.input else None, w_amax)
 
 
 def gemm_backward_args(ctx, grad_output, tp: TensorParallel) -> GemmBackwardArgs:
     """The backward GEMM record of a linear layer from its context and saved record.
 
-    Under FP8 the weight is quantized again, with its transposed copy for dgrad: the
-    same bits as in the forward (current scaling of an unchanged parameter; autograd
-    checks its version), and no FP8 copy of every weight held between the passes.
+    Under FP8 the weight is quantized again, with its transposed copy for dgrad, by the
+    forward's amax: the same bits as in the forward (current scaling of an unchanged
+    parameter; autograd checks its version), and no FP8 copy of every weight held
+    between the passes.
     """
     saved, recipe, needs = ctx.saved, ctx.recipe, ctx.needs
     weight = saved.weight
@@ -85,7 +90,8 @@ def gemm_backward_args(ctx, grad_output, tp: TensorParallel) -> GemmBackwardArgs
         return GemmBackwardArgs(grad_output, saved.input, weight, None, needs.input,
                                 needs.params[0], tp)
     if weight is not None:
-        w_q = quantize_raw(weight, recipe.weight_format().fp8_dtype, columnwise=True)
+        w_q = quantize_raw(weight, recipe.weight_format().fp8_dtype, columnwise=True,
+                           amax=saved.weight_amax)
         weight = transposed_only(w_q._transpose, w_q._scale_inv, weight.dtype)
     return GemmBackwardArgs(grad_output, saved.input, weight, gemm_grad_format(recipe, needs),
                             needs.input, needs.params[0], tp)

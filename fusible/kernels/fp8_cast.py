@@ -111,6 +111,17 @@ def tile_grid(m: int, n: int, block_m: int, block_n: int) -> tuple:
     return (triton.cdiv(m, block_m) * triton.cdiv(n, block_n),)
 
 
+def amax_triton(x: torch.Tensor, block: int = 4096) -> torch.Tensor:
+    """The float32 0-d absolute maximum of the non-empty ``x`` (NaN if any is NaN)."""
+    x = x.contiguous()
+    amax = torch.zeros((), device=x.device, dtype=torch.float32)
+    # Few enough programs that the atomics on one address stay cheap.
+    programs = min(triton.cdiv(x.numel(), block), 2048)
+    per_program = triton.cdiv(triton.cdiv(x.numel(), programs), block) * block
+    _amax_kernel[(programs,)](x, amax, x.numel(), per_program, BLOCK=block)
+    return amax
+
+
 def cast_to_fp8_triton(x: torch.Tensor, fp8_dtype: torch.dtype, fp8_max: float,
                        columnwise: bool, block: int = 4096, block_m: int = 64,
                        block_n: int = 128, amax: torch.Tensor | None = None) -> list:
@@ -124,11 +135,7 @@ def cast_to_fp8_triton(x: torch.Tensor, fp8_dtype: torch.dtype, fp8_max: float,
     n_rows = x.numel() // n_cols
     data, transpose, scale_inv, in_kernel_t = fp8_buffers(x, fp8_dtype, columnwise)
     if amax is None:
-        amax = torch.zeros((), device=x.device, dtype=torch.float32)
-        # Few enough programs that the atomics on one address stay cheap.
-        programs = min(triton.cdiv(x.numel(), block), 2048)
-        per_program = triton.cdiv(triton.cdiv(x.numel(), programs), block) * block
-        _amax_kernel[(programs,)](x, amax, x.numel(), per_program, BLOCK=block)
+        amax = amax_triton(x, block)
     else:
         amax = amax.to(torch.float32).contiguous()
     _cast_kernel[tile_grid(n_rows, n_cols, block_m, block_n)](x, amax, data, transpose, scale_inv, n_rows, n_cols, fp8_max,

@@ -138,8 +138,8 @@ class BasicLinear(BasicOperation):
 
     @classmethod
     def forward_compute(cls, args, *, in_custom_op=False):
-        y, x_q = gemm_forward(args)
-        return ForwardResult(y, (), forward_aux(args, x_q))
+        y, kept = gemm_forward(args)
+        return ForwardResult(y, (), forward_aux(args, kept))
 
     def save_for_backward(self, args, result, ctxs):
         save_linear(ctxs[0], args, result.aux)

@@ -49,6 +49,17 @@ def cast_to_fp8(x: torch.Tensor, fp8_dtype: torch.dtype, columnwise: bool = Fals
     return cast_to_fp8_torch(x, fp8_dtype, columnwise, amax)
 
 
+def tensor_amax(x: torch.Tensor) -> torch.Tensor:
+    """``x``'s absolute maximum, float32 0-d (0 when empty; NaN if any is NaN): the amax
+    :func:`cast_to_fp8` scales by. A maximum is exact, so every kernel gives the same
+    bits, and handing it back to :func:`cast_to_fp8` quantizes as it would alone."""
+    if x.numel() == 0:
+        return torch.zeros((), device=x.device, dtype=torch.float32)
+    if x.is_cuda and fp8_cast.triton is not None and plain_eager(x):
+        return fp8_cast.amax_triton(x)
+    return x.detach().float().abs().amax()
+
+
 def cast_to_fp8_torch(x: torch.Tensor, fp8_dtype: torch.dtype, columnwise: bool = False,
                       amax: torch.Tensor | None = None) -> list:
     """:func:`cast_to_fp8` in PyTorch ops."""
