@@ -208,13 +208,14 @@ def profile(config: tuple, rows, path: str) -> None:
         x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         dy = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
         run = torch.compile(model, fullgraph=True) if mode == "compile" else model
+        params = list(model.parameters())
 
         def step():  # as gpu_mlp.measure's: gradients reset, not accumulated
             with context():
                 y = run(x)
             y.backward(dy)
             x.grad = None
-            for p in model.parameters():
+            for p in params:
                 p.grad = None
         for _ in range(3):
             step()
@@ -256,6 +257,8 @@ def main() -> None:
     parser.add_argument("--png")
     parser.add_argument("--configs", type=int, default=len(CONFIGS),
                         help="how many of CONFIGS to run, in order")
+    parser.add_argument("--first", type=int, default=0,
+                        help="the index in CONFIGS to start from (a run split in two)")
     parser.add_argument("--rows", default=",".join(ROWS))
     parser.add_argument("--profile", help="first write kernel profiles of fusible's eager "
                         "rows here (bf16 and FP8 of the first config, FP8 of the third)")
@@ -264,11 +267,11 @@ def main() -> None:
     if args.draw:
         with open(args.draw) as f:
             return draw(json.load(f), args.png)
-    if args.profile:
+    if args.profile and args.first == 0:
         profile(CONFIGS[0], ("fusible_bf16_eager", "fusible_fp8_eager"), args.profile)
         profile(CONFIGS[2], ("fusible_fp8_eager",), args.profile)
     results = {"torch": torch.__version__, "gpu": torch.cuda.get_device_name()}
-    for config in CONFIGS[:args.configs]:
+    for config in CONFIGS[args.first:args.first + args.configs]:
         run_config(config, args.rows.split(","), results, args.output)
     if args.png:
         draw(results, args.png)

@@ -3,8 +3,8 @@
 # under the machine's PyTorch, then the GPU benchmarks. Results land in $OUT (or out/).
 # Usage there: [TESTS="tests/test_fp8.py ..."] bash scripts/gpu_check.sh [bf16] [fp8] [tp] [zoo]
 # (no argument: bf16 and fp8; tp needs two GPUs (kind nvidia-h200-x2); zoo: the block zoo,
-# ZOO_CONFIGS of its configs (default all) with kernel profiles; TESTS: which tests, default
-# all; "none" runs no benchmark)
+# ZOO_CONFIGS of its configs (default all) from index ZOO_FIRST (default 0, which also
+# profiles); TESTS: which tests, default all; "none" runs no benchmark)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out}
@@ -46,7 +46,7 @@ if [[ " $benches " == *" tp "* ]]; then
     bench_rc=$(( bench_rc || PIPESTATUS[0] ))
 fi
 if [[ " $benches " == *" zoo "* ]]; then
-    (cd benchmarks && python3 zoo.py --configs "${ZOO_CONFIGS:-99}" \
+    (cd benchmarks && python3 zoo.py --configs "${ZOO_CONFIGS:-99}" --first "${ZOO_FIRST:-0}" \
         --output "$OUT_ABS/zoo.json" --profile "$OUT_ABS/zoo_profile.txt") 2>&1 | tee "$OUT/zoo.log"
     bench_rc=$(( bench_rc || PIPESTATUS[0] ))
 fi
