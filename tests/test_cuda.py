@@ -148,6 +148,10 @@ def test_fp8_cast_triton_same_bits_as_pytorch(dtype, fp8_dtype):
             assert torch.equal(ours[1], ref[1])
             for a, b in zip(ours[::2], ref[::2]):  # data and transposed copy
                 assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), (shape, columnwise)
+        t_only, t_scale_inv = cast_to_fp8_triton(x, fp8_dtype, FP8_MAX[fp8_dtype], True,
+                                                 rowwise=False)  # the copy alone
+        assert torch.equal(t_scale_inv, ref[1])
+        assert torch.equal(t_only.view(torch.uint8), ref[2].view(torch.uint8)), shape
     for special in (float("inf"), float("nan"), 1e-38):  # 1e-38: a tiny tensor, clamped scale
         x = torch.randn(64, 64, device="cuda", dtype=dtype)
         x = x * 1e-38 if special == 1e-38 else x

@@ -35,6 +35,27 @@ def test_quantize_round_trip(fp8_dtype, dtype):
     assert snr_db(q.dequantize(), x) > SNR_FLOOR[fp8_dtype]
 
 
+@pytest.mark.parametrize("traced", [False, True], ids=["eager", "custom_op"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_transposed_copy_alone_and_a_given_amax(dtype, traced):
+    """``rowwise=False`` keeps the transposed copy only (what dgrad reads of a weight), with
+    the bits and scale of the full cast; an amax handed in scales as the tensor's own."""
+    from fusible.quantization import cast
+    from fusible.quantization.float8_tensor import quantize_raw
+    x = torch.randn(24, 40, dtype=dtype)
+    full = cast.cast_to_fp8_torch(x, E4M3, True)
+    run = cast.cast_to_fp8_op if traced else cast.cast_to_fp8
+    t_only, scale_inv = run(x, E4M3, True, cast.tensor_amax(x), False)
+    assert t_only.shape == (40, 24) and t_only.is_contiguous()
+    assert torch.equal(t_only.view(torch.uint8), full[2].view(torch.uint8))
+    assert torch.equal(scale_inv, full[1])
+    q = quantize_raw(x, E4M3, columnwise=True, rowwise=False)
+    assert q.shape == x.shape and q._transpose is not None
+    assert torch.equal(q.dequantize(), Float8Tensor(full[0], full[1], dtype).dequantize())
+    with pytest.raises(ValueError, match="rowwise=False needs columnwise=True"):
+        cast.cast_to_fp8(x, E4M3, False, None, False)
+
+
 @pytest.mark.parametrize("fp8_dtype", [E4M3, E5M2], ids=str)
 def test_current_scaling_maps_amax_to_the_format_max(fp8_dtype):
     """The scale comes from the format's largest value (the spec's, not the library's): a

@@ -67,15 +67,15 @@ def test_three_fp8_gemms_per_linear_layer(device):
 
 
 def test_backward_quantizes_each_weight_by_the_forwards_amax(device, monkeypatch):
-    """The backward re-quantizes the weight (with its transposed copy) by the amax the
+    """The backward re-quantizes the weight, its transposed copy alone, by the amax the
     forward measured, not by reading the weight again: same scale, same bits."""
     from fusible.quantization import cast
     casts = []
     real = cast.cast_to_fp8
 
-    def recording(x, fp8_dtype, columnwise=False, amax=None):
-        out = real(x, fp8_dtype, columnwise, amax)
-        casts.append((tuple(x.shape), columnwise, amax, out))
+    def recording(x, fp8_dtype, columnwise=False, amax=None, rowwise=True):
+        out = real(x, fp8_dtype, columnwise, amax, rowwise)
+        casts.append((tuple(x.shape), columnwise and not rowwise, amax, out))
         return out
     monkeypatch.setattr(cast, "cast_to_fp8", recording)
     torch.manual_seed(0)
@@ -89,11 +89,11 @@ def test_backward_quantizes_each_weight_by_the_forwards_amax(device, monkeypatch
     backward = [(shape, columnwise, amax, out) for shape, columnwise, amax, out in casts
                 if shape in forward]
     assert sorted(shape for shape, *_ in backward) == [(32, 48), (48, 64)]
-    for shape, columnwise, amax, out in backward:
-        assert columnwise and amax is forward[shape][0] is not None, shape
-        for got, want in zip(out, forward[shape][1]):  # data and scale: the forward's bits
-            assert torch.equal(got.view(torch.uint8) if got.element_size() == 1 else got,
-                               want.view(torch.uint8) if want.element_size() == 1 else want)
+    for shape, transposed_alone, amax, (t_only, scale_inv) in backward:
+        assert transposed_alone and amax is forward[shape][0] is not None, shape
+        data, want_scale_inv = forward[shape][1]  # the forward's bits, transposed
+        assert torch.equal(scale_inv, want_scale_inv)
+        assert torch.equal(t_only.view(torch.uint8), data.view(torch.uint8).t())
 
 
 def test_fp8_residual_block_against_the_emulated_reference(device):

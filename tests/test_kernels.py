@@ -67,6 +67,11 @@ _CAST_SCRIPT = textwrap.dedent("""
                 bits = data.view(torch.uint8)
                 assert torch.equal(transpose.view(torch.uint8), bits.reshape(-1, shape[-1]).t())
                 assert (bits != 0).all()  # every tile was written (no |x| rounds to 0 here)
+                t_only, t_scale_inv = cast_to_fp8_triton(
+                    x, fp8_dtype, FP8_MAX[fp8_dtype], True, block=256, block_m=16,
+                    block_n=32, rowwise=False)  # the transposed copy alone
+                assert torch.equal(t_scale_inv, scale_inv)
+                assert torch.equal(t_only.view(torch.uint8), transpose.view(torch.uint8))
     x = torch.randn(40, 32)
     x[3, 5] = float("inf")  # scale 0, scale_inv inf: every dequantized value NaN
     assert torch.equal(cast_to_fp8_triton(x, torch.float8_e4m3fn, 448.0, False)[1],

@@ -79,10 +79,10 @@ def save_linear(ctx, gemm: GemmForwardArgs, aux: tuple) -> None:
 def gemm_backward_args(ctx, grad_output, tp: TensorParallel) -> GemmBackwardArgs:
     """The backward GEMM record of a linear layer from its context and saved record.
 
-    Under FP8 the weight is quantized again, with its transposed copy for dgrad, by the
-    forward's amax: the same bits as in the forward (current scaling of an unchanged
-    parameter; autograd checks its version), and no FP8 copy of every weight held
-    between the passes.
+    Under FP8 the weight is quantized again by the forward's amax, into the transposed
+    copy dgrad reads and nothing else: the same bits as in the forward (current scaling
+    of an unchanged parameter; autograd checks its version), and no FP8 copy of every
+    weight held between the passes.
     """
     saved, recipe, needs = ctx.saved, ctx.recipe, ctx.needs
     weight = saved.weight
@@ -90,8 +90,7 @@ def gemm_backward_args(ctx, grad_output, tp: TensorParallel) -> GemmBackwardArgs
         return GemmBackwardArgs(grad_output, saved.input, weight, None, needs.input,
                                 needs.params[0], tp)
     if weight is not None:
-        w_q = quantize_raw(weight, recipe.weight_format().fp8_dtype, columnwise=True,
-                           amax=saved.weight_amax)
-        weight = transposed_only(w_q._transpose, w_q._scale_inv, weight.dtype)
+        weight = quantize_raw(weight, recipe.weight_format().fp8_dtype, columnwise=True,
+                              amax=saved.weight_amax, rowwise=False)
     return GemmBackwardArgs(grad_output, saved.input, weight, gemm_grad_format(recipe, needs),
                             needs.input, needs.params[0], tp)

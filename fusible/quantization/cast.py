@@ -33,20 +33,26 @@ def scale_from_amax(amax: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
 
 
 def cast_to_fp8(x: torch.Tensor, fp8_dtype: torch.dtype, columnwise: bool = False,
-                amax: torch.Tensor | None = None) -> list:
+                amax: torch.Tensor | None = None, rowwise: bool = True) -> list:
     """``[data, scale_inv]`` (+ ``transpose``): ``data = saturate(x * scale)`` in FP8.
 
     ``transpose`` is the (features, tokens) row-major copy of the data seen as
     (tokens, features), the layout a GEMM needs for the other operand side.
     ``amax`` (float32, 0-d) replaces ``x``'s own absolute maximum, e.g. the maximum
     over a process group, so that every rank quantizes its part with one scale.
+    ``rowwise=False`` (with ``columnwise``): ``[transpose, scale_inv]`` alone, the data
+    not kept (on CUDA from bfloat16 never written): what dgrad reads of a weight.
     """
     if fp8_dtype not in FP8_MAX:
         raise ValueError(f"cast_to_fp8: fp8_dtype must be one of {list(FP8_MAX)}, got {fp8_dtype}")
+    if not (rowwise or columnwise):
+        raise ValueError("cast_to_fp8: rowwise=False needs columnwise=True (else nothing is "
+                         "kept)")
     if x.is_cuda and fp8_cast.triton is not None and x.numel() > 0:
         return fp8_cast.cast_to_fp8_triton(x, fp8_dtype, FP8_MAX[fp8_dtype], columnwise,
-                                           amax=amax)
-    return cast_to_fp8_torch(x, fp8_dtype, columnwise, amax)
+                                           amax=amax, rowwise=rowwise)
+    out = cast_to_fp8_torch(x, fp8_dtype, columnwise, amax)
+    return out if rowwise else [out[2], out[1]]
 
 
 def tensor_amax(x: torch.Tensor) -> torch.Tensor:
@@ -81,11 +87,11 @@ def dequantize_fp8(data: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dty
 
 
 def cast_to_fp8_any(x: torch.Tensor, fp8_dtype: torch.dtype, columnwise: bool,
-                    amax: torch.Tensor | None = None) -> list:
+                    amax: torch.Tensor | None = None, rowwise: bool = True) -> list:
     """:func:`cast_to_fp8`, through its custom op wherever something may be tracing."""
     if plain_eager(x) and (amax is None or plain_eager(amax)):
-        return cast_to_fp8(x, fp8_dtype, columnwise, amax)
-    return cast_to_fp8_op(x, fp8_dtype, columnwise, amax)
+        return cast_to_fp8(x, fp8_dtype, columnwise, amax, rowwise)
+    return cast_to_fp8_op(x, fp8_dtype, columnwise, amax, rowwise)
 
 
 def dequantize_any(data: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype):
@@ -97,16 +103,17 @@ def dequantize_any(data: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dty
 
 @torch.library.custom_op("fusible::cast_to_fp8", mutates_args=())
 def cast_to_fp8_op(x: torch.Tensor, fp8_dtype: torch.dtype, columnwise: bool,
-                   amax: torch.Tensor | None = None) -> list[torch.Tensor]:
-    return cast_to_fp8(x, fp8_dtype, columnwise, amax)
+                   amax: torch.Tensor | None = None, rowwise: bool = True) -> list[torch.Tensor]:
+    return cast_to_fp8(x, fp8_dtype, columnwise, amax, rowwise)
 
 
 @cast_to_fp8_op.register_fake
-def _(x, fp8_dtype, columnwise, amax=None):
-    out = [x.new_empty(x.shape, dtype=fp8_dtype), x.new_empty((), dtype=torch.float32)]
-    if columnwise:
-        out.append(x.new_empty((x.shape[-1], x.numel() // x.shape[-1]), dtype=fp8_dtype))
-    return out
+def _(x, fp8_dtype, columnwise, amax=None, rowwise=True):
+    scale_inv = x.new_empty((), dtype=torch.float32)
+    transpose = x.new_empty((x.shape[-1], x.numel() // x.shape[-1]), dtype=fp8_dtype)
+    if not rowwise:
+        return [transpose, scale_inv]
+    return [x.new_empty(x.shape, dtype=fp8_dtype), scale_inv] + ([transpose] if columnwise else [])
 
 
 @torch.library.custom_op("fusible::dequantize", mutates_args=())

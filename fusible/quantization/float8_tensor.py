@@ -127,10 +127,13 @@ def from_cast_parts(parts: list, dtype: torch.dtype) -> Float8Tensor:
 
 def quantize_raw(x: torch.Tensor, fp8_dtype: torch.dtype, columnwise: bool = False,
                  dtype: Optional[torch.dtype] = None,
-                 amax: Optional[torch.Tensor] = None) -> Float8Tensor:
+                 amax: Optional[torch.Tensor] = None, rowwise: bool = True) -> Float8Tensor:
     """Quantize with current scaling (the ``fusible::cast_to_fp8`` custom op's kernel);
-    ``amax`` replaces ``x``'s own absolute maximum (see ``cast.cast_to_fp8``)."""
-    out = cast.cast_to_fp8_any(x, fp8_dtype, columnwise, amax)
+    ``amax`` replaces ``x``'s own absolute maximum (see ``cast.cast_to_fp8``). Without
+    ``rowwise`` only the transposed copy is kept (the data is a view of it)."""
+    out = cast.cast_to_fp8_any(x, fp8_dtype, columnwise, amax, rowwise)
+    if not rowwise:
+        return Float8Tensor(out[0].t(), out[1], dtype or x.dtype, out[0])
     return Float8Tensor(out[0], out[1], dtype or x.dtype, out[2] if columnwise else None)
 
 
