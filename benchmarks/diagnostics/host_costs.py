@@ -37,9 +37,9 @@ def main():
         "torch.zeros 0-d": lambda: torch.zeros((), device="cuda"),
         "amax kernel launch": lambda: fp8_cast._amax_kernel[(64,)](x, amax, x.numel(), 4096,
                                                                    BLOCK=4096),
-        "cast kernel launch": lambda: fp8_cast._cast_kernel[(4, 4)](
-            x, amax, data, transpose, scale_inv, 256, 512, 448.0, HAS_T=has_t, BLOCK_M=64,
-            BLOCK_N=128),
+        "cast kernel launch": lambda: fp8_cast._cast_kernel[(16,)](
+            x, amax, data, transpose, scale_inv, 256, 512, 448.0, HAS_T=has_t, HAS_DATA=True,
+            BLOCK_M=64, BLOCK_N=128),
         "vector_norm inf": lambda: torch.linalg.vector_norm(x, float("inf")),
         "cast_to_fp8_triton": lambda: fp8_cast.cast_to_fp8_triton(x, e4m3, 448.0, True),
         "cast_to_fp8_torch": lambda: cast.cast_to_fp8_torch(x, e4m3, True),
