@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Everything the GPU machine runs, in one call: the whole test suite (CUDA tests included)
 # under the machine's PyTorch, then the GPU benchmarks. Results land in $OUT (or out/).
-# Usage there: [TESTS="tests/test_fp8.py ..."] bash scripts/gpu_check.sh [bf16] [fp8] [tp] [zoo]
-# (no argument: bf16 and fp8; tp needs two GPUs (kind nvidia-h200-x2); zoo: the block zoo,
+# Usage there: [TESTS="tests/test_fp8.py ..."] bash scripts/gpu_check.sh [bf16] [fp8] [tp] [tiles] [zoo]
+# (no argument: bf16 and fp8; tp needs two GPUs (kind nvidia-h200-x2); tiles: the GELU
+# kernels' tile shapes (diagnostics/activation_tiles.py); zoo: the block zoo,
 # ZOO_CONFIGS of its configs (default all) from index ZOO_FIRST (default 0, which also
 # profiles); TESTS: which tests, default all, "none" for none; the argument "none" runs no
 # benchmark)
@@ -47,6 +48,10 @@ if [[ " $benches " == *" fp8 "* ]]; then
 fi
 if [[ " $benches " == *" tp "* ]]; then
     python3 benchmarks/gpu_tp.py --output "$OUT/gpu_tp.json" 2>&1 | tee "$OUT/bench_tp.log"
+    bench_rc=$(( bench_rc || PIPESTATUS[0] ))
+fi
+if [[ " $benches " == *" tiles "* ]]; then
+    python3 benchmarks/diagnostics/activation_tiles.py 2>&1 | tee "$OUT/tiles.log"
     bench_rc=$(( bench_rc || PIPESTATUS[0] ))
 fi
 if [[ " $benches " == *" zoo "* ]]; then

@@ -14,7 +14,9 @@ pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
 def _stage_ops(stages, suffix):
-    return [f"fusible::{s.name}_{suffix}" for s in stages if not s.is_module]
+    """The custom ops of the planned stages (a stage of aliases runs inline instead)."""
+    return [f"fusible::{s.name}_{suffix}" for s in stages
+            if not (s.is_module or s.inline_when_compiled)]
 
 
 @pytest.mark.parametrize("name", MODELS)
@@ -28,8 +30,9 @@ def test_each_stage_is_one_custom_op(name):
     bwd = [c.op for g in report.backward_graphs for c in g.fusible_ops]
     assert fwd == _stage_ops(plan.forward, "fwd")
     assert bwd == _stage_ops(plan.backward, "bwd")
+    first = next(s for s in plan.forward if not (s.is_module or s.inline_when_compiled))
     prov = report.forward_graphs[0].fusible_ops[0].provenance
-    assert prov.startswith(f"{plan.forward[0].name} {list(plan.forward[0].indices)}")
+    assert prov.startswith(f"{first.name} {list(first.indices)}")
 
 
 def _graph_breaks(fn, *args):
@@ -187,3 +190,33 @@ def test_report_counts_a_recompilation():
     report = fusible.compile_report(lambda x, x3: (helper(x), helper(x3)), torch.randn(3, 8),
                                     torch.randn(2, 3, 8))  # a new rank: helper recompiles
     assert report.recompilations >= 1
+
+
+def test_a_stage_of_aliases_runs_inline_without_copies():
+    """AddExtraInput's backward hands ``dy`` on twice. Through a custom op (whose results
+    may alias nothing) both would be copies; inline, the compiled backward returns the
+    incoming gradient itself as the residual's, copies nothing, and matches eager."""
+    from torch._dynamo.backends.common import aot_autograd
+    graphs = []
+
+    def keep(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+    model = ops.Sequential(ops.BasicLinear(8, 8), ops.GELU(), ops.AddExtraInput())
+    plan = model.plan(torch.randn(4, 8), torch.randn(4, 8))
+    assert [s.name for s in plan.backward if s.inline_when_compiled] == ["AddExtraInput"]
+    assert "compiles inline" in plan.explain()
+    twin = copy.deepcopy(model)
+    compiled = torch.compile(twin, fullgraph=True,
+                             backend=aot_autograd(fw_compiler=keep, bw_compiler=keep))
+    x, r = (torch.randn(4, 8, requires_grad=True) for _ in range(2))
+    x2, r2 = (t.detach().clone().requires_grad_() for t in (x, r))
+    dy = torch.randn(4, 8)
+    model(x, r).backward(dy)
+    compiled(x2, r2).backward(dy)
+    assert torch.equal(x.grad, x2.grad) and torch.equal(r.grad, r2.grad)
+    backward = graphs[-1].graph
+    calls = [str(n.target) for n in backward.nodes if n.op == "call_function"]
+    assert not any("clone" in c or "copy" in c or "AddExtraInput" in c for c in calls), calls
+    tangent = next(n for n in backward.nodes if n.op == "placeholder" and "tangent" in n.name)
+    assert tangent in backward.output_node().args[0]  # the residual's gradient, as it came

@@ -152,6 +152,14 @@ class StageSpec:
         """Like :meth:`input_format`, for the gradient this backward stage receives."""
         return None
 
+    def inline_when_compiled(self, direction: str) -> bool:
+        """Whether the compiled graph runs this ``direction`` stage's compute inline rather
+        than as its custom op: only for a compute of aliases and views, no kernel of its
+        own (AddExtraInput's backward hands ``dy`` on twice). A custom op may return no
+        alias of its inputs, so through one each alias would be a copy the eager run does
+        not make: a pass over memory and a buffer more at the peak."""
+        return False
+
     def compile_unsupported_reason(self, direction: str) -> Optional[str]:
         """A reason of the stage's own why its ``direction`` stage cannot run compiled,
         or None. (Args that cannot become a custom-op schema are found by the runtime;

@@ -61,6 +61,9 @@ class AddExtraInput(BasicOperation):
     def save_for_backward(self, args, result, ctxs):
         pass
 
+    def inline_when_compiled(self, direction):
+        return direction == "backward"  # dy handed on as it is: no copy when compiled
+
     def backward_args(self, grad_output, grad_extra_outputs, ctxs):
         needs = ctxs[0].needs
         return AddBackwardArgs(grad_output, needs.input, needs.extra_inputs[0])

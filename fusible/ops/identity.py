@@ -39,6 +39,9 @@ class Identity(BasicOperation):
     def save_for_backward(self, args, result, ctxs):
         pass
 
+    def inline_when_compiled(self, direction):
+        return True  # x and dy handed on: no copy when compiled
+
     def backward_args(self, grad_output, grad_extra_outputs, ctxs):
         return IdentityBackwardArgs(grad_output, ctxs[0].needs.input)
 

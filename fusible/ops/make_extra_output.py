@@ -50,6 +50,9 @@ class MakeExtraOutput(BasicOperation):
     def save_for_backward(self, args, result, ctxs):
         pass
 
+    def inline_when_compiled(self, direction):
+        return direction == "forward"  # x handed on twice: no copy when compiled
+
     def backward_args(self, grad_output, grad_extra_outputs, ctxs):
         return BranchBackwardArgs(grad_output, grad_extra_outputs[0], ctxs[0].needs.input)
 

@@ -80,6 +80,9 @@ class Reshape(BasicOperation):
         if ctxs[0].needs.input:
             ctxs[0].saved = ReshapeSaved(list(args.input.shape))
 
+    def inline_when_compiled(self, direction):
+        return True  # views of x and dy: no copy when compiled
+
     def backward_args(self, grad_output, grad_extra_outputs, ctxs):
         saved = ctxs[0].saved
         return ReshapeBackwardArgs(grad_output, saved.input_shape if saved else [],

@@ -115,7 +115,9 @@ def _compile_note(stage) -> str:
         hooked = isinstance(stage.op, FusibleSpec) or has_hooks(stage.op)
         return "(hooks: own call)" if hooked else "(module)"
     reason = stage.compile_reason
-    return "compiles" if reason is None else f"EAGER ONLY ({reason})"
+    if reason is not None:
+        return f"EAGER ONLY ({reason})"
+    return "compiles inline" if stage.inline_when_compiled else "compiles"
 
 
 def _indices(indices) -> str:

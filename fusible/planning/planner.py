@@ -104,6 +104,13 @@ class Stage:
         return isinstance(self.op, FusedOperation)
 
     @property
+    def inline_when_compiled(self) -> bool:
+        """Whether a compiled graph runs this stage's compute inline (its ops traced as
+        they are) instead of as its custom op: a stage of aliases only (see the op's
+        ``inline_when_compiled``)."""
+        return not self.is_module and self.op.inline_when_compiled(self.direction)
+
+    @property
     def is_module(self) -> bool:
         """Whether the stage is a module call of its own (an ordinary ``nn.Module``, or an
         operation with hooks) rather than a planned stage."""

@@ -41,7 +41,7 @@ def run_forward(plan: ExecPlan, x, params, extra_inputs, ctxs, *, save: bool,
         op, op_ctxs = st.op, ctxs[st.lo:st.hi]
         args = op.forward_args(x, params[st.params],
                                extra_inputs[st.extra_in] if st.num_extra_in else (), op_ctxs)
-        if traced:
+        if traced and not op.inline_when_compiled("forward"):
             result = custom_ops.call_forward(st, args, plan.quantized_results, plan.outer_dtype)
         else:
             result = st.compute(args)
@@ -93,7 +93,7 @@ def run_backward(plan: ExecPlan, grad_output, grad_extra_outputs, ctxs, traced: 
         op, op_ctxs = st.op, ctxs[st.lo:st.hi]
         args = op.backward_args(dy, grad_extra_outputs[st.extra_out] if st.num_extra_out else (),
                                 op_ctxs)
-        if traced:
+        if traced and not st.op.inline_when_compiled("backward"):
             result = custom_ops.call_backward(st, args, plan.quantized_results, plan.outer_dtype)
         else:
             result = st.compute(args)
