@@ -244,16 +244,23 @@ def _reduce_output(y: Tensor, tp: TensorParallel) -> Tensor:
     return parallel.sum_over_group(y, tp)
 
 
+def _reduces_dgrad(tp: TensorParallel) -> bool:
+    """Whether the dgrad is a partial sum, summed over the group (column parallel)."""
+    return tp.active and tp.mode == "column"
+
+
 def _start_dgrad_reduction(dx: Optional[Tensor], tp: TensorParallel) -> Optional[Tensor]:
     """Start summing a column-parallel dgrad (a partial sum) over the group; the caller
     issues the wgrad GEMM, which overlaps with it, then :func:`_finish`."""
-    if dx is None or not (tp.active and tp.mode == "column"):
+    if dx is None or not _reduces_dgrad(tp):
         return dx
     return parallel.sum_over_group(dx, tp, wait=False)
 
 
-def _finish(dx: Optional[Tensor]) -> Optional[Tensor]:
-    return None if dx is None else parallel.wait(dx)
+def _finish(dx: Optional[Tensor], tp: TensorParallel) -> Optional[Tensor]:
+    """The dgrad, once its reduction (if one was started) is done: no wait op otherwise
+    (an op call of host time in every backward)."""
+    return parallel.wait(dx) if dx is not None and _reduces_dgrad(tp) else dx
 
 
 def gemm_backward(args: GemmBackwardArgs, accumulate_into: Optional[Tensor] = None):
@@ -268,7 +275,7 @@ def gemm_backward(args: GemmBackwardArgs, accumulate_into: Optional[Tensor] = No
         raise _wrong_record(args, GemmBackwardArgs, "gemm_backward")
     dy, x_saved, w_saved, tp = args.grad_output, args.input, args.weight, args.tp
     need_dgrad, need_wgrad, fmt = args.need_grad_input, args.need_grad_weight, args.grad_format
-    if tp.active and tp.mode == "column" and accumulate_into is not None:
+    if _reduces_dgrad(tp) and accumulate_into is not None:
         raise ValueError(f"a column-parallel dgrad is summed over the group: it cannot "
                          f"accumulate into a local tensor ({tp})")
     if fmt is None:
@@ -276,7 +283,7 @@ def gemm_backward(args: GemmBackwardArgs, accumulate_into: Optional[Tensor] = No
         dx = linear_dgrad(dy, w_saved, accumulate_into) if need_dgrad else None
         dx = _start_dgrad_reduction(dx, tp)
         dw = linear_wgrad(dy, x_saved) if need_wgrad else None
-        return _finish(dx), dw
+        return _finish(dx, tp), dw
     if tp.gathers_grad:
         dy_q, lead = gather_fp8(dy, tp, fmt), _gathered_lead(dy, tp)
     else:
@@ -292,4 +299,4 @@ def gemm_backward(args: GemmBackwardArgs, accumulate_into: Optional[Tensor] = No
     if need_wgrad:
         dw = fp8_gemm(dy_q._transpose, dy_q._scale_inv, x_saved._transpose.t(),
                       x_saved._scale_inv, None, dy_q.dtype)
-    return _finish(dx), dw
+    return _finish(dx, tp), dw
