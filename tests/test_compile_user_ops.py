@@ -91,3 +91,30 @@ def test_a_model_with_an_uncompilable_stage_runs_eagerly_as_a_whole():
     report = fusible.compile_report(model, x)
     assert len(report.graph_breaks) == 1 and report.recompilations == 0
     assert torch.equal(torch.compile(model, backend="aot_eager")(x), model(x))
+
+
+class TableView(TableScale):
+    """An op of views only: traced inline when compiled, so its args need no schema."""
+
+    def inline_when_compiled(self, direction):
+        return True
+
+    @classmethod
+    def forward_compute(cls, args, *, in_custom_op=False):
+        return ForwardResult(args.input.view(-1, *args.input.shape[-1:]))
+
+    @classmethod
+    def backward_compute(cls, args, *, in_custom_op=False):
+        return BackwardResult(args.input)
+
+
+def test_an_inline_stage_compiles_without_a_schema():
+    model = ops.Sequential(ops.Linear(4, 4), TableView(), ops.Linear(4, 4))
+    x = torch.randn(3, 4, requires_grad=True)
+    plan = model.plan(x)
+    assert plan.forward[1].compile_reason is None and plan.forward[1].inline_when_compiled
+    assert "compiles inline" in plan.explain()
+    x2 = x.detach().clone().requires_grad_()
+    y = torch.compile(model, fullgraph=True, backend="aot_eager")(x2)
+    assert torch.equal(y, model(x))
+    y.sum().backward()

@@ -54,6 +54,22 @@ def test_transposed_copy_alone_and_a_given_amax(dtype, traced):
     assert torch.equal(q.dequantize(), Float8Tensor(full[0], full[1], dtype).dequantize())
     with pytest.raises(ValueError, match="rowwise=False needs columnwise=True"):
         cast.cast_to_fp8(x, E4M3, False, None, False)
+    x3 = torch.randn(3, 5, 8, dtype=dtype)  # more than two dimensions: the data keeps x's shape
+    q3 = quantize_raw(x3, E4M3, columnwise=True, rowwise=False)
+    assert q3.shape == x3.shape
+    assert torch.equal(q3.dequantize(), quantize_raw(x3, E4M3).dequantize())
+
+
+@pytest.mark.parametrize("shape", [(1, 16), (16, 1), (16,), ()])
+def test_cast_op_on_a_row_a_column_and_fewer_dimensions(shape):
+    """The custom op's outputs may not alias: with one row or column the transposed copy
+    must still be a copy; its fake gives what it gives (a 0-d tensor keeps no copy)."""
+    from fusible.quantization import cast
+    x = torch.randn(shape)
+    columnwise = len(shape) > 0
+    torch.library.opcheck(cast.cast_to_fp8_op, (x, E4M3, columnwise))
+    if columnwise:
+        torch.library.opcheck(cast.cast_to_fp8_op, (x, E4M3, True, None, False))
 
 
 @pytest.mark.parametrize("fp8_dtype", [E4M3, E5M2], ids=str)

@@ -96,6 +96,27 @@ def test_backward_quantizes_each_weight_by_the_forwards_amax(device, monkeypatch
         assert torch.equal(t_only.view(torch.uint8), data.view(torch.uint8).t())
 
 
+def test_save_linear_refuses_an_aux_that_is_not_forward_auxs():
+    """A fusion handing save_linear another aux (its own tensors appended, or the layout of
+    an older release) would quantize the backward's weight by the wrong amax, silently:
+    it is an error naming what was expected."""
+    from fusible.core.context import OperationContext
+    from fusible.core.results import OpGradNeeds
+    from fusible.functional.linear import gemm_forward
+    from fusible.functional.linear_state import forward_aux, gemm_forward_args, save_linear
+    from fusible.functional.parallel import NOT_PARALLEL
+    recipe = fusible.Float8CurrentScaling()
+    ctx = OperationContext(OpGradNeeds(True, (True,), ()), recipe)
+    x, w = torch.randn(16, 32), torch.randn(48, 32)
+    gemm = gemm_forward_args(x, w, NOT_PARALLEL, ctx)
+    aux = forward_aux(gemm, gemm_forward(gemm)[1])
+    save_linear(ctx, gemm, aux)
+    assert ctx.saved.weight_amax is aux[2] and ctx.saved.weight_amax == w.abs().max()
+    for wrong in (aux[:2], aux + (torch.ones(()),)):
+        with pytest.raises(TypeError, match="forward_aux's result"):
+            save_linear(ctx, gemm, wrong)
+
+
 def test_fp8_residual_block_against_the_emulated_reference(device):
     torch.manual_seed(0)
     model = ops.Sequential(ops.MakeExtraOutput(), ops.LayerNorm(64), ops.Linear(64, 128),

@@ -58,10 +58,10 @@ def save_linear(ctx, gemm: GemmForwardArgs, aux: tuple) -> None:
     the weight for dgrad. Under FP8 the input is kept as its transposed FP8 copy only
     (all wgrad reads), from the forward result's aux (see :func:`forward_aux`); the weight
     is kept as the parameter itself and quantized again in the backward, with the
-    forward's amax where the aux has it (a fusion without aux: measured again)."""
+    forward's amax."""
     needs = ctx.needs
     x = None
-    w_amax = aux[-1] if gemm.input_format is not None and aux and needs.input else None
+    w_amax = _weight_amax(gemm, aux) if gemm.input_format is not None and needs.input else None
     if needs.params[0]:
         fmt = gemm.input_format
         if fmt is None:
@@ -74,6 +74,17 @@ def save_linear(ctx, gemm: GemmForwardArgs, aux: tuple) -> None:
                 x_t, x_scale_inv = aux[:2]
             x = transposed_only(x_t, x_scale_inv, gemm.input.dtype)
     ctx.saved = LinearSaved(x, gemm.weight if needs.input else None, w_amax)
+
+
+def _weight_amax(gemm: GemmForwardArgs, aux: tuple):
+    """The weight's amax in an FP8 forward's aux, read where :func:`forward_aux` puts it
+    (a wrong amax would quantize the backward's weight wrongly, without an error)."""
+    expected = 1 if _kept_by_caller(gemm) else 3
+    if len(aux) != expected:
+        raise TypeError(f"save_linear: under FP8 the aux must be forward_aux's result "
+                        f"({'(w_amax,)' if expected == 1 else '(x_t, x_scale_inv, w_amax)'}), "
+                        f"got {len(aux)} tensors")
+    return aux[expected - 1]
 
 
 def gemm_backward_args(ctx, grad_output, tp: TensorParallel) -> GemmBackwardArgs:

@@ -184,7 +184,9 @@ def transposed_copy(data: torch.Tensor) -> torch.Tensor:
     if (data.is_cuda and data.element_size() == 1 and triton is not None
             and data.numel() >= _TRITON_TRANSPOSE_MIN_NUMEL and plain_eager(data)):
         return transpose_bytes_triton(data2)
-    return data2.t().contiguous()
+    # clone, not contiguous(): with one row or column the transpose is already contiguous
+    # and contiguous() would hand back a view of the data (custom ops' results may not alias)
+    return data2.t().clone(memory_format=torch.contiguous_format)
 
 
 def transpose_bytes_triton(data: torch.Tensor, block: int = 128) -> torch.Tensor:

@@ -109,11 +109,16 @@ def cast_to_fp8_op(x: torch.Tensor, fp8_dtype: torch.dtype, columnwise: bool,
 
 @cast_to_fp8_op.register_fake
 def _(x, fp8_dtype, columnwise, amax=None, rowwise=True):
+    if not (rowwise or columnwise):
+        raise ValueError("cast_to_fp8: rowwise=False needs columnwise=True (else nothing is "
+                         "kept)")
     scale_inv = x.new_empty((), dtype=torch.float32)
+    if not columnwise:
+        return [x.new_empty(x.shape, dtype=fp8_dtype), scale_inv]
     transpose = x.new_empty((x.shape[-1], x.numel() // x.shape[-1]), dtype=fp8_dtype)
     if not rowwise:
         return [transpose, scale_inv]
-    return [x.new_empty(x.shape, dtype=fp8_dtype), scale_inv] + ([transpose] if columnwise else [])
+    return [x.new_empty(x.shape, dtype=fp8_dtype), scale_inv, transpose]
 
 
 @torch.library.custom_op("fusible::dequantize", mutates_args=())

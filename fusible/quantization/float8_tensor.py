@@ -132,8 +132,8 @@ def quantize_raw(x: torch.Tensor, fp8_dtype: torch.dtype, columnwise: bool = Fal
     ``amax`` replaces ``x``'s own absolute maximum (see ``cast.cast_to_fp8``). Without
     ``rowwise`` only the transposed copy is kept (the data is a view of it)."""
     out = cast.cast_to_fp8_any(x, fp8_dtype, columnwise, amax, rowwise)
-    if not rowwise:
-        return Float8Tensor(out[0].t(), out[1], dtype or x.dtype, out[0])
+    if not rowwise:  # the data: a view of the copy, in x's shape
+        return Float8Tensor(out[0].t().view(x.shape), out[1], dtype or x.dtype, out[0])
     return Float8Tensor(out[0], out[1], dtype or x.dtype, out[2] if columnwise else None)
 
 

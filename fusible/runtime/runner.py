@@ -150,10 +150,12 @@ def _autocast_available(device_type: str) -> bool:
 
 def compile_reason(stage) -> "str | None":
     """Why a planned stage cannot run compiled (its own reason, or its args cannot become a
-    custom-op schema), or None."""
+    custom-op schema: not asked of a stage traced inline, which has no custom op), or None."""
     direction = stage.direction
-    return (stage.op.compile_unsupported_reason(direction)
-            or custom_ops.unsupported_reason(stage.op.__class__, direction))
+    own = stage.op.compile_unsupported_reason(direction)
+    if own is not None or stage.inline_when_compiled:
+        return own
+    return custom_ops.unsupported_reason(stage.op.__class__, direction)
 
 
 def with_compile_reasons(plan: ExecPlan) -> ExecPlan:
