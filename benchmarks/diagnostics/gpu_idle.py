@@ -1,5 +1,6 @@
-"""Where a step's GPU time goes besides kernels, for the zoo's Llama-3-8B FFN block (fusible
-FP8 and bf16 eager, torchao tensorwise compiled):
+"""Where a step's GPU time goes besides kernels, for a zoo block (by default the
+Llama-3-8B FFN at 8192 tokens: fusible FP8 and bf16 eager, torch.compile, torchao
+tensorwise compiled):
 
 - the host time to launch one step, and the GPU's idle gaps in one step launched on an idle
   GPU (the largest, with the kernels around them);
@@ -9,9 +10,12 @@ FP8 and bf16 eager, torchao tensorwise compiled):
 - every host-device synchronisation inside a step (``torch.cuda.set_sync_debug_mode``),
   each of which drains the launch queue.
 
-    PYTHONPATH=.:benchmarks python3 benchmarks/diagnostics/gpu_idle.py
+    PYTHONPATH=.:benchmarks python3 benchmarks/diagnostics/gpu_idle.py [CONFIG_INDEX ROW...]
+
+(``CONFIG_INDEX``: an index into the zoo's ``CONFIGS``; ``ROW``: zoo row names.)
 """
 
+import sys
 import time
 import warnings
 
@@ -19,7 +23,7 @@ import torch
 import triton.testing
 from torch.profiler import ProfilerActivity, profile
 
-from zoo import build_row
+from zoo import CONFIGS, build_row
 
 CUDA = torch.autograd.DeviceType.CUDA
 STEADY_STEPS = 10
@@ -58,8 +62,9 @@ def syncs_in(step) -> list:
     return [str(w.message).splitlines()[0][:100] for w in caught]
 
 
-def report(row: str, tokens: int = 8192, hidden: int = 4096, ffn: int = 14336) -> None:
-    model, mode, context = build_row(row, "llama_ffn", hidden, ffn)
+def report(row: str, config: tuple = CONFIGS[0]) -> None:
+    name, hidden, ffn, tokens = config
+    model, mode, context = build_row(row, name, hidden, ffn)
     if mode == "compile":
         model = torch.compile(model, fullgraph=True)
     x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -79,7 +84,7 @@ def report(row: str, tokens: int = 8192, hidden: int = 4096, ffn: int = 14336) -
     busy, span = busy_and_span(kernels)
     gaps = sorted(((b.time_range.start - a.time_range.end) / 1e3, a.name[:40], b.name[:40])
                   for a, b in zip(kernels, kernels[1:]))[::-1]
-    print(f"== {row}: host {host_ms:.2f} ms to launch a step; one step from idle: GPU span "
+    print(f"== {row} {config}: host {host_ms:.2f} ms to launch a step; one step from idle: GPU span "
           f"{span:.2f} ms, kernels {busy:.2f} ms, idle {span - busy:.2f} ms over "
           f"{len(kernels)} kernels")
     for gap, before, after in gaps[:8]:
@@ -100,6 +105,7 @@ def report(row: str, tokens: int = 8192, hidden: int = 4096, ffn: int = 14336) -
 
 
 if __name__ == "__main__":
-    for row in ("fusible_fp8_eager", "fusible_bf16_eager", "torch_compile",
-                "torchao_tensorwise"):
-        report(row)
+    index, *rows = sys.argv[1:] or ["0"]
+    for row in rows or ("fusible_fp8_eager", "fusible_bf16_eager", "torch_compile",
+                        "torchao_tensorwise"):
+        report(row, CONFIGS[int(index)])
