@@ -14,8 +14,9 @@ Dynamo traces ``Sequential.forward`` (or a lone op's ``forward``) into
 * each group of fusible ops becomes one call of :func:`fusible_group`, which
   dynamo puts in its graph as is. AOTAutograd traces through it: the group's
   autograd.Function then contributes one custom op per forward stage to the
-  forward graph and one per backward stage to the backward graph, and the tensors
-  the backward needs are outputs of those custom ops;
+  forward graph and one per backward stage to the backward graph (a stage of
+  aliases and views, ``inline_when_compiled``, is traced inline instead), and the
+  tensors the backward needs are outputs of those custom ops;
 * ordinary modules between groups are traced by dynamo as usual.
 
 Dynamo guards on the fusible epoch, so a change to the model's structure or an
