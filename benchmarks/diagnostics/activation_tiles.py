@@ -33,12 +33,14 @@ def main(tokens: int = 16384, ffn: int = 16384) -> None:
                lambda: activation_fp8_triton("gelu_tanh", x, E4M3, 448.0, True, block_m=bm,
                                              block_n=bn), gb + gb + gb)
     # backward: the dbias pass reads dy and x; the cast pass reads both, writes two copies
-    for rows, bm, (cm, cn) in itertools.product((256, 128, 64), (32, 16),
-                                                ((64, 128), (32, 128))):
-        report(f"gelu_tanh bwd fp8, {rows} rows/program, {bm}-row steps, cast {cm}x{cn}",
+    for late, rows, bm, (cm, cn) in itertools.product((False, True), (256, 128, 64), (32, 16),
+                                                      ((64, 128), (32, 128))):
+        report(f"gelu_tanh bwd fp8, {rows} rows/program, {bm}-row steps, cast {cm}x{cn}"
+               f"{', reduced late' if late else ''}",
                lambda: dact_dbias_fp8_triton("gelu_tanh", dy, x, E5M2, 57344.0, True,
                                              rows_per_program=rows, block_m=bm,
-                                             cast_block_m=cm, cast_block_n=cn),
+                                             cast_block_m=cm, cast_block_n=cn,
+                                             reduce_late=late),
                2 * gb + 2 * gb + gb)
     swiglu_in = torch.randn(tokens, ffn, device="cuda", dtype=torch.bfloat16)
     swiglu_dy = torch.randn(tokens, ffn // 2, device="cuda", dtype=torch.bfloat16)
