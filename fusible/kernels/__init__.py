@@ -5,9 +5,21 @@ import torch
 
 try:
     import triton
+    import triton.language as tl
 except ImportError as error:  # optional: CPU-only installs run the PyTorch ops
-    triton, _TRITON_IMPORT_ERROR = None, error
+    triton = tl = None
+    _TRITON_IMPORT_ERROR = error
 HAVE_TRITON = triton is not None
+
+
+def _never_compiled(fn):
+    """Without Triton a kernel stays a plain function: defined, never launched (every
+    launcher calls :func:`require_triton` first)."""
+    return fn
+
+
+# The kernel modules import Triton from here, once, and decorate with this.
+jit = triton.jit if HAVE_TRITON else _never_compiled
 _TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _PLAIN = (torch.Tensor, torch.nn.Parameter)  # a Parameter is a plain tensor to the kernels
 

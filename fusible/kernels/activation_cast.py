@@ -12,65 +12,58 @@ from __future__ import annotations
 
 import torch
 
-from fusible.kernels import require_triton
-
-try:
-    import triton
-    import triton.language as tl
-
-    from fusible.kernels.fp8_cast import (atomic_amax_of_tile, fp8_buffers, fp8_results,
-                                          scale_from_amax, store_fp8_tile, tile_coords,
-                                          tile_grid)
-except ImportError:  # Triton is optional: CPU-only installs use PyTorch ops
-    triton = None
+from fusible.kernels import jit, require_triton, tl
+from fusible.kernels.fp8_cast import (atomic_amax_of_tile, fp8_buffers, fp8_results,
+                                      scale_from_amax, store_fp8_tile, tile_coords, tile_grid)
 
 # The activations whose backward reads their input (ReLU's reads its output, which
 # must then stay in high precision: it keeps the unfused path).
 KINDS = {"gelu": 0, "gelu_tanh": 1, "silu": 3}
 
 
-if triton is not None:
+@jit
+def _activation(x, KIND: tl.constexpr):
+    if KIND == 0:  # exact GELU
+        return 0.5 * x * (1.0 + tl.erf(x * 0.7071067811865476))
+    elif KIND == 1:  # tanh GELU: (1 + tanh(u)) / 2 = sigmoid(2u)
+        return x * tl.sigmoid(1.5957691216057308 * (x + 0.044715 * x * x * x))
+    else:  # SiLU
+        return x * tl.sigmoid(x)
 
-    @triton.jit
-    def _activation(x, KIND: tl.constexpr):
-        if KIND == 0:  # exact GELU
-            return 0.5 * x * (1.0 + tl.erf(x * 0.7071067811865476))
-        elif KIND == 1:  # tanh GELU: (1 + tanh(u)) / 2 = sigmoid(2u)
-            return x * tl.sigmoid(1.5957691216057308 * (x + 0.044715 * x * x * x))
-        else:  # SiLU
-            return x * tl.sigmoid(x)
 
-    @triton.jit
-    def _activation_tile(x_ptr, M, N, KIND: tl.constexpr, BLOCK_M: tl.constexpr,
-                         BLOCK_N: tl.constexpr):
-        """The rounded activation of this program's tile, in float32; rows, cols, mask."""
-        rows, cols, mask = tile_coords(M, N, BLOCK_M, BLOCK_N)
-        x = tl.load(x_ptr + rows[:, None].to(tl.int64) * N + cols[None, :], mask=mask,
-                    other=0.0).to(tl.float32)
-        y = _activation(x, KIND).to(x_ptr.dtype.element_ty).to(tl.float32)
-        return y, rows, cols, mask
+@jit
+def _activation_tile(x_ptr, M, N, KIND: tl.constexpr, BLOCK_M: tl.constexpr,
+                     BLOCK_N: tl.constexpr):
+    """The rounded activation of this program's tile, in float32; rows, cols, mask."""
+    rows, cols, mask = tile_coords(M, N, BLOCK_M, BLOCK_N)
+    x = tl.load(x_ptr + rows[:, None].to(tl.int64) * N + cols[None, :], mask=mask,
+                other=0.0).to(tl.float32)
+    y = _activation(x, KIND).to(x_ptr.dtype.element_ty).to(tl.float32)
+    return y, rows, cols, mask
 
-    @triton.jit
-    def _activation_kernel(x_ptr, y_ptr, amax_ptr, M, N, KIND: tl.constexpr,
-                           AMAX_ONLY: tl.constexpr, BLOCK_M: tl.constexpr,
-                           BLOCK_N: tl.constexpr):
-        """The activation's absolute maximum (``AMAX_ONLY``, the first FP8 pass), or the
-        activation itself (the high-precision kernel the FP8 one is checked against)."""
-        y, rows, cols, mask = _activation_tile(x_ptr, M, N, KIND, BLOCK_M, BLOCK_N)
-        if AMAX_ONLY:
-            atomic_amax_of_tile(y, mask, amax_ptr)
-        else:
-            offs = rows[:, None].to(tl.int64) * N + cols[None, :]
-            tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
 
-    @triton.jit
-    def _activation_cast_kernel(x_ptr, amax_ptr, data_ptr, t_ptr, scale_inv_ptr, M, N,
-                                FP8_MAX, KIND: tl.constexpr, HAS_T: tl.constexpr,
-                                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-        scale = scale_from_amax(amax_ptr, FP8_MAX)
-        y, rows, cols, mask = _activation_tile(x_ptr, M, N, KIND, BLOCK_M, BLOCK_N)
-        store_fp8_tile(y, scale, rows, cols, mask, data_ptr, t_ptr, scale_inv_ptr, M, N,
-                       FP8_MAX, HAS_T)
+@jit
+def _activation_kernel(x_ptr, y_ptr, amax_ptr, M, N, KIND: tl.constexpr,
+                       AMAX_ONLY: tl.constexpr, BLOCK_M: tl.constexpr,
+                       BLOCK_N: tl.constexpr):
+    """The activation's absolute maximum (``AMAX_ONLY``, the first FP8 pass), or the
+    activation itself (the high-precision kernel the FP8 one is checked against)."""
+    y, rows, cols, mask = _activation_tile(x_ptr, M, N, KIND, BLOCK_M, BLOCK_N)
+    if AMAX_ONLY:
+        atomic_amax_of_tile(y, mask, amax_ptr)
+    else:
+        offs = rows[:, None].to(tl.int64) * N + cols[None, :]
+        tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@jit
+def _activation_cast_kernel(x_ptr, amax_ptr, data_ptr, t_ptr, scale_inv_ptr, M, N,
+                            FP8_MAX, KIND: tl.constexpr, HAS_T: tl.constexpr,
+                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    scale = scale_from_amax(amax_ptr, FP8_MAX)
+    y, rows, cols, mask = _activation_tile(x_ptr, M, N, KIND, BLOCK_M, BLOCK_N)
+    store_fp8_tile(y, scale, rows, cols, mask, data_ptr, t_ptr, scale_inv_ptr, M, N,
+                   FP8_MAX, HAS_T)
 
 
 def _rows_cols(name: str, kind: str, x: torch.Tensor) -> tuple:

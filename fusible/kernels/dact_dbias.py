@@ -16,15 +16,9 @@ from __future__ import annotations
 
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-
-    from fusible.kernels.fp8_cast import (fp8_buffers, fp8_results, max_keep_nan,
-                                          scale_from_amax, store_fp8_tile, tile_coords,
-                                          tile_grid)
-except ImportError as error:  # Triton is optional: CPU-only installs use the fallback
-    triton, _TRITON_IMPORT_ERROR = None, error
+from fusible.kernels import jit, require_triton, tl, triton
+from fusible.kernels.fp8_cast import (fp8_buffers, fp8_results, max_keep_nan, scale_from_amax,
+                                      store_fp8_tile, tile_coords, tile_grid)
 
 _KINDS = {"gelu": 0, "gelu_tanh": 1, "relu": 2, "silu": 3}
 
@@ -36,83 +30,83 @@ _KINDS = {"gelu": 0, "gelu_tanh": 1, "relu": 2, "silu": 3}
 TRITON_MIN_NUMEL = 1 << 24
 
 
-if triton is not None:
+@jit
+def _activation_grad(dy, s, KIND: tl.constexpr):
+    if KIND == 0:  # exact GELU; s is the input
+        cdf = 0.5 * (1.0 + tl.erf(s * 0.7071067811865476))
+        pdf = tl.exp(-0.5 * s * s) * 0.3989422804014327
+        return dy * (cdf + s * pdf)
+    elif KIND == 1:  # tanh GELU; s is the input
+        # (1 + tanh(u)) / 2 = sigmoid(2u) and 1 - tanh(u)^2 = 4 sigmoid(2u)(1 - sigmoid(2u)):
+        # no cancellation in the tails.
+        inner = 0.7978845608028654 * (s + 0.044715 * s * s * s)
+        sig = tl.sigmoid(2.0 * inner)
+        d_inner = 0.7978845608028654 * (1.0 + 3.0 * 0.044715 * s * s)
+        return dy * (sig + 2.0 * s * sig * (1.0 - sig) * d_inner)
+    elif KIND == 2:  # ReLU; s is the output
+        return tl.where(s > 0.0, dy, 0.0)
+    else:  # SiLU; s is the input
+        sig = tl.sigmoid(s)
+        return dy * sig * (1.0 + s * (1.0 - sig))
 
-    @triton.jit
-    def _activation_grad(dy, s, KIND: tl.constexpr):
-        if KIND == 0:  # exact GELU; s is the input
-            cdf = 0.5 * (1.0 + tl.erf(s * 0.7071067811865476))
-            pdf = tl.exp(-0.5 * s * s) * 0.3989422804014327
-            return dy * (cdf + s * pdf)
-        elif KIND == 1:  # tanh GELU; s is the input
-            # (1 + tanh(u)) / 2 = sigmoid(2u) and 1 - tanh(u)^2 = 4 sigmoid(2u)(1 - sigmoid(2u)):
-            # no cancellation in the tails.
-            inner = 0.7978845608028654 * (s + 0.044715 * s * s * s)
-            sig = tl.sigmoid(2.0 * inner)
-            d_inner = 0.7978845608028654 * (1.0 + 3.0 * 0.044715 * s * s)
-            return dy * (sig + 2.0 * s * sig * (1.0 - sig) * d_inner)
-        elif KIND == 2:  # ReLU; s is the output
-            return tl.where(s > 0.0, dy, 0.0)
-        else:  # SiLU; s is the input
-            sig = tl.sigmoid(s)
-            return dy * sig * (1.0 + s * (1.0 - sig))
 
-    @triton.jit
-    def _dact_dbias_kernel(dy_ptr, s_ptr, dact_ptr, partial_ptr, amax_ptr, M, N,
-                           KIND: tl.constexpr, KEEP_AMAX: tl.constexpr,
-                           REDUCE_LATE: tl.constexpr, ROWS_PER_PROGRAM: tl.constexpr,
-                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-        """Column sums of the rounded ``dact``, and ``dact`` itself or (``KEEP_AMAX``, the
-        first FP8 pass) only its absolute maximum. ``REDUCE_LATE`` keeps the sums and the
-        maximum as whole tiles, reduced over rows once at the end (no cross-warp
-        reduction per step; another summation order, so other dbias bits)."""
-        pid_m, pid_n = tl.program_id(0), tl.program_id(1)
-        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        col_ok = cols < N
-        acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-        amax = tl.zeros((BLOCK_N,), dtype=tl.float32)
-        acc_tile = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        amax_tile = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for start in range(0, ROWS_PER_PROGRAM, BLOCK_M):
-            rows = pid_m * ROWS_PER_PROGRAM + start + tl.arange(0, BLOCK_M)
-            mask = (rows[:, None] < M) & col_ok[None, :]
-            offs = rows[:, None].to(tl.int64) * N + cols[None, :]
-            dy = tl.load(dy_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-            s = tl.load(s_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-            d_out = _activation_grad(dy, s, KIND).to(dy_ptr.dtype.element_ty)
-            d = tl.where(mask, d_out.to(tl.float32), 0.0)
-            if REDUCE_LATE:
-                acc_tile += d
-            else:
-                acc += tl.sum(d, axis=0)
-            if KEEP_AMAX:
-                if REDUCE_LATE:
-                    amax_tile = tl.maximum(amax_tile, tl.abs(d),
-                                           propagate_nan=tl.PropagateNan.ALL)
-                else:
-                    amax = tl.maximum(amax, tl.reduce(tl.abs(d), 0, max_keep_nan),
-                                      propagate_nan=tl.PropagateNan.ALL)
-            else:
-                tl.store(dact_ptr + offs, d_out, mask=mask)
-        if REDUCE_LATE:
-            acc = tl.sum(acc_tile, axis=0)
-            amax = tl.reduce(amax_tile, 0, max_keep_nan)
-        tl.store(partial_ptr + pid_m.to(tl.int64) * N + cols, acc, mask=col_ok)
-        if KEEP_AMAX:
-            tl.atomic_max(amax_ptr, tl.reduce(amax, 0, max_keep_nan))
-
-    @triton.jit
-    def _dact_cast_kernel(dy_ptr, s_ptr, amax_ptr, data_ptr, t_ptr, scale_inv_ptr, M, N,
-                          FP8_MAX, KIND: tl.constexpr, HAS_T: tl.constexpr,
-                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-        scale = scale_from_amax(amax_ptr, FP8_MAX)
-        rows, cols, mask = tile_coords(M, N, BLOCK_M, BLOCK_N)
+@jit
+def _dact_dbias_kernel(dy_ptr, s_ptr, dact_ptr, partial_ptr, amax_ptr, M, N,
+                       KIND: tl.constexpr, KEEP_AMAX: tl.constexpr,
+                       REDUCE_LATE: tl.constexpr, ROWS_PER_PROGRAM: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Column sums of the rounded ``dact``, and ``dact`` itself or (``KEEP_AMAX``, the
+    first FP8 pass) only its absolute maximum. ``REDUCE_LATE`` keeps the sums and the
+    maximum as whole tiles, reduced over rows once at the end (no cross-warp
+    reduction per step; another summation order, so other dbias bits)."""
+    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    amax = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    acc_tile = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    amax_tile = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for start in range(0, ROWS_PER_PROGRAM, BLOCK_M):
+        rows = pid_m * ROWS_PER_PROGRAM + start + tl.arange(0, BLOCK_M)
+        mask = (rows[:, None] < M) & col_ok[None, :]
         offs = rows[:, None].to(tl.int64) * N + cols[None, :]
         dy = tl.load(dy_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         s = tl.load(s_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        d = _activation_grad(dy, s, KIND).to(dy_ptr.dtype.element_ty).to(tl.float32)
-        store_fp8_tile(d, scale, rows, cols, mask, data_ptr, t_ptr, scale_inv_ptr, M, N,
-                       FP8_MAX, HAS_T)
+        d_out = _activation_grad(dy, s, KIND).to(dy_ptr.dtype.element_ty)
+        d = tl.where(mask, d_out.to(tl.float32), 0.0)
+        if REDUCE_LATE:
+            acc_tile += d
+        else:
+            acc += tl.sum(d, axis=0)
+        if KEEP_AMAX:
+            if REDUCE_LATE:
+                amax_tile = tl.maximum(amax_tile, tl.abs(d),
+                                       propagate_nan=tl.PropagateNan.ALL)
+            else:
+                amax = tl.maximum(amax, tl.reduce(tl.abs(d), 0, max_keep_nan),
+                                  propagate_nan=tl.PropagateNan.ALL)
+        else:
+            tl.store(dact_ptr + offs, d_out, mask=mask)
+    if REDUCE_LATE:
+        acc = tl.sum(acc_tile, axis=0)
+        amax = tl.reduce(amax_tile, 0, max_keep_nan)
+    tl.store(partial_ptr + pid_m.to(tl.int64) * N + cols, acc, mask=col_ok)
+    if KEEP_AMAX:
+        tl.atomic_max(amax_ptr, tl.reduce(amax, 0, max_keep_nan))
+
+
+@jit
+def _dact_cast_kernel(dy_ptr, s_ptr, amax_ptr, data_ptr, t_ptr, scale_inv_ptr, M, N,
+                      FP8_MAX, KIND: tl.constexpr, HAS_T: tl.constexpr,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    scale = scale_from_amax(amax_ptr, FP8_MAX)
+    rows, cols, mask = tile_coords(M, N, BLOCK_M, BLOCK_N)
+    offs = rows[:, None].to(tl.int64) * N + cols[None, :]
+    dy = tl.load(dy_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    s = tl.load(s_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    d = _activation_grad(dy, s, KIND).to(dy_ptr.dtype.element_ty).to(tl.float32)
+    store_fp8_tile(d, scale, rows, cols, mask, data_ptr, t_ptr, scale_inv_ptr, M, N,
+                   FP8_MAX, HAS_T)
 
 
 def dact_dbias_triton(kind: str, grad_output: torch.Tensor, saved: torch.Tensor,
@@ -120,9 +114,7 @@ def dact_dbias_triton(kind: str, grad_output: torch.Tensor, saved: torch.Tensor,
                       reduce_late: bool = False):
     """The Triton version; ``dbias`` sums the rounded ``dact`` as the PyTorch version does
     (``reduce_late``: the kernel's ``REDUCE_LATE``, being measured)."""
-    if triton is None:
-        raise RuntimeError(f"dact_dbias_triton needs Triton, which failed to import: "
-                           f"{_TRITON_IMPORT_ERROR!r}")
+    require_triton("dact_dbias_triton")
     if grad_output.shape != saved.shape:
         raise ValueError(f"dact_dbias: grad_output {tuple(grad_output.shape)} and saved "
                          f"{tuple(saved.shape)} differ")
@@ -151,9 +143,7 @@ def dact_dbias_fp8_triton(kind: str, grad_output: torch.Tensor, saved: torch.Ten
     """``(data, scale_inv, transposed copy or None, dbias)``: :func:`dact_dbias_triton`
     followed by the FP8 cast of ``dact`` to ``fp8_dtype`` (largest value ``fp8_max``),
     without writing ``dact`` in high precision."""
-    if triton is None:
-        raise RuntimeError(f"dact_dbias_fp8_triton needs Triton, which failed to import: "
-                           f"{_TRITON_IMPORT_ERROR!r}")
+    require_triton("dact_dbias_fp8_triton")
     if grad_output.shape != saved.shape or grad_output.numel() == 0:
         raise ValueError(f"dact_dbias_fp8: grad_output {tuple(grad_output.shape)} and saved "
                          f"{tuple(saved.shape)} must match and not be empty")

@@ -12,113 +12,114 @@ from __future__ import annotations
 
 import torch
 
-from fusible.kernels import plain_eager
-
-try:
-    import triton
-    import triton.language as tl
-except ImportError as error:  # Triton is optional: CPU-only installs use PyTorch ops
-    triton, _TRITON_IMPORT_ERROR = None, error
+from fusible.kernels import jit, plain_eager, require_triton, tl, triton
 
 
-if triton is not None:
+@jit
+def max_keep_nan(a, b):
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
 
-    @triton.jit
-    def max_keep_nan(a, b):
-        return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
 
-    @triton.jit
-    def _amax_kernel(x_ptr, amax_ptr, n, per_program, BLOCK: tl.constexpr):
-        start = tl.program_id(0).to(tl.int64) * per_program
-        acc = tl.zeros((BLOCK,), dtype=tl.float32)
-        for offset in range(0, per_program, BLOCK):
-            offs = start + offset + tl.arange(0, BLOCK)
-            x = tl.load(x_ptr + offs, mask=offs < n, other=0.0).to(tl.float32)
-            acc = tl.maximum(acc, tl.abs(x), propagate_nan=tl.PropagateNan.ALL)
-        tl.atomic_max(amax_ptr, tl.reduce(acc, 0, max_keep_nan))
+@jit
+def _amax_kernel(x_ptr, amax_ptr, n, per_program, BLOCK: tl.constexpr):
+    start = tl.program_id(0).to(tl.int64) * per_program
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for offset in range(0, per_program, BLOCK):
+        offs = start + offset + tl.arange(0, BLOCK)
+        x = tl.load(x_ptr + offs, mask=offs < n, other=0.0).to(tl.float32)
+        acc = tl.maximum(acc, tl.abs(x), propagate_nan=tl.PropagateNan.ALL)
+    tl.atomic_max(amax_ptr, tl.reduce(acc, 0, max_keep_nan))
 
-    @triton.jit
-    def scale_from_amax(amax_ptr, FP8_MAX):
-        """The current scale from the amax on the device: ``FP8_MAX / amax``, at most the
-        largest float32 (tiny tensors stay finite), 1 for 0, NaN for a NaN amax."""
-        amax = tl.load(amax_ptr)
-        scale = tl.minimum(tl.math.div_rn(FP8_MAX, amax), 3.4028234663852886e38,
-                           propagate_nan=tl.PropagateNan.ALL)
-        return tl.where(amax == 0.0, 1.0, scale)
 
-    @triton.jit
-    def tile_coords(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-        """This program's ``(rows, cols, mask)`` of an ``M x N`` tensor on the 1-D grid of
-        :func:`tile_grid`: row tiles vary fastest (a column strip is walked down, as a 2-D
-        grid would), and no grid axis limits ``M`` or ``N``."""
-        pid = tl.program_id(0)
-        tiles_m = tl.cdiv(M, BLOCK_M)
-        rows = (pid % tiles_m) * BLOCK_M + tl.arange(0, BLOCK_M)
-        cols = (pid // tiles_m) * BLOCK_N + tl.arange(0, BLOCK_N)
-        return rows, cols, (rows[:, None] < M) & (cols[None, :] < N)
+@jit
+def scale_from_amax(amax_ptr, FP8_MAX):
+    """The current scale from the amax on the device: ``FP8_MAX / amax``, at most the
+    largest float32 (tiny tensors stay finite), 1 for 0, NaN for a NaN amax."""
+    amax = tl.load(amax_ptr)
+    scale = tl.minimum(tl.math.div_rn(FP8_MAX, amax), 3.4028234663852886e38,
+                       propagate_nan=tl.PropagateNan.ALL)
+    return tl.where(amax == 0.0, 1.0, scale)
 
-    @triton.jit
-    def atomic_amax_of_tile(v, mask, amax_ptr):
-        """Fold the absolute maximum of the float32 tile ``v`` (where ``mask``) into
-        ``*amax_ptr`` (an atomic max: order-independent; NaN wins)."""
-        tile_max = tl.reduce(tl.where(mask, tl.abs(v), 0.0), 1, max_keep_nan)
-        tl.atomic_max(amax_ptr, tl.reduce(tile_max, 0, max_keep_nan))
 
-    @triton.jit
-    def quantize_tile(x, scale, scale_inv_ptr, FP8_MAX):
-        """The float32 tile ``x * scale`` saturated to +-FP8_MAX (NaN kept), not yet
-        rounded to FP8; the first program stores ``1 / scale``."""
-        if tl.program_id(0) == 0:  # 1-D grids (tile_grid)
-            tl.store(scale_inv_ptr, tl.math.div_rn(1.0, scale))
-        v = tl.maximum(x * scale, -FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
-        return tl.minimum(v, FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
+@jit
+def tile_coords(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """This program's ``(rows, cols, mask)`` of an ``M x N`` tensor on the 1-D grid of
+    :func:`tile_grid`: row tiles vary fastest (a column strip is walked down, as a 2-D
+    grid would), and no grid axis limits ``M`` or ``N``."""
+    pid = tl.program_id(0)
+    tiles_m = tl.cdiv(M, BLOCK_M)
+    rows = (pid % tiles_m) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = (pid // tiles_m) * BLOCK_N + tl.arange(0, BLOCK_N)
+    return rows, cols, (rows[:, None] < M) & (cols[None, :] < N)
 
-    @triton.jit
-    def store_transposed_tile(v, rows, cols, mask, t_ptr, M):
-        """Store the quantized tile ``v`` (rows x cols) into the N x M transposed copy: the
-        float32 tile transposed, then converted, stores along the copy's rows."""
-        t_offs = cols[:, None].to(tl.int64) * M + rows[None, :]
-        q_t = tl.trans(v).to(t_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
-        tl.store(t_ptr + t_offs, q_t, mask=tl.trans(mask))
 
-    @triton.jit
-    def store_fp8_tile(x, scale, rows, cols, mask, data_ptr, t_ptr, scale_inv_ptr, M, N,
-                       FP8_MAX, HAS_T: tl.constexpr):
-        """Quantize the float32 tile ``x`` (rows x cols of an M x N tensor) and store it,
-        and its transpose into the N x M copy; the first program stores ``1 / scale``."""
-        v = quantize_tile(x, scale, scale_inv_ptr, FP8_MAX)
-        offs = rows[:, None].to(tl.int64) * N + cols[None, :]
-        tl.store(data_ptr + offs, v.to(data_ptr.dtype.element_ty, fp_downcast_rounding="rtne"),
-                 mask=mask)
-        if HAS_T:
-            store_transposed_tile(v, rows, cols, mask, t_ptr, M)
+@jit
+def atomic_amax_of_tile(v, mask, amax_ptr):
+    """Fold the absolute maximum of the float32 tile ``v`` (where ``mask``) into
+    ``*amax_ptr`` (an atomic max: order-independent; NaN wins)."""
+    tile_max = tl.reduce(tl.where(mask, tl.abs(v), 0.0), 1, max_keep_nan)
+    tl.atomic_max(amax_ptr, tl.reduce(tile_max, 0, max_keep_nan))
 
-    @triton.jit
-    def _cast_kernel(x_ptr, amax_ptr, data_ptr, t_ptr, scale_inv_ptr, M, N, FP8_MAX,
-                     HAS_T: tl.constexpr, HAS_DATA: tl.constexpr, BLOCK_M: tl.constexpr,
-                     BLOCK_N: tl.constexpr):
-        scale = scale_from_amax(amax_ptr, FP8_MAX)
-        rows, cols, mask = tile_coords(M, N, BLOCK_M, BLOCK_N)
-        offs = rows[:, None].to(tl.int64) * N + cols[None, :]
-        x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        if HAS_DATA:
-            store_fp8_tile(x, scale, rows, cols, mask, data_ptr, t_ptr, scale_inv_ptr, M, N,
-                           FP8_MAX, HAS_T)
-        else:  # the transposed copy alone
-            store_transposed_tile(quantize_tile(x, scale, scale_inv_ptr, FP8_MAX), rows, cols,
-                                  mask, t_ptr, M)
 
-    @triton.jit
-    def _transpose_kernel(src_ptr, dst_ptr, M, N, BLOCK_M: tl.constexpr,
-                          BLOCK_N: tl.constexpr):
-        """dst (N x M) = src (M x N) transposed, bytes. The tile is loaded already as
-        (cols, rows), no ``tl.trans``; the compiler stages it through shared memory so
-        that both the loads and the stores are coalesced."""
-        rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        mask = (cols[:, None] < N) & (rows[None, :] < M)
-        tile = tl.load(src_ptr + rows[None, :].to(tl.int64) * N + cols[:, None], mask=mask)
-        tl.store(dst_ptr + cols[:, None].to(tl.int64) * M + rows[None, :], tile, mask=mask)
+@jit
+def quantize_tile(x, scale, scale_inv_ptr, FP8_MAX):
+    """The float32 tile ``x * scale`` saturated to +-FP8_MAX (NaN kept), not yet
+    rounded to FP8; the first program stores ``1 / scale``."""
+    if tl.program_id(0) == 0:  # 1-D grids (tile_grid)
+        tl.store(scale_inv_ptr, tl.math.div_rn(1.0, scale))
+    v = tl.maximum(x * scale, -FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
+    return tl.minimum(v, FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
+
+
+@jit
+def store_transposed_tile(v, rows, cols, mask, t_ptr, M):
+    """Store the quantized tile ``v`` (rows x cols) into the N x M transposed copy: the
+    float32 tile transposed, then converted, stores along the copy's rows."""
+    t_offs = cols[:, None].to(tl.int64) * M + rows[None, :]
+    q_t = tl.trans(v).to(t_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
+    tl.store(t_ptr + t_offs, q_t, mask=tl.trans(mask))
+
+
+@jit
+def store_fp8_tile(x, scale, rows, cols, mask, data_ptr, t_ptr, scale_inv_ptr, M, N,
+                   FP8_MAX, HAS_T: tl.constexpr):
+    """Quantize the float32 tile ``x`` (rows x cols of an M x N tensor) and store it,
+    and its transpose into the N x M copy; the first program stores ``1 / scale``."""
+    v = quantize_tile(x, scale, scale_inv_ptr, FP8_MAX)
+    offs = rows[:, None].to(tl.int64) * N + cols[None, :]
+    tl.store(data_ptr + offs, v.to(data_ptr.dtype.element_ty, fp_downcast_rounding="rtne"),
+             mask=mask)
+    if HAS_T:
+        store_transposed_tile(v, rows, cols, mask, t_ptr, M)
+
+
+@jit
+def _cast_kernel(x_ptr, amax_ptr, data_ptr, t_ptr, scale_inv_ptr, M, N, FP8_MAX,
+                 HAS_T: tl.constexpr, HAS_DATA: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr):
+    scale = scale_from_amax(amax_ptr, FP8_MAX)
+    rows, cols, mask = tile_coords(M, N, BLOCK_M, BLOCK_N)
+    offs = rows[:, None].to(tl.int64) * N + cols[None, :]
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    if HAS_DATA:
+        store_fp8_tile(x, scale, rows, cols, mask, data_ptr, t_ptr, scale_inv_ptr, M, N,
+                       FP8_MAX, HAS_T)
+    else:  # the transposed copy alone
+        store_transposed_tile(quantize_tile(x, scale, scale_inv_ptr, FP8_MAX), rows, cols,
+                              mask, t_ptr, M)
+
+
+@jit
+def _transpose_kernel(src_ptr, dst_ptr, M, N, BLOCK_M: tl.constexpr,
+                      BLOCK_N: tl.constexpr):
+    """dst (N x M) = src (M x N) transposed, bytes. The tile is loaded already as
+    (cols, rows), no ``tl.trans``; the compiler stages it through shared memory so
+    that both the loads and the stores are coalesced."""
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (cols[:, None] < N) & (rows[None, :] < M)
+    tile = tl.load(src_ptr + rows[None, :].to(tl.int64) * N + cols[:, None], mask=mask)
+    tl.store(dst_ptr + cols[:, None].to(tl.int64) * M + rows[None, :], tile, mask=mask)
 
 
 def tile_grid(m: int, n: int, block_m: int, block_n: int) -> tuple:
@@ -130,6 +131,7 @@ def tile_grid(m: int, n: int, block_m: int, block_n: int) -> tuple:
 
 def amax_triton(x: torch.Tensor, block: int = 4096) -> torch.Tensor:
     """The float32 0-d absolute maximum of the non-empty ``x`` (NaN if any is NaN)."""
+    require_triton("amax_triton")
     x = x.contiguous()
     amax = torch.zeros((), device=x.device, dtype=torch.float32)
     # Few enough programs that the atomics on one address stay cheap.
@@ -147,9 +149,7 @@ def cast_to_fp8_triton(x: torch.Tensor, fp8_dtype: torch.dtype, fp8_max: float,
     a given ``amax`` (float32, 0-d) skips the amax kernel. Without ``rowwise`` (with
     ``columnwise``): ``[transpose, scale_inv]``, the data never written where the kernel
     writes the copy itself."""
-    if triton is None:
-        raise RuntimeError(f"cast_to_fp8_triton needs Triton, which failed to import: "
-                           f"{_TRITON_IMPORT_ERROR!r}")
+    require_triton("cast_to_fp8_triton")
     if not (rowwise or columnwise):
         raise ValueError("cast_to_fp8_triton: asked for neither the data nor its transpose")
     x = x.contiguous()

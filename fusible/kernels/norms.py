@@ -19,185 +19,181 @@ from __future__ import annotations
 
 import torch
 
-from fusible.kernels import require_triton
-
-try:
-    import triton
-    import triton.language as tl
-
-    from fusible.kernels.fp8_cast import (fp8_buffers, fp8_results, max_keep_nan,
-                                          scale_from_amax, store_fp8_tile, tile_coords,
-                                          tile_grid)
-except ImportError:  # Triton is optional: CPU-only installs use PyTorch ops
-    triton = None
+from fusible.kernels import jit, require_triton, tl, triton
+from fusible.kernels.fp8_cast import (fp8_buffers, fp8_results, max_keep_nan, scale_from_amax,
+                                      store_fp8_tile, tile_coords, tile_grid)
 
 
-if triton is not None:
+@jit
+def _tile(ptr, rows, cols, M, N):
+    mask = (rows[:, None] < M) & (cols[None, :] < N)
+    offs = rows[:, None].to(tl.int64) * N + cols[None, :]
+    return tl.load(ptr + offs, mask=mask, other=0.0).to(tl.float32), offs, mask
 
-    @triton.jit
-    def _tile(ptr, rows, cols, M, N):
-        mask = (rows[:, None] < M) & (cols[None, :] < N)
-        offs = rows[:, None].to(tl.int64) * N + cols[None, :]
-        return tl.load(ptr + offs, mask=mask, other=0.0).to(tl.float32), offs, mask
 
-    @triton.jit
-    def _row_stats(x_ptr, rows, M, N, eps, CENTER: tl.constexpr, BLOCK_M: tl.constexpr,
-                   BLOCK_N: tl.constexpr):
-        """``(mean, rstd)`` of each row (``mean`` 0 without ``CENTER``)."""
-        mean = tl.zeros((BLOCK_M,), dtype=tl.float32)
-        if CENTER:
-            for start in range(0, N, BLOCK_N):
-                x, _, _ = _tile(x_ptr, rows, start + tl.arange(0, BLOCK_N), M, N)
-                mean += tl.sum(x, axis=1)
-            mean = mean / N
-        acc = tl.zeros((BLOCK_M,), dtype=tl.float32)
+@jit
+def _row_stats(x_ptr, rows, M, N, eps, CENTER: tl.constexpr, BLOCK_M: tl.constexpr,
+               BLOCK_N: tl.constexpr):
+    """``(mean, rstd)`` of each row (``mean`` 0 without ``CENTER``)."""
+    mean = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    if CENTER:
         for start in range(0, N, BLOCK_N):
-            x, _, mask = _tile(x_ptr, rows, start + tl.arange(0, BLOCK_N), M, N)
-            d = tl.where(mask, x - mean[:, None], 0.0)
-            acc += tl.sum(d * d, axis=1)
-        return mean, 1.0 / tl.sqrt(acc / N + eps)
+            x, _, _ = _tile(x_ptr, rows, start + tl.arange(0, BLOCK_N), M, N)
+            mean += tl.sum(x, axis=1)
+        mean = mean / N
+    acc = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    for start in range(0, N, BLOCK_N):
+        x, _, mask = _tile(x_ptr, rows, start + tl.arange(0, BLOCK_N), M, N)
+        d = tl.where(mask, x - mean[:, None], 0.0)
+        acc += tl.sum(d * d, axis=1)
+    return mean, 1.0 / tl.sqrt(acc / N + eps)
 
-    @triton.jit
-    def _normalized(x_ptr, w_ptr, b_ptr, rows, cols, mean, rstd, M, N, CENTER: tl.constexpr):
-        """The tile of ``y`` rounded to ``x``'s dtype, in float32; its offsets and mask."""
-        x, offs, mask = _tile(x_ptr, rows, cols, M, N)
-        w = tl.load(w_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)
-        y = (x - mean[:, None]) * rstd[:, None] * w[None, :]
-        if CENTER:
-            y += tl.load(b_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
-        return y.to(x_ptr.dtype.element_ty).to(tl.float32), offs, mask
 
-    @triton.jit
-    def _norm_fwd_kernel(x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, amax_ptr, M, N, eps,
-                         CENTER: tl.constexpr, AMAX_ONLY: tl.constexpr, BLOCK_M: tl.constexpr,
-                         BLOCK_N: tl.constexpr):
-        """The statistics and ``y``, or (``AMAX_ONLY``) the statistics and ``y``'s
-        absolute maximum."""
-        rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-        mean, rstd = _row_stats(x_ptr, rows, M, N, eps, CENTER, BLOCK_M, BLOCK_N)
-        tl.store(rstd_ptr + rows, rstd, mask=rows < M)
-        if CENTER:
-            tl.store(mean_ptr + rows, mean, mask=rows < M)
-        amax = tl.zeros((BLOCK_M,), dtype=tl.float32)
-        for start in range(0, N, BLOCK_N):
-            cols = start + tl.arange(0, BLOCK_N)
-            y, offs, mask = _normalized(x_ptr, w_ptr, b_ptr, rows, cols, mean, rstd, M, N,
-                                        CENTER)
-            if AMAX_ONLY:
-                amax = tl.maximum(amax, tl.reduce(tl.where(mask, tl.abs(y), 0.0), 1,
-                                                  max_keep_nan),
-                                  propagate_nan=tl.PropagateNan.ALL)
-            else:
-                tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
+@jit
+def _normalized(x_ptr, w_ptr, b_ptr, rows, cols, mean, rstd, M, N, CENTER: tl.constexpr):
+    """The tile of ``y`` rounded to ``x``'s dtype, in float32; its offsets and mask."""
+    x, offs, mask = _tile(x_ptr, rows, cols, M, N)
+    w = tl.load(w_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)
+    y = (x - mean[:, None]) * rstd[:, None] * w[None, :]
+    if CENTER:
+        y += tl.load(b_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+    return y.to(x_ptr.dtype.element_ty).to(tl.float32), offs, mask
+
+
+@jit
+def _norm_fwd_kernel(x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, amax_ptr, M, N, eps,
+                     CENTER: tl.constexpr, AMAX_ONLY: tl.constexpr, BLOCK_M: tl.constexpr,
+                     BLOCK_N: tl.constexpr):
+    """The statistics and ``y``, or (``AMAX_ONLY``) the statistics and ``y``'s
+    absolute maximum."""
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    mean, rstd = _row_stats(x_ptr, rows, M, N, eps, CENTER, BLOCK_M, BLOCK_N)
+    tl.store(rstd_ptr + rows, rstd, mask=rows < M)
+    if CENTER:
+        tl.store(mean_ptr + rows, mean, mask=rows < M)
+    amax = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    for start in range(0, N, BLOCK_N):
+        cols = start + tl.arange(0, BLOCK_N)
+        y, offs, mask = _normalized(x_ptr, w_ptr, b_ptr, rows, cols, mean, rstd, M, N,
+                                    CENTER)
         if AMAX_ONLY:
-            tl.atomic_max(amax_ptr, tl.reduce(amax, 0, max_keep_nan))
+            amax = tl.maximum(amax, tl.reduce(tl.where(mask, tl.abs(y), 0.0), 1,
+                                              max_keep_nan),
+                              propagate_nan=tl.PropagateNan.ALL)
+        else:
+            tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
+    if AMAX_ONLY:
+        tl.atomic_max(amax_ptr, tl.reduce(amax, 0, max_keep_nan))
 
-    @triton.jit
-    def _norm_fwd_cast_kernel(x_ptr, w_ptr, b_ptr, mean_ptr, rstd_ptr, amax_ptr, data_ptr,
-                              t_ptr, scale_inv_ptr, M, N, FP8_MAX, CENTER: tl.constexpr,
-                              HAS_T: tl.constexpr, BLOCK_M: tl.constexpr,
-                              BLOCK_N: tl.constexpr):
-        """The second FP8 pass, over 2-D tiles (the transposed copy's stores stay coalesced)."""
-        scale = scale_from_amax(amax_ptr, FP8_MAX)
-        rows, cols, _ = tile_coords(M, N, BLOCK_M, BLOCK_N)
+
+@jit
+def _norm_fwd_cast_kernel(x_ptr, w_ptr, b_ptr, mean_ptr, rstd_ptr, amax_ptr, data_ptr,
+                          t_ptr, scale_inv_ptr, M, N, FP8_MAX, CENTER: tl.constexpr,
+                          HAS_T: tl.constexpr, BLOCK_M: tl.constexpr,
+                          BLOCK_N: tl.constexpr):
+    """The second FP8 pass, over 2-D tiles (the transposed copy's stores stay coalesced)."""
+    scale = scale_from_amax(amax_ptr, FP8_MAX)
+    rows, cols, _ = tile_coords(M, N, BLOCK_M, BLOCK_N)
+    rstd = tl.load(rstd_ptr + rows, mask=rows < M, other=0.0)
+    mean = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    if CENTER:
+        mean = tl.load(mean_ptr + rows, mask=rows < M, other=0.0)
+    y, _, mask = _normalized(x_ptr, w_ptr, b_ptr, rows, cols, mean, rstd, M, N, CENTER)
+    store_fp8_tile(y, scale, rows, cols, mask, data_ptr, t_ptr, scale_inv_ptr, M, N,
+                   FP8_MAX, HAS_T)
+
+
+@jit
+def _norm_bwd_row_kernel(dy_ptr, x_ptr, w_ptr, mean_ptr, rstd_ptr, dx_ptr, dw_part_ptr,
+                         db_part_ptr, M, N, rows_per_program, CENTER: tl.constexpr,
+                         NEED_DX: tl.constexpr, NEED_DW: tl.constexpr,
+                         NEED_DB: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The backward for rows that fit in one tile: each row read once,
+    ``dx = rstd * (g - mean(g) - x_hat * mean(g * x_hat))`` with ``g = dy * w``
+    (``mean(g)`` only with ``CENTER``); the parameter gradients' partial sums kept in
+    registers and stored once per program."""
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    w = tl.load(w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+    dw = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    db = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for i in range(0, rows_per_program):
+        row = pid * rows_per_program + i
+        ok = col_ok & ((row + tl.zeros((BLOCK_N,), dtype=tl.int32)) < M)
+        offs = row.to(tl.int64) * N + cols
+        safe = tl.minimum(row, M - 1)  # past M every load and store is masked
+        dy = tl.load(dy_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+        x = tl.load(x_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+        rstd = tl.load(rstd_ptr + safe)
+        mean = 0.0
+        if CENTER:
+            mean = tl.load(mean_ptr + safe)
+        x_hat = tl.where(ok, (x - mean) * rstd, 0.0)
+        if NEED_DX:
+            g = dy * w
+            c1 = tl.sum(g * x_hat, axis=0) / N
+            c0 = 0.0
+            if CENTER:
+                c0 = tl.sum(g, axis=0) / N
+            dx = rstd * (g - c0 - x_hat * c1)
+            tl.store(dx_ptr + offs, dx.to(dx_ptr.dtype.element_ty), mask=ok)
+        if NEED_DW:
+            dw += dy * x_hat
+        if NEED_DB:
+            db += dy
+    if NEED_DW:
+        tl.store(dw_part_ptr + pid.to(tl.int64) * N + cols, dw, mask=col_ok)
+    if NEED_DB:
+        tl.store(db_part_ptr + pid.to(tl.int64) * N + cols, db, mask=col_ok)
+
+
+@jit
+def _norm_bwd_kernel(dy_ptr, x_ptr, w_ptr, mean_ptr, rstd_ptr, dx_ptr, dw_part_ptr,
+                     db_part_ptr, M, N, rows_per_program, CENTER: tl.constexpr,
+                     NEED_DX: tl.constexpr, NEED_DW: tl.constexpr, NEED_DB: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The backward of :func:`_norm_bwd_row_kernel` for rows wider than a tile: each row
+    read twice (the second time mostly from L2); partial sums added into this
+    program's rows of the (zeroed) partial buffers."""
+    pid = tl.program_id(0)
+    for row_start in range(0, rows_per_program, BLOCK_M):
+        rows = pid * rows_per_program + row_start + tl.arange(0, BLOCK_M)
         rstd = tl.load(rstd_ptr + rows, mask=rows < M, other=0.0)
         mean = tl.zeros((BLOCK_M,), dtype=tl.float32)
         if CENTER:
             mean = tl.load(mean_ptr + rows, mask=rows < M, other=0.0)
-        y, _, mask = _normalized(x_ptr, w_ptr, b_ptr, rows, cols, mean, rstd, M, N, CENTER)
-        store_fp8_tile(y, scale, rows, cols, mask, data_ptr, t_ptr, scale_inv_ptr, M, N,
-                       FP8_MAX, HAS_T)
-
-    @triton.jit
-    def _norm_bwd_row_kernel(dy_ptr, x_ptr, w_ptr, mean_ptr, rstd_ptr, dx_ptr, dw_part_ptr,
-                             db_part_ptr, M, N, rows_per_program, CENTER: tl.constexpr,
-                             NEED_DX: tl.constexpr, NEED_DW: tl.constexpr,
-                             NEED_DB: tl.constexpr, BLOCK_N: tl.constexpr):
-        """The backward for rows that fit in one tile: each row read once,
-        ``dx = rstd * (g - mean(g) - x_hat * mean(g * x_hat))`` with ``g = dy * w``
-        (``mean(g)`` only with ``CENTER``); the parameter gradients' partial sums kept in
-        registers and stored once per program."""
-        pid = tl.program_id(0)
-        cols = tl.arange(0, BLOCK_N)
-        col_ok = cols < N
-        w = tl.load(w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
-        dw = tl.zeros((BLOCK_N,), dtype=tl.float32)
-        db = tl.zeros((BLOCK_N,), dtype=tl.float32)
-        for i in range(0, rows_per_program):
-            row = pid * rows_per_program + i
-            ok = col_ok & ((row + tl.zeros((BLOCK_N,), dtype=tl.int32)) < M)
-            offs = row.to(tl.int64) * N + cols
-            safe = tl.minimum(row, M - 1)  # past M every load and store is masked
-            dy = tl.load(dy_ptr + offs, mask=ok, other=0.0).to(tl.float32)
-            x = tl.load(x_ptr + offs, mask=ok, other=0.0).to(tl.float32)
-            rstd = tl.load(rstd_ptr + safe)
-            mean = 0.0
-            if CENTER:
-                mean = tl.load(mean_ptr + safe)
-            x_hat = tl.where(ok, (x - mean) * rstd, 0.0)
-            if NEED_DX:
-                g = dy * w
-                c1 = tl.sum(g * x_hat, axis=0) / N
-                c0 = 0.0
-                if CENTER:
-                    c0 = tl.sum(g, axis=0) / N
-                dx = rstd * (g - c0 - x_hat * c1)
-                tl.store(dx_ptr + offs, dx.to(dx_ptr.dtype.element_ty), mask=ok)
-            if NEED_DW:
-                dw += dy * x_hat
-            if NEED_DB:
-                db += dy
-        if NEED_DW:
-            tl.store(dw_part_ptr + pid.to(tl.int64) * N + cols, dw, mask=col_ok)
-        if NEED_DB:
-            tl.store(db_part_ptr + pid.to(tl.int64) * N + cols, db, mask=col_ok)
-
-    @triton.jit
-    def _norm_bwd_kernel(dy_ptr, x_ptr, w_ptr, mean_ptr, rstd_ptr, dx_ptr, dw_part_ptr,
-                         db_part_ptr, M, N, rows_per_program, CENTER: tl.constexpr,
-                         NEED_DX: tl.constexpr, NEED_DW: tl.constexpr, NEED_DB: tl.constexpr,
-                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-        """The backward of :func:`_norm_bwd_row_kernel` for rows wider than a tile: each row
-        read twice (the second time mostly from L2); partial sums added into this
-        program's rows of the (zeroed) partial buffers."""
-        pid = tl.program_id(0)
-        for row_start in range(0, rows_per_program, BLOCK_M):
-            rows = pid * rows_per_program + row_start + tl.arange(0, BLOCK_M)
-            rstd = tl.load(rstd_ptr + rows, mask=rows < M, other=0.0)
-            mean = tl.zeros((BLOCK_M,), dtype=tl.float32)
-            if CENTER:
-                mean = tl.load(mean_ptr + rows, mask=rows < M, other=0.0)
-            c0 = tl.zeros((BLOCK_M,), dtype=tl.float32)
-            c1 = tl.zeros((BLOCK_M,), dtype=tl.float32)
-            if NEED_DX:
-                for start in range(0, N, BLOCK_N):
-                    cols = start + tl.arange(0, BLOCK_N)
-                    dy, _, mask = _tile(dy_ptr, rows, cols, M, N)
-                    x, _, _ = _tile(x_ptr, rows, cols, M, N)
-                    w = tl.load(w_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)
-                    g = dy * w[None, :]
-                    c1 += tl.sum(g * tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0),
-                                 axis=1)
-                    if CENTER:
-                        c0 += tl.sum(g, axis=1)
-                c0, c1 = c0 / N, c1 / N
+        c0 = tl.zeros((BLOCK_M,), dtype=tl.float32)
+        c1 = tl.zeros((BLOCK_M,), dtype=tl.float32)
+        if NEED_DX:
             for start in range(0, N, BLOCK_N):
                 cols = start + tl.arange(0, BLOCK_N)
-                dy, offs, mask = _tile(dy_ptr, rows, cols, M, N)
+                dy, _, mask = _tile(dy_ptr, rows, cols, M, N)
                 x, _, _ = _tile(x_ptr, rows, cols, M, N)
-                x_hat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
-                if NEED_DX:
-                    w = tl.load(w_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)
-                    dx = rstd[:, None] * (dy * w[None, :] - c0[:, None] - x_hat * c1[:, None])
-                    tl.store(dx_ptr + offs, dx.to(dx_ptr.dtype.element_ty), mask=mask)
-                col_ok = cols < N
-                part = pid.to(tl.int64) * N + cols
-                if NEED_DW:
-                    acc = tl.load(dw_part_ptr + part, mask=col_ok, other=0.0)
-                    tl.store(dw_part_ptr + part, acc + tl.sum(dy * x_hat, axis=0), mask=col_ok)
-                if NEED_DB:
-                    acc = tl.load(db_part_ptr + part, mask=col_ok, other=0.0)
-                    tl.store(db_part_ptr + part, acc + tl.sum(dy, axis=0), mask=col_ok)
+                w = tl.load(w_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)
+                g = dy * w[None, :]
+                c1 += tl.sum(g * tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0),
+                             axis=1)
+                if CENTER:
+                    c0 += tl.sum(g, axis=1)
+            c0, c1 = c0 / N, c1 / N
+        for start in range(0, N, BLOCK_N):
+            cols = start + tl.arange(0, BLOCK_N)
+            dy, offs, mask = _tile(dy_ptr, rows, cols, M, N)
+            x, _, _ = _tile(x_ptr, rows, cols, M, N)
+            x_hat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
+            if NEED_DX:
+                w = tl.load(w_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)
+                dx = rstd[:, None] * (dy * w[None, :] - c0[:, None] - x_hat * c1[:, None])
+                tl.store(dx_ptr + offs, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+            col_ok = cols < N
+            part = pid.to(tl.int64) * N + cols
+            if NEED_DW:
+                acc = tl.load(dw_part_ptr + part, mask=col_ok, other=0.0)
+                tl.store(dw_part_ptr + part, acc + tl.sum(dy * x_hat, axis=0), mask=col_ok)
+            if NEED_DB:
+                acc = tl.load(db_part_ptr + part, mask=col_ok, other=0.0)
+                tl.store(db_part_ptr + part, acc + tl.sum(dy, axis=0), mask=col_ok)
 
 
 def _blocks(n: int, block_n: int | None) -> tuple:

@@ -14,99 +14,95 @@ from __future__ import annotations
 
 import torch
 
-from fusible.kernels import require_triton
-
-try:
-    import triton
-    import triton.language as tl
-
-    from fusible.kernels.fp8_cast import (atomic_amax_of_tile, fp8_buffers, fp8_results,
-                                          scale_from_amax, store_fp8_tile, tile_coords,
-                                          tile_grid)
-except ImportError:  # Triton is optional: CPU-only installs use PyTorch ops
-    triton = None
+from fusible.kernels import jit, require_triton, tl
+from fusible.kernels.fp8_cast import (atomic_amax_of_tile, fp8_buffers, fp8_results,
+                                      scale_from_amax, store_fp8_tile, tile_coords, tile_grid)
 
 
-if triton is not None:
+@jit
+def _swiglu_tile(x_ptr, rows, cols, mask, N):
+    """``(a, b)`` of the tile, float32."""
+    offs = rows[:, None].to(tl.int64) * (2 * N) + cols[None, :]
+    a = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    b = tl.load(x_ptr + offs + N, mask=mask, other=0.0).to(tl.float32)
+    return a, b
 
-    @triton.jit
-    def _swiglu_tile(x_ptr, rows, cols, mask, N):
-        """``(a, b)`` of the tile, float32."""
+
+@jit
+def _swiglu_values(a, b):
+    return a * tl.sigmoid(a) * b
+
+
+@jit
+def _swiglu_grads(dy, a, b):
+    """``(da, db)``: d silu(a) = sigmoid(a) (1 + a (1 - sigmoid(a)))."""
+    sig = tl.sigmoid(a)
+    return dy * b * sig * (1.0 + a * (1.0 - sig)), dy * a * sig
+
+
+@jit
+def _swiglu_fwd_kernel(x_ptr, y_ptr, amax_ptr, M, N, AMAX_ONLY: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """``y`` (``M x N``), or (``AMAX_ONLY``) only the absolute maximum of its values."""
+    rows, cols, mask = tile_coords(M, N, BLOCK_M, BLOCK_N)
+    a, b = _swiglu_tile(x_ptr, rows, cols, mask, N)
+    y = _swiglu_values(a, b).to(x_ptr.dtype.element_ty)
+    if AMAX_ONLY:
+        atomic_amax_of_tile(y.to(tl.float32), mask, amax_ptr)
+    else:
+        offs = rows[:, None].to(tl.int64) * N + cols[None, :]
+        tl.store(y_ptr + offs, y, mask=mask)
+
+
+@jit
+def _swiglu_fwd_cast_kernel(x_ptr, amax_ptr, data_ptr, t_ptr, scale_inv_ptr, M, N,
+                            FP8_MAX, HAS_T: tl.constexpr, BLOCK_M: tl.constexpr,
+                            BLOCK_N: tl.constexpr):
+    scale = scale_from_amax(amax_ptr, FP8_MAX)
+    rows, cols, mask = tile_coords(M, N, BLOCK_M, BLOCK_N)
+    a, b = _swiglu_tile(x_ptr, rows, cols, mask, N)
+    y = _swiglu_values(a, b).to(x_ptr.dtype.element_ty).to(tl.float32)
+    store_fp8_tile(y, scale, rows, cols, mask, data_ptr, t_ptr, scale_inv_ptr, M, N,
+                   FP8_MAX, HAS_T)
+
+
+@jit
+def _swiglu_bwd_kernel(dy_ptr, x_ptr, dx_ptr, amax_ptr, M, N, AMAX_ONLY: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """``dx`` (``M x 2N``), or (``AMAX_ONLY``) only the absolute maximum of its values."""
+    rows, cols, mask = tile_coords(M, N, BLOCK_M, BLOCK_N)
+    a, b = _swiglu_tile(x_ptr, rows, cols, mask, N)
+    dy = tl.load(dy_ptr + rows[:, None].to(tl.int64) * N + cols[None, :], mask=mask,
+                 other=0.0).to(tl.float32)
+    da, db = _swiglu_grads(dy, a, b)
+    da, db = da.to(dy_ptr.dtype.element_ty), db.to(dy_ptr.dtype.element_ty)
+    if AMAX_ONLY:
+        both = tl.maximum(tl.abs(da.to(tl.float32)), tl.abs(db.to(tl.float32)),
+                          propagate_nan=tl.PropagateNan.ALL)
+        atomic_amax_of_tile(both, mask, amax_ptr)
+    else:
         offs = rows[:, None].to(tl.int64) * (2 * N) + cols[None, :]
-        a = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        b = tl.load(x_ptr + offs + N, mask=mask, other=0.0).to(tl.float32)
-        return a, b
+        tl.store(dx_ptr + offs, da, mask=mask)
+        tl.store(dx_ptr + offs + N, db, mask=mask)
 
-    @triton.jit
-    def _swiglu_values(a, b):
-        return a * tl.sigmoid(a) * b
 
-    @triton.jit
-    def _swiglu_grads(dy, a, b):
-        """``(da, db)``: d silu(a) = sigmoid(a) (1 + a (1 - sigmoid(a)))."""
-        sig = tl.sigmoid(a)
-        return dy * b * sig * (1.0 + a * (1.0 - sig)), dy * a * sig
-
-    @triton.jit
-    def _swiglu_fwd_kernel(x_ptr, y_ptr, amax_ptr, M, N, AMAX_ONLY: tl.constexpr,
-                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-        """``y`` (``M x N``), or (``AMAX_ONLY``) only the absolute maximum of its values."""
-        rows, cols, mask = tile_coords(M, N, BLOCK_M, BLOCK_N)
-        a, b = _swiglu_tile(x_ptr, rows, cols, mask, N)
-        y = _swiglu_values(a, b).to(x_ptr.dtype.element_ty)
-        if AMAX_ONLY:
-            atomic_amax_of_tile(y.to(tl.float32), mask, amax_ptr)
-        else:
-            offs = rows[:, None].to(tl.int64) * N + cols[None, :]
-            tl.store(y_ptr + offs, y, mask=mask)
-
-    @triton.jit
-    def _swiglu_fwd_cast_kernel(x_ptr, amax_ptr, data_ptr, t_ptr, scale_inv_ptr, M, N,
-                                FP8_MAX, HAS_T: tl.constexpr, BLOCK_M: tl.constexpr,
-                                BLOCK_N: tl.constexpr):
-        scale = scale_from_amax(amax_ptr, FP8_MAX)
-        rows, cols, mask = tile_coords(M, N, BLOCK_M, BLOCK_N)
-        a, b = _swiglu_tile(x_ptr, rows, cols, mask, N)
-        y = _swiglu_values(a, b).to(x_ptr.dtype.element_ty).to(tl.float32)
-        store_fp8_tile(y, scale, rows, cols, mask, data_ptr, t_ptr, scale_inv_ptr, M, N,
-                       FP8_MAX, HAS_T)
-
-    @triton.jit
-    def _swiglu_bwd_kernel(dy_ptr, x_ptr, dx_ptr, amax_ptr, M, N, AMAX_ONLY: tl.constexpr,
-                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-        """``dx`` (``M x 2N``), or (``AMAX_ONLY``) only the absolute maximum of its values."""
-        rows, cols, mask = tile_coords(M, N, BLOCK_M, BLOCK_N)
-        a, b = _swiglu_tile(x_ptr, rows, cols, mask, N)
-        dy = tl.load(dy_ptr + rows[:, None].to(tl.int64) * N + cols[None, :], mask=mask,
-                     other=0.0).to(tl.float32)
-        da, db = _swiglu_grads(dy, a, b)
-        da, db = da.to(dy_ptr.dtype.element_ty), db.to(dy_ptr.dtype.element_ty)
-        if AMAX_ONLY:
-            both = tl.maximum(tl.abs(da.to(tl.float32)), tl.abs(db.to(tl.float32)),
-                              propagate_nan=tl.PropagateNan.ALL)
-            atomic_amax_of_tile(both, mask, amax_ptr)
-        else:
-            offs = rows[:, None].to(tl.int64) * (2 * N) + cols[None, :]
-            tl.store(dx_ptr + offs, da, mask=mask)
-            tl.store(dx_ptr + offs + N, db, mask=mask)
-
-    @triton.jit
-    def _swiglu_bwd_cast_kernel(dy_ptr, x_ptr, amax_ptr, data_ptr, t_ptr, scale_inv_ptr,
-                                M, N, FP8_MAX, HAS_T: tl.constexpr, BLOCK_M: tl.constexpr,
-                                BLOCK_N: tl.constexpr):
-        scale = scale_from_amax(amax_ptr, FP8_MAX)
-        rows, cols, mask = tile_coords(M, N, BLOCK_M, BLOCK_N)
-        a, b = _swiglu_tile(x_ptr, rows, cols, mask, N)
-        dy = tl.load(dy_ptr + rows[:, None].to(tl.int64) * N + cols[None, :], mask=mask,
-                     other=0.0).to(tl.float32)
-        da, db = _swiglu_grads(dy, a, b)
-        da = da.to(dy_ptr.dtype.element_ty).to(tl.float32)
-        db = db.to(dy_ptr.dtype.element_ty).to(tl.float32)
-        # dx is M x 2N: the two halves are column tiles of it
-        store_fp8_tile(da, scale, rows, cols, mask, data_ptr, t_ptr, scale_inv_ptr, M,
-                       2 * N, FP8_MAX, HAS_T)
-        store_fp8_tile(db, scale, rows, cols + N, mask, data_ptr, t_ptr, scale_inv_ptr, M,
-                       2 * N, FP8_MAX, HAS_T)
+@jit
+def _swiglu_bwd_cast_kernel(dy_ptr, x_ptr, amax_ptr, data_ptr, t_ptr, scale_inv_ptr,
+                            M, N, FP8_MAX, HAS_T: tl.constexpr, BLOCK_M: tl.constexpr,
+                            BLOCK_N: tl.constexpr):
+    scale = scale_from_amax(amax_ptr, FP8_MAX)
+    rows, cols, mask = tile_coords(M, N, BLOCK_M, BLOCK_N)
+    a, b = _swiglu_tile(x_ptr, rows, cols, mask, N)
+    dy = tl.load(dy_ptr + rows[:, None].to(tl.int64) * N + cols[None, :], mask=mask,
+                 other=0.0).to(tl.float32)
+    da, db = _swiglu_grads(dy, a, b)
+    da = da.to(dy_ptr.dtype.element_ty).to(tl.float32)
+    db = db.to(dy_ptr.dtype.element_ty).to(tl.float32)
+    # dx is M x 2N: the two halves are column tiles of it
+    store_fp8_tile(da, scale, rows, cols, mask, data_ptr, t_ptr, scale_inv_ptr, M,
+                   2 * N, FP8_MAX, HAS_T)
+    store_fp8_tile(db, scale, rows, cols + N, mask, data_ptr, t_ptr, scale_inv_ptr, M,
+                   2 * N, FP8_MAX, HAS_T)
 
 
 def _rows_and_half(x: torch.Tensor) -> tuple:
@@ -123,8 +119,8 @@ def swiglu_forward_triton(x: torch.Tensor, block_m: int = 32, block_n: int = 128
     m, n = _rows_and_half(x)
     y = x.new_empty((*x.shape[:-1], n))
     if y.numel():
-        _swiglu_fwd_kernel[tile_grid(m, n, block_m, block_n)](x, y, y, m, n, AMAX_ONLY=False,
-                                                          BLOCK_M=block_m, BLOCK_N=block_n)
+        _swiglu_fwd_kernel[tile_grid(m, n, block_m, block_n)](
+            x, y, y, m, n, AMAX_ONLY=False, BLOCK_M=block_m, BLOCK_N=block_n)
     return y
 
 
@@ -157,8 +153,8 @@ def swiglu_backward_triton(grad_output: torch.Tensor, x: torch.Tensor, block_m: 
     m, n = _rows_and_half(x)
     dx = torch.empty_like(x, dtype=dy.dtype)
     if dx.numel():
-        _swiglu_bwd_kernel[tile_grid(m, n, block_m, block_n)](dy, x, dx, dx, m, n, AMAX_ONLY=False,
-                                                          BLOCK_M=block_m, BLOCK_N=block_n)
+        _swiglu_bwd_kernel[tile_grid(m, n, block_m, block_n)](
+            dy, x, dx, dx, m, n, AMAX_ONLY=False, BLOCK_M=block_m, BLOCK_N=block_n)
     return dx
 
 
