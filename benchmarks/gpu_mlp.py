@@ -48,6 +48,22 @@ def prepare(model, mode: str):
     return torch.compile(model, fullgraph=True, mode=None if mode == "compile" else mode)
 
 
+def make_step(run, params, x, dy, context=contextlib.nullcontext, graphs: bool = False):
+    """One fwd+bwd step as every GPU benchmark here times it: ``run(x)`` inside
+    ``context()``, the fixed output gradient ``dy``, the gradients of ``x`` and ``params``
+    reset rather than accumulated; ``graphs``: a CUDA-graph step begins first."""
+    def step():
+        if graphs:
+            torch.compiler.cudagraph_mark_step_begin()
+        with context():
+            y = run(x)
+        y.backward(dy)
+        x.grad = None
+        for p in params:
+            p.grad = None
+    return step
+
+
 def measure(model, tokens: int, hidden: int, ffn: int, mode: str = "eager",
             context=contextlib.nullcontext, snapshot: str | None = None,
             flops: float | None = None) -> dict:
@@ -59,20 +75,8 @@ def measure(model, tokens: int, hidden: int, ffn: int, mode: str = "eager",
     """
     x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     dy = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
-    params = list(model.parameters())
-    run = prepare(model, mode)
-    graphs = mode == "reduce-overhead"
-
-    def step():
-        if graphs:
-            torch.compiler.cudagraph_mark_step_begin()
-        with context():
-            y = run(x)
-        y.backward(dy)
-        x.grad = None
-        for p in params:
-            p.grad = None
-
+    step = make_step(prepare(model, mode), list(model.parameters()), x, dy, context,
+                     graphs=mode == "reduce-overhead")
     torch.cuda.synchronize()
     start = time.perf_counter()
     for _ in range(3):

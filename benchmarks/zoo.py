@@ -31,7 +31,7 @@ from torch import nn
 
 import fusible
 from fusible import ops
-from gpu_mlp import measure
+from gpu_mlp import make_step, measure, prepare
 
 SEQUENCE = 2048  # tokens per sequence in the attention block
 
@@ -207,16 +207,7 @@ def profile(config: tuple, rows, path: str) -> None:
         model, mode, context = build_row(row, name, hidden, size)
         x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         dy = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
-        run = torch.compile(model, fullgraph=True) if mode == "compile" else model
-        params = list(model.parameters())
-
-        def step():  # as gpu_mlp.measure's: gradients reset, not accumulated
-            with context():
-                y = run(x)
-            y.backward(dy)
-            x.grad = None
-            for p in params:
-                p.grad = None
+        step = make_step(prepare(model, mode), list(model.parameters()), x, dy, context)
         for _ in range(3):
             step()
         torch.cuda.synchronize()

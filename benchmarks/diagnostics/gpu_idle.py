@@ -23,21 +23,11 @@ import torch
 import triton.testing
 from torch.profiler import ProfilerActivity, profile
 
+from gpu_mlp import make_step, prepare
 from zoo import CONFIGS, build_row
 
 CUDA = torch.autograd.DeviceType.CUDA
 STEADY_STEPS = 10
-
-
-def step_fn(model, context, x, dy):
-    def step():
-        with context():
-            y = model(x)
-        y.backward(dy)
-        x.grad = None
-        for p in model.parameters():
-            p.grad = None
-    return step
 
 
 def kernels_of(prof) -> list:
@@ -62,17 +52,21 @@ def syncs_in(step) -> list:
     return [str(w.message).splitlines()[0][:100] for w in caught]
 
 
-def report(row: str, config: tuple = CONFIGS[0]) -> None:
+def warm_step(row: str, config: tuple = CONFIGS[0]):
+    """One fwd+bwd step of a zoo row on ``config``, run five times (compiled, warm)."""
     name, hidden, ffn, tokens = config
     model, mode, context = build_row(row, name, hidden, ffn)
-    if mode == "compile":
-        model = torch.compile(model, fullgraph=True)
     x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     dy = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
-    step = step_fn(model, context, x, dy)
+    step = make_step(prepare(model, mode), list(model.parameters()), x, dy, context)
     for _ in range(5):
         step()
     torch.cuda.synchronize()
+    return step
+
+
+def report(row: str, config: tuple = CONFIGS[0]) -> None:
+    step = warm_step(row, config)
     start = time.perf_counter()
     step()
     host_ms = (time.perf_counter() - start) * 1e3  # launched, not waited for

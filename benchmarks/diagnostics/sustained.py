@@ -9,11 +9,9 @@ power limit, not the code.
 
 import subprocess
 
-import torch
 import triton.testing
 
-from gpu_idle import step_fn
-from zoo import build_row
+from gpu_idle import warm_step
 
 
 def sampled(fn) -> tuple:
@@ -31,22 +29,13 @@ def sampled(fn) -> tuple:
     return result, (mhz[len(mhz) // 2], watts[len(watts) // 2]) if samples else (0, 0)
 
 
-def report(row: str, tokens: int = 8192, hidden: int = 4096, ffn: int = 14336) -> None:
-    model, mode, context = build_row(row, "llama_ffn", hidden, ffn)
-    if mode == "compile":
-        model = torch.compile(model, fullgraph=True)
-    x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    dy = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
-    step = step_fn(model, context, x, dy)
-    for _ in range(5):
-        step()
-    torch.cuda.synchronize()
+def report(row: str) -> None:
+    step = warm_step(row)  # the zoo's first config: Llama-3-8B FFN, 8192 tokens
     for rep in (100, 1000, 3000):
         ms, (mhz, watts) = sampled(lambda: triton.testing.do_bench(
             step, warmup=25, rep=rep, return_mode="median"))
         print(f"{row:22s} do_bench over {rep:5d} ms: median {ms:.3f} ms/step; "
               f"SM {mhz:.0f} MHz, {watts:.0f} W")
-    del model
 
 
 if __name__ == "__main__":
