@@ -145,12 +145,6 @@ def handed_in(x, fmt: Optional[Float8Format]) -> bool:
     return isinstance(x, Float8Tensor) and fmt is not None and x.fp8_dtype == fmt.fp8_dtype
 
 
-def transposed_only(transpose: Tensor, scale_inv: Tensor, dtype: torch.dtype) -> Float8Tensor:
-    """A Float8Tensor holding only the transposed copy (its data is a view of it): what
-    the backward GEMMs read of a saved input or weight, at half the memory."""
-    return Float8Tensor(transpose.t(), scale_inv, dtype, transpose)
-
-
 def as_fp8(t: Tensor, fmt: Float8Format) -> Float8Tensor:
     """``t`` as a 2-D Float8Tensor in ``fmt``; a Float8Tensor handed over by the previous
     stage is used as it is (given a transposed copy if ``fmt`` wants one)."""

@@ -7,9 +7,9 @@ from __future__ import annotations
 from typing import Optional
 
 from fusible.functional.linear import (GemmBackwardArgs, GemmForwardArgs, LinearSaved, as_fp8,
-                                       handed_in, transposed_only)
+                                       handed_in)
 from fusible.functional.parallel import TensorParallel
-from fusible.quantization.float8_tensor import quantize_raw
+from fusible.quantization.float8_tensor import quantize_raw, transposed_only
 from fusible.quantization.format import Float8Format
 
 

@@ -45,9 +45,7 @@ def cast_to_fp8(x: torch.Tensor, fp8_dtype: torch.dtype, columnwise: bool = Fals
     """
     if fp8_dtype not in FP8_MAX:
         raise ValueError(f"cast_to_fp8: fp8_dtype must be one of {list(FP8_MAX)}, got {fp8_dtype}")
-    if not (rowwise or columnwise):
-        raise ValueError("cast_to_fp8: rowwise=False needs columnwise=True (else nothing is "
-                         "kept)")
+    _check_kept(rowwise, columnwise)
     if x.is_cuda and fp8_cast.triton is not None and x.numel() > 0:
         return fp8_cast.cast_to_fp8_triton(x, fp8_dtype, FP8_MAX[fp8_dtype], columnwise,
                                            amax=amax, rowwise=rowwise)
@@ -55,23 +53,33 @@ def cast_to_fp8(x: torch.Tensor, fp8_dtype: torch.dtype, columnwise: bool = Fals
     return out if rowwise else [out[2], out[1]]
 
 
+def _check_kept(rowwise: bool, columnwise: bool) -> None:
+    """The real op and its fake refuse alike a cast that would keep nothing."""
+    if not (rowwise or columnwise):
+        raise ValueError("cast_to_fp8: rowwise=False needs columnwise=True (else nothing is "
+                         "kept)")
+
+
 def tensor_amax(x: torch.Tensor) -> torch.Tensor:
     """``x``'s absolute maximum, float32 0-d (0 when empty; NaN if any is NaN): the amax
     :func:`cast_to_fp8` scales by. A maximum is exact, so every kernel gives the same
     bits, and handing it back to :func:`cast_to_fp8` quantizes as it would alone."""
-    if x.numel() == 0:
-        return torch.zeros((), device=x.device, dtype=torch.float32)
-    if x.is_cuda and fp8_cast.triton is not None and plain_eager(x):
+    if x.is_cuda and fp8_cast.triton is not None and x.numel() and plain_eager(x):
         return fp8_cast.amax_triton(x)
-    return x.detach().float().abs().amax()
+    return _amax_of_float(x.detach().float())
+
+
+def _amax_of_float(xf: torch.Tensor) -> torch.Tensor:
+    """The absolute maximum of the float32 ``xf``; 0 when empty (zero tokens)."""
+    return xf.abs().amax() if xf.numel() else xf.new_zeros(())
 
 
 def cast_to_fp8_torch(x: torch.Tensor, fp8_dtype: torch.dtype, columnwise: bool = False,
                       amax: torch.Tensor | None = None) -> list:
     """:func:`cast_to_fp8` in PyTorch ops."""
     xf = x.float().contiguous()  # contiguous outputs, whatever the input's strides
-    if amax is None:  # an empty tensor (zero tokens) has amax 0
-        amax = xf.abs().amax() if xf.numel() else xf.new_zeros(())
+    if amax is None:
+        amax = _amax_of_float(xf)
     scale = scale_from_amax(amax, fp8_dtype)
     limit = FP8_MAX[fp8_dtype]
     data = (xf * scale).clamp_(-limit, limit).to(fp8_dtype)
@@ -109,9 +117,7 @@ def cast_to_fp8_op(x: torch.Tensor, fp8_dtype: torch.dtype, columnwise: bool,
 
 @cast_to_fp8_op.register_fake
 def _(x, fp8_dtype, columnwise, amax=None, rowwise=True):
-    if not (rowwise or columnwise):
-        raise ValueError("cast_to_fp8: rowwise=False needs columnwise=True (else nothing is "
-                         "kept)")
+    _check_kept(rowwise, columnwise)
     scale_inv = x.new_empty((), dtype=torch.float32)
     if not columnwise:
         return [x.new_empty(x.shape, dtype=fp8_dtype), scale_inv]

@@ -125,6 +125,15 @@ def from_cast_parts(parts: list, dtype: torch.dtype) -> Float8Tensor:
     return Float8Tensor(data, scale_inv, dtype, transpose[0] if transpose else None)
 
 
+def transposed_only(transpose: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype,
+                    shape=None) -> Float8Tensor:
+    """A Float8Tensor holding only the transposed copy (its data is a view of it, in
+    ``shape``, default 2-D): what the backward GEMMs read of a saved input or weight, at
+    half the memory."""
+    data = transpose.t()
+    return Float8Tensor(data if shape is None else data.view(shape), scale_inv, dtype, transpose)
+
+
 def quantize_raw(x: torch.Tensor, fp8_dtype: torch.dtype, columnwise: bool = False,
                  dtype: Optional[torch.dtype] = None,
                  amax: Optional[torch.Tensor] = None, rowwise: bool = True) -> Float8Tensor:
@@ -132,8 +141,8 @@ def quantize_raw(x: torch.Tensor, fp8_dtype: torch.dtype, columnwise: bool = Fal
     ``amax`` replaces ``x``'s own absolute maximum (see ``cast.cast_to_fp8``). Without
     ``rowwise`` only the transposed copy is kept (the data is a view of it)."""
     out = cast.cast_to_fp8_any(x, fp8_dtype, columnwise, amax, rowwise)
-    if not rowwise:  # the data: a view of the copy, in x's shape
-        return Float8Tensor(out[0].t().view(x.shape), out[1], dtype or x.dtype, out[0])
+    if not rowwise:
+        return transposed_only(out[0], out[1], dtype or x.dtype, x.shape)
     return Float8Tensor(out[0], out[1], dtype or x.dtype, out[2] if columnwise else None)
 
 
