@@ -6,7 +6,8 @@ import torch
 from fusible import ops
 from fusible.functional.activations import dact_dbias_torch
 from fusible.kernels.dact_dbias import dact_dbias_triton
-from fusible.testing import assert_close, check_fusion, exact_parameters_, exact_tensor, stage_names
+from fusible.testing import (assert_close, check_fusion, exact_parameters_, exact_tensor,
+                             same_bits, stage_names)
 from fp8_emulation import check_against_emulation
 from fp8_formats import FP8_MAX
 
@@ -251,8 +252,7 @@ def test_fused_fp8_outputs_same_bits_as_kernel_then_cast_on_gpu(fp8_dtype, colum
         assert len(fused) == len(ref)
         for got, want in zip(fused, ref):
             assert got.shape == want.shape and got.dtype == want.dtype
-            assert torch.equal(got.view(torch.uint8) if got.element_size() == 1 else got,
-                               want.view(torch.uint8) if want.element_size() == 1 else want)
+            assert same_bits(got, want)
     for shape in ((2048, 4096), (3, 77, 640)):
         x = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
         dy = torch.randn(*shape[:-1], shape[-1] // 2, device="cuda", dtype=torch.bfloat16)

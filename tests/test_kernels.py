@@ -223,6 +223,7 @@ _FUSED_CAST_SCRIPT = textwrap.dedent("""
     from fusible.kernels.norms import norm_forward_fp8_triton, norm_forward_triton
     from fusible.kernels.swiglu import (swiglu_backward_fp8_triton, swiglu_backward_triton,
                                         swiglu_forward_fp8_triton, swiglu_forward_triton)
+    from fusible.testing import same_bits
     from fp8_formats import FP8_MAX
     torch.manual_seed(0)
 
@@ -232,8 +233,7 @@ _FUSED_CAST_SCRIPT = textwrap.dedent("""
         assert len(fused) == len(ref) and fused[0].shape == plain.shape
         for got, want in zip(fused, ref):
             assert got.dtype == want.dtype and got.shape == want.shape
-            assert torch.equal(got.view(torch.uint8) if got.element_size() == 1 else got,
-                               want.view(torch.uint8) if want.element_size() == 1 else want)
+            assert same_bits(got, want)
 
     for fp8 in FP8_MAX:
         for columnwise in (False, True):
