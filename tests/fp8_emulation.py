@@ -41,6 +41,16 @@ def log_snrs(snrs: dict) -> None:
                                   "snrs": {k: round(v, 2) for k, v in snrs.items()}}) + "\n")
 
 
+def assert_snrs_above(snrs: dict, floor_db: float, what: str = "") -> None:
+    """Log the reached SNRs (:func:`log_snrs`) and fail naming every one not above
+    ``floor_db``, with all of them for context."""
+    log_snrs({f"{what}: {k}" if what else k: v for k, v in snrs.items()})
+    low = {k: round(v, 1) for k, v in snrs.items() if not v > floor_db}
+    if low:
+        raise AssertionError(f"{what + ': ' if what else ''}below {floor_db} dB: {low} "
+                             f"(all: { {k: round(v, 1) for k, v in snrs.items()} })")
+
+
 class _GradThrough(torch.autograd.Function):
     """The value as is; its gradient through ``fn`` (what a consumer sends back)."""
 
@@ -87,7 +97,5 @@ def check_against_emulation(model, inputs, run, recipe, floor_db, output_grad=No
     results.update({f"{n} grad": (p.grad, ref_params[id(p)].grad)
                     for n, p in model.named_parameters() if p.requires_grad})
     snrs = {what: snr_db(got, want) for what, (got, want) in results.items()}
-    log_snrs(snrs)
-    low_ones = {what: snr for what, snr in snrs.items() if not snr > floor_db}
-    assert not low_ones, f"below {floor_db} dB: {low_ones}"
+    assert_snrs_above(snrs, floor_db)
     return snrs

@@ -13,7 +13,7 @@ import torch
 import fusible
 from fusible import ops
 from fusible.testing import assert_close, exact_tensor, snr_db
-from fp8_emulation import log_snrs, quantize_dequantize
+from fp8_emulation import assert_snrs_above, quantize_dequantize
 
 TOKENS, IN, OUT = 32, 32, 64  # FP8 GEMMs need shards in multiples of 16
 DEVICE = ["cpu"]  # set per worker: "cuda" under NCCL
@@ -175,11 +175,7 @@ def _emulated_mlp(x, w1, b1, w2, b2, dy, sp, ws):
 def _check_snrs(what: str, got: dict, want: dict, floor_db: float) -> dict:
     """SNR (dB) of every result against its emulated reference; all above ``floor_db``."""
     snrs = {k: snr_db(got[k], want[k]) for k in want if want[k] is not None}
-    log_snrs({f"{what}: {k}": v for k, v in snrs.items()})
-    low = {k: round(v, 1) for k, v in snrs.items() if not v > floor_db}
-    if low:
-        raise AssertionError(f"FP8 {what}: below {floor_db} dB: {low} (all: "
-                             f"{ {k: round(v, 1) for k, v in snrs.items()} })")
+    assert_snrs_above(snrs, floor_db, f"FP8 {what}")
     return snrs
 
 

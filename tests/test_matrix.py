@@ -10,7 +10,7 @@ import fusible
 from fusible.testing import (Rounding, check_compiled_matches_eager, check_fusion,
                              opcheck_stages, reference_forward, snr_db, stage_names)
 from fusible.testing.matrix import build, cases, expected_stages, single_rank_group
-from fp8_emulation import emulation, log_snrs
+from fp8_emulation import assert_snrs_above, emulation
 
 CASES = cases()
 IDS = [c.name for c in CASES]
@@ -83,11 +83,8 @@ def test_fp8_against_the_emulated_reference(case):
                   for i, (t, r) in enumerate(zip(inputs, ref_inputs)) if t.requires_grad]
         pairs += [(f"{n} grad", p.grad, ref_params[id(p)].grad)
                   for n, p in model.named_parameters() if p.requires_grad]
-        snrs = {what: snr_db(got, want) for what, got, want in pairs}
-        log_snrs(snrs)
-        floor = EMULATED_FLOOR_DB.get(case.name, EMULATED_FLOOR_DEFAULT_DB)
-        low = {what: snr for what, snr in snrs.items() if not snr > floor}
-        assert not low, f"below {floor} dB: {low}"
+        assert_snrs_above({what: snr_db(got, want) for what, got, want in pairs},
+                          EMULATED_FLOOR_DB.get(case.name, EMULATED_FLOOR_DEFAULT_DB))
 
 
 def _variants(model, inputs) -> list:
