@@ -50,8 +50,8 @@ CURATED = [
        "FP8_MAX = {torch.float8_e4m3fn: 448.0,", "FP8_MAX = {torch.float8_e4m3fn: 240.0,",
        "E4M3's largest value wrong (240, the fnuz variant's)"),
     _m("dgrad_weight_e5m2", "fusible/functional/linear_state.py",
-       "w_q = quantize_raw(weight, recipe.weight_format().fp8_dtype, columnwise=True)",
-       "w_q = quantize_raw(weight, recipe.grad_format().fp8_dtype, columnwise=True)",
+       "weight = quantize_raw(weight, recipe.weight_format().fp8_dtype, columnwise=True,",
+       "weight = quantize_raw(weight, recipe.grad_format().fp8_dtype, columnwise=True,",
        "the weight quantized to E5M2 for the dgrad GEMM"),
     _m("view_keeps_stale_transpose", "fusible/quantization/float8_tensor.py",
        "keep = t._transpose is not None and data.shape[-1] == t._data.shape[-1]",
@@ -138,8 +138,8 @@ CURATED = [
        "Reshape's backward returns a flattened gradient"),
     # the Triton kernels of issue 12 (checked on CPU under TRITON_INTERPRET)
     _m("layer_norm_dx_drops_mean_grad", "fusible/kernels/norms.py",
-       "                dx = rstd * (g - c0 - x_hat * c1)\n",
-       "                dx = rstd * (g - x_hat * c1)\n",
+       "            dx = rstd * (g - c0 - x_hat * c1)\n",
+       "            dx = rstd * (g - x_hat * c1)\n",
        "LayerNorm's whole-row backward forgets the mean of g (the centring's gradient)"),
     _m("swiglu_grad_drops_silu_term", "fusible/kernels/swiglu.py",
        "return dy * b * sig * (1.0 + a * (1.0 - sig)), dy * a * sig",
@@ -150,8 +150,8 @@ CURATED = [
        "tl.sigmoid(0.7978845608028654 * (x + 0.044715 * x * x * x))",
        "the FP8-writing tanh GELU uses sqrt(2/pi) where 2 sqrt(2/pi) belongs"),
     _m("norm_fp8_amax_of_unrounded", "fusible/kernels/norms.py",
-       "        return y.to(x_ptr.dtype.element_ty).to(tl.float32), offs, mask",
-       "        return y, offs, mask",
+       "    return y.to(x_ptr.dtype.element_ty).to(tl.float32), offs, mask",
+       "    return y, offs, mask",
        "the FP8-writing norm takes its amax and cast from unrounded values (bits differ from "
        "norm-then-cast)"),
 ]
