@@ -24,11 +24,10 @@ _SCRIPT = textwrap.dedent("""
                 if kind == "relu":
                     saved = saved.relu()
                 ref_dact, ref_dbias = dact_dbias_torch(kind, dy.double(), saved.double())
-                for late in (False, True):  # the two reduction orders
-                    dact, dbias = dact_dbias_triton(kind, dy, saved, rows_per_program=64,
-                                                    block_m=16, block_n=64, reduce_late=late)
-                    assert_close(dact, ref_dact, dtype, f"{kind} {dtype} dact")
-                    assert_close(dbias, ref_dbias, dtype, f"{kind} {dtype} dbias")
+                dact, dbias = dact_dbias_triton(kind, dy, saved, rows_per_program=64,
+                                                block_m=16, block_n=64)
+                assert_close(dact, ref_dact, dtype, f"{kind} {dtype} dact")
+                assert_close(dbias, ref_dbias, dtype, f"{kind} {dtype} dbias")
     print("ok")
 """)
 
@@ -126,12 +125,11 @@ _DACT_FP8_SCRIPT = textwrap.dedent("""
             dy = torch.randn(shape).to(torch.bfloat16)
             saved = torch.randn(shape).to(torch.bfloat16)
             fp8 = torch.float8_e5m2
-            late = kind == "relu"  # both reduction orders, against the plain kernel's
             q_data, q_scale_inv, q_t, dbias = dact_dbias_fp8_triton(
                 kind, dy, saved, fp8, FP8_MAX[fp8], True, rows_per_program=64, block_m=16,
-                block_n=64, cast_block_m=16, cast_block_n=32, reduce_late=late)
+                block_n=64, cast_block_m=16, cast_block_n=32)
             ref_dact, ref_dbias = dact_dbias_triton(kind, dy, saved, rows_per_program=64,
-                                                    block_m=16, block_n=64, reduce_late=late)
+                                                    block_m=16, block_n=64)
             data, scale_inv, transpose = cast_to_fp8_triton(
                 ref_dact, torch.float8_e5m2, FP8_MAX[torch.float8_e5m2], True, block=256,
                 block_m=16, block_n=32)

@@ -2,6 +2,8 @@
 activation kernel at the zoo's GPT MLP size (16384 x 16384, bf16) over a few tile shapes,
 with the bytes each pass must move and the rate it reached (4.2 TB/s is the H200's copy
 rate). The zoo's profile had the GELU passes at 35-60% of it, SwiGLU's at 75-90%.
+benchmarks/results/activation_tiles_h200.txt is the sweep that chose today's defaults
+(whole-tile sums in the backward, 16-row steps, 32x128 cast tiles).
 
     PYTHONPATH=. python3 benchmarks/diagnostics/activation_tiles.py
 """
@@ -28,19 +30,16 @@ def main(tokens: int = 16384, ffn: int = 16384) -> None:
     dy = torch.randn_like(x)
     gb = x.numel() * 2 / 1e9  # one bf16 tensor of this size, in GB
     # forward: the amax pass reads x; the cast pass reads x, writes the data and its copy
-    for bm, bn in ((64, 128), (32, 128), (32, 64), (16, 128), (64, 64)):
+    for bm, bn in ((32, 128), (16, 128), (32, 256), (16, 256)):
         report(f"gelu_tanh fwd fp8, tile {bm}x{bn}",
                lambda: activation_fp8_triton("gelu_tanh", x, E4M3, 448.0, True, block_m=bm,
                                              block_n=bn), gb + gb + gb)
     # backward: the dbias pass reads dy and x; the cast pass reads both, writes two copies
-    for late, rows, bm, (cm, cn) in itertools.product((False, True), (256, 128, 64), (32, 16),
-                                                      ((64, 128), (32, 128))):
-        report(f"gelu_tanh bwd fp8, {rows} rows/program, {bm}-row steps, cast {cm}x{cn}"
-               f"{', reduced late' if late else ''}",
+    for rows, bm, (cm, cn) in itertools.product((256, 128), (16, 8), ((32, 128), (16, 128))):
+        report(f"gelu_tanh bwd fp8, {rows} rows/program, {bm}-row steps, cast {cm}x{cn}",
                lambda: dact_dbias_fp8_triton("gelu_tanh", dy, x, E5M2, 57344.0, True,
                                              rows_per_program=rows, block_m=bm,
-                                             cast_block_m=cm, cast_block_n=cn,
-                                             reduce_late=late),
+                                             cast_block_m=cm, cast_block_n=cn),
                2 * gb + 2 * gb + gb)
     swiglu_in = torch.randn(tokens, ffn, device="cuda", dtype=torch.bfloat16)
     swiglu_dy = torch.randn(tokens, ffn // 2, device="cuda", dtype=torch.bfloat16)

@@ -89,7 +89,7 @@ def activation_triton(kind: str, x: torch.Tensor, block_m: int = 64,
 
 
 def activation_fp8_triton(kind: str, x: torch.Tensor, fp8_dtype: torch.dtype, fp8_max: float,
-                          columnwise: bool, block_m: int = 64, block_n: int = 128) -> list:
+                          columnwise: bool, block_m: int = 32, block_n: int = 128) -> list:
     """``[data, scale_inv]`` (+ the transposed copy when ``columnwise``): the activation
     ``kind`` of ``x`` (a key of :data:`KINDS`) rounded to ``x``'s dtype, then cast to
     ``fp8_dtype`` (largest value ``fp8_max``) with a current per-tensor scale."""

@@ -53,19 +53,17 @@ def _activation_grad(dy, s, KIND: tl.constexpr):
 @jit
 def _dact_dbias_kernel(dy_ptr, s_ptr, dact_ptr, partial_ptr, amax_ptr, M, N,
                        KIND: tl.constexpr, KEEP_AMAX: tl.constexpr,
-                       REDUCE_LATE: tl.constexpr, ROWS_PER_PROGRAM: tl.constexpr,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                       ROWS_PER_PROGRAM: tl.constexpr, BLOCK_M: tl.constexpr,
+                       BLOCK_N: tl.constexpr):
     """Column sums of the rounded ``dact``, and ``dact`` itself or (``KEEP_AMAX``, the
-    first FP8 pass) only its absolute maximum. ``REDUCE_LATE`` keeps the sums and the
-    maximum as whole tiles, reduced over rows once at the end (no cross-warp
-    reduction per step; another summation order, so other dbias bits)."""
+    first FP8 pass) only its absolute maximum. The sums and the maximum stay whole tiles,
+    reduced over rows once at the end: a cross-warp reduction per step cost the FP8
+    GELU backward 20-30% of its time on an H200 (diagnostics/activation_tiles.py)."""
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
-    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    amax = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    acc_tile = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    amax_tile = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    amax = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for start in range(0, ROWS_PER_PROGRAM, BLOCK_M):
         rows = pid_m * ROWS_PER_PROGRAM + start + tl.arange(0, BLOCK_M)
         mask = (rows[:, None] < M) & col_ok[None, :]
@@ -74,25 +72,14 @@ def _dact_dbias_kernel(dy_ptr, s_ptr, dact_ptr, partial_ptr, amax_ptr, M, N,
         s = tl.load(s_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         d_out = _activation_grad(dy, s, KIND).to(dy_ptr.dtype.element_ty)
         d = tl.where(mask, d_out.to(tl.float32), 0.0)
-        if REDUCE_LATE:
-            acc_tile += d
-        else:
-            acc += tl.sum(d, axis=0)
+        acc += d
         if KEEP_AMAX:
-            if REDUCE_LATE:
-                amax_tile = tl.maximum(amax_tile, tl.abs(d),
-                                       propagate_nan=tl.PropagateNan.ALL)
-            else:
-                amax = tl.maximum(amax, tl.reduce(tl.abs(d), 0, max_keep_nan),
-                                  propagate_nan=tl.PropagateNan.ALL)
+            amax = tl.maximum(amax, tl.abs(d), propagate_nan=tl.PropagateNan.ALL)
         else:
             tl.store(dact_ptr + offs, d_out, mask=mask)
-    if REDUCE_LATE:
-        acc = tl.sum(acc_tile, axis=0)
-        amax = tl.reduce(amax_tile, 0, max_keep_nan)
-    tl.store(partial_ptr + pid_m.to(tl.int64) * N + cols, acc, mask=col_ok)
+    tl.store(partial_ptr + pid_m.to(tl.int64) * N + cols, tl.sum(acc, axis=0), mask=col_ok)
     if KEEP_AMAX:
-        tl.atomic_max(amax_ptr, tl.reduce(amax, 0, max_keep_nan))
+        tl.atomic_max(amax_ptr, tl.reduce(tl.reduce(amax, 0, max_keep_nan), 0, max_keep_nan))
 
 
 @jit
@@ -110,10 +97,8 @@ def _dact_cast_kernel(dy_ptr, s_ptr, amax_ptr, data_ptr, t_ptr, scale_inv_ptr, M
 
 
 def dact_dbias_triton(kind: str, grad_output: torch.Tensor, saved: torch.Tensor,
-                      rows_per_program: int = 256, block_m: int = 32, block_n: int = 128,
-                      reduce_late: bool = False):
-    """The Triton version; ``dbias`` sums the rounded ``dact`` as the PyTorch version does
-    (``reduce_late``: the kernel's ``REDUCE_LATE``, being measured)."""
+                      rows_per_program: int = 256, block_m: int = 16, block_n: int = 128):
+    """The Triton version; ``dbias`` sums the rounded ``dact`` as the PyTorch version does."""
     require_triton("dact_dbias_triton")
     if grad_output.shape != saved.shape:
         raise ValueError(f"dact_dbias: grad_output {tuple(grad_output.shape)} and saved "
@@ -129,17 +114,15 @@ def dact_dbias_triton(kind: str, grad_output: torch.Tensor, saved: torch.Tensor,
     partial = torch.empty(chunks, n, device=dy.device, dtype=torch.float32)
     grid = (chunks, triton.cdiv(n, block_n))
     _dact_dbias_kernel[grid](dy, s, dact, partial, partial, m, n, KIND=_KINDS[kind],
-                             KEEP_AMAX=False, REDUCE_LATE=reduce_late,
-                             ROWS_PER_PROGRAM=rows_per_program,
+                             KEEP_AMAX=False, ROWS_PER_PROGRAM=rows_per_program,
                              BLOCK_M=block_m, BLOCK_N=block_n)
     return dact, partial.sum(0).to(dy.dtype)
 
 
 def dact_dbias_fp8_triton(kind: str, grad_output: torch.Tensor, saved: torch.Tensor,
                           fp8_dtype: torch.dtype, fp8_max: float, columnwise: bool,
-                          rows_per_program: int = 256, block_m: int = 32, block_n: int = 128,
-                          cast_block_m: int = 64, cast_block_n: int = 128,
-                          reduce_late: bool = False):
+                          rows_per_program: int = 256, block_m: int = 16, block_n: int = 128,
+                          cast_block_m: int = 32, cast_block_n: int = 128):
     """``(data, scale_inv, transposed copy or None, dbias)``: :func:`dact_dbias_triton`
     followed by the FP8 cast of ``dact`` to ``fp8_dtype`` (largest value ``fp8_max``),
     without writing ``dact`` in high precision."""
@@ -155,8 +138,7 @@ def dact_dbias_fp8_triton(kind: str, grad_output: torch.Tensor, saved: torch.Ten
     amax = torch.zeros((), device=dy.device, dtype=torch.float32)
     _dact_dbias_kernel[(chunks, triton.cdiv(n, block_n))](  # dact_ptr: unused
         dy, s, partial, partial, amax, m, n, KIND=_KINDS[kind], KEEP_AMAX=True,
-        REDUCE_LATE=reduce_late, ROWS_PER_PROGRAM=rows_per_program, BLOCK_M=block_m,
-        BLOCK_N=block_n)
+        ROWS_PER_PROGRAM=rows_per_program, BLOCK_M=block_m, BLOCK_N=block_n)
     data, transpose, scale_inv, in_kernel_t = fp8_buffers(dy, fp8_dtype, columnwise)
     _dact_cast_kernel[tile_grid(m, n, cast_block_m, cast_block_n)](
         dy, s, amax, data, transpose, scale_inv, m, n, fp8_max, KIND=_KINDS[kind],
