@@ -5,7 +5,7 @@
 #   [idle] [zoo]
 # (no argument: bf16 and fp8; tp needs two GPUs (kind nvidia-h200-x2); tiles: the GELU
 # kernels' tile shapes (diagnostics/activation_tiles.py); idle: host time, GPU idle and
-# kernels of the compiled FP8 attention projections and the bf16 GPT MLP (gpu_idle.py);
+# kernels and host profile of the FP8 attention projections, eager and compiled (gpu_idle.py);
 # zoo: the block zoo,
 # ZOO_CONFIGS of its configs (default all) from index ZOO_FIRST (default 0, which also
 # profiles); TESTS: which tests, default all, "none" for none; the argument "none" runs no
@@ -59,9 +59,7 @@ if [[ " $benches " == *" tiles "* ]]; then
 fi
 if [[ " $benches " == *" idle "* ]]; then  # the open questions of the zoo's last run
     (cd benchmarks && PYTHONPATH=$PYTHONPATH:$PWD python3 diagnostics/gpu_idle.py 5 \
-        fusible_fp8_eager fusible_fp8_compile torchao_tensorwise \
-        && PYTHONPATH=$PYTHONPATH:$PWD python3 diagnostics/gpu_idle.py 2 fusible_bf16_eager \
-        torch_compile) 2>&1 | tee "$OUT/idle.log"
+        fusible_fp8_eager fusible_fp8_compile torchao_tensorwise) 2>&1 | tee "$OUT/idle.log"
     bench_rc=$(( bench_rc || PIPESTATUS[0] ))
 fi
 if [[ " $benches " == *" zoo "* ]]; then

@@ -11,8 +11,9 @@ import pytest
 import torch
 
 from fusible import ops
-from fusible.core.schema import SchemaType, register_schema_type
+from fusible.core.schema import SchemaType, register_schema_type, unflatten_record
 from fusible.ops import BackwardResult, BasicOperation, ForwardResult
+from fusible.quantization.format import Float8Format
 from fusible.runtime import custom_ops
 
 
@@ -85,13 +86,36 @@ class EveryType(BasicOperation):
 
 
 def test_schema_of_every_field_type():
+    """Tensors and integers are schema arguments; the graph's constants travel in one
+    string, and come back as they went."""
     op = custom_ops.stage_op(EveryType, "forward")
     schema = str(op.overload._schema)
-    for part in ("Tensor input", "Tensor? maybe", "Tensor[] tensors", "SymInt count",
-                 "float factor", "bool flag", "str label", "ScalarType dtype", "SymInt[] sizes",
-                 "SymInt[] dims", "str mode", "Tensor pair_0", "Tensor pair_1",
-                 "float inner_0", "Tensor? inner_1", "str provenance"):
-        assert part in schema, (part, schema)
+    assert schema == ("fusible::EveryType_fwd(Tensor input, Tensor? maybe, Tensor[] tensors, "
+                      "SymInt count, SymInt[] sizes, SymInt[] dims, Tensor pair_0, "
+                      "Tensor pair_1, Tensor? inner_1, str static) -> Tensor[]"), schema
+    static = [name for name, _ in (op.parts[i] for i in op.static)]
+    assert static == ["factor", "flag", "label", "dtype", "mode", "inner_0", "output_format_0",
+                      "output_format_1", "output_format_2", "quantized_results", "provenance"]
+    x = torch.ones(2)
+    fmt = Float8Format(torch.float8_e5m2)
+    args = EveryType().forward_args(x, (), (), None)
+    args.factor = float("inf")  # JSON's extension, back exactly
+    flat = op.flatten_call(args, fmt, True, "here")
+    assert all(isinstance(v, (torch.Tensor, list, tuple, int, type(None))) for v in flat[:-1])
+    values = op.expand(flat)
+    rebuilt = unflatten_record(EveryTypeArgs, op.fields, values)
+    assert rebuilt.factor == float("inf") and rebuilt.dtype is torch.float32
+    assert rebuilt.mode is Mode.MUL and rebuilt.inner == Inner(2.0, None)
+    assert values[-5:] == custom_ops._FORMAT.flatten(fmt) + [True, "here"]
+    assert values[-5] is torch.float8_e5m2
+
+
+def test_a_value_that_is_not_a_constant_is_named():
+    op = custom_ops.stage_op(EveryType, "forward")
+    args = EveryType().forward_args(torch.ones(2), (), (), None)
+    args.label = object()
+    with pytest.raises(TypeError, match="EveryType_fwd: label must be a constant"):
+        op.flatten_call(args, None, False, "p")
 
 
 def test_every_field_type_compiles_and_matches_eager():
@@ -209,7 +233,7 @@ def test_empty_results_that_alias_an_input_are_copied():
     """With zero tokens Identity and Reshape return their input: the boundary copies it."""
     op = custom_ops.stage_op(ops.Identity, "forward")
     x = torch.randn(0, 8)
-    args = tuple(op.flatten_args(ops.Identity.fwd_args_type(x)) + [None, False, "", False, "p"])
+    args = tuple(op.flatten_call(ops.Identity.fwd_args_type(x), None, False, "p"))
     (out,) = op.overload(*args)
     assert out.shape == (0, 8) and out is not x
     assert torch._C._storage_id(out) != torch._C._storage_id(x)

@@ -221,12 +221,13 @@ def test_clone_shares_no_storage_and_the_op_boundary_copies_what_passes():
     clone = x.clone()
     assert not (_storages(clone) & _storages(x))
     assert torch.equal(clone._data.view(torch.uint8), x._data.view(torch.uint8))
-    tail = [None, False, "", True, "test"]  # output format, quantized results, provenance
     for fmt in (None, Float8Format(torch.float8_e4m3fn)):
         fwd = custom_ops.stage_op(ops.Quantize, "forward")
         bwd = custom_ops.stage_op(ops.Quantize, "backward")
-        y = fwd.overload(*fwd.flatten_args(QuantizeForwardArgs(x, fmt)), *tail)
-        dx = bwd.overload(*bwd.flatten_args(QuantizeBackwardArgs(x, fmt, True)), *tail)
+        # no output format; results may be quantized
+        y = fwd.overload(*fwd.flatten_call(QuantizeForwardArgs(x, fmt), None, True, "test"))
+        dx = bwd.overload(*bwd.flatten_call(QuantizeBackwardArgs(x, fmt, True), None, True,
+                                            "test"))
         for out in (y, dx):
             assert out[1].dim() == 0  # a Float8Tensor: data, scale_inv, transposed copy
             assert not ({t.untyped_storage().data_ptr() for t in out if t.numel()}

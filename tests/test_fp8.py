@@ -240,7 +240,8 @@ def test_quantized_tensors_flow_between_stages():
         with fusible.autocast():
             compiled = torch.compile(model, fullgraph=True, backend="eager")  # real custom ops
             compiled(torch.randn(16, 32, requires_grad=True)).sum().backward()
-        calls = [(str(op).split(".")[1], args) for op, args in custom_ops.recorder
+        calls = [(str(op).split(".")[1], custom_ops.stage_op_named(str(op).split(".")[1])
+                  .expand(args)) for op, args in custom_ops.recorder
                  if not isinstance(args[0], torch._subclasses.FakeTensor)]  # runs, not tracing
     finally:
         custom_ops.recorder = None

@@ -8,13 +8,18 @@ tensorwise compiled):
   flushed between them, as ``do_bench`` does), their kernel time per step against their
   span per step, which is what a median step costs;
 - every host-device synchronisation inside a step (``torch.cuda.set_sync_debug_mode``),
-  each of which drains the launch queue.
+  each of which drains the launch queue;
+- where the host time goes: the functions with the most time of their own over 20 steps
+  (cProfile; its overhead inflates every figure, compare them with each other).
 
     PYTHONPATH=.:benchmarks python3 benchmarks/diagnostics/gpu_idle.py [CONFIG_INDEX ROW...]
 
 (``CONFIG_INDEX``: an index into the zoo's ``CONFIGS``; ``ROW``: zoo row names.)
 """
 
+import cProfile
+import io
+import pstats
 import sys
 import time
 import warnings
@@ -96,6 +101,20 @@ def report(row: str, config: tuple = CONFIGS[0]) -> None:
           f"{bench:.2f} ms")
     syncs = syncs_in(step)
     print(f"   synchronisations in a step: {len(syncs)}" + "".join(f"\n     {s}" for s in syncs))
+    print(host_profile(step))
+
+
+def host_profile(step, steps: int = 20, top: int = 18) -> str:
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(steps):
+        step()
+    profiler.disable()
+    torch.cuda.synchronize()
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(top)
+    lines = [line[:150] for line in text.getvalue().splitlines() if line.strip()]
+    return "\n".join(f"   | {line}" for line in lines[2:])
 
 
 if __name__ == "__main__":

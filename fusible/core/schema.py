@@ -144,6 +144,52 @@ def _unflatten_steps(record_type, fields: tuple) -> tuple:
     return _STEPS[record_type]
 
 
+def record_builder(record_type, sources: list) -> Callable:
+    """A function ``flat -> record`` generated once, for calls whose constant values
+    are known: ``sources[i]`` is where the record's value ``i`` comes from, ``("arg", k)``
+    (``flat[k]``) or ``("const", value)``. Fields made only of constants are built once
+    and shared when immutable (hashable); the rest is one constructor expression."""
+    namespace: dict = {}
+    expr = _builder_expr(record_type, sources, namespace)
+    exec(f"def build(f):\n    return {expr}\n", namespace)  # noqa: S102 (our own source)
+    return namespace["build"]
+
+
+def _bind(namespace: dict, value) -> str:
+    name = f"c{len(namespace)}"
+    namespace[name] = value
+    return name
+
+
+def _builder_expr(record_type, sources: list, namespace: dict) -> str:
+    fields = record_fields(record_type)
+    _, names = _STEPS.get(record_type) or _unflatten_steps(record_type, fields)
+    args, pos = [], 0
+    for _, st in fields:
+        srcs = sources[pos:pos + len(st.parts)]
+        pos += len(st.parts)
+        if all(kind == "const" for kind, _ in srcs):
+            value = st.unflatten([v for _, v in srcs])
+            try:
+                hash(value)
+            except TypeError:  # mutable: rebuilt per call
+                pass
+            else:
+                args.append(_bind(namespace, value))
+                continue
+        if st.record_type is not None:
+            args.append(_builder_expr(st.record_type, srcs, namespace))
+            continue
+        items = [f"f[{v}]" if kind == "arg" else _bind(namespace, v) for kind, v in srcs]
+        if st.unflatten is _TAKE:
+            args.append(items[0])
+        else:
+            args.append(f"{_bind(namespace, st.unflatten)}([{', '.join(items)}])")
+    if names is not None:
+        args = [f"{n}={a}" for n, a in zip(names, args)]
+    return f"{_bind(namespace, record_type)}({', '.join(args)})"
+
+
 def _record_type(record_type) -> SchemaType:
     fields = record_fields(record_type)
     return SchemaType(tuple(p for _, st in fields for p in st.parts),

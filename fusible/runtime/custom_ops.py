@@ -2,8 +2,12 @@
 
 For each op or fusion class and direction, ``fusible::{Name}_{fwd|bwd}`` takes the
 fields of its ``fwd_args_type`` / ``bwd_args_type`` (each field becoming one or more
-schema arguments, ``fusible.core.schema``), then the format to hand the result on in,
-whether results may be quantized, and a provenance string; it returns ``Tensor[]``.
+values, ``fusible.core.schema``), then the format to hand the result on in, whether
+results may be quantized, and a provenance string; it returns ``Tensor[]``. Only the
+tensors and integers (which may be symbolic) are schema arguments; every other value
+is a constant of the compiled graph and travels in one JSON string, the last argument,
+decoded once per distinct string. The dispatcher converts each argument twice per
+call (about 0.4 us each on a CPU host): a linear stage had 21, it now has 6.
 Its real kernel is the class's compute method bound with ``in_custom_op=True``; its
 fake kernel is the same method run on fake tensors (a class may provide
 ``forward_fake`` / ``backward_fake`` instead). Registration is lazy: the first plan
@@ -22,6 +26,7 @@ structure from the stage's static counts.
 from __future__ import annotations
 
 import functools
+import json
 import re
 from typing import Any, Optional
 
@@ -29,7 +34,7 @@ import attrs
 import torch
 
 from fusible.core.results import BackwardResult, ForwardResult
-from fusible.core.schema import flatten_record, record_fields, schema_type, unflatten_record
+from fusible.core.schema import flatten_record, record_builder, record_fields, schema_type
 from fusible.quantization.boundary import decode_results, encode_results
 from fusible.quantization.format import Float8Format, to_format
 from fusible.runtime import recompute
@@ -39,23 +44,86 @@ _OPS: dict = {}      # (class, direction) -> StageOp
 _BY_NAME: dict = {}  # op name -> StageOp
 _REASONS: dict = {}  # (class, direction) -> why it cannot be registered
 recorder: list | None = None  # when a list, calls append (overload, flat args): for opcheck
-_TAIL = ["ScalarType? output_format_0", "bool output_format_1", "str output_format_2",
-         "bool quantized_results", "str provenance"]
 _FORMAT = schema_type(Optional[Float8Format])  # how the output format crosses
+_TAIL = (*(("output_format" if len(_FORMAT.parts) == 1 else f"output_format_{i}", part)
+           for i, part in enumerate(_FORMAT.parts)),
+         ("quantized_results", "bool"), ("provenance", "str"))
+_DECODED: dict = {}   # (op name, static values' JSON string) -> every value of a call
+_PREPARED: dict = {}  # (op name, that string) -> StageOp.prepared
+_DYNAMIC = {"Tensor", "Tensor?", "Tensor[]", "Tensor?[]", "SymInt", "SymInt?", "SymInt[]"}
 _storage_id = torch._C._storage_id  # a tensor's StorageImpl, as an int (no Python object)
 
 
 @attrs.frozen
 class StageOp:
-    """A registered custom op of one class and direction."""
+    """A registered custom op of one class and direction.
+
+    ``parts`` are ``(name, schema type)`` of every value a call carries: the args
+    record's, then the tail (output format, quantized results, provenance); ``dynamic``
+    the positions among them that are schema arguments, ``static`` the rest, which
+    travel as one JSON string.
+    """
 
     name: str
-    overload: Any
     args_type: type
     fields: tuple        # (attrs field name, SchemaType)
+    parts: tuple
+    dynamic: tuple
+    static: tuple
+    overload: Any = None
 
-    def flatten_args(self, args) -> list:
-        return flatten_record(self.fields, args)
+    def flatten_call(self, args, output_format, quantized: bool, provenance: str) -> list:
+        """The schema arguments of a call: the dynamic values, then the static ones'
+        JSON string."""
+        values = (flatten_record(self.fields, args) + _FORMAT.flatten(output_format)
+                  + [quantized, provenance])
+        return [values[i] for i in self.dynamic] + [self._encode(values)]
+
+    def expand(self, flat) -> list:
+        """Every value of a call, in ``parts`` order, from its schema arguments."""
+        key = (self.name, flat[-1])
+        template = _DECODED.get(key)
+        if template is None:
+            template = _DECODED[key] = self._decode(flat[-1])
+        values = list(template)
+        for i, v in zip(self.dynamic, flat):
+            values[i] = v
+        return values
+
+    def prepared(self, text: str) -> tuple:
+        """``(build, output format, quantized results, provenance)`` for calls whose
+        constants are ``text``: ``build(flat)`` makes the args record (generated once
+        per distinct ``text``)."""
+        key = (self.name, text)
+        found = _PREPARED.get(key)
+        if found is None:
+            values = self._decode(text)
+            slot = {i: k for k, i in enumerate(self.dynamic)}
+            n = len(self.parts) - len(_TAIL)
+            sources = [("arg", slot[i]) if i in slot else ("const", values[i]) for i in range(n)]
+            found = _PREPARED[key] = (record_builder(self.args_type, sources),
+                                      _FORMAT.unflatten(values[n:-2]), *values[-2:])
+        return found
+
+    def _encode(self, values: list) -> str:
+        out = []
+        for i in self.static:
+            v = values[i]
+            if isinstance(v, torch.dtype):
+                v = str(v)
+            elif v is not None and not isinstance(v, (bool, int, float, str, list, tuple)):
+                raise TypeError(f"fusible::{self.name}: {self.parts[i][0]} must be a constant "
+                                f"of the graph ({self.parts[i][1]}), got {v!r}")
+            out.append(v)
+        return json.dumps(out, allow_nan=True)
+
+    def _decode(self, text: str) -> list:
+        values = [None] * len(self.parts)
+        for i, v in zip(self.static, json.loads(text)):
+            if v is not None and self.parts[i][1].startswith("ScalarType"):
+                v = getattr(torch, v.removeprefix("torch."))
+            values[i] = v
+        return values
 
 
 _BASES: dict = {}    # class -> its op base name, chosen once for both directions
@@ -73,27 +141,26 @@ def _op_name(cls, direction: str) -> str:
     return f"{_BASES[cls]}_{'fwd' if direction == 'forward' else 'bwd'}"
 
 
-def _kernel(cls, direction: str, args_type, fields, compute, real: bool = True):
+def _kernel(cls, direction: str, op: StageOp, compute, real: bool = True):
     bound = functools.partial(compute, in_custom_op=True)
     check_recompute = real and direction == "forward"
     own_cast = cls.quantizes_own_output
-    # Where tensors can be among the arguments (the rest are scalars): the alias check
-    # looks only there.
-    parts = [p for _, st in fields for p in st.parts]
-    slots = tuple(i for i, p in enumerate(parts) if p in ("Tensor", "Tensor?"))
-    list_slots = tuple(i for i, p in enumerate(parts) if p.startswith("Tensor") and "[]" in p)
+    # Where tensors are among the schema arguments: the alias check looks only there.
+    kinds = [op.parts[i][1] for i in op.dynamic]
+    slots = tuple(i for i, p in enumerate(kinds) if p in ("Tensor", "Tensor?"))
+    list_slots = tuple(i for i, p in enumerate(kinds) if p.startswith("Tensor") and "[]" in p)
 
-    def kernel(*values):
-        args = unflatten_record(args_type, fields, values[:-5])
-        fmt = _FORMAT.unflatten(values[-5:-2])  # then: quantized results, provenance
+    def kernel(*flat):
+        build, fmt, quantized, _ = op.prepared(flat[-1])
+        args = build(flat)
         result = bound(args, output_format=fmt) if own_cast else bound(args)
-        inputs = [values[i] for i in slots]
+        inputs = [flat[i] for i in slots]
         if list_slots:
-            inputs += [t for i in list_slots for t in values[i]]
+            inputs += [t for i in list_slots for t in flat[i]]
         if check_recompute:
-            recompute.note_forward(cls, inputs, values[-2])
-        like = inputs[0] if inputs[0] is not None else next(t for t in inputs if t is not None)
-        return _unaliased(_flatten_result(result, direction, like, values[-2], fmt), inputs)
+            recompute.note_forward(cls, inputs, quantized)
+        like = next(t for t in inputs if t is not None)
+        return _unaliased(_flatten_result(result, direction, like, quantized, fmt), inputs)
 
     return kernel
 
@@ -131,17 +198,19 @@ def _register(cls, direction: str) -> StageOp:
     args_type = cls.fwd_args_type if direction == "forward" else cls.bwd_args_type
     fields = record_fields(args_type)
     name = _op_name(cls, direction)
-    params = [f"{part} {fname}" if len(st.parts) == 1 else f"{part} {fname}_{i}"
-              for fname, st in fields for i, part in enumerate(st.parts)]
-    _LIB.define(f"{name}({', '.join(params + _TAIL)}) -> Tensor[]")
+    parts = tuple((fname if len(st.parts) == 1 else f"{fname}_{i}", part)
+                  for fname, st in fields for i, part in enumerate(st.parts)) + _TAIL
+    dynamic = tuple(i for i, (_, part) in enumerate(parts) if part in _DYNAMIC)
+    static = tuple(i for i in range(len(parts)) if i not in dynamic)
+    params = [f"{parts[i][1]} {parts[i][0]}" for i in dynamic] + ["str static"]
+    _LIB.define(f"{name}({', '.join(params)}) -> Tensor[]")
+    op = StageOp(name, args_type, fields, parts, dynamic, static)
     compute = getattr(cls, f"{direction}_compute")
     fake = getattr(cls, f"{direction}_fake", None) or compute
-    _LIB.impl(name, _kernel(cls, direction, args_type, fields, compute),
-              "CompositeExplicitAutograd")
+    _LIB.impl(name, _kernel(cls, direction, op, compute), "CompositeExplicitAutograd")
     torch.library.register_fake(f"fusible::{name}",
-                                _kernel(cls, direction, args_type, fields, fake, real=False),
-                                lib=_LIB)
-    op = StageOp(name, getattr(torch.ops.fusible, name).default, args_type, fields)
+                                _kernel(cls, direction, op, fake, real=False), lib=_LIB)
+    op = attrs.evolve(op, overload=getattr(torch.ops.fusible, name).default)
     _BY_NAME[name] = op
     return op
 
@@ -177,8 +246,7 @@ def unsupported_reason(cls, direction: str) -> Optional[str]:
 
 def _call(stage, direction: str, args, quantized: bool, outer_dtype):
     op = stage_op(stage.op.__class__, direction)
-    flat = op.flatten_args(args) + _FORMAT.flatten(stage.output_format) + [quantized,
-                                                                           stage.provenance]
+    flat = op.flatten_call(args, stage.output_format, quantized, stage.provenance)
     if recorder is not None:
         recorder.append((op.overload, tuple(flat)))
     out = op.overload(*flat)

@@ -95,21 +95,23 @@ def _graph_report(kind: str, frame: str, gm: torch.fx.GraphModule) -> GraphRepor
             continue
         name = str(node.target)
         if name.startswith("fusible."):
-            op = "fusible::" + name.split(".")[1]
-            fusible.append(OpCall(op, str(node.args[-1]), _gemm_precision(node)))
+            op = stage_op_named(name.split(".")[1])
+            values = op.expand(node.args) if op is not None else None
+            fusible.append(OpCall("fusible::" + name.split(".")[1],
+                                  str(values[-1] if values else node.args[-1]),
+                                  _gemm_precision(op, values)))
         elif name not in _IGNORED:
             other.append(name)
     return GraphReport(kind, frame, tuple(fusible), tuple(other))
 
 
-def _gemm_precision(node) -> str:
-    """From a stage op's arguments: its GEMMs' precision, read from the formats of the
+def _gemm_precision(op, values) -> str:
+    """From a stage op's values: its GEMMs' precision, read from the formats of the
     linear-layer GEMM records among its args (found by type; only the formats, which are
     constants in the graph, are read)."""
-    op = stage_op_named(str(node.target).split(".")[1])
     if op is None:
         return ""
-    return " + ".join(sorted(set(_gemm_precisions(op.args_type, op.fields, list(node.args)))))
+    return " + ".join(sorted(set(_gemm_precisions(op.args_type, op.fields, values))))
 
 
 _GEMM_FORMATS = {GemmForwardArgs: "input_format", GemmBackwardArgs: "grad_format"}
