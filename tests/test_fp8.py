@@ -2,6 +2,7 @@
 
 import copy
 import warnings
+import weakref
 
 import pytest
 import torch
@@ -397,3 +398,31 @@ def test_fp8_cuda_graphs_same_bits_as_eager():
             assert torch.equal(p.grad, p2.grad), f"step {step}: gradient of {n} differs"
         opt.step(), twin_opt.step()
         opt.zero_grad(), twin_opt.zero_grad()
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_the_dgrad_weight_copy_is_gone_before_the_wgrad_gemm(monkeypatch, compiled):
+    """The backward quantizes the weight for dgrad inside the stage and drops it before
+    the wgrad GEMM allocates the weight gradient: never both alive (peak memory)."""
+    from fusible.functional import linear
+    made, alive_at_gemm = [], []
+    quantize, gemm = linear._dgrad_weight, linear.fp8_gemm
+
+    def dgrad_weight(args):
+        w = quantize(args)
+        made.append(weakref.ref(w._transpose))
+        return w
+
+    def spy_gemm(*args, **kwargs):
+        alive_at_gemm.append([ref() is not None for ref in made])
+        return gemm(*args, **kwargs)
+
+    monkeypatch.setattr(linear, "_dgrad_weight", dgrad_weight)
+    monkeypatch.setattr(linear, "fp8_gemm", spy_gemm)
+    torch._dynamo.reset()
+    model = ops.Sequential(ops.BasicLinear(32, 48))
+    run = torch.compile(model, fullgraph=True, backend="eager") if compiled else model
+    with fusible.autocast():
+        run(torch.randn(16, 32, requires_grad=True)).sum().backward()
+    assert alive_at_gemm[-2:] == [[True], [False]]  # dgrad reads it; wgrad runs without it
+    assert model[0].weight.grad is not None

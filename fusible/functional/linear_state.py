@@ -9,7 +9,7 @@ from typing import Optional
 from fusible.functional.linear import (GemmBackwardArgs, GemmForwardArgs, LinearSaved, as_fp8,
                                        handed_in)
 from fusible.functional.parallel import TensorParallel
-from fusible.quantization.float8_tensor import quantize_raw, transposed_only
+from fusible.quantization.float8_tensor import transposed_only
 from fusible.quantization.format import Float8Format
 
 
@@ -90,18 +90,16 @@ def _weight_amax(gemm: GemmForwardArgs, aux: tuple):
 def gemm_backward_args(ctx, grad_output, tp: TensorParallel) -> GemmBackwardArgs:
     """The backward GEMM record of a linear layer from its context and saved record.
 
-    Under FP8 the weight is quantized again by the forward's amax, into the transposed
-    copy dgrad reads and nothing else: the same bits as in the forward (current scaling
-    of an unchanged parameter; autograd checks its version), and no FP8 copy of every
-    weight held between the passes.
+    Under FP8 the weight goes in high precision with the forward's amax:
+    :func:`~fusible.functional.linear.gemm_backward` quantizes it into the transposed copy
+    dgrad reads, the same bits as in the forward (current scaling of an unchanged
+    parameter; autograd checks its version), and no FP8 copy of every weight is held
+    between the passes.
     """
     saved, recipe, needs = ctx.saved, ctx.recipe, ctx.needs
-    weight = saved.weight
     if recipe is None:
-        return GemmBackwardArgs(grad_output, saved.input, weight, None, needs.input,
+        return GemmBackwardArgs(grad_output, saved.input, saved.weight, None, needs.input,
                                 needs.params[0], tp)
-    if weight is not None:
-        weight = quantize_raw(weight, recipe.weight_format().fp8_dtype, columnwise=True,
-                              amax=saved.weight_amax, rowwise=False)
-    return GemmBackwardArgs(grad_output, saved.input, weight, gemm_grad_format(recipe, needs),
-                            needs.input, needs.params[0], tp)
+    return GemmBackwardArgs(grad_output, saved.input, saved.weight,
+                            gemm_grad_format(recipe, needs), needs.input, needs.params[0], tp,
+                            weight_format=recipe.weight_format(), weight_amax=saved.weight_amax)
