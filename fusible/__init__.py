@@ -17,14 +17,14 @@ from fusible.planning import (Candidate, FusionPlan, PlanEnvironment, Stage, reg
                               registered_fusions, unregister_fusion)
 from fusible.quantization import (Float8CurrentScaling, Float8Format, Float8Tensor, autocast,
                                   quantize)
-from fusible.runtime import CompileReport, compile_report
+from fusible.runtime import CompileReport, compile_report, make_graphed_callables
 
 __version__ = "0.1.0"
 
 __all__ = [
     "Candidate", "Check", "CompileReport", "Example", "Float8CurrentScaling", "Float8Format",
     "Float8Tensor", "FusedOperation", "FusionPlan", "Op", "OperationContext", "Pattern",
-    "PlanConditions", "PlanEnvironment", "Stage", "autocast", "compile_report", "ops",
-    "quantize", "register_fusion", "register_schema_type", "registered_fusions",
+    "PlanConditions", "PlanEnvironment", "Stage", "autocast", "compile_report",
+    "make_graphed_callables", "ops", "quantize", "register_fusion", "register_schema_type", "registered_fusions",
     "state_dict_from_torch", "testing", "unregister_fusion",
 ]

@@ -30,6 +30,21 @@ def fresh_dynamo():
 
 
 @pytest.fixture
+def cuda_graph_recordings(monkeypatch):
+    """The functions cudagraph trees (``mode="reduce-overhead"``) records from now on, one
+    entry per recording."""
+    from torch._inductor.cudagraph_trees import CUDAGraphTreeManager
+    recorded, record = [], CUDAGraphTreeManager.record_function
+
+    def spy(self, *args, **kwargs):
+        recorded.append(args[-1] if args else kwargs)
+        return record(self, *args, **kwargs)
+
+    monkeypatch.setattr(CUDAGraphTreeManager, "record_function", spy)
+    return recorded
+
+
+@pytest.fixture
 def registered():
     """Register fusions for one test and remove them afterwards."""
     added = []

@@ -89,8 +89,10 @@ def test_backward_activation_bias_uses_triton_on_gpu(monkeypatch):
 
 
 @pytest.mark.parametrize("mode", [None, "reduce-overhead"])
-def test_compiled_block_same_bits_as_eager_on_gpu(mode):
-    """Inductor, and Inductor with CUDA graphs, over optimizer steps."""
+def test_compiled_block_same_bits_as_eager_on_gpu(mode, cuda_graph_recordings):
+    """Inductor, and Inductor with CUDA graphs, over optimizer steps: with CUDA graphs the
+    forward and the backward are recorded once each (a warm-up step, a recording, then
+    replays), never again."""
     import copy
     torch._dynamo.reset()
     torch.manual_seed(0)
@@ -113,6 +115,43 @@ def test_compiled_block_same_bits_as_eager_on_gpu(mode):
             assert torch.equal(p.grad, p2.grad), f"step {step}: gradient of {n} differs"
         opt.step(), twin_opt.step()
         opt.zero_grad(), twin_opt.zero_grad()
+    assert len(cuda_graph_recordings) == (2 if mode else 0), cuda_graph_recordings
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_make_graphed_callables_same_bits_as_eager(fp8):
+    """fusible.make_graphed_callables: whole-step CUDA graphs for eager training, bitwise
+    equal to eager over optimizer steps; a call the graph was not captured for raises."""
+    import contextlib
+    import copy
+    import fusible
+    torch.manual_seed(0)
+    model = ops.Sequential(ops.LayerNorm(256), ops.Linear(256, 1024), ops.GELU(approximate="tanh"),
+                           ops.Linear(1024, 256)).to("cuda", torch.bfloat16)
+    twin = copy.deepcopy(model)
+    state = fusible.autocast if fp8 else contextlib.nullcontext
+    sample = torch.randn(512, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    with state():
+        graphed = fusible.make_graphed_callables(twin, (sample,))
+    opt, twin_opt = (torch.optim.SGD(m.parameters(), lr=0.01) for m in (model, twin))
+    for step in range(3):
+        x = torch.randn(512, 256, device="cuda", dtype=torch.bfloat16)
+        x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
+        dy = torch.randn(512, 256, device="cuda", dtype=torch.bfloat16)
+        with state():
+            y, y2 = model(x1), graphed(x2)
+        assert torch.equal(y, y2), f"step {step}: outputs differ"
+        y.backward(dy), y2.backward(dy)
+        assert torch.equal(x1.grad, x2.grad), f"step {step}: input gradients differ"
+        for (n, p), p2 in zip(model.named_parameters(), twin.parameters()):
+            assert torch.equal(p.grad, p2.grad), f"step {step}: gradient of {n} differs"
+        opt.step(), twin_opt.step()
+        opt.zero_grad(), twin_opt.zero_grad()
+    other = contextlib.nullcontext if fp8 else fusible.autocast
+    with other(), pytest.raises(RuntimeError, match="captured (without FP8|under the FP8)"):
+        graphed(x2)
+    with state(), pytest.raises(ValueError, match="argument 0 is"):
+        graphed(x2[:-1])
 
 
 def test_fp8_transposed_copy_by_triton_same_bytes_as_pytorch(monkeypatch):

@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+import fusible
 from fusible import FusedOperation, Op, Pattern, ops, register_fusion
 
 
@@ -206,3 +207,11 @@ def test_an_uninstalled_source_tree_says_so(monkeypatch):
     monkeypatch.setattr(registry.importlib.metadata, "distribution", missing)
     with pytest.raises(RuntimeError, match=r"not installed.*pip install -e \."):
         ops.Sequential(ops.Identity()).plan()
+
+
+def test_make_graphed_callables_needs_cuda_tensors():
+    model = ops.Sequential(ops.Linear(8, 8))
+    with pytest.raises(ValueError, match=r"make_graphed_callables\(Sequential\): CUDA graphs need "
+                                         r"CUDA tensor arguments, got \[\(\(4, 8\), torch.float32"):
+        fusible.make_graphed_callables(model, (torch.randn(4, 8),))
+    assert model.forward.__func__ is ops.Sequential.forward  # left as it was

@@ -377,8 +377,9 @@ def test_compile_report_says_which_gemms_ran_in_fp8():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need CUDA")
-def test_fp8_cuda_graphs_same_bits_as_eager():
-    """Inductor with CUDA graphs (reduce-overhead) over optimizer steps, FP8 all the way."""
+def test_fp8_cuda_graphs_same_bits_as_eager(cuda_graph_recordings):
+    """Inductor with CUDA graphs (reduce-overhead) over optimizer steps, FP8 all the way;
+    the forward and the backward recorded once each, never again."""
     torch._dynamo.reset()
     torch.manual_seed(0)
     model = ops.Sequential(ops.LayerNorm(256), ops.Linear(256, 1024), ops.GELU(approximate="tanh"),
@@ -398,6 +399,7 @@ def test_fp8_cuda_graphs_same_bits_as_eager():
             assert torch.equal(p.grad, p2.grad), f"step {step}: gradient of {n} differs"
         opt.step(), twin_opt.step()
         opt.zero_grad(), twin_opt.zero_grad()
+    assert len(cuda_graph_recordings) == 2, cuda_graph_recordings
 
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])

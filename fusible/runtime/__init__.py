@@ -2,8 +2,10 @@
 per group, the stages' custom ops, the compiled path and the compile report."""
 
 from fusible.runtime.compiled import compiled_forward
+from fusible.runtime.cuda_graphs import make_graphed_callables
 from fusible.runtime.layout import Layout
 from fusible.runtime.report import CompileReport, compile_report
 from fusible.runtime.runner import PipelineRunner
 
-__all__ = ["CompileReport", "Layout", "PipelineRunner", "compile_report", "compiled_forward"]
+__all__ = ["CompileReport", "Layout", "PipelineRunner", "compile_report", "compiled_forward",
+           "make_graphed_callables"]
