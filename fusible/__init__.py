@@ -25,6 +25,6 @@ __all__ = [
     "Candidate", "Check", "CompileReport", "Example", "Float8CurrentScaling", "Float8Format",
     "Float8Tensor", "FusedOperation", "FusionPlan", "Op", "OperationContext", "Pattern",
     "PlanConditions", "PlanEnvironment", "Stage", "autocast", "compile_report",
-    "make_graphed_callables", "ops", "quantize", "register_fusion", "register_schema_type", "registered_fusions",
-    "state_dict_from_torch", "testing", "unregister_fusion",
+    "make_graphed_callables", "ops", "quantize", "register_fusion", "register_schema_type",
+    "registered_fusions", "state_dict_from_torch", "testing", "unregister_fusion",
 ]

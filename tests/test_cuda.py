@@ -87,7 +87,6 @@ def test_backward_activation_bias_uses_triton_on_gpu(monkeypatch):
     assert calls == [1]
 
 
-
 @pytest.mark.parametrize("mode", [None, "reduce-overhead"])
 def test_compiled_block_same_bits_as_eager_on_gpu(mode, cuda_graph_recordings):
     """Inductor, and Inductor with CUDA graphs, over optimizer steps: with CUDA graphs the
