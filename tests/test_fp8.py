@@ -376,6 +376,20 @@ def test_compile_report_says_which_gemms_ran_in_fp8():
     assert "fp8 GEMM" in str(fp8) and "fp8 GEMM" not in str(plain)
 
 
+def test_compile_report_gives_a_cast_between_stages_no_provenance():
+    """A gradient that arrives from outside in high precision is cast to FP8 between the
+    stages (not by a stage): the report lists the cast, with no stage's provenance."""
+    torch._dynamo.reset()
+    model = ops.Sequential(ops.BasicLinear(32, 32), ops.AddExtraInput())
+    x = torch.randn(16, 32, requires_grad=True)
+    with fusible.autocast():
+        report = fusible.compile_report(model, x, x)
+    calls = [(c.op, c.provenance) for g in report.graphs for c in g.fusible_ops]
+    assert ("fusible::cast_to_fp8", "") in calls
+    assert all(p.startswith(("BasicLinear", "ForwardLinear", "BackwardLinear"))
+               for op, p in calls if op != "fusible::cast_to_fp8"), calls
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need CUDA")
 def test_fp8_cuda_graphs_same_bits_as_eager(cuda_graph_recordings):
     """Inductor with CUDA graphs (reduce-overhead) over optimizer steps, FP8 all the way;

@@ -97,8 +97,9 @@ def _graph_report(kind: str, frame: str, gm: torch.fx.GraphModule) -> GraphRepor
         if name.startswith("fusible."):
             op = stage_op_named(name.split(".")[1])
             values = op.expand(node.args) if op is not None else None
+            # an op that is no stage (an FP8 cast between stages) has no provenance
             fusible.append(OpCall("fusible::" + name.split(".")[1],
-                                  str(values[-1] if values else node.args[-1]),
+                                  str(values[-1]) if values else "",
                                   _gemm_precision(op, values)))
         elif name not in _IGNORED:
             other.append(name)
