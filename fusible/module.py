@@ -161,8 +161,8 @@ class Sequential(PipelineModule):
     """A pipeline of fusible operations, planned and fused as a whole.
 
     Behaves like ``torch.nn.Sequential`` for indexing, iteration, ``len``,
-    ``append``, ``extend``, ``insert`` and deletion, and keeps the same
-    state_dict names. Nested Sequentials are flattened into one pipeline for
+    ``append``, ``extend``, ``insert``, ``pop``, deletion, ``+`` and ``+=``, and keeps
+    the same state_dict names. Nested Sequentials are flattened into one pipeline for
     planning, so fusions cross their boundaries. An ordinary ``nn.Module``
     inside runs as is and splits the pipeline into separately planned groups.
 
@@ -215,6 +215,22 @@ class Sequential(PipelineModule):
         self._reset(items)
         return self
 
+    def pop(self, index=-1):
+        """Remove and return the module at ``index`` (a slice: a Sequential of them)."""
+        removed = self[index]
+        del self[index]
+        return removed
+
+    def __add__(self, other: "Sequential") -> "Sequential":
+        """A new Sequential of this one's modules, then ``other``'s (the same module
+        objects, as ``nn.Sequential`` does)."""
+        _check_sequential("+", other)
+        return Sequential(*self, *other)
+
+    def __iadd__(self, other: "Sequential") -> "Sequential":
+        _check_sequential("+=", other)
+        return self.extend(list(other))  # a list first: `model += model` doubles it once
+
     def __len__(self) -> int:
         return len(self._modules)
 
@@ -258,3 +274,10 @@ class Sequential(PipelineModule):
                             f"put the basic ops in the Sequential instead")
         if not isinstance(module, nn.Module):
             raise TypeError(f"Sequential takes nn.Module instances, got {type(module).__name__}")
+
+
+def _check_sequential(operator: str, other) -> None:
+    """``+`` and ``+=`` take a fusible Sequential; ValueError otherwise, as nn.Sequential's."""
+    if not isinstance(other, Sequential):
+        raise ValueError(f"fusible Sequential {operator} takes a fusible Sequential, got "
+                         f"{type(other).__module__}.{type(other).__qualname__}")

@@ -28,6 +28,34 @@ def test_indexing_iteration_len_append():
     assert stage_names(model.plan().forward) == ["BasicLinear", "ReLU", "BasicLinear"]
 
 
+def test_pop_add_and_iadd_as_nn_sequential():
+    a, b, c = ops.BasicLinear(4, 8), ops.GELU(), ops.BasicLinear(8, 4)
+    model = ops.Sequential(a, b, c)
+    assert model.pop(1) is b and list(model) == [a, c]
+    assert list(dict(model.named_children())) == ["0", "1"]
+    assert model.pop() is c and list(model) == [a]
+    with pytest.raises(IndexError, match="index 5 is out of range"):
+        model.pop(5)
+    model = ops.Sequential(a, b, c)
+    popped = model.pop(slice(1, 3))
+    assert isinstance(popped, ops.Sequential) and list(popped) == [b, c] and list(model) == [a]
+    joined = model + popped
+    assert isinstance(joined, ops.Sequential) and list(joined) == [a, b, c]
+    assert list(model) == [a] and list(popped) == [b, c]  # the operands stay as they were
+    assert stage_names(joined.plan().forward) == ["BasicLinear", "GELU", "BasicLinear"]
+    same = model
+    model += popped
+    assert model is same and list(model) == [a, b, c]
+    model += model
+    assert list(model) == [a, b, c, a, b, c]
+    with pytest.raises(ValueError, match=r"Sequential \+ takes a fusible Sequential, got "
+                                         r"torch.nn.modules.container.Sequential"):
+        model + nn.Sequential(nn.ReLU())
+    with pytest.raises(ValueError, match=r"Sequential \+= takes a fusible Sequential, got "
+                                         r"builtins.list"):
+        model += [ops.ReLU()]
+
+
 def test_nested_sequentials_flatten_into_one_plan():
     inner = ops.Sequential(ops.Bias(8), ops.ReLU())
     model = ops.Sequential(ops.BasicLinear(4, 8), inner, ops.BasicLinear(8, 2))
