@@ -75,3 +75,19 @@ def test_op_standalone_module_call():
     torch.testing.assert_close(y, x @ op.weight.T, rtol=0, atol=0)
     y.sum().backward()
     assert op.weight.grad is not None and x.grad is not None
+
+
+def test_l2_normalization_is_te_formula_and_refuses_a_scalar():
+    """TransformerEngine's definition and default eps; a scale-invariant op: rescaling the
+    input leaves the output (nearly) as it was."""
+    op = ops.L2Normalization()
+    assert op.eps == 1e-6 and "L2Normalization(eps=1e-06)" in op.describe()
+    x = torch.randn(4, 7, 16, dtype=torch.float64)
+    y = ops.Sequential(op)(x)
+    torch.testing.assert_close(y, x / torch.sqrt(x.square().sum(-1, keepdim=True) + 1e-6))
+    torch.testing.assert_close(ops.Sequential(op)(1000 * x), y, rtol=1e-6, atol=1e-7)  # eps
+    with pytest.raises(ValueError, match=r"L2Normalization\(eps=1e-06\) normalises the last "
+                                         r"dimension; got a 0-d input"):
+        ops.Sequential(op)(torch.tensor(2.0))
+    with pytest.raises(ValueError, match="eps"):
+        ops.L2Normalization(eps=-1.0)

@@ -12,6 +12,7 @@ from fusible.ops.bias import Bias
 from fusible.ops.constant_scale import ConstantScale
 from fusible.ops.gelu import GELU
 from fusible.ops.identity import Identity
+from fusible.ops.l2_normalization import L2Normalization
 from fusible.ops.layer_norm import LayerNorm
 from fusible.ops.linear import Linear
 from fusible.ops.make_extra_output import MakeExtraOutput
@@ -26,6 +27,6 @@ from fusible.ops.swiglu import SwiGLU
 __all__ = [
     "AddExtraInput", "AllGather", "AllReduce", "BackwardResult", "BasicLinear", "BasicOperation",
     "Bias", "ConstantScale", "ForwardResult", "FusedOperation", "FusibleOperation", "GELU",
-    "Identity", "LayerNorm", "Linear", "MakeExtraOutput", "OperationContext", "Quantize",
+    "Identity", "L2Normalization", "LayerNorm", "Linear", "MakeExtraOutput", "OperationContext", "Quantize",
     "RMSNorm", "ReLU", "ReduceScatter", "Reshape", "SiLU", "Sequential", "SwiGLU",
 ]
