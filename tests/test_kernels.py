@@ -206,6 +206,23 @@ _NORM_SWIGLU_SCRIPT = textwrap.dedent("""
                             assert_close(g, r, dtype, f"{what} {name} {block_n}")
                         else:
                             assert g is None, (what, name)
+            if dtype != torch.float32 and x.numel():  # a zero-centred gamma: 1 + w in float32
+                w32 = w.float() + 1
+                for center in (True, False):
+                    what = f"{'layer' if center else 'rms'}_norm {dtype} {shape} float32 weight"
+                    y, mean, rstd = norm_forward_triton(x, w32, b if center else None, 1e-5,
+                                                        center, block_n=16)
+                    ref_y, ref_mean, ref_rstd = reference(center, x.double(), w32.double(),
+                                                          b.double(), ns)
+                    assert y.dtype == dtype
+                    assert_close(y, ref_y, dtype, what)
+                    mask = (True, True, center)
+                    dx, dw, _ = norm_backward_triton(dy, x, mean, rstd, w32, center, *mask)
+                    want = reference_grads(center, dy.double(), x.double(), ref_mean, ref_rstd,
+                                           w32.double(), b.double(), ns, mask)
+                    assert dw.dtype == torch.float32  # rounded to the parameter's by the op
+                    assert_close(dx, want[0], dtype, f"{what} dx")
+                    assert_close(dw, want[1], dtype, f"{what} dweight")
     print("ok")
 """)
 

@@ -91,3 +91,36 @@ def test_l2_normalization_is_te_formula_and_refuses_a_scalar():
         ops.Sequential(op)(torch.tensor(2.0))
     with pytest.raises(ValueError, match="eps"):
         ops.L2Normalization(eps=-1.0)
+
+
+NORMS = {"LayerNorm": ops.LayerNorm, "RMSNorm": ops.RMSNorm}
+
+
+@pytest.mark.parametrize("name", list(NORMS))
+def test_zero_centered_gamma_against_fp64(name, dtype):
+    """TransformerEngine's ``zero_centered_gamma``: the weight starts at zeros and the norm
+    multiplies by ``1 + weight`` (in float32); against FP64, rounded once."""
+    op = NORMS[name](32, zero_centered_gamma=True)
+    assert not op.weight.any() and "zero_centered_gamma=True" in op.describe()
+    model = ops.Sequential(op).to(dtype)
+    x = exact_tensor((3, 5, 32), dtype).requires_grad_()
+    torch.testing.assert_close(model(x), ops.Sequential(NORMS[name](32)).to(dtype)(x),
+                               rtol=0, atol=0)  # 1 + 0: the plain norm's bits
+    exact_parameters_(model)
+    check_against_reference(model, x, strict=True)
+
+
+@pytest.mark.usefixtures("fresh_dynamo")
+@pytest.mark.parametrize("name", list(NORMS))
+def test_zero_centered_gamma_compiled_bitwise(name):
+    from fusible.testing import check_compiled_matches_eager
+    model = ops.Sequential(NORMS[name](32, zero_centered_gamma=True), ops.BasicLinear(32, 16))
+    exact_parameters_(model)
+    x = exact_tensor((4, 32), torch.float32).requires_grad_()
+    check_compiled_matches_eager(model, x)
+    plain = ops.Sequential(NORMS[name](32), ops.BasicLinear(32, 16))
+    plain.load_state_dict(model.state_dict())
+    model[0].zero_centered_gamma = False  # an attribute the plan reads: re-planned
+    assert torch.equal(model(x), plain(x))
+    model[0].reset_parameters()
+    assert (model[0].weight == 1).all()

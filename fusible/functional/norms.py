@@ -21,6 +21,12 @@ NORM_CHECKS = {"normalized_shape": checks.int_tuple("normalized_shape"),
                "sequence_parallel": checks.boolean("sequence_parallel")}
 
 
+def norm_options(op) -> str:
+    """The options a norm's description names when they are on."""
+    return "".join(f", {name}=True" for name in ("sequence_parallel", "zero_centered_gamma")
+                   if getattr(op, name, False))
+
+
 def check_trailing(op, shape, normalized_shape) -> None:
     """ValueError naming ``op`` unless ``shape`` ends with ``normalized_shape``."""
     n = len(normalized_shape)
@@ -31,11 +37,24 @@ def check_trailing(op, shape, normalized_shape) -> None:
 
 def _cpu_float_copies(*tensors):
     """float32 copies of 16-bit CPU tensors: PyTorch's CPU kernel keeps mean and rstd in
-    the input dtype, too coarse for the backward. CUDA accumulates in float32 already."""
+    the input dtype, too coarse for the backward. CUDA accumulates in float32 already.
+    Also wherever the weight is float32 beside a 16-bit input (a zero-centred gamma's
+    ``1 + gamma``): PyTorch's kernels take one dtype for weight and bias."""
     x = tensors[0]
-    if x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float16):
+    if x.dtype in (torch.bfloat16, torch.float16) and (
+            x.device.type == "cpu" or any(t is not None and t.dtype != x.dtype
+                                          for t in tensors)):
         return tuple(None if t is None else t.float() for t in tensors)
     return tensors
+
+
+def effective_gamma(weight: Tensor, zero_centered: bool) -> Tensor:
+    """What a norm multiplies by: ``weight``, or for a zero-centred gamma
+    (TransformerEngine's ``zero_centered_gamma``) ``1 + weight`` computed in float32
+    (float64 for a float64 weight), as TransformerEngine's kernels compute it."""
+    if not zero_centered:
+        return weight
+    return weight.to(torch.float64 if weight.dtype == torch.float64 else torch.float32) + 1
 
 
 def _norm_fp8(x, weight, bias, eps, center, output_format) -> tuple:

@@ -1,4 +1,5 @@
-"""LayerNorm over the trailing ``normalized_shape`` dimensions."""
+"""LayerNorm over the trailing ``normalized_shape`` dimensions (with a zero-centred gamma:
+``* (1 + weight)``)."""
 
 from __future__ import annotations
 
@@ -9,11 +10,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fusible.core import checks
 from fusible.core.example import Example
 from fusible.core.results import BackwardResult, ForwardResult
 from fusible.functional import parallel
-from fusible.functional.norms import (NORM_CHECKS, check_trailing, layer_norm_backward,
-                                      layer_norm_forward)
+from fusible.functional.norms import (NORM_CHECKS, check_trailing, effective_gamma,
+                                      layer_norm_backward, layer_norm_forward, norm_options)
 from fusible.module import BasicOperation
 
 Tensor = torch.Tensor
@@ -26,6 +28,7 @@ class LayerNormForwardArgs:
     bias: Tensor
     normalized_shape: list[int]
     eps: float
+    zero_centered_gamma: bool = False
 
 
 @attrs.define
@@ -51,6 +54,7 @@ class LayerNormBackwardArgs:
     need_grad_input: bool
     need_grad_weight: bool
     need_grad_bias: bool
+    zero_centered_gamma: bool = False
 
 
 class LayerNorm(BasicOperation):
@@ -71,8 +75,12 @@ class LayerNorm(BasicOperation):
         its own tokens, are all-reduced over the group after the backward stage.
     tensor_parallel_group : torch.parallel.ProcessGroup, optional
         The group of ``sequence_parallel``; the default group when None.
+    zero_centered_gamma : bool
+        TransformerEngine's option: multiply by ``1 + weight`` (computed in float32) and
+        start ``weight`` at zeros, so that weight decay pulls towards the identity.
     device, dtype
-        Where and in which dtype to create ``weight`` (ones) and ``bias`` (zeros).
+        Where and in which dtype to create ``weight`` (ones; zeros with
+        ``zero_centered_gamma``) and ``bias`` (zeros).
 
     Notes
     -----
@@ -80,26 +88,29 @@ class LayerNorm(BasicOperation):
     """
 
     param_names = ("weight", "bias")
-    attribute_checks = NORM_CHECKS
+    attribute_checks = {**NORM_CHECKS,
+                        "zero_centered_gamma": checks.boolean("zero_centered_gamma")}
     fwd_args_type = LayerNormForwardArgs
     bwd_args_type = LayerNormBackwardArgs
     saved_type = LayerNormSaved
     quantizes_own_output = True
 
     def __init__(self, normalized_shape, *, eps: float = 1e-5, sequence_parallel: bool = False,
-                 tensor_parallel_group=None, device=None, dtype=None):
+                 tensor_parallel_group=None, zero_centered_gamma: bool = False, device=None,
+                 dtype=None):
         super().__init__()
         self.normalized_shape = normalized_shape
         self.sequence_parallel = sequence_parallel
         self.sequence_parallel_group = parallel.sequence_parallel(
             self.describe(), sequence_parallel, tensor_parallel_group)
         self.eps = eps
-        self.weight = nn.Parameter(torch.ones(self.normalized_shape, device=device, dtype=dtype))
+        self.zero_centered_gamma = zero_centered_gamma
+        start = torch.zeros if zero_centered_gamma else torch.ones
+        self.weight = nn.Parameter(start(self.normalized_shape, device=device, dtype=dtype))
         self.bias = nn.Parameter(torch.zeros(self.normalized_shape, device=device, dtype=dtype))
 
     def describe(self) -> str:
-        sp = ", sequence_parallel=True" if getattr(self, "sequence_parallel", False) else ""
-        return f"LayerNorm(normalized_shape={self.normalized_shape}{sp})"
+        return f"LayerNorm(normalized_shape={self.normalized_shape}{norm_options(self)})"
 
     def validate(self, shape, dtype, device, extra_inputs=()):
         check_trailing(self, shape, self.normalized_shape)
@@ -110,12 +121,15 @@ class LayerNorm(BasicOperation):
 
     def forward_args(self, input, params, extra_inputs, ctxs):
         weight, bias = params
-        return LayerNormForwardArgs(input, weight, bias, list(self.normalized_shape), self.eps)
+        return LayerNormForwardArgs(input, weight, bias, list(self.normalized_shape), self.eps,
+                                    self.zero_centered_gamma)
 
     @classmethod
     def forward_compute(cls, args, *, in_custom_op=False, output_format=None):
-        y, mean, rstd = layer_norm_forward(args.input, args.weight, args.bias,
-                                           args.normalized_shape, args.eps, output_format)
+        y, mean, rstd = layer_norm_forward(args.input,
+                                           effective_gamma(args.weight, args.zero_centered_gamma),
+                                           args.bias, args.normalized_shape, args.eps,
+                                           output_format)
         return ForwardResult(y, (), (mean, rstd))
 
     def save_for_backward(self, args, result, ctxs):
@@ -127,28 +141,34 @@ class LayerNorm(BasicOperation):
         ctx, saved = ctxs[0], ctxs[0].saved
         return LayerNormBackwardArgs(grad_output, saved.input, saved.mean, saved.rstd,
                                      saved.weight, saved.bias, list(self.normalized_shape),
-                                     ctx.needs.input, *ctx.needs.params)
+                                     ctx.needs.input, *ctx.needs.params,
+                                     self.zero_centered_gamma)
 
     @classmethod
     def backward_compute(cls, args, *, in_custom_op=False, output_format=None):
         # dx in high precision: the caller quantizes it where the previous stage wants FP8
         mask = [args.need_grad_input, args.need_grad_weight, args.need_grad_bias]
+        weight = args.weight
         dx, dw, db = layer_norm_backward(args.grad_output, args.input, args.mean, args.rstd,
-                                         args.weight, args.bias, args.normalized_shape, mask)
-        return BackwardResult(dx, (dw, db))
+                                         effective_gamma(weight, args.zero_centered_gamma),
+                                         args.bias, args.normalized_shape, mask)
+        return BackwardResult(dx, (None if dw is None else dw.to(weight.dtype), db))
 
     def reference(self, x, extra_inputs, params):
-        return F.layer_norm(x, self.normalized_shape, params[0], params[1], self.eps), ()
+        gamma = 1 + params[0] if self.zero_centered_gamma else params[0]
+        return F.layer_norm(x, self.normalized_shape, gamma, params[1], self.eps), ()
 
     @classmethod
     def example(cls):
         return Example((cls(32),), (3, 5, 32))
 
     def reset_parameters(self) -> None:
-        """Ones and zeros, as the constructor makes them."""
+        """Ones (zeros with ``zero_centered_gamma``) and zeros, as the constructor makes
+        them."""
         with torch.no_grad():
-            self.weight.fill_(1.0)
+            self.weight.fill_(0.0 if self.zero_centered_gamma else 1.0)
             self.bias.zero_()
 
     def extra_repr(self) -> str:
-        return f"normalized_shape={self.normalized_shape}, eps={self.eps}"
+        zc = ", zero_centered_gamma=True" if self.zero_centered_gamma else ""
+        return f"normalized_shape={self.normalized_shape}, eps={self.eps}{zc}"

@@ -1,4 +1,5 @@
-"""RMSNorm: ``x * rsqrt(mean(x**2) + eps) * weight`` over the trailing dimensions."""
+"""RMSNorm: ``x * rsqrt(mean(x**2) + eps) * weight`` over the trailing dimensions
+(``* (1 + weight)`` with a zero-centred gamma)."""
 
 from __future__ import annotations
 
@@ -8,11 +9,12 @@ import attrs
 import torch
 from torch import nn
 
+from fusible.core import checks
 from fusible.core.example import Example
 from fusible.core.results import BackwardResult, ForwardResult
 from fusible.functional import parallel
-from fusible.functional.norms import (NORM_CHECKS, check_trailing, rms_norm_backward,
-                                      rms_norm_forward)
+from fusible.functional.norms import (NORM_CHECKS, check_trailing, effective_gamma,
+                                      norm_options, rms_norm_backward, rms_norm_forward)
 from fusible.module import BasicOperation
 
 Tensor = torch.Tensor
@@ -24,6 +26,7 @@ class RMSNormForwardArgs:
     weight: Tensor
     normalized_shape: list[int]
     eps: float
+    zero_centered_gamma: bool = False
 
 
 @attrs.define
@@ -45,6 +48,7 @@ class RMSNormBackwardArgs:
     normalized_shape: list[int]
     need_grad_input: bool
     need_grad_weight: bool
+    zero_centered_gamma: bool = False
 
 
 class RMSNorm(BasicOperation):
@@ -65,8 +69,12 @@ class RMSNorm(BasicOperation):
         its own tokens, are all-reduced over the group after the backward stage.
     tensor_parallel_group : torch.parallel.ProcessGroup, optional
         The group of ``sequence_parallel``; the default group when None.
+    zero_centered_gamma : bool
+        TransformerEngine's option: multiply by ``1 + weight`` (computed in float32) and
+        start ``weight`` at zeros, so that weight decay pulls towards the identity.
     device, dtype
-        Where and in which dtype to create ``weight`` (ones).
+        Where and in which dtype to create ``weight`` (ones; zeros with
+        ``zero_centered_gamma``).
 
     Notes
     -----
@@ -74,25 +82,28 @@ class RMSNorm(BasicOperation):
     """
 
     param_names = ("weight",)
-    attribute_checks = NORM_CHECKS
+    attribute_checks = {**NORM_CHECKS,
+                        "zero_centered_gamma": checks.boolean("zero_centered_gamma")}
     fwd_args_type = RMSNormForwardArgs
     bwd_args_type = RMSNormBackwardArgs
     saved_type = RMSNormSaved
     quantizes_own_output = True
 
     def __init__(self, normalized_shape, *, eps: float = 1e-5, sequence_parallel: bool = False,
-                 tensor_parallel_group=None, device=None, dtype=None):
+                 tensor_parallel_group=None, zero_centered_gamma: bool = False, device=None,
+                 dtype=None):
         super().__init__()
         self.normalized_shape = normalized_shape
         self.sequence_parallel = sequence_parallel
         self.sequence_parallel_group = parallel.sequence_parallel(
             self.describe(), sequence_parallel, tensor_parallel_group)
         self.eps = eps
-        self.weight = nn.Parameter(torch.ones(self.normalized_shape, device=device, dtype=dtype))
+        self.zero_centered_gamma = zero_centered_gamma
+        start = torch.zeros if zero_centered_gamma else torch.ones
+        self.weight = nn.Parameter(start(self.normalized_shape, device=device, dtype=dtype))
 
     def describe(self) -> str:
-        sp = ", sequence_parallel=True" if getattr(self, "sequence_parallel", False) else ""
-        return f"RMSNorm(normalized_shape={self.normalized_shape}{sp})"
+        return f"RMSNorm(normalized_shape={self.normalized_shape}{norm_options(self)})"
 
     def validate(self, shape, dtype, device, extra_inputs=()):
         check_trailing(self, shape, self.normalized_shape)
@@ -101,12 +112,14 @@ class RMSNorm(BasicOperation):
         return tuple(shape)
 
     def forward_args(self, input, params, extra_inputs, ctxs):
-        return RMSNormForwardArgs(input, params[0], list(self.normalized_shape), self.eps)
+        return RMSNormForwardArgs(input, params[0], list(self.normalized_shape), self.eps,
+                                  self.zero_centered_gamma)
 
     @classmethod
     def forward_compute(cls, args, *, in_custom_op=False, output_format=None):
-        y, rstd = rms_norm_forward(args.input, args.weight, args.normalized_shape, args.eps,
-                                   output_format)
+        y, rstd = rms_norm_forward(args.input,
+                                   effective_gamma(args.weight, args.zero_centered_gamma),
+                                   args.normalized_shape, args.eps, output_format)
         return ForwardResult(y, (), (rstd,))
 
     def save_for_backward(self, args, result, ctxs):
@@ -118,28 +131,32 @@ class RMSNorm(BasicOperation):
         ctx, saved = ctxs[0], ctxs[0].saved
         return RMSNormBackwardArgs(grad_output, saved.input, saved.rstd, saved.weight,
                                    list(self.normalized_shape), ctx.needs.input,
-                                   ctx.needs.params[0])
+                                   ctx.needs.params[0], self.zero_centered_gamma)
 
     @classmethod
     def backward_compute(cls, args, *, in_custom_op=False, output_format=None):
         # dx in high precision: the caller quantizes it where the previous stage wants FP8
-        dx, dw = rms_norm_backward(args.grad_output, args.input, args.rstd, args.weight,
+        weight = args.weight
+        dx, dw = rms_norm_backward(args.grad_output, args.input, args.rstd,
+                                   effective_gamma(weight, args.zero_centered_gamma),
                                    args.normalized_shape, args.need_grad_input,
                                    args.need_grad_weight)
-        return BackwardResult(dx, (dw,))
+        return BackwardResult(dx, (None if dw is None else dw.to(weight.dtype),))
 
     def reference(self, x, extra_inputs, params):
         dims = tuple(range(-len(self.normalized_shape), 0))
-        return x * torch.rsqrt(x.square().mean(dims, keepdim=True) + self.eps) * params[0], ()
+        gamma = 1 + params[0] if self.zero_centered_gamma else params[0]
+        return x * torch.rsqrt(x.square().mean(dims, keepdim=True) + self.eps) * gamma, ()
 
     @classmethod
     def example(cls):
         return Example((cls(32),), (3, 5, 32))
 
     def reset_parameters(self) -> None:
-        """Ones, as the constructor makes them."""
+        """Ones (zeros with ``zero_centered_gamma``), as the constructor makes them."""
         with torch.no_grad():
-            self.weight.fill_(1.0)
+            self.weight.fill_(0.0 if self.zero_centered_gamma else 1.0)
 
     def extra_repr(self) -> str:
-        return f"normalized_shape={self.normalized_shape}, eps={self.eps}"
+        zc = ", zero_centered_gamma=True" if self.zero_centered_gamma else ""
+        return f"normalized_shape={self.normalized_shape}, eps={self.eps}{zc}"
