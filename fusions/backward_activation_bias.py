@@ -36,6 +36,7 @@ class BackwardActivationBias(FusedOperation):
                       | Op(SiLU, name="activation"))
     bwd_args_type = ActivationBiasBackwardArgs
     quantizes_own_output = True
+    rounds_gradient_before = ("activation",)  # dbias sums the rounded dact
 
     @classmethod
     def accepts(cls, match, env):

@@ -273,6 +273,23 @@ def test_norms_and_swiglu_triton_on_gpu(dtype):
         assert_close(swiglu_forward_triton(x), swiglu_forward(x.double()), dtype, "swiglu")
         assert_close(swiglu_backward_triton(half.contiguous(), x),
                      swiglu_backward(half.double(), x.double()), dtype, "swiglu dx")
+        from fusible.functional.activations import glu_backward, glu_forward
+        from fusible.kernels.swiglu import KINDS
+        for kind in KINDS:  # the other gated units share the kernels
+            assert_close(swiglu_forward_triton(x, kind=kind), glu_forward(kind, x.double()),
+                         dtype, kind)
+            assert_close(swiglu_backward_triton(half.contiguous(), x, kind=kind),
+                         glu_backward(kind, half.double(), x.double()), dtype, f"{kind} dx")
+        w32 = w.float() + 1  # a zero-centred gamma's weight beside a 16-bit input
+        y, _, rstd = norm_forward_triton(x, w32, None, 1e-5, False)
+        ref_y, ref_rstd = rms_norm_forward(x.double(), w32.double(), ns, 1e-5)
+        assert_close(y, ref_y, dtype, "rms_norm y, float32 weight")
+        dx, dw, _ = norm_backward_triton(dy, x, None, rstd, w32, False, True, True)
+        ref_dx, ref_dw = rms_norm_backward(dy.double(), x.double(), ref_rstd, w32.double(), ns,
+                                           True, True)
+        assert dw.dtype == torch.float32
+        assert_close(dx, ref_dx, dtype, "rms_norm dx, float32 weight")
+        assert_close(dw, ref_dw, dtype, "rms_norm dweight, float32 weight")
 
 
 @pytest.mark.parametrize("columnwise", [False, True])
@@ -296,6 +313,11 @@ def test_fused_fp8_outputs_same_bits_as_kernel_then_cast_on_gpu(fp8_dtype, colum
         dy = torch.randn(*shape[:-1], shape[-1] // 2, device="cuda", dtype=torch.bfloat16)
         same(swiglu_forward_fp8_triton(x, *args), swiglu_forward_triton(x))
         same(swiglu_backward_fp8_triton(dy, x, *args), swiglu_backward_triton(dy, x))
+        for kind in ("geglu", "sreglu"):
+            same(swiglu_forward_fp8_triton(x, *args, kind=kind),
+                 swiglu_forward_triton(x, kind=kind))
+            same(swiglu_backward_fp8_triton(dy, x, *args, kind=kind),
+                 swiglu_backward_triton(dy, x, kind=kind))
         for ns in (shape[-1:], shape[-2:]):  # the copy is transposed over the last dim alone
             w, b = (torch.randn(ns, device="cuda", dtype=torch.bfloat16) for _ in range(2))
             for center in (True, False):

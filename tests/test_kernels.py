@@ -149,11 +149,13 @@ def test_dact_dbias_fp8_triton_matches_dact_then_cast():
 
 _NORM_SWIGLU_SCRIPT = textwrap.dedent("""
     import torch
-    from fusible.functional.activations import swiglu_backward, swiglu_forward
+    from fusible.functional.activations import (glu_backward, glu_forward, swiglu_backward,
+                                                swiglu_forward)
     from fusible.functional.norms import (layer_norm_backward, layer_norm_forward,
                                           rms_norm_backward, rms_norm_forward)
     from fusible.kernels.norms import norm_backward_triton, norm_forward_triton
-    from fusible.kernels.swiglu import swiglu_backward_triton, swiglu_forward_triton
+    from fusible.kernels.swiglu import KINDS, swiglu_backward_triton, swiglu_forward_triton
+    GATED_KINDS = [k for k in KINDS if k != "swiglu"]
     from fusible.testing import assert_close
     torch.manual_seed(0)
 
@@ -175,6 +177,12 @@ _NORM_SWIGLU_SCRIPT = textwrap.dedent("""
             assert_close(y, swiglu_forward(x.double()), dtype, f"swiglu {dtype} {shape}")
             dx = swiglu_backward_triton(dy, x, block_m=4, block_n=16)
             assert_close(dx, swiglu_backward(dy.double(), x.double()), dtype, "swiglu dx")
+            for kind in GATED_KINDS:  # the other gated units share the kernels
+                what = f"{kind} {dtype} {shape}"
+                y = swiglu_forward_triton(x, block_m=4, block_n=16, kind=kind)
+                assert_close(y, glu_forward(kind, x.double()), dtype, what)
+                dx = swiglu_backward_triton(dy, x, block_m=4, block_n=16, kind=kind)
+                assert_close(dx, glu_backward(kind, dy.double(), x.double()), dtype, f"{what} dx")
         for shape, ns in (((7, 70), [70]), ((3, 5, 3, 12), [3, 12]), ((0, 8), [8])):
             # an offset mean, so that LayerNorm's centring shows
             x, dy = (3 * torch.randn(shape) + 2).to(dtype), torch.randn(shape).to(dtype)
@@ -260,6 +268,13 @@ _FUSED_CAST_SCRIPT = textwrap.dedent("""
                      swiglu_forward_triton(x), fp8, columnwise)
                 same(swiglu_backward_fp8_triton(dy, x, *args, block_m=4, block_n=16),
                      swiglu_backward_triton(dy, x), fp8, columnwise)
+                # each other gated unit in some of these eight cases
+                case = 4 * list(FP8_MAX).index(fp8) + 2 * columnwise + len(shape) - 2
+                kind = ("geglu", "glu", "reglu", "sreglu", "qgeglu")[case % 5]
+                same(swiglu_forward_fp8_triton(x, *args, block_m=4, block_n=16, kind=kind),
+                     swiglu_forward_triton(x, kind=kind), fp8, columnwise)
+                same(swiglu_backward_fp8_triton(dy, x, *args, block_m=4, block_n=16, kind=kind),
+                     swiglu_backward_triton(dy, x, kind=kind), fp8, columnwise)
                 # one normalised dimension, and two (the transposed copy is still over the
                 # last dimension alone)
                 for ns in (shape[-1:], shape[-2:]) if columnwise and len(shape) > 2 \

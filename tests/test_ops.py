@@ -124,3 +124,26 @@ def test_zero_centered_gamma_compiled_bitwise(name):
     assert torch.equal(model(x), plain(x))
     model[0].reset_parameters()
     assert (model[0].weight == 1).all()
+
+
+def test_gated_units_gate_the_first_half_as_transformer_engine():
+    """TransformerEngine's definitions: the gate acts on the first half (F.glu gates the
+    second); GEGLU's GELU is the tanh approximation; QGELU's constant is 1.702."""
+    import torch.nn.functional as F
+    x = torch.randn(4, 6, 16, dtype=torch.float64)
+    a, b = x.chunk(2, -1)
+    expected = {
+        ops.GLU: F.glu(torch.cat([b, a], -1), -1),
+        ops.GEGLU: F.gelu(a, approximate="tanh") * b,
+        ops.QGEGLU: a * torch.sigmoid(1.702 * a) * b,
+        ops.ReGLU: torch.relu(a) * b,
+        ops.SReGLU: torch.relu(a) ** 2 * b,
+        ops.SwiGLU: F.silu(a) * b,
+    }
+    for cls, want in expected.items():
+        torch.testing.assert_close(ops.Sequential(cls())(x), want, msg=cls.__name__)
+    torch.testing.assert_close(ops.Sequential(ops.QGELU())(x), x * torch.sigmoid(1.702 * x))
+    torch.testing.assert_close(ops.Sequential(ops.SReLU())(x), torch.relu(x) ** 2)
+    with pytest.raises(ValueError, match=r"ReGLU needs an even last dimension, got input shape "
+                                         r"\(2, 5\)"):
+        ops.Sequential(ops.ReGLU())(torch.randn(2, 5))

@@ -26,6 +26,11 @@ class FusedOperation(StageSpec):
     ``handles_communication`` (optional)
         The fusion runs the collectives of the ops it covers; without it the planner
         refuses it over ops that communicate.
+    ``rounds_gradient_before`` (optional)
+        Pattern names of covered ops (not the first) whose input gradient the backward
+        stage rounds to the model's dtype before going on (BackwardActivationBias sums
+        the rounded activation gradient into the bias gradient, as torch.nn does): the
+        FP64 reference of ``fusible.testing`` rounds there too.
 
     and, optionally, ``accepts(match, env)`` returning True or the reason for
     refusing a structural match. The planner constructs the fusion with the
@@ -50,6 +55,7 @@ class FusedOperation(StageSpec):
     pattern: ClassVar[Any] = None
     priority: ClassVar[int] = 0
     handles_communication: ClassVar[bool] = False
+    rounds_gradient_before: ClassVar[tuple] = ()
 
     def __init__(self, match):
         self.match = match

@@ -19,6 +19,26 @@ from fusible.quantization.format import Float8Format
 Tensor = torch.Tensor
 aten = torch.ops.aten
 
+
+def _in_float32(fn):
+    """``fn`` computed in float32 for 16-bit tensors, rounded once to the first one's dtype
+    (for compositions of several PyTorch ops, which would round after each)."""
+    def run(*tensors):
+        dtype = tensors[0].dtype
+        cdt = compute_dtype(dtype)
+        return fn(*(t.to(cdt) for t in tensors)).to(dtype)
+    return run
+
+
+def _qgelu(x):
+    return x * torch.sigmoid(1.702 * x)
+
+
+def _qgelu_grad(dy, x):
+    s = torch.sigmoid(1.702 * x)
+    return dy * (s + 1.702 * x * s * (1 - s))
+
+
 # kind -> (forward, backward(dy, saved), saves_output); rules as data.
 ACTIVATIONS = {
     "gelu": (lambda x: F.gelu(x), lambda dy, x: aten.gelu_backward(dy, x), False),
@@ -26,6 +46,22 @@ ACTIVATIONS = {
                   lambda dy, x: aten.gelu_backward(dy, x, approximate="tanh"), False),
     "relu": (torch.relu, lambda dy, y: aten.threshold_backward(dy, y, 0), True),
     "silu": (F.silu, lambda dy, x: aten.silu_backward(dy, x), False),
+    "qgelu": (_in_float32(_qgelu), _in_float32(_qgelu_grad), False),  # x * sigmoid(1.702 x)
+    "srelu": (_in_float32(lambda x: torch.relu(x).square()),       # relu(x)**2
+              _in_float32(lambda dy, x: dy * 2 * torch.relu(x)), False),
+}
+
+# Gated (GLU-family) kind -> (gate(a), backward(d gate, a)): ``a, b = x.chunk(2, -1)``,
+# ``y = gate(a) * b``, the gate on the first half as in TransformerEngine (PyTorch's
+# ``F.glu`` gates the second half). Computed in float32 for 16-bit inputs.
+GATES = {
+    "swiglu": (F.silu, lambda g, a: aten.silu_backward(g, a)),
+    "geglu": (lambda a: F.gelu(a, approximate="tanh"),
+              lambda g, a: aten.gelu_backward(g, a, approximate="tanh")),
+    "glu": (torch.sigmoid, lambda g, a: aten.sigmoid_backward(g, torch.sigmoid(a))),
+    "reglu": (torch.relu, lambda g, a: aten.threshold_backward(g, a, 0)),
+    "sreglu": (lambda a: torch.relu(a).square(), lambda g, a: g * 2 * torch.relu(a)),
+    "qgeglu": (_qgelu, _qgelu_grad),
 }
 
 
@@ -62,7 +98,7 @@ def dact_dbias(kind: str, grad_output: Tensor, saved: Tensor,
     precision. Elsewhere the PyTorch ops, and ``dact`` in high precision (the caller
     quantizes it).
     """
-    if (kernels.triton is not None and grad_output.is_cuda
+    if (kernels.triton is not None and kind in kernels.KINDS and grad_output.is_cuda
             and grad_output.numel() >= kernels.TRITON_MIN_NUMEL
             and not isinstance(grad_output, FakeTensor)):  # fake kernels: no launch
         if output_format is not None:
@@ -84,8 +120,9 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
 
 
-def swiglu_forward(x: Tensor, output_format: Optional[Float8Format] = None):
-    """``a, b = x.chunk(2, -1); silu(a) * b``, in float32 for 16-bit inputs.
+def glu_forward(kind: str, x: Tensor, output_format: Optional[Float8Format] = None):
+    """``a, b = x.chunk(2, -1); gate(a) * b`` for the gated kind (a key of :data:`GATES`),
+    in float32 for 16-bit inputs.
 
     On CUDA one Triton kernel; with ``output_format`` the result comes as that
     Float8Tensor, never written in high precision. Elsewhere the PyTorch ops, and a
@@ -94,24 +131,36 @@ def swiglu_forward(x: Tensor, output_format: Optional[Float8Format] = None):
     if triton_can_run(x):
         if output_format is not None and x.numel():
             return from_cast_parts(swiglu_kernels.swiglu_forward_fp8_triton(
-                x, *output_format.cast_args()), x.dtype)
-        return swiglu_kernels.swiglu_forward_triton(x)
+                x, *output_format.cast_args(), kind=kind), x.dtype)
+        return swiglu_kernels.swiglu_forward_triton(x, kind=kind)
     a, b = x.to(compute_dtype(x.dtype)).chunk(2, -1)
-    return (F.silu(a) * b).to(x.dtype)
+    return (GATES[kind][0](a) * b).to(x.dtype)
 
 
-def swiglu_backward(grad_output: Tensor, x: Tensor,
-                    output_format: Optional[Float8Format] = None):
-    """The gradient of :func:`swiglu_forward` w.r.t. ``x``; ``output_format`` and the
+def glu_backward(kind: str, grad_output: Tensor, x: Tensor,
+                 output_format: Optional[Float8Format] = None):
+    """The gradient of :func:`glu_forward` w.r.t. ``x``; ``output_format`` and the
     devices as there."""
     if triton_can_run(grad_output, x):
         if output_format is not None and x.numel():
             return from_cast_parts(swiglu_kernels.swiglu_backward_fp8_triton(
-                grad_output, x, *output_format.cast_args()), grad_output.dtype)
-        return swiglu_kernels.swiglu_backward_triton(grad_output, x)
+                grad_output, x, *output_format.cast_args(), kind=kind), grad_output.dtype)
+        return swiglu_kernels.swiglu_backward_triton(grad_output, x, kind=kind)
     cdt = compute_dtype(x.dtype)
     a, b = x.to(cdt).chunk(2, -1)
     dy = grad_output.to(cdt)
-    da = aten.silu_backward(dy * b, a)
-    db = dy * F.silu(a)
+    gate, gate_backward = GATES[kind]
+    da = gate_backward(dy * b, a)
+    db = dy * gate(a)
     return torch.cat([da, db], -1).to(x.dtype)
+
+
+def swiglu_forward(x: Tensor, output_format: Optional[Float8Format] = None):
+    """:func:`glu_forward` of SwiGLU: ``silu(a) * b``."""
+    return glu_forward("swiglu", x, output_format)
+
+
+def swiglu_backward(grad_output: Tensor, x: Tensor,
+                    output_format: Optional[Float8Format] = None):
+    """:func:`glu_backward` of SwiGLU."""
+    return glu_backward("swiglu", grad_output, x, output_format)

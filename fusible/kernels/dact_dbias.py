@@ -20,7 +20,7 @@ from fusible.kernels import jit, require_triton, tl, triton
 from fusible.kernels.fp8_cast import (fp8_buffers, fp8_results, max_keep_nan, scale_from_amax,
                                       store_fp8_tile, tile_coords, tile_grid)
 
-_KINDS = {"gelu": 0, "gelu_tanh": 1, "relu": 2, "silu": 3}
+KINDS = {"gelu": 0, "gelu_tanh": 1, "relu": 2, "silu": 3}
 
 
 # Below this many elements the pass the Triton kernel saves (under 10 us of HBM traffic
@@ -113,7 +113,7 @@ def dact_dbias_triton(kind: str, grad_output: torch.Tensor, saved: torch.Tensor,
     chunks = triton.cdiv(m, rows_per_program)
     partial = torch.empty(chunks, n, device=dy.device, dtype=torch.float32)
     grid = (chunks, triton.cdiv(n, block_n))
-    _dact_dbias_kernel[grid](dy, s, dact, partial, partial, m, n, KIND=_KINDS[kind],
+    _dact_dbias_kernel[grid](dy, s, dact, partial, partial, m, n, KIND=KINDS[kind],
                              KEEP_AMAX=False, ROWS_PER_PROGRAM=rows_per_program,
                              BLOCK_M=block_m, BLOCK_N=block_n)
     return dact, partial.sum(0).to(dy.dtype)
@@ -137,11 +137,11 @@ def dact_dbias_fp8_triton(kind: str, grad_output: torch.Tensor, saved: torch.Ten
     partial = torch.empty(chunks, n, device=dy.device, dtype=torch.float32)
     amax = torch.zeros((), device=dy.device, dtype=torch.float32)
     _dact_dbias_kernel[(chunks, triton.cdiv(n, block_n))](  # dact_ptr: unused
-        dy, s, partial, partial, amax, m, n, KIND=_KINDS[kind], KEEP_AMAX=True,
+        dy, s, partial, partial, amax, m, n, KIND=KINDS[kind], KEEP_AMAX=True,
         ROWS_PER_PROGRAM=rows_per_program, BLOCK_M=block_m, BLOCK_N=block_n)
     data, transpose, scale_inv, in_kernel_t = fp8_buffers(dy, fp8_dtype, columnwise)
     _dact_cast_kernel[tile_grid(m, n, cast_block_m, cast_block_n)](
-        dy, s, amax, data, transpose, scale_inv, m, n, fp8_max, KIND=_KINDS[kind],
+        dy, s, amax, data, transpose, scale_inv, m, n, fp8_max, KIND=KINDS[kind],
         HAS_T=in_kernel_t, BLOCK_M=cast_block_m, BLOCK_N=cast_block_n)
     data, scale_inv, *transpose = fp8_results(data, scale_inv, transpose, columnwise, in_kernel_t)
     return data, scale_inv, (transpose[0] if transpose else None), partial.sum(0).to(dy.dtype)

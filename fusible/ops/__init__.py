@@ -11,22 +11,26 @@ from fusible.ops.basic_linear import BasicLinear
 from fusible.ops.bias import Bias
 from fusible.ops.constant_scale import ConstantScale
 from fusible.ops.gelu import GELU
+from fusible.ops.glu import GEGLU, GLU, QGEGLU, ReGLU, SReGLU
 from fusible.ops.identity import Identity
 from fusible.ops.l2_normalization import L2Normalization
 from fusible.ops.layer_norm import LayerNorm
 from fusible.ops.linear import Linear
 from fusible.ops.make_extra_output import MakeExtraOutput
+from fusible.ops.qgelu import QGELU
 from fusible.ops.quantize import Quantize
 from fusible.ops.reduce_scatter import ReduceScatter
 from fusible.ops.relu import ReLU
 from fusible.ops.reshape import Reshape
 from fusible.ops.rms_norm import RMSNorm
 from fusible.ops.silu import SiLU
+from fusible.ops.srelu import SReLU
 from fusible.ops.swiglu import SwiGLU
 
 __all__ = [
     "AddExtraInput", "AllGather", "AllReduce", "BackwardResult", "BasicLinear", "BasicOperation",
     "Bias", "ConstantScale", "ForwardResult", "FusedOperation", "FusibleOperation", "GELU",
-    "Identity", "L2Normalization", "LayerNorm", "Linear", "MakeExtraOutput", "OperationContext", "Quantize",
-    "RMSNorm", "ReLU", "ReduceScatter", "Reshape", "SiLU", "Sequential", "SwiGLU",
+    "GEGLU", "GLU", "Identity", "L2Normalization", "LayerNorm", "Linear", "MakeExtraOutput",
+    "OperationContext", "QGEGLU", "QGELU", "Quantize", "RMSNorm", "ReGLU", "ReLU",
+    "ReduceScatter", "Reshape", "SReGLU", "SReLU", "SiLU", "Sequential", "SwiGLU",
 ]

@@ -139,8 +139,13 @@ class Rounding:
 
     @classmethod
     def of_plan(cls, plan, low: torch.dtype) -> "Rounding":
-        return cls(low, frozenset(max(s.indices) for s in plan.forward),
-                   frozenset(min(s.indices) for s in plan.backward))
+        before = {min(s.indices) for s in plan.backward}
+        for s in plan.backward:  # where a fused stage also rounds inside (declared)
+            for name in getattr(s.op, "rounds_gradient_before", ()):
+                op = s.op.match[name]
+                before.add(next(i for i, o in zip(s.op.match.indices, s.op.match.ops)
+                                if o is op))
+        return cls(low, frozenset(max(s.indices) for s in plan.forward), frozenset(before))
 
 
 def reference_forward(model, x, *extra_inputs, dtype=torch.float64,
