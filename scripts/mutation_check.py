@@ -283,6 +283,19 @@ FRESH = [
        "eps: float = 1e-5",
        "eps: float = 1e-6",
        "LayerNorm's default eps 1e-6 instead of torch.nn.LayerNorm's 1e-5"),
+    _m("zero_centered_gamma_without_one", "fusible/functional/norms.py",
+       "return weight.to(torch.float64 if weight.dtype == torch.float64 else torch.float32) + 1",
+       "return weight.to(torch.float64 if weight.dtype == torch.float64 else torch.float32)",
+       "a zero-centred gamma multiplies by gamma, not 1 + gamma"),
+    _m("l2_normalization_backward_unprojected", "fusible/ops/l2_normalization.py",
+       "return (rstd * (dyf - xf * (rstd * rstd * dot))).to(dy.dtype)",
+       "return (rstd * dyf).to(dy.dtype)",
+       "L2Normalization's input gradient forgets the norm's own dependence on the input"),
+    _m("glu_gates_the_second_half", "fusible/functional/activations.py",
+       "    a, b = x.to(compute_dtype(x.dtype)).chunk(2, -1)\n    return (GATES[kind][0](a) * b)",
+       "    b, a = x.to(compute_dtype(x.dtype)).chunk(2, -1)\n    return (GATES[kind][0](a) * b)",
+       "the gated units gate the second half (PyTorch's F.glu convention, not "
+       "TransformerEngine's)"),
 ]
 
 SETS = {"curated": CURATED, "fresh": FRESH}
