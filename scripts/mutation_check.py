@@ -44,7 +44,7 @@ CURATED = [
        "            dx = dx + accumulate_into\n", "            dx = dx\n",
        "FP8 BackwardLinearAdd forgets to accumulate the branch gradient"),
     _m("layer_norm_mask_swapped", "fusible/ops/layer_norm.py",
-       "ctx.needs.input, *ctx.needs.params)", "ctx.needs.input, *reversed(ctx.needs.params))",
+       "ctx.needs.input, *ctx.needs.params,", "ctx.needs.input, *reversed(ctx.needs.params),",
        "LayerNorm's weight and bias gradient masks swapped"),
     _m("e4m3_max", "fusible/quantization/cast.py",
        "FP8_MAX = {torch.float8_e4m3fn: 448.0,", "FP8_MAX = {torch.float8_e4m3fn: 240.0,",
