@@ -139,7 +139,8 @@ def _pairs(src: nn.Module):
     elif type(src) in _ACTIVATIONS:
         yield (), _ACTIVATIONS[type(src)], _activation_settings(src)
     elif isinstance(src, nn.Dropout) and src.p > 0:
-        raise ValueError(f"{src} has no fusible counterpart (results differ in training)")
+        raise ValueError(f"{src} has no fusible counterpart with the same masks (ops.Dropout "
+                         f"draws its own: results differ in training)")
     elif list(src.parameters(recurse=False)):
         raise ValueError(f"state_dict_from_torch cannot map {src}; supported: nn.Linear, "
                          f"nn.LayerNorm and nn.RMSNorm with affine parameters")

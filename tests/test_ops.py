@@ -147,3 +147,53 @@ def test_gated_units_gate_the_first_half_as_transformer_engine():
     with pytest.raises(ValueError, match=r"ReGLU needs an even last dimension, got input shape "
                                          r"\(2, 5\)"):
         ops.Sequential(ops.ReGLU())(torch.randn(2, 5))
+
+
+def _dropout_run(model, x, dy, seed):
+    torch.manual_seed(seed)
+    x = x.detach().requires_grad_()
+    y = model(x)
+    y.backward(dy)
+    return y.detach(), x.grad
+
+
+def test_dropout_statistics_scale_and_the_backward_mask():
+    model = ops.Sequential(ops.Dropout(0.25))
+    x = torch.full((4000, 64), 3.0)
+    dy = torch.randn(4000, 64)
+    y, dx = _dropout_run(model, x, dy, seed=1)
+    kept = y != 0
+    assert abs(1 - kept.double().mean().item() - 0.25) < 0.01  # 256000 draws
+    assert torch.equal(y[kept], torch.full_like(y[kept], 3.0 * (1 / 0.75)))
+    assert torch.equal(dx, dy * kept * (1 / 0.75))  # the forward's mask, scaled alike
+    zeros = ops.Sequential(ops.Dropout(1.0))(x.clone().requires_grad_())
+    assert not zeros.any()
+
+
+def test_dropout_is_reproducible_in_every_dtype_and_identity_in_eval():
+    model = ops.Sequential(ops.Dropout(0.5))
+    x, dy = torch.randn(64, 32), torch.randn(64, 32)
+    first, again = _dropout_run(model, x, dy, 3), _dropout_run(model, x, dy, 3)
+    assert all(torch.equal(a, b) for a, b in zip(first, again))
+    assert not torch.equal(first[0], _dropout_run(model, x, dy, 4)[0])
+    low = _dropout_run(model.to(torch.bfloat16), x.bfloat16(), dy.bfloat16(), 3)
+    assert torch.equal(low[0] != 0, first[0] != 0)  # the same mask whatever the dtype
+    model.eval()
+    assert torch.equal(model(x.bfloat16()), x.bfloat16())
+    with pytest.raises(ValueError, match=r"Dropout\(p=1.5\): p must be in \[0, 1\]"):
+        ops.Dropout(1.5)
+
+
+@pytest.mark.usefixtures("fresh_dynamo")
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_dropout_compiled_draws_the_eager_mask(backend):
+    """The mask is drawn inside the stage's custom op from the global generator: with the
+    same seed, compiled and eager runs agree bit for bit, forward and backward."""
+    model = ops.Sequential(ops.BasicLinear(32, 48), ops.Dropout(0.3), ops.BasicLinear(48, 16))
+    x, dy = torch.randn(40, 32), torch.randn(40, 16)
+    compiled = torch.compile(model, fullgraph=True, backend=backend)
+    eager = _dropout_run(model, x, dy, 5)
+    for p in model.parameters():
+        p.grad = None
+    got = _dropout_run(compiled, x, dy, 5)
+    assert all(torch.equal(a, b) for a, b in zip(eager, got))

@@ -10,6 +10,7 @@ from fusible.ops.all_reduce import AllReduce
 from fusible.ops.basic_linear import BasicLinear
 from fusible.ops.bias import Bias
 from fusible.ops.constant_scale import ConstantScale
+from fusible.ops.dropout import Dropout
 from fusible.ops.gelu import GELU
 from fusible.ops.glu import GEGLU, GLU, QGEGLU, ReGLU, SReGLU
 from fusible.ops.identity import Identity
@@ -29,7 +30,7 @@ from fusible.ops.swiglu import SwiGLU
 
 __all__ = [
     "AddExtraInput", "AllGather", "AllReduce", "BackwardResult", "BasicLinear", "BasicOperation",
-    "Bias", "ConstantScale", "ForwardResult", "FusedOperation", "FusibleOperation", "GELU",
+    "Bias", "ConstantScale", "Dropout", "ForwardResult", "FusedOperation", "FusibleOperation", "GELU",
     "GEGLU", "GLU", "Identity", "L2Normalization", "LayerNorm", "Linear", "MakeExtraOutput",
     "OperationContext", "QGEGLU", "QGELU", "Quantize", "RMSNorm", "ReGLU", "ReLU",
     "ReduceScatter", "Reshape", "SReGLU", "SReLU", "SiLU", "Sequential", "SwiGLU",
