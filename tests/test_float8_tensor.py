@@ -113,6 +113,19 @@ def test_gemm_dispatches_to_scaled_mm_and_views_stay_fp8():
     assert type(qa * 2) is torch.Tensor  # anything else: dequantized, original dtype
 
 
+def test_indexing_and_slicing_stay_fp8_with_the_same_bits():
+    """One per-tensor scale holds for any subset: ``t[i]``, slices and advanced indexing
+    keep FP8 (the transposed copy is dropped); their values are the whole tensor's."""
+    q = quantize(torch.randn(6, 8, 10), columnwise=True)
+    full = q.dequantize()
+    for index in (2, -1, slice(1, 4), (slice(None), 3), (Ellipsis, slice(2, 9, 3)),
+                  torch.tensor([0, 4, 4]), (slice(None), torch.tensor([1, 0]))):
+        part = q[index]
+        assert isinstance(part, Float8Tensor) and part._transpose is None, index
+        assert part._scale_inv is q._scale_inv and part.fp8_dtype == q.fp8_dtype
+        assert torch.equal(part.dequantize(), full[index]), index
+
+
 def test_flatten_round_trip():
     q = quantize(torch.randn(4, 8), columnwise=True)
     names, meta = q.__tensor_flatten__()
@@ -287,6 +300,18 @@ _CASES = {
         "-1 -2": (lambda x: aten.transpose.int(x, -1, -2), True, _fp8(16, 32)),
         "0 0": (lambda x: aten.transpose.int(x, 0, 0), False, _fp8(16, 32)),
         "3d": (lambda x: aten.transpose.int(x, 1, 2), False, _fp8(2, 8, 32)),
+    },
+    aten.select.int: {  # indexing: a subset keeps the per-tensor scale
+        "a row": (lambda x: aten.select.int(x, 0, 3), True, _fp8(16, 32)),
+        "the last dim": (lambda x: aten.select.int(x, -1, 5), True, _fp8(2, 8, 32)),
+    },
+    aten.slice.Tensor: {
+        "rows": (lambda x: aten.slice.Tensor(x, 0, 2, 9), True, _fp8(16, 32)),
+        "columns, a step": (lambda x: aten.slice.Tensor(x, 1, 1, 30, 3), True, _fp8(16, 32)),
+    },
+    aten.index.Tensor: {
+        "rows": (lambda x: aten.index.Tensor(x, [torch.tensor([0, 5, 5])]), True,
+                 _fp8(16, 32)),
     },
     aten.mm.default: {  # the three GEMMs of a linear layer; the gradient in E5M2
         "x @ w.t()": (lambda x, w: aten.mm.default(x, aten.t.default(w)), True,

@@ -186,6 +186,16 @@ def _transpose(t, dim0, dim1):
     return NotImplemented
 
 
+def _subset(fn):
+    """Indexing and slicing: one per-tensor scale holds for any subset of the values, so
+    the result stays in FP8 (on the bytes: advanced indexing has no FP8 kernel on every
+    device); the transposed copy is dropped (the GEMM that wants one makes it)."""
+    def handler(t, *args, **kwargs):
+        data = fn(t._data.view(torch.uint8), *args, **kwargs).view(t._data.dtype)
+        return Float8Tensor(data, t._scale_inv, t.dtype)
+    return handler
+
+
 def scaled_mm(a: Float8Tensor, b: Float8Tensor, bias=None, out_dtype=None) -> torch.Tensor:
     """``a @ b (+ bias)`` with ``torch._scaled_mm``: ``a`` row-major, ``b`` column-major."""
     a_data = a._data if a._data.is_contiguous() else a._data.contiguous()
@@ -214,6 +224,9 @@ _HANDLERS = {
     aten._unsafe_view.default: _view,
     aten.t.default: _t,
     aten.transpose.int: _transpose,
+    aten.select.int: _subset(aten.select.int),
+    aten.slice.Tensor: _subset(aten.slice.Tensor),
+    aten.index.Tensor: _subset(aten.index.Tensor),
     aten.mm.default: _mm,
     aten.addmm.default: _addmm,
 }
