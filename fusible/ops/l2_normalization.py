@@ -11,6 +11,7 @@ import torch
 from fusible.core import checks
 from fusible.core.example import Example
 from fusible.core.results import BackwardResult, ForwardResult
+from fusible.functional.activations import compute_dtype
 from fusible.module import BasicOperation
 
 Tensor = torch.Tensor
@@ -38,13 +39,9 @@ class L2NormBackwardArgs:
     need_grad_input: bool
 
 
-def _compute_dtype(x: Tensor) -> torch.dtype:
-    return torch.float32 if x.dtype in (torch.bfloat16, torch.float16) else x.dtype
-
-
 def l2_normalize(x: Tensor, eps: float) -> tuple:
     """``(y, rstd)``: ``y`` in ``x``'s dtype, computed in float32 for 16-bit inputs."""
-    xf = x.to(_compute_dtype(x))
+    xf = x.to(compute_dtype(x.dtype))
     rstd = torch.rsqrt(xf.square().sum(-1, keepdim=True) + eps)
     return (xf * rstd).to(x.dtype), rstd
 

@@ -81,13 +81,18 @@ class StageOp:
 
     def expand(self, flat) -> list:
         """Every value of a call, in ``parts`` order, from its schema arguments."""
-        key = (self.name, flat[-1])
-        template = _DECODED.get(key)
-        if template is None:
-            template = _DECODED[key] = self._decode(flat[-1])
-        values = list(template)
+        values = list(self._constants(flat[-1]))
         for i, v in zip(self.dynamic, flat):
             values[i] = v
+        return values
+
+    def _constants(self, text: str) -> list:
+        """Every value of a call whose constants are ``text`` (None where dynamic),
+        decoded once per distinct ``text``."""
+        key = (self.name, text)
+        values = _DECODED.get(key)
+        if values is None:
+            values = _DECODED[key] = self._decode(text)
         return values
 
     def prepared(self, text: str) -> tuple:
@@ -97,7 +102,7 @@ class StageOp:
         key = (self.name, text)
         found = _PREPARED.get(key)
         if found is None:
-            values = self._decode(text)
+            values = self._constants(text)
             slot = {i: k for k, i in enumerate(self.dynamic)}
             n = len(self.parts) - len(_TAIL)
             sources = [("arg", slot[i]) if i in slot else ("const", values[i]) for i in range(n)]
