@@ -2,10 +2,11 @@
 # Everything the GPU machine runs, in one call: the whole test suite (CUDA tests included)
 # under the machine's PyTorch, then the GPU benchmarks. Results land in $OUT (or out/).
 # Usage there: [TESTS="tests/test_fp8.py ..."] bash scripts/gpu_check.sh [bf16] [fp8] [tp] [tiles]
-#   [idle] [zoo]
+#   [idle] [breakdown] [zoo]
 # (no argument: bf16 and fp8; tp needs two GPUs (kind nvidia-h200-x2); tiles: the GELU
 # kernels' tile shapes (diagnostics/activation_tiles.py); idle: host time, GPU idle and
 # kernels and host profile of the FP8 attention projections, eager and compiled (gpu_idle.py);
+# breakdown: where the host time of the 8B FFN's T=2048 step goes (host_breakdown.py);
 # zoo: the block zoo,
 # ZOO_CONFIGS of its configs (default all) from index ZOO_FIRST (default 0, which also
 # profiles); TESTS: which tests, default all, "none" for none; the argument "none" runs no
@@ -60,6 +61,11 @@ fi
 if [[ " $benches " == *" idle "* ]]; then  # the open questions of the zoo's last run
     (cd benchmarks && PYTHONPATH=$PYTHONPATH:$PWD python3 diagnostics/gpu_idle.py 5 \
         fusible_fp8_eager fusible_fp8_compile torchao_tensorwise) 2>&1 | tee "$OUT/idle.log"
+    bench_rc=$(( bench_rc || PIPESTATUS[0] ))
+fi
+if [[ " $benches " == *" breakdown "* ]]; then  # host time of the 8B FFN at T=2048
+    (cd benchmarks && PYTHONPATH=$PYTHONPATH:$PWD python3 diagnostics/host_breakdown.py 1) \
+        2>&1 | tee "$OUT/breakdown.log"
     bench_rc=$(( bench_rc || PIPESTATUS[0] ))
 fi
 if [[ " $benches " == *" zoo "* ]]; then
