@@ -10,7 +10,8 @@ below it (see docs/design.md) and is imported by none of them. The built-in fusi
 """
 
 from fusible import ops, testing
-from fusible.convert import state_dict_from_torch
+from fusible.convert import (deinterleave_glu_rows, interleave_glu_rows,
+                             state_dict_from_torch)
 from fusible.core import (Check, Example, FusedOperation, Op, OperationContext, Pattern,
                           PlanConditions, register_schema_type)
 from fusible.planning import (Candidate, FusionPlan, PlanEnvironment, Stage, register_fusion,
@@ -25,6 +26,7 @@ __all__ = [
     "Candidate", "Check", "CompileReport", "Example", "Float8CurrentScaling", "Float8Format",
     "Float8Tensor", "FusedOperation", "FusionPlan", "Op", "OperationContext", "Pattern",
     "PlanConditions", "PlanEnvironment", "Stage", "autocast", "compile_report",
-    "make_graphed_callables", "ops", "quantize", "register_fusion", "register_schema_type",
-    "registered_fusions", "state_dict_from_torch", "testing", "unregister_fusion",
+    "deinterleave_glu_rows", "interleave_glu_rows", "make_graphed_callables", "ops",
+    "quantize", "register_fusion", "register_schema_type", "registered_fusions",
+    "state_dict_from_torch", "testing", "unregister_fusion",
 ]

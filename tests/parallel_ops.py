@@ -223,3 +223,49 @@ def one_rank_hangs_cases(rank, ws):
         dist.all_reduce(torch.ones(1))
 
     return run_cases({"one rank hangs": one_rank_hangs})
+
+
+def _check_gated_after_column(rank, ws):
+    """A gated unit after a column-parallel layer: the chunked layout is refused (each
+    rank's slice would pair the wrong halves); with the layer's rows interleaved
+    (``fusible.interleave_glu_rows``) and ``glu_interleave_size``, each rank computes its
+    slice of the unsplit block's result, eagerly and compiled."""
+    g = torch.Generator().manual_seed(11)
+    ffn = OUT // 2
+    w1 = exact_tensor((OUT, IN), torch.float64, generator=g)
+    b1 = exact_tensor((OUT,), torch.float64, generator=g)
+    w2 = exact_tensor((IN, ffn), torch.float64, generator=g)
+    x = exact_tensor((TOKENS, IN), torch.float64, generator=g)
+    dy = exact_tensor((TOKENS, IN), torch.float64, generator=g)
+    full = ops.Sequential(ops.Linear(IN, OUT), ops.SwiGLU(), ops.BasicLinear(ffn, IN)).double()
+    full.load_state_dict({"0.weight": w1, "0.bias": b1, "2.weight": w2})
+    x_ref = x.clone().requires_grad_()
+    y_ref = full(x_ref)
+    y_ref.backward(dy)
+
+    def block(unit):
+        return ops.Sequential(ops.Linear(IN, OUT, tensor_parallel_mode="column"), unit,
+                              ops.Linear(ffn, IN, bias=False, tensor_parallel_mode="row")
+                              ).double()
+
+    if ws > 1:
+        with pytest.raises(ValueError, match=r"SwiGLU\(\) after the column-parallel "
+                                             r"BasicLinear\(.*\): each of the 2 ranks .* "
+                                             r"glu_interleave_size"):
+            block(ops.SwiGLU())(x)
+    rows, cols = _part(OUT, rank, ws), _part(ffn, rank, ws)
+    for size in (ffn // ws, 4):
+        model = block(ops.SwiGLU(glu_interleave_size=size))
+        with torch.no_grad():
+            model[0].weight.copy_(fusible.interleave_glu_rows(w1, size)[rows])
+            model[0].bias.copy_(fusible.interleave_glu_rows(b1, size)[rows])
+            model[2].weight.copy_(w2[:, cols])
+        for run in (model, torch.compile(model, backend="aot_eager", fullgraph=True)):
+            xr = x.clone().requires_grad_()
+            y = run(xr)
+            y.backward(dy)
+            assert_close(y, y_ref, torch.float64, f"y, interleave {size}")
+            assert_close(xr.grad, x_ref.grad, torch.float64, f"dx, interleave {size}")
+            want = fusible.interleave_glu_rows(full[0].weight.grad, size)[rows]
+            assert_close(model[0].weight.grad, want, torch.float64, f"dw1, {size}")
+            model.zero_grad()

@@ -183,6 +183,21 @@ _NORM_SWIGLU_SCRIPT = textwrap.dedent("""
                 assert_close(y, glu_forward(kind, x.double()), dtype, what)
                 dx = swiglu_backward_triton(dy, x, block_m=4, block_n=16, kind=kind)
                 assert_close(dx, glu_backward(kind, dy.double(), x.double()), dtype, f"{what} dx")
+        # interleaved halves, and the clamped SwiGLU with limits that bite
+        for kind, interleave, clamp in (("clamped_swiglu", 0, (1.0, 1.702, 1.0)),
+                                        ("clamped_swiglu", 1, (0.5, 1.0, 0.0)),
+                                        ("swiglu", 2, None), ("geglu", 4, None)):
+            x, dy = torch.randn(7, 72).to(dtype), torch.randn(7, 36).to(dtype)
+            layout = dict(kind=kind, interleave=interleave)
+            if clamp:
+                layout["clamp"] = clamp
+                x[0, :4] = torch.tensor([clamp[0], -clamp[0], 2 * clamp[0], -2 * clamp[0]])
+            what = f"{layout} {dtype}"
+            y = swiglu_forward_triton(x, block_m=4, block_n=16, **layout)
+            assert_close(y, glu_forward(x=x.double(), **layout), dtype, what)
+            dx = swiglu_backward_triton(dy, x, block_m=4, block_n=16, **layout)
+            assert_close(dx, glu_backward(grad_output=dy.double(), x=x.double(), **layout),
+                         dtype, f"{what} dx")
         for shape, ns in (((7, 70), [70]), ((3, 5, 3, 12), [3, 12]), ((0, 8), [8])):
             # an offset mean, so that LayerNorm's centring shows
             x, dy = (3 * torch.randn(shape) + 2).to(dtype), torch.randn(shape).to(dtype)
@@ -275,6 +290,12 @@ _FUSED_CAST_SCRIPT = textwrap.dedent("""
                      swiglu_forward_triton(x, kind=kind), fp8, columnwise)
                 same(swiglu_backward_fp8_triton(dy, x, *args, block_m=4, block_n=16, kind=kind),
                      swiglu_backward_triton(dy, x, kind=kind), fp8, columnwise)
+                layout = dict(kind="clamped_swiglu", clamp=(1.0, 1.5, 0.5),
+                              interleave=2 if shape[-1] % 4 == 0 else 1)
+                same(swiglu_forward_fp8_triton(x, *args, block_m=4, block_n=16, **layout),
+                     swiglu_forward_triton(x, **layout), fp8, columnwise)
+                same(swiglu_backward_fp8_triton(dy, x, *args, block_m=4, block_n=16, **layout),
+                     swiglu_backward_triton(dy, x, **layout), fp8, columnwise)
                 # one normalised dimension, and two (the transposed copy is still over the
                 # last dimension alone)
                 for ns in (shape[-1:], shape[-2:]) if columnwise and len(shape) > 2 \

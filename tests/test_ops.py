@@ -3,6 +3,8 @@
 import pytest
 import torch
 
+import fusible
+
 from fusible import Example, ops
 from fusible.ops.collective import Collective
 from fusible.testing import check_against_reference, exact_parameters_, exact_tensor, stage_names
@@ -144,9 +146,72 @@ def test_gated_units_gate_the_first_half_as_transformer_engine():
         torch.testing.assert_close(ops.Sequential(cls())(x), want, msg=cls.__name__)
     torch.testing.assert_close(ops.Sequential(ops.QGELU())(x), x * torch.sigmoid(1.702 * x))
     torch.testing.assert_close(ops.Sequential(ops.SReLU())(x), torch.relu(x) ** 2)
-    with pytest.raises(ValueError, match=r"ReGLU needs an even last dimension, got input shape "
-                                         r"\(2, 5\)"):
+    with pytest.raises(ValueError, match=r"ReGLU\(\) needs an even last dimension, got input "
+                                         r"shape \(2, 5\)"):
         ops.Sequential(ops.ReGLU())(torch.randn(2, 5))
+
+
+def test_clamped_swiglu_and_interleaved_halves_as_transformer_engine():
+    """ClampedSwiGLU (GPT-OSS): the gate half clamped from above, the linear half both
+    ways, ``a sigmoid(alpha a) (b + offset)``, no gradient where a clamp bites (the bounds
+    pass); ``glu_interleave_size`` reads the halves from alternating blocks."""
+    x = torch.tensor([[-3.0, 0.5, 2.0, 1.0, -2.0, 3.0, 0.25, -1.0]], dtype=torch.float64,
+                     requires_grad=True)
+    unit = ops.ClampedSwiGLU(limit=1.0, alpha=2.0, glu_linear_offset=0.5)
+    y = ops.Sequential(unit)(x)
+    a = torch.tensor([-3.0, 0.5, 1.0, 1.0])  # 2.0 clamped to the limit
+    b = torch.tensor([-1.0, 1.0, 0.25, -1.0])  # -2.0 and 3.0 clamped
+    torch.testing.assert_close(y[0], (a * torch.sigmoid(2 * a) * (b + 0.5)).double())
+    y.sum().backward()
+    sig = torch.sigmoid(2 * a)
+    dgate = (sig + 2 * a * sig * (1 - sig)) * (b + 0.5)
+    want = torch.cat([dgate * torch.tensor([1.0, 1.0, 0.0, 1.0]),   # 2.0 > limit: none
+                      a * sig * torch.tensor([0.0, 0.0, 1.0, 1.0])])  # -1.0 at the bound
+    torch.testing.assert_close(x.grad[0], want.double())
+    # GPT-OSS pairs the halves one by one: glu_interleave_size=1
+    gpt_oss = ops.ClampedSwiGLU(glu_interleave_size=1)
+    x = torch.randn(3, 16, dtype=torch.float64) * 5
+    g, lin = x[..., ::2].clamp(max=7.0), x[..., 1::2].clamp(-7.0, 7.0)
+    torch.testing.assert_close(ops.Sequential(gpt_oss)(x), g * torch.sigmoid(1.702 * g) * (lin + 1))
+    # blocks of 2: [a1 a2 b1 b2 a3 a4 b3 b4]
+    x = torch.randn(4, 8, dtype=torch.float64)
+    a, b = x[:, [0, 1, 4, 5]], x[:, [2, 3, 6, 7]]
+    torch.testing.assert_close(ops.Sequential(ops.GEGLU(glu_interleave_size=2))(x),
+                               torch.nn.functional.gelu(a, approximate="tanh") * b)
+    assert "glu_interleave_size=2" in ops.SwiGLU(glu_interleave_size=2).describe()
+    with pytest.raises(ValueError, match=r"SwiGLU\(glu_interleave_size=4\) needs a last "
+                                         r"dimension divisible by 2 \* glu_interleave_size = 8, "
+                                         r"got input shape \(2, 12\)"):
+        ops.Sequential(ops.SwiGLU(glu_interleave_size=4))(torch.randn(2, 12))
+    with pytest.raises(ValueError, match="glu_interleave_size must be positive"):
+        ops.SwiGLU(glu_interleave_size=0)
+    with pytest.raises(ValueError, match=r"ClampedSwiGLU: limit must be at least 0.0"):
+        ops.ClampedSwiGLU(limit=-1.0)
+    w = torch.arange(12.0).view(6, 2)  # rows a0 a1 a2 b0 b1 b2
+    assert fusible.interleave_glu_rows(w, 1)[:, 0].tolist() == [0, 6, 2, 8, 4, 10]
+    with pytest.raises(ValueError, match=r"interleave_glu_rows: the rows of a \(6, 2\) tensor "
+                                         r"must be a multiple of 2 \* glu_interleave_size = 4"):
+        fusible.interleave_glu_rows(w, 2)
+
+
+def test_cache_quantized_input_saves_fp8_and_computes_the_backward_from_it():
+    """``cache_quantized_input``: the saved input is its E4M3 cast (one byte a value) and
+    the backward is the gradient at the dequantized input, bit for bit."""
+    from fusible.functional.activations import glu_backward
+    from fusible.quantization.cast import cast_to_fp8, dequantize_fp8
+    torch.manual_seed(0)
+    x = torch.randn(6, 32, dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(6, 16, dtype=torch.bfloat16)
+    model = ops.Sequential(ops.SwiGLU(cache_quantized_input=True))
+    y = model(x)
+    saved = y.grad_fn.fusible[1][0].saved
+    assert saved.input is None and saved.input_fp8.dtype == torch.float8_e4m3fn
+    assert saved.input_fp8.shape == x.shape and saved.input_scale_inv.dtype == torch.float32
+    y.backward(dy)
+    data, scale_inv = cast_to_fp8(x.detach(), torch.float8_e4m3fn)
+    x_q = dequantize_fp8(data, scale_inv, torch.bfloat16)
+    assert torch.equal(x.grad, glu_backward("swiglu", dy, x_q))
+    assert torch.equal(y, ops.Sequential(ops.SwiGLU())(x))  # the forward is untouched
 
 
 def _dropout_run(model, x, dy, seed):

@@ -14,7 +14,8 @@ from fusible.testing.distributed import NOT_RUN, failure_report, run_cases, run_
 from parallel_layers import (DEVICE, _check_dgrad_reduction_overlaps_wgrad, _check_fp8_gather,
                              _check_fp8_gathered_tokens, _check_linear, _check_linear_fp8,
                              _check_mlp)
-from parallel_ops import (_check_all_gather_then_column, _check_collectives, _check_guards,
+from parallel_ops import (_check_all_gather_then_column, _check_collectives,
+                          _check_gated_after_column, _check_guards,
                           _check_init, _check_norm_sp, _check_plan, _check_size_errors,
                           _check_state_dict_from_torch, one_rank_fails_cases,
                           one_rank_hangs_cases)
@@ -33,7 +34,8 @@ def parallel_cases(rank, ws, device="cpu"):
              "norm sp": lambda: _check_norm_sp(rank, ws),
              "guards": lambda: _check_guards(rank, ws),
              "all-gather then column": lambda: _check_all_gather_then_column(rank, ws),
-             "fp8 gathered tokens": lambda: _check_fp8_gathered_tokens(rank, ws)}
+             "fp8 gathered tokens": lambda: _check_fp8_gathered_tokens(rank, ws),
+             "gated unit after column": lambda: _check_gated_after_column(rank, ws)}
     for mode in ("column", "row"):
         for sp in (False, True):
             for bias in (False, True):
@@ -75,7 +77,7 @@ def test_tensor_parallel_nccl():
 def _report(results):
     report = failure_report(results)
     assert not report, report
-    assert [len(outcomes) for outcomes in results] == [49] * len(results)
+    assert [len(outcomes) for outcomes in results] == [50] * len(results)
 
 
 def test_a_rank_that_fails_alone_stops_every_rank_at_once():

@@ -29,6 +29,13 @@ def positive_int(name: str) -> Check:
     return check
 
 
+def optional(check: Check) -> Check:
+    """``check``, or None."""
+    def check_or_none(op: str, value):
+        return None if value is None else check(op, value)
+    return check_or_none
+
+
 def boolean(name: str) -> Check:
     """A ``bool``."""
     def check(op: str, value):

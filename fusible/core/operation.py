@@ -98,6 +98,10 @@ class BasicOperationSpec(FusibleSpec, StageSpec):
 
     param_names: ClassVar[tuple] = ()
     quantized_params: ClassVar[tuple] = ()
+    # Each output feature (last dimension) comes from the same input feature alone (a bias,
+    # a pointwise activation, dropout, a scale): a split of the features over a
+    # tensor-parallel group passes through unchanged (planning.passes.check_gated_layouts).
+    keeps_features: ClassVar[bool] = False
     num_extra_inputs: ClassVar[int] = 0
     num_extra_outputs: ClassVar[int] = 0
     saved_type: ClassVar[Optional[type]] = None
@@ -154,6 +158,12 @@ class BasicOperationSpec(FusibleSpec, StageSpec):
         covering an op that communicates must run these itself (``handles_communication``).
         """
         return ()
+
+    def check_split_features(self, producer: str, world_size: int) -> None:
+        """Refuse (ValueError) an input whose features (last dimension) are split over a
+        tensor-parallel group of ``world_size`` ranks by ``producer``, a column-parallel
+        layer before this op, where this op's result would not be the split of the
+        unsplit op's. Default: accepted."""
 
     def grad_reduction(self):
         """The group over which the fuser all-reduces this op's parameter gradients after

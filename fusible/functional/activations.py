@@ -12,6 +12,7 @@ from fusible.functional.linear import bias_grad
 from fusible.kernels import activation_cast
 from fusible.kernels import dact_dbias as kernels
 from fusible.kernels import swiglu as swiglu_kernels
+from fusible.kernels.swiglu import CLAMP_DEFAULTS
 from fusible.kernels import triton_can_run
 from fusible.quantization.float8_tensor import Float8Tensor, from_cast_parts
 from fusible.quantization.format import Float8Format
@@ -120,39 +121,82 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
 
 
-def glu_forward(kind: str, x: Tensor, output_format: Optional[Float8Format] = None):
-    """``a, b = x.chunk(2, -1); gate(a) * b`` for the gated kind (a key of :data:`GATES`),
-    in float32 for 16-bit inputs.
+def glu_forward(kind: str, x: Tensor, output_format: Optional[Float8Format] = None,
+                interleave: int = 0, clamp: tuple = CLAMP_DEFAULTS):
+    """``a, b = x.chunk(2, -1); gate(a) * b`` for the gated kind (a key of :data:`GATES`,
+    or ``"clamped_swiglu"``), in float32 for 16-bit inputs.
+
+    ``interleave``: the halves alternate in blocks of that many features instead (0: they
+    do not). ``clamp``: the clamped SwiGLU's ``(limit, alpha, offset)``:
+    ``a' = min(a, limit)``, ``b' = clamp(b, -limit, limit)``,
+    ``y = a' sigmoid(alpha a') (b' + offset)``.
 
     On CUDA one Triton kernel; with ``output_format`` the result comes as that
     Float8Tensor, never written in high precision. Elsewhere the PyTorch ops, and a
     high-precision result (the caller quantizes it).
     """
     if triton_can_run(x):
+        layout = dict(kind=kind, interleave=interleave, clamp=clamp)
         if output_format is not None and x.numel():
             return from_cast_parts(swiglu_kernels.swiglu_forward_fp8_triton(
-                x, *output_format.cast_args(), kind=kind), x.dtype)
-        return swiglu_kernels.swiglu_forward_triton(x, kind=kind)
-    a, b = x.to(compute_dtype(x.dtype)).chunk(2, -1)
+                x, *output_format.cast_args(), **layout), x.dtype)
+        return swiglu_kernels.swiglu_forward_triton(x, **layout)
+    a, b = _deinterleave(x.to(compute_dtype(x.dtype)), interleave).chunk(2, -1)
+    if kind == "clamped_swiglu":
+        gate, _, linear = _clamped(a, b, clamp)
+        return (gate * linear).to(x.dtype)
     return (GATES[kind][0](a) * b).to(x.dtype)
 
 
 def glu_backward(kind: str, grad_output: Tensor, x: Tensor,
-                 output_format: Optional[Float8Format] = None):
-    """The gradient of :func:`glu_forward` w.r.t. ``x``; ``output_format`` and the
-    devices as there."""
+                 output_format: Optional[Float8Format] = None, interleave: int = 0,
+                 clamp: tuple = CLAMP_DEFAULTS):
+    """The gradient of :func:`glu_forward` w.r.t. ``x``; ``output_format``, ``interleave``,
+    ``clamp`` and the devices as there."""
     if triton_can_run(grad_output, x):
+        layout = dict(kind=kind, interleave=interleave, clamp=clamp)
         if output_format is not None and x.numel():
             return from_cast_parts(swiglu_kernels.swiglu_backward_fp8_triton(
-                grad_output, x, *output_format.cast_args(), kind=kind), grad_output.dtype)
-        return swiglu_kernels.swiglu_backward_triton(grad_output, x, kind=kind)
+                grad_output, x, *output_format.cast_args(), **layout), grad_output.dtype)
+        return swiglu_kernels.swiglu_backward_triton(grad_output, x, **layout)
     cdt = compute_dtype(x.dtype)
-    a, b = x.to(cdt).chunk(2, -1)
+    a, b = _deinterleave(x.to(cdt), interleave).chunk(2, -1)
     dy = grad_output.to(cdt)
-    gate, gate_backward = GATES[kind]
-    da = gate_backward(dy * b, a)
-    db = dy * gate(a)
-    return torch.cat([da, db], -1).to(x.dtype)
+    if kind == "clamped_swiglu":
+        limit = clamp[0]
+        gate, gate_grad, linear = _clamped(a, b, clamp)
+        da = torch.where(a <= limit, dy * linear * gate_grad, 0.0)
+        db = torch.where((b >= -limit) & (b <= limit), dy * gate, 0.0)
+    else:
+        gate, gate_backward = GATES[kind]
+        da, db = gate_backward(dy * b, a), dy * gate(a)
+    return _interleave(torch.cat([da, db], -1), interleave).to(x.dtype)
+
+
+def _clamped(a: Tensor, b: Tensor, clamp: tuple) -> tuple:
+    """The clamped SwiGLU's ``(gate(a'), gate'(a'), b' + offset)``."""
+    limit, alpha, offset = clamp
+    a, b = a.clamp(max=limit), b.clamp(-limit, limit)
+    sig = torch.sigmoid(alpha * a)
+    return a * sig, sig + alpha * a * sig * (1 - sig), b + offset
+
+
+def _deinterleave(x: Tensor, interleave: int) -> Tensor:
+    """``x`` with halves alternating in blocks of ``interleave`` as ``[a | b]``."""
+    if not interleave or not x.numel():
+        return x
+    width = x.shape[-1]
+    return x.reshape(-1, width // (2 * interleave), 2, interleave).transpose(1, 2).reshape(
+        x.shape)
+
+
+def _interleave(dx: Tensor, interleave: int) -> Tensor:
+    """The inverse of :func:`_deinterleave`."""
+    if not interleave or not dx.numel():
+        return dx
+    width = dx.shape[-1]
+    return dx.reshape(-1, 2, width // (2 * interleave), interleave).transpose(1, 2).reshape(
+        dx.shape)
 
 
 def swiglu_forward(x: Tensor, output_format: Optional[Float8Format] = None):

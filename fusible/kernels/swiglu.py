@@ -1,8 +1,11 @@
-"""SwiGLU and the other gated linear units (GLU, GEGLU, QGEGLU, ReGLU, SReGLU), forward and
-backward, one pass over memory each, float32 in registers only.
+"""SwiGLU and the other gated linear units (GLU, GEGLU, QGEGLU, ReGLU, SReGLU, and the
+clamped SwiGLU of GPT-OSS), forward and backward, one pass over memory each, float32 in
+registers only.
 
 ``x = [a | b]`` (each half ``N`` wide), ``y = gate(a) * b`` (``KINDS``: SwiGLU's gate is
-``silu``). The forward reads ``x``
+``silu``). With an interleave size ``S`` the halves alternate in blocks of ``S``
+(``[a_1..a_S, b_1..b_S, a_S+1..]``, TransformerEngine's ``glu_interleave_size``): the
+kernels read and write them in place, no de-interleaved copy. The forward reads ``x``
 once and writes ``y``; the backward reads ``dy`` and ``x`` once and writes both halves
 of ``dx``. When the neighbouring GEMM takes the result in FP8 (forward: the next
 linear layer's input; backward: the previous one's output gradient), the result is
@@ -22,15 +25,26 @@ from fusible.kernels.fp8_cast import (atomic_amax_of_tile, fp8_buffers, fp8_resu
 
 
 @jit
-def _swiglu_tile(x_ptr, rows, cols, mask, N):
+def _half_cols(cols, N, S, INTERLEAVED: tl.constexpr):
+    """The columns of ``a`` and of ``b`` in a row of ``x`` (``2N`` wide) for the output
+    columns ``cols``: halves one after the other, or alternating in blocks of ``S``."""
+    if INTERLEAVED:
+        a_cols = (cols // S) * (2 * S) + cols % S
+        return a_cols, a_cols + S
+    return cols, cols + N
+
+
+@jit
+def _swiglu_tile(x_ptr, rows, a_cols, b_cols, mask, N):
     """``(a, b)`` of the tile, float32."""
-    offs = rows[:, None].to(tl.int64) * (2 * N) + cols[None, :]
-    a = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    b = tl.load(x_ptr + offs + N, mask=mask, other=0.0).to(tl.float32)
+    row_offs = rows[:, None].to(tl.int64) * (2 * N)
+    a = tl.load(x_ptr + row_offs + a_cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    b = tl.load(x_ptr + row_offs + b_cols[None, :], mask=mask, other=0.0).to(tl.float32)
     return a, b
 
 
-KINDS = {"swiglu": 0, "geglu": 1, "glu": 2, "reglu": 3, "sreglu": 4, "qgeglu": 5}
+KINDS = {"swiglu": 0, "geglu": 1, "glu": 2, "reglu": 3, "sreglu": 4, "qgeglu": 5,
+         "clamped_swiglu": 6}
 
 
 @jit
@@ -55,30 +69,62 @@ def _gate(a, KIND: tl.constexpr):
 
 
 @jit
-def _swiglu_values(a, b, KIND: tl.constexpr):
+def _clamped(a, b, LIMIT, ALPHA, OFFSET):
+    """The clamped SwiGLU's ``(gate(a'), gate'(a'), b' + OFFSET)`` with ``a' = min(a,
+    LIMIT)``, ``b' = clamp(b, -LIMIT, LIMIT)`` and ``gate(a) = a sigmoid(ALPHA a)``."""
+    a = tl.minimum(a, LIMIT, propagate_nan=tl.PropagateNan.ALL)
+    b = tl.minimum(tl.maximum(b, -LIMIT, propagate_nan=tl.PropagateNan.ALL), LIMIT,
+                   propagate_nan=tl.PropagateNan.ALL)
+    sig = tl.sigmoid(ALPHA * a)
+    return a * sig, sig + ALPHA * a * sig * (1.0 - sig), b + OFFSET
+
+
+@jit
+def _swiglu_values(a, b, LIMIT, ALPHA, OFFSET, KIND: tl.constexpr):
     if KIND == 0:
         return a * tl.sigmoid(a) * b
+    if KIND == 6:
+        g, _, lin = _clamped(a, b, LIMIT, ALPHA, OFFSET)
+        return g * lin
     g, _ = _gate(a, KIND)
     return g * b
 
 
 @jit
-def _swiglu_grads(dy, a, b, KIND: tl.constexpr):
-    """``(da, db)``; for SwiGLU d silu(a) = sigmoid(a) (1 + a (1 - sigmoid(a)))."""
+def _swiglu_grads(dy, a, b, LIMIT, ALPHA, OFFSET, KIND: tl.constexpr):
+    """``(da, db)``; for SwiGLU d silu(a) = sigmoid(a) (1 + a (1 - sigmoid(a))). The
+    clamped kind passes no gradient where a clamp bit (``torch.clamp``'s rule: the
+    bounds themselves pass)."""
     if KIND == 0:
         sig = tl.sigmoid(a)
         return dy * b * sig * (1.0 + a * (1.0 - sig)), dy * a * sig
+    if KIND == 6:
+        g, dg, lin = _clamped(a, b, LIMIT, ALPHA, OFFSET)
+        da = tl.where(a <= LIMIT, dy * lin * dg, 0.0)
+        db = tl.where((b >= -LIMIT) & (b <= LIMIT), dy * g, 0.0)
+        return da, db
     g, dg = _gate(a, KIND)
     return dy * b * dg, dy * g
 
 
 @jit
-def _swiglu_fwd_kernel(x_ptr, y_ptr, amax_ptr, M, N, KIND: tl.constexpr,
-                       AMAX_ONLY: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """``y`` (``M x N``), or (``AMAX_ONLY``) only the absolute maximum of its values."""
+def _gated_tile(x_ptr, M, N, S, INTERLEAVED: tl.constexpr, BLOCK_M: tl.constexpr,
+                BLOCK_N: tl.constexpr):
+    """This program's ``(rows, cols, mask, a_cols, b_cols, a, b)``: output coordinates,
+    where the halves sit in ``x``, and their float32 values."""
     rows, cols, mask = tile_coords(M, N, BLOCK_M, BLOCK_N)
-    a, b = _swiglu_tile(x_ptr, rows, cols, mask, N)
-    y = _swiglu_values(a, b, KIND).to(x_ptr.dtype.element_ty)
+    a_cols, b_cols = _half_cols(cols, N, S, INTERLEAVED)
+    a, b = _swiglu_tile(x_ptr, rows, a_cols, b_cols, mask, N)
+    return rows, cols, mask, a_cols, b_cols, a, b
+
+
+@jit
+def _swiglu_fwd_kernel(x_ptr, y_ptr, amax_ptr, M, N, S, LIMIT, ALPHA, OFFSET,
+                       KIND: tl.constexpr, INTERLEAVED: tl.constexpr, AMAX_ONLY: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """``y`` (``M x N``), or (``AMAX_ONLY``) only the absolute maximum of its values."""
+    rows, cols, mask, _, _, a, b = _gated_tile(x_ptr, M, N, S, INTERLEAVED, BLOCK_M, BLOCK_N)
+    y = _swiglu_values(a, b, LIMIT, ALPHA, OFFSET, KIND).to(x_ptr.dtype.element_ty)
     if AMAX_ONLY:
         atomic_amax_of_tile(y.to(tl.float32), mask, amax_ptr)
     else:
@@ -87,134 +133,160 @@ def _swiglu_fwd_kernel(x_ptr, y_ptr, amax_ptr, M, N, KIND: tl.constexpr,
 
 
 @jit
-def _swiglu_fwd_cast_kernel(x_ptr, amax_ptr, data_ptr, t_ptr, scale_inv_ptr, M, N,
-                            FP8_MAX, KIND: tl.constexpr, HAS_T: tl.constexpr,
+def _swiglu_fwd_cast_kernel(x_ptr, amax_ptr, data_ptr, t_ptr, scale_inv_ptr, M, N, S,
+                            LIMIT, ALPHA, OFFSET, FP8_MAX, KIND: tl.constexpr,
+                            INTERLEAVED: tl.constexpr, HAS_T: tl.constexpr,
                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     scale = scale_from_amax(amax_ptr, FP8_MAX)
-    rows, cols, mask = tile_coords(M, N, BLOCK_M, BLOCK_N)
-    a, b = _swiglu_tile(x_ptr, rows, cols, mask, N)
-    y = _swiglu_values(a, b, KIND).to(x_ptr.dtype.element_ty).to(tl.float32)
-    store_fp8_tile(y, scale, rows, cols, mask, data_ptr, t_ptr, scale_inv_ptr, M, N,
-                   FP8_MAX, HAS_T)
+    rows, cols, mask, _, _, a, b = _gated_tile(x_ptr, M, N, S, INTERLEAVED, BLOCK_M, BLOCK_N)
+    y = _swiglu_values(a, b, LIMIT, ALPHA, OFFSET, KIND).to(x_ptr.dtype.element_ty)
+    store_fp8_tile(y.to(tl.float32), scale, rows, cols, mask, data_ptr, t_ptr,
+                   scale_inv_ptr, M, N, FP8_MAX, HAS_T)
 
 
 @jit
-def _swiglu_bwd_kernel(dy_ptr, x_ptr, dx_ptr, amax_ptr, M, N, KIND: tl.constexpr,
-                       AMAX_ONLY: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """``dx`` (``M x 2N``), or (``AMAX_ONLY``) only the absolute maximum of its values."""
-    rows, cols, mask = tile_coords(M, N, BLOCK_M, BLOCK_N)
-    a, b = _swiglu_tile(x_ptr, rows, cols, mask, N)
+def _gated_grads(dy_ptr, x_ptr, M, N, S, LIMIT, ALPHA, OFFSET, KIND: tl.constexpr,
+                 INTERLEAVED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """``(rows, mask, a_cols, b_cols, da, db)``, the gradients rounded to ``dy``'s dtype."""
+    rows, cols, mask, a_cols, b_cols, a, b = _gated_tile(x_ptr, M, N, S, INTERLEAVED,
+                                                         BLOCK_M, BLOCK_N)
     dy = tl.load(dy_ptr + rows[:, None].to(tl.int64) * N + cols[None, :], mask=mask,
                  other=0.0).to(tl.float32)
-    da, db = _swiglu_grads(dy, a, b, KIND)
-    da, db = da.to(dy_ptr.dtype.element_ty), db.to(dy_ptr.dtype.element_ty)
+    da, db = _swiglu_grads(dy, a, b, LIMIT, ALPHA, OFFSET, KIND)
+    return rows, mask, a_cols, b_cols, da.to(dy_ptr.dtype.element_ty), db.to(
+        dy_ptr.dtype.element_ty)
+
+
+@jit
+def _swiglu_bwd_kernel(dy_ptr, x_ptr, dx_ptr, amax_ptr, M, N, S, LIMIT, ALPHA, OFFSET,
+                       KIND: tl.constexpr, INTERLEAVED: tl.constexpr, AMAX_ONLY: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """``dx`` (``M x 2N``), or (``AMAX_ONLY``) only the absolute maximum of its values."""
+    rows, mask, a_cols, b_cols, da, db = _gated_grads(
+        dy_ptr, x_ptr, M, N, S, LIMIT, ALPHA, OFFSET, KIND, INTERLEAVED, BLOCK_M, BLOCK_N)
     if AMAX_ONLY:
         both = tl.maximum(tl.abs(da.to(tl.float32)), tl.abs(db.to(tl.float32)),
                           propagate_nan=tl.PropagateNan.ALL)
         atomic_amax_of_tile(both, mask, amax_ptr)
     else:
-        offs = rows[:, None].to(tl.int64) * (2 * N) + cols[None, :]
-        tl.store(dx_ptr + offs, da, mask=mask)
-        tl.store(dx_ptr + offs + N, db, mask=mask)
+        row_offs = rows[:, None].to(tl.int64) * (2 * N)
+        tl.store(dx_ptr + row_offs + a_cols[None, :], da, mask=mask)
+        tl.store(dx_ptr + row_offs + b_cols[None, :], db, mask=mask)
 
 
 @jit
 def _swiglu_bwd_cast_kernel(dy_ptr, x_ptr, amax_ptr, data_ptr, t_ptr, scale_inv_ptr,
-                            M, N, FP8_MAX, KIND: tl.constexpr, HAS_T: tl.constexpr,
+                            M, N, S, LIMIT, ALPHA, OFFSET, FP8_MAX, KIND: tl.constexpr,
+                            INTERLEAVED: tl.constexpr, HAS_T: tl.constexpr,
                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     scale = scale_from_amax(amax_ptr, FP8_MAX)
-    rows, cols, mask = tile_coords(M, N, BLOCK_M, BLOCK_N)
-    a, b = _swiglu_tile(x_ptr, rows, cols, mask, N)
-    dy = tl.load(dy_ptr + rows[:, None].to(tl.int64) * N + cols[None, :], mask=mask,
-                 other=0.0).to(tl.float32)
-    da, db = _swiglu_grads(dy, a, b, KIND)
-    da = da.to(dy_ptr.dtype.element_ty).to(tl.float32)
-    db = db.to(dy_ptr.dtype.element_ty).to(tl.float32)
+    rows, mask, a_cols, b_cols, da, db = _gated_grads(
+        dy_ptr, x_ptr, M, N, S, LIMIT, ALPHA, OFFSET, KIND, INTERLEAVED, BLOCK_M, BLOCK_N)
     # dx is M x 2N: the two halves are column tiles of it
-    store_fp8_tile(da, scale, rows, cols, mask, data_ptr, t_ptr, scale_inv_ptr, M,
-                   2 * N, FP8_MAX, HAS_T)
-    store_fp8_tile(db, scale, rows, cols + N, mask, data_ptr, t_ptr, scale_inv_ptr, M,
-                   2 * N, FP8_MAX, HAS_T)
+    store_fp8_tile(da.to(tl.float32), scale, rows, a_cols, mask, data_ptr, t_ptr,
+                   scale_inv_ptr, M, 2 * N, FP8_MAX, HAS_T)
+    store_fp8_tile(db.to(tl.float32), scale, rows, b_cols, mask, data_ptr, t_ptr,
+                   scale_inv_ptr, M, 2 * N, FP8_MAX, HAS_T)
 
 
-def _rows_and_half(x: torch.Tensor, kind: str) -> tuple:
+# GPT-OSS's clamped SwiGLU: (limit, alpha, linear offset), TransformerEngine's defaults
+CLAMP_DEFAULTS = (7.0, 1.702, 1.0)
+
+
+def _rows_and_half(x: torch.Tensor, kind: str, interleave: int) -> tuple:
     if kind not in KINDS:
         raise ValueError(f"gated kind must be one of {list(KINDS)}, got {kind!r}")
-    if x.dim() == 0 or x.shape[-1] % 2:
-        raise ValueError(f"{kind} needs an even last dimension, got {tuple(x.shape)}")
+    width = 2 * interleave if interleave else 2
+    if x.dim() == 0 or x.shape[-1] % width:
+        raise ValueError(f"{kind} needs a last dimension divisible by {width}, got "
+                         f"{tuple(x.shape)}")
     n = x.shape[-1] // 2
     return (x.numel() // x.shape[-1] if x.shape[-1] else 0), n
 
 
+def _layout(kind: str, interleave: int, clamp: tuple) -> dict:
+    """The kernels' arguments that say which unit and where its halves are."""
+    limit, alpha, offset = clamp
+    return dict(S=interleave, LIMIT=float(limit), ALPHA=float(alpha), OFFSET=float(offset),
+                KIND=KINDS[kind], INTERLEAVED=bool(interleave))
+
+
 def swiglu_forward_triton(x: torch.Tensor, block_m: int = 32, block_n: int = 128,
-                          kind: str = "swiglu"):
+                          kind: str = "swiglu", interleave: int = 0,
+                          clamp: tuple = CLAMP_DEFAULTS):
     """``gate(a) * b`` for ``a, b = x.chunk(2, -1)`` (SwiGLU: ``silu(a) * b``), in ``x``'s
-    dtype."""
+    dtype; ``interleave``: the halves alternate in blocks of that many columns (0: they
+    do not); ``clamp``: the clamped kind's ``(limit, alpha, offset)``."""
     require_triton("swiglu_forward_triton")
     x = x.contiguous()
-    m, n = _rows_and_half(x, kind)
+    m, n = _rows_and_half(x, kind, interleave)
     y = x.new_empty((*x.shape[:-1], n))
     if y.numel():
         _swiglu_fwd_kernel[tile_grid(m, n, block_m, block_n)](
-            x, y, y, m, n, KIND=KINDS[kind], AMAX_ONLY=False, BLOCK_M=block_m,
-            BLOCK_N=block_n)
+            x, y, y, m, n, **_layout(kind, interleave, clamp), AMAX_ONLY=False,
+            BLOCK_M=block_m, BLOCK_N=block_n)
     return y
 
 
 def swiglu_forward_fp8_triton(x: torch.Tensor, fp8_dtype: torch.dtype, fp8_max: float,
                               columnwise: bool, block_m: int = 32, block_n: int = 128,
-                              kind: str = "swiglu"):
+                              kind: str = "swiglu", interleave: int = 0,
+                              clamp: tuple = CLAMP_DEFAULTS):
     """``[data, scale_inv]`` (+ the transposed copy when ``columnwise``) of the forward's
     result in ``fp8_dtype`` with a current per-tensor scale, as the FP8 cast of
     :func:`swiglu_forward_triton`'s result would give."""
     require_triton("swiglu_forward_fp8_triton")
     x = x.contiguous()
-    m, n = _rows_and_half(x, kind)
+    m, n = _rows_and_half(x, kind, interleave)
     if not m * n:
         raise ValueError(f"swiglu_forward_fp8_triton: empty input {tuple(x.shape)}")
     amax = torch.zeros((), device=x.device, dtype=torch.float32)
     grid = tile_grid(m, n, block_m, block_n)
-    _swiglu_fwd_kernel[grid](x, amax, amax, m, n, KIND=KINDS[kind], AMAX_ONLY=True,
+    layout = _layout(kind, interleave, clamp)
+    _swiglu_fwd_kernel[grid](x, amax, amax, m, n, **layout, AMAX_ONLY=True,
                              BLOCK_M=block_m, BLOCK_N=block_n)
     like = x.new_empty(()).expand(*x.shape[:-1], n)  # the result's shape, no memory
     data, transpose, scale_inv, in_kernel_t = fp8_buffers(like, fp8_dtype, columnwise)
-    _swiglu_fwd_cast_kernel[grid](x, amax, data, transpose, scale_inv, m, n, fp8_max,
-                                  KIND=KINDS[kind], HAS_T=in_kernel_t, BLOCK_M=block_m,
-                                  BLOCK_N=block_n)
+    _swiglu_fwd_cast_kernel[grid](x, amax, data, transpose, scale_inv, m, n,
+                                  **layout, FP8_MAX=fp8_max, HAS_T=in_kernel_t,
+                                  BLOCK_M=block_m, BLOCK_N=block_n)
     return fp8_results(data, scale_inv, transpose, columnwise, in_kernel_t)
 
 
 def swiglu_backward_triton(grad_output: torch.Tensor, x: torch.Tensor, block_m: int = 32,
-                           block_n: int = 128, kind: str = "swiglu"):
+                           block_n: int = 128, kind: str = "swiglu", interleave: int = 0,
+                           clamp: tuple = CLAMP_DEFAULTS):
     """The gradient of :func:`swiglu_forward_triton` with respect to ``x``."""
     require_triton("swiglu_backward_triton")
     dy, x = grad_output.contiguous(), x.contiguous()
-    m, n = _rows_and_half(x, kind)
+    m, n = _rows_and_half(x, kind, interleave)
     dx = torch.empty_like(x, dtype=dy.dtype)
     if dx.numel():
         _swiglu_bwd_kernel[tile_grid(m, n, block_m, block_n)](
-            dy, x, dx, dx, m, n, KIND=KINDS[kind], AMAX_ONLY=False, BLOCK_M=block_m,
-            BLOCK_N=block_n)
+            dy, x, dx, dx, m, n, **_layout(kind, interleave, clamp), AMAX_ONLY=False,
+            BLOCK_M=block_m, BLOCK_N=block_n)
     return dx
 
 
 def swiglu_backward_fp8_triton(grad_output: torch.Tensor, x: torch.Tensor,
                                fp8_dtype: torch.dtype, fp8_max: float, columnwise: bool,
-                               block_m: int = 32, block_n: int = 128, kind: str = "swiglu"):
+                               block_m: int = 32, block_n: int = 128, kind: str = "swiglu",
+                               interleave: int = 0, clamp: tuple = CLAMP_DEFAULTS):
     """:func:`swiglu_backward_triton`'s result as :func:`swiglu_forward_fp8_triton` gives
     the forward's."""
     require_triton("swiglu_backward_fp8_triton")
     dy, x = grad_output.contiguous(), x.contiguous()
-    m, n = _rows_and_half(x, kind)
+    m, n = _rows_and_half(x, kind, interleave)
     if not m * n:
         raise ValueError(f"swiglu_backward_fp8_triton: empty input {tuple(x.shape)}")
     amax = torch.zeros((), device=x.device, dtype=torch.float32)
     grid = tile_grid(m, n, block_m, block_n)
-    _swiglu_bwd_kernel[grid](dy, x, amax, amax, m, n, KIND=KINDS[kind], AMAX_ONLY=True,
+    layout = _layout(kind, interleave, clamp)
+    _swiglu_bwd_kernel[grid](dy, x, amax, amax, m, n, **layout, AMAX_ONLY=True,
                              BLOCK_M=block_m, BLOCK_N=block_n)
     like = dy.new_empty(()).expand(x.shape)
     data, transpose, scale_inv, in_kernel_t = fp8_buffers(like, fp8_dtype, columnwise)
-    _swiglu_bwd_cast_kernel[grid](dy, x, amax, data, transpose, scale_inv, m, n, fp8_max,
-                                  KIND=KINDS[kind], HAS_T=in_kernel_t, BLOCK_M=block_m,
-                                  BLOCK_N=block_n)
+    _swiglu_bwd_cast_kernel[grid](dy, x, amax, data, transpose, scale_inv, m, n,
+                                  **layout, FP8_MAX=fp8_max, HAS_T=in_kernel_t,
+                                  BLOCK_M=block_m, BLOCK_N=block_n)
     return fp8_results(data, scale_inv, transpose, columnwise, in_kernel_t)

@@ -26,11 +26,11 @@ from fusible.ops.reshape import Reshape
 from fusible.ops.rms_norm import RMSNorm
 from fusible.ops.silu import SiLU
 from fusible.ops.srelu import SReLU
-from fusible.ops.swiglu import SwiGLU
+from fusible.ops.swiglu import ClampedSwiGLU, SwiGLU
 
 __all__ = [
     "AddExtraInput", "AllGather", "AllReduce", "BackwardResult", "BasicLinear", "BasicOperation",
-    "Bias", "ConstantScale", "Dropout", "ForwardResult", "FusedOperation", "FusibleOperation", "GELU",
+    "Bias", "ClampedSwiGLU", "ConstantScale", "Dropout", "ForwardResult", "FusedOperation", "FusibleOperation", "GELU",
     "GEGLU", "GLU", "Identity", "L2Normalization", "LayerNorm", "Linear", "MakeExtraOutput",
     "OperationContext", "QGEGLU", "QGELU", "Quantize", "RMSNorm", "ReGLU", "ReLU",
     "ReduceScatter", "Reshape", "SReGLU", "SReLU", "SiLU", "Sequential", "SwiGLU",

@@ -53,6 +53,8 @@ class Bias(BasicOperation):
     Saves nothing: ``dbias`` is the gradient summed over tokens and ``dx = dy``.
     """
 
+    keeps_features = True
+
     param_names = ("bias",)
     attribute_checks = {"size": checks.positive_int("size"),
                         "tensor_parallel": checks.boolean("tensor_parallel"),

@@ -29,6 +29,8 @@ class ScaleBackwardArgs:
 class ConstantScale(BasicOperation):
     """Multiply by a constant Python float. Saves nothing; ``dx = scale * dy``."""
 
+    keeps_features = True
+
     fwd_args_type = ScaleForwardArgs
     bwd_args_type = ScaleBackwardArgs
 

@@ -68,6 +68,8 @@ class Dropout(BasicOperation):
     gradient.
     """
 
+    keeps_features = True
+
     fwd_args_type = DropoutForwardArgs
     bwd_args_type = DropoutBackwardArgs
     saved_type = DropoutSaved

@@ -26,6 +26,8 @@ class IdentityBackwardArgs:
 class Identity(BasicOperation):
     """Returns its input unchanged. Saves nothing."""
 
+    keeps_features = True
+
     fwd_args_type = IdentityForwardArgs
     bwd_args_type = IdentityBackwardArgs
 

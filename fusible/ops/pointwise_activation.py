@@ -46,6 +46,8 @@ class PointwiseActivation(BasicOperation, abstract=True):
     needs only its sign) when the input needs a gradient.
     """
 
+    keeps_features = True
+
     fwd_args_type = ActivationForwardArgs
     bwd_args_type = ActivationBackwardArgs
     saved_type = ActivationSaved

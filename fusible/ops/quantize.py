@@ -49,6 +49,8 @@ class Quantize(BasicOperation):
     Saves nothing.
     """
 
+    keeps_features = True
+
     fwd_args_type = QuantizeForwardArgs
     bwd_args_type = QuantizeBackwardArgs
 

@@ -1,9 +1,15 @@
-"""SwiGLU: the gated SiLU of Llama-style feed-forward blocks."""
+"""SwiGLU, the gated SiLU of Llama-style feed-forward blocks, and the clamped SwiGLU of
+GPT-OSS."""
 
 from __future__ import annotations
 
+from typing import Optional
+
+import torch
 import torch.nn.functional as F
 
+from fusible.core import checks
+from fusible.core.example import Example
 from fusible.ops.glu import GatedActivation
 
 
@@ -12,7 +18,8 @@ class SwiGLU(GatedActivation):
 
     The last dimension halves. Computes in float32 for 16-bit inputs; on CUDA one Triton
     kernel each way, which under an FP8 recipe writes the next linear layer's input (or
-    the previous one's gradient) in FP8 directly.
+    the previous one's gradient) in FP8 directly. Options as
+    :class:`~fusible.ops.glu.GatedActivation`'s.
 
     Notes
     -----
@@ -20,4 +27,58 @@ class SwiGLU(GatedActivation):
     """
 
     kind = "swiglu"
-    gate_reference = staticmethod(F.silu)
+
+    def unit_reference(self, a, b):
+        return F.silu(a) * b
+
+
+class ClampedSwiGLU(GatedActivation):
+    """GPT-OSS's SwiGLU, as TransformerEngine's ``ClampedSwiGLU``:
+    ``a' = min(a, limit)``, ``b' = clamp(b, -limit, limit)``,
+    ``y = a' * sigmoid(alpha * a') * (b' + glu_linear_offset)``.
+
+    The halves are ``x.chunk(2, -1)`` (GPT-OSS's own code interleaves them one by one:
+    ``glu_interleave_size=1``). The gradient is zero where a clamp bites (the bounds
+    themselves pass, as with ``torch.clamp``). One Triton kernel each way on CUDA, FP8
+    output as SwiGLU's.
+
+    Parameters
+    ----------
+    limit : float
+        The clamp limit, positive.
+    alpha : float
+        The sigmoid's scale.
+    glu_linear_offset : float
+        Added to the clamped linear half (0 disables it).
+    glu_interleave_size, cache_quantized_input
+        As :class:`~fusible.ops.glu.GatedActivation`'s.
+    """
+
+    kind = "clamped_swiglu"
+    attribute_checks = {**GatedActivation.attribute_checks,
+                        "limit": checks.real("limit", minimum=0.0),
+                        "alpha": checks.real("alpha"),
+                        "glu_linear_offset": checks.real("glu_linear_offset")}
+
+    def __init__(self, *, limit: float = 7.0, alpha: float = 1.702,
+                 glu_linear_offset: float = 1.0, glu_interleave_size: Optional[int] = None,
+                 cache_quantized_input: bool = False):
+        super().__init__(glu_interleave_size=glu_interleave_size,
+                         cache_quantized_input=cache_quantized_input)
+        self.limit, self.alpha, self.glu_linear_offset = limit, alpha, glu_linear_offset
+
+    def options(self) -> tuple:
+        return (("limit", self.limit), ("alpha", self.alpha),
+                ("glu_linear_offset", self.glu_linear_offset))
+
+    def clamp(self) -> tuple:
+        return (self.limit, self.alpha, self.glu_linear_offset)
+
+    def unit_reference(self, a, b):
+        a, b = a.clamp(max=self.limit), b.clamp(-self.limit, self.limit)
+        return a * torch.sigmoid(self.alpha * a) * (b + self.glu_linear_offset)
+
+    @classmethod
+    def example(cls):
+        # small enough a limit that the clamps bite on standard normal inputs
+        return Example((cls(limit=1.5, glu_interleave_size=4),), (3, 5, 64))

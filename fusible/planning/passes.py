@@ -54,6 +54,21 @@ def check_sequence_parallel(ops) -> None:
                              f"sequence_parallel=True")
 
 
+def check_gated_layouts(ops) -> None:
+    """After a column-parallel layer each rank holds a contiguous slice of the features,
+    until an op that mixes them: every op meanwhile answers ``check_split_features`` (a
+    gated unit refuses the halves-one-after-the-other layout there, whose slices would
+    pair the wrong values)."""
+    producer = None
+    for op in ops:
+        if producer is not None:
+            op.check_split_features(producer.describe(), producer.tp.world_size)
+        tp = getattr(op, "tp", NOT_PARALLEL)
+        if op.keeps_features:  # a column-parallel bias included: the split goes on
+            continue
+        producer = op if tp.mode == "column" and tp.active else None
+
+
 def _parallel_param_op(op) -> bool:
     """An op whose parameters are shards, or whose gradients the fuser all-reduces."""
     tp = getattr(op, "tp", None)

@@ -9,8 +9,8 @@ import attrs
 
 from fusible.core.conditions import PlanConditions
 from fusible.core.context import OperationContext
-from fusible.planning.passes import (check_sequence_parallel, hand_off_formats, idle_needs,
-                                     op_grad_needs)
+from fusible.planning.passes import (check_gated_layouts, check_sequence_parallel,
+                                     hand_off_formats, idle_needs, op_grad_needs)
 from fusible.planning.planner import GroupPlan, PlanEnvironment, plan_group
 from fusible.quantization.recipe import recipe_for_key
 
@@ -87,6 +87,7 @@ def prepare_group(ops: tuple, start: int, conditions: PlanConditions) -> ExecPla
     recipe = recipe_for_key(conditions.recipe_key)
     env = PlanEnvironment(conditions, {start + i: n for i, n in enumerate(needs)})
     check_sequence_parallel(ops)
+    check_gated_layouts(ops)
     group = plan_group(ops, start, env)
     forward = [_exec_stage(ops, start, s, False, needs) for s in group.forward]
     backward = [(_exec_stage(ops, start, s, True, needs), s) for s in group.backward]
