@@ -116,3 +116,32 @@ def test_transformer_mlp_block(dtype):
     # Six ops in a row: 16-bit rounding of every intermediate adds up (see assert_close).
     check_fusion(model, x, residual, forward=["ForwardLinearBias", "ForwardLinearBiasAdd"],
                  backward=["BackwardActivationBias"], tolerance_scale=4)
+
+
+def test_forward_linear_scale_add_and_backward_linear_scale(dtype):
+    model = _prepare(ops.Sequential(ops.BasicLinear(6, 6), ops.ConstantScale(-0.25),
+                                    ops.AddExtraInput()), dtype)
+    x = exact_tensor((2, 3, 6), dtype).requires_grad_()
+    residual = exact_tensor((2, 3, 6), dtype).requires_grad_()
+    check_fusion(model, x, residual, forward=["ForwardLinearScaleAdd"],
+                 backward=["BackwardLinearScale"])
+    assert [s.indices for s in model.plan(x, residual).backward] == [(2,), (0, 1)]
+
+
+def test_linear_scale_fusions_round_once():
+    """Fused, the scale is the GEMMs' alpha and the residual their C matrix: each result
+    is one GEMM's rounding of the exact value (the unfused ops round two or three times)."""
+    torch.manual_seed(0)
+    bf16 = torch.bfloat16
+    model = ops.Sequential(ops.BasicLinear(64, 48), ops.ConstantScale(0.3),
+                           ops.AddExtraInput()).to(bf16)
+    x = torch.randn(40, 64, dtype=bf16, requires_grad=True)
+    residual = torch.randn(40, 48, dtype=bf16)
+    dy = torch.randn(40, 48, dtype=bf16)
+    y = model(x, residual)
+    y.backward(dy)
+    w = model[0].weight
+    assert torch.equal(y, torch.addmm(residual, x.detach(), w.detach().t(), alpha=0.3))
+    zero = dy.new_zeros(())
+    assert torch.equal(x.grad, torch.addmm(zero, dy, w.detach(), beta=0, alpha=0.3))
+    assert torch.equal(w.grad, torch.addmm(zero, dy.t(), x.detach(), beta=0, alpha=0.3))

@@ -126,19 +126,27 @@ def linear_forward(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> 
 
 
 def linear_dgrad(grad_output: Tensor, weight: Tensor,
-                 accumulate_into: Optional[Tensor] = None) -> Tensor:
-    """``dy @ weight``; with ``accumulate_into``, ``that + dy @ weight`` in one GEMM."""
+                 accumulate_into: Optional[Tensor] = None, alpha: float = 1.0) -> Tensor:
+    """``alpha * dy @ weight``; with ``accumulate_into``, ``that + alpha * dy @ weight``:
+    one GEMM either way (``alpha`` in its epilogue, rounded once)."""
     dy2 = tokens_2d(grad_output)
-    if accumulate_into is None:
-        dx = torch.mm(dy2, weight)
+    if accumulate_into is not None:
+        dx = torch.addmm(tokens_2d(accumulate_into), dy2, weight, alpha=alpha)
     else:
-        dx = torch.addmm(tokens_2d(accumulate_into), dy2, weight)
+        dx = _scaled_product(dy2, weight, alpha)
     return like_tokens(dx, grad_output)
 
 
-def linear_wgrad(grad_output: Tensor, x: Tensor) -> Tensor:
-    """``dy.T @ x`` summed over all tokens."""
-    return torch.mm(tokens_2d(grad_output).t(), tokens_2d(x))
+def linear_wgrad(grad_output: Tensor, x: Tensor, alpha: float = 1.0) -> Tensor:
+    """``alpha * dy.T @ x`` summed over all tokens."""
+    return _scaled_product(tokens_2d(grad_output).t(), tokens_2d(x), alpha)
+
+
+def _scaled_product(a: Tensor, b: Tensor, alpha: float) -> Tensor:
+    """``alpha * a @ b`` in one GEMM: ``addmm`` with ``beta=0`` ignores its input."""
+    if alpha == 1.0:
+        return torch.mm(a, b)
+    return torch.addmm(a.new_zeros(()), a, b, beta=0, alpha=alpha)
 
 
 def bias_grad(grad_output: Tensor) -> Tensor:
@@ -281,13 +289,16 @@ def _dgrad_weight(args: GemmBackwardArgs) -> Float8Tensor:
                         amax=args.weight_amax, rowwise=False)
 
 
-def gemm_backward(args: GemmBackwardArgs, accumulate_into: Optional[Tensor] = None):
+def gemm_backward(args: GemmBackwardArgs, accumulate_into: Optional[Tensor] = None,
+                  grad_scale: float = 1.0):
     """``(dgrad or None, wgrad or None)`` from the saved input and weight (under FP8,
     Float8Tensors with their transposed copies).
 
     ``accumulate_into`` is added to the dgrad (in the GEMM in high precision); not with
     a column-parallel ``tp``, whose dgrad is summed over the group afterwards. Row +
-    sequence parallel all-gathers ``dy`` first.
+    sequence parallel all-gathers ``dy`` first. ``grad_scale`` multiplies ``dy`` inside
+    both GEMMs (their epilogue in high precision, ``dy``'s FP8 scale under FP8): a
+    constant scale after the layer, without a pass over ``dy``.
     """
     if type(args) is not GemmBackwardArgs:
         raise _wrong_record(args, GemmBackwardArgs, "gemm_backward")
@@ -298,18 +309,19 @@ def gemm_backward(args: GemmBackwardArgs, accumulate_into: Optional[Tensor] = No
                          f"accumulate into a local tensor ({tp})")
     if fmt is None:
         dy = parallel.all_gather(dy, tp) if tp.gathers_grad else dy
-        dx = linear_dgrad(dy, w_saved, accumulate_into) if need_dgrad else None
+        dx = linear_dgrad(dy, w_saved, accumulate_into, grad_scale) if need_dgrad else None
         dx = _start_dgrad_reduction(dx, tp)
-        dw = linear_wgrad(dy, x_saved) if need_wgrad else None
+        dw = linear_wgrad(dy, x_saved, grad_scale) if need_wgrad else None
         return _finish(dx, tp), dw
     if tp.gathers_grad:
         dy_q, lead = gather_fp8(dy, tp, fmt), _gathered_lead(dy, tp)
     else:
         dy_q, lead = as_fp8(dy, fmt), dy.shape[:-1]
+    dy_scale_inv = dy_q._scale_inv if grad_scale == 1.0 else dy_q._scale_inv * grad_scale
     dx = dw = None
     if need_dgrad:
         w_q = _dgrad_weight(args)
-        dx = fp8_gemm(dy_q._data, dy_q._scale_inv, w_q._transpose.t(), w_q._scale_inv, None,
+        dx = fp8_gemm(dy_q._data, dy_scale_inv, w_q._transpose.t(), w_q._scale_inv, None,
                       dy_q.dtype)
         del w_q  # freed before the wgrad GEMM allocates the weight gradient
         dx = dx.view(*lead, dx.shape[-1])
@@ -317,6 +329,6 @@ def gemm_backward(args: GemmBackwardArgs, accumulate_into: Optional[Tensor] = No
             dx = dx + accumulate_into
     dx = _start_dgrad_reduction(dx, tp)
     if need_wgrad:
-        dw = fp8_gemm(dy_q._transpose, dy_q._scale_inv, x_saved._transpose.t(),
+        dw = fp8_gemm(dy_q._transpose, dy_scale_inv, x_saved._transpose.t(),
                       x_saved._scale_inv, None, dy_q.dtype)
     return _finish(dx, tp), dw

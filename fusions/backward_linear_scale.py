@@ -1,0 +1,52 @@
+"""BackwardLinearScale: a constant scale after a linear layer folded into its backward
+GEMMs."""
+
+import attrs
+
+from fusible import Example, FusedOperation, Op, Pattern
+from fusible.functional.linear import GemmBackwardArgs, gemm_backward
+from fusible.functional.linear_state import gemm_backward_args
+from fusible.ops import BackwardResult, BasicLinear, ConstantScale
+
+
+@attrs.define
+class LinearScaleBackwardArgs:
+    gemm: GemmBackwardArgs
+    scale: float
+
+
+class BackwardLinearScale(FusedOperation):
+    """``dx = scale * dy @ weight``, ``dweight = scale * dy.T @ x``: no pass over ``dy``
+    for the scale, and each gradient rounded once.
+
+    Pattern (forward order): ``BasicLinear, ConstantScale``. Accepts every match (the scale
+    is linear: it commutes with the layer's collectives, which ``gemm_backward`` runs).
+    Reads: BasicLinear's ``LinearSaved``; ConstantScale saved nothing. In high precision
+    the scale is the GEMMs' ``alpha``; under FP8 ``dy`` arrives in BasicLinear's format,
+    unscaled, and the scale multiplies its inverse scale (the GEMMs' epilogue again).
+    """
+
+    direction = "backward"
+    pattern = Pattern(Op(BasicLinear, name="linear"), Op(ConstantScale, name="scale"))
+    bwd_args_type = LinearScaleBackwardArgs
+    handles_communication = True  # BasicLinear's collectives run in gemm_backward
+
+    @classmethod
+    def accepts(cls, match, env):
+        return True
+
+    def grad_format(self, recipe, needs):
+        return self.match["linear"].grad_format(recipe, needs[:1])
+
+    def backward_args(self, grad_output, grad_extra_outputs, ctxs):
+        gemm = gemm_backward_args(ctxs[0], grad_output, self.match["linear"].tp)
+        return LinearScaleBackwardArgs(gemm, self.match["scale"].scale)
+
+    @classmethod
+    def backward_compute(cls, args, *, in_custom_op=False):
+        dx, dw = gemm_backward(args.gemm, grad_scale=args.scale)
+        return BackwardResult(dx, (dw,))
+
+    @classmethod
+    def example(cls):
+        return Example((BasicLinear(32, 48), ConstantScale(-0.75)), (16, 32))
