@@ -145,3 +145,29 @@ def test_linear_scale_fusions_round_once():
     zero = dy.new_zeros(())
     assert torch.equal(x.grad, torch.addmm(zero, dy, w.detach(), beta=0, alpha=0.3))
     assert torch.equal(w.grad, torch.addmm(zero, dy.t(), x.detach(), beta=0, alpha=0.3))
+
+
+def test_backward_add_rms_norm(dtype):
+    model = _prepare(ops.Sequential(ops.MakeExtraOutput(), ops.RMSNorm(6),
+                                    ops.BasicLinear(6, 8)), dtype)
+    x = exact_tensor((3, 6), dtype).requires_grad_()
+    check_fusion(model, x, backward=["BackwardAddRMSNorm"])
+    assert [s.indices for s in model.plan(x).backward] == [(2,), (0, 1)]
+
+
+def test_backward_add_rms_norm_rounds_once_and_is_refused_without_dgrad():
+    """The branch's gradient joins RMSNorm's dx in float32, before dx's one rounding."""
+    from fusible.functional.norms import rms_norm_backward
+    torch.manual_seed(0)
+    model = ops.Sequential(ops.MakeExtraOutput(), ops.RMSNorm(24)).to(torch.bfloat16)
+    x = torch.randn(5, 24, dtype=torch.bfloat16, requires_grad=True)
+    dy, d_branch = torch.randn(2, 5, 24, dtype=torch.bfloat16)
+    y, branch = model(x)
+    torch.autograd.backward([y, branch], [dy, d_branch])
+    rstd = torch.rsqrt(x.detach().float().square().mean(-1, keepdim=True) + model[1].eps)
+    dx32, _ = rms_norm_backward(dy.float(), x.detach().float(), rstd, model[1].weight.float(),
+                                [24], True, False)
+    assert torch.equal(x.grad, (dx32 + d_branch.float()).to(torch.bfloat16))
+    frozen = ops.Sequential(ops.MakeExtraOutput(), ops.RMSNorm(24))
+    plan = frozen.plan(torch.randn(5, 24))
+    assert "BackwardAddRMSNorm" not in stage_names(plan.backward)

@@ -229,6 +229,14 @@ _NORM_SWIGLU_SCRIPT = textwrap.dedent("""
                             assert_close(g, r, dtype, f"{what} {name} {block_n}")
                         else:
                             assert g is None, (what, name)
+                if not center and x.numel():  # a residual branch's gradient added to dx
+                    add = torch.randn(shape).to(dtype)
+                    for block_n in (16, None):  # tiles, and whole rows
+                        dx, _, _ = norm_backward_triton(dy, x, None, rstd, w, False, True, False,
+                                                        block_n=block_n, accumulate_into=add)
+                        want = reference_grads(False, dy.double(), x.double(), None, ref_rstd,
+                                               w.double(), None, ns, (True, False, False))[0]
+                        assert_close(dx, want + add.double(), dtype, f"{what} dx + add")
             if dtype != torch.float32 and x.numel():  # a zero-centred gamma: 1 + w in float32
                 w32 = w.float() + 1
                 for center in (True, False):

@@ -120,13 +120,29 @@ def rms_norm_forward(x: Tensor, weight: Tensor, normalized_shape: list, eps: flo
 
 
 def rms_norm_backward(dy: Tensor, x: Tensor, rstd: Tensor, weight: Tensor,
-                      normalized_shape: list, need_dx: bool,
-                      need_dw: bool) -> tuple[Optional[Tensor], Optional[Tensor]]:
-    """``(dx, dweight)``, each None where not needed (one Triton kernel on CUDA)."""
+                      normalized_shape: list, need_dx: bool, need_dw: bool,
+                      accumulate_into: Optional[Tensor] = None
+                      ) -> tuple[Optional[Tensor], Optional[Tensor]]:
+    """``(dx, dweight)``, each None where not needed (one Triton kernel on CUDA);
+    ``accumulate_into`` is added to ``dx`` before its one rounding (a residual branch's
+    gradient)."""
     if triton_can_run(dy, x, weight):
         dx, dw, _ = norm_kernels.norm_backward_triton(dy, x, None, rstd, weight, False, need_dx,
-                                                      need_dw)
+                                                      need_dw, accumulate_into=accumulate_into)
         return dx, dw
+    dtype = dy.dtype
+    dims = tuple(range(-len(normalized_shape), 0))
+    dyf, x_hat = _float(dy), _float(x) * rstd
+    dx = dw = None
+    if need_dx:
+        g = dyf * _float(weight)
+        dx = rstd * (g - x_hat * (g * x_hat).mean(dims, keepdim=True))
+        if accumulate_into is not None:
+            dx = dx + _float(accumulate_into)
+        dx = dx.to(dtype)
+    if need_dw:
+        dw = (dyf * x_hat).reshape(-1, *normalized_shape).sum(0).to(dtype)
+    return dx, dw
     dtype = dy.dtype
     dims = tuple(range(-len(normalized_shape), 0))
     dyf, x_hat = _float(dy), _float(x) * rstd

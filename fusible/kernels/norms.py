@@ -104,14 +104,15 @@ def _norm_fwd_cast_kernel(x_ptr, w_ptr, b_ptr, mean_ptr, rstd_ptr, amax_ptr, dat
 
 
 @jit
-def _norm_bwd_row_kernel(dy_ptr, x_ptr, w_ptr, mean_ptr, rstd_ptr, dx_ptr, dw_part_ptr,
-                         db_part_ptr, M, N, rows_per_program, CENTER: tl.constexpr,
-                         NEED_DX: tl.constexpr, NEED_DW: tl.constexpr,
-                         NEED_DB: tl.constexpr, BLOCK_N: tl.constexpr):
+def _norm_bwd_row_kernel(dy_ptr, x_ptr, w_ptr, mean_ptr, rstd_ptr, dx_ptr, add_ptr,
+                         dw_part_ptr, db_part_ptr, M, N, rows_per_program,
+                         CENTER: tl.constexpr, NEED_DX: tl.constexpr, NEED_DW: tl.constexpr,
+                         NEED_DB: tl.constexpr, HAS_ADD: tl.constexpr, BLOCK_N: tl.constexpr):
     """The backward for rows that fit in one tile: each row read once,
     ``dx = rstd * (g - mean(g) - x_hat * mean(g * x_hat))`` with ``g = dy * w``
-    (``mean(g)`` only with ``CENTER``); the parameter gradients' partial sums kept in
-    registers and stored once per program."""
+    (``mean(g)`` only with ``CENTER``; ``HAS_ADD``: plus ``add``, in float32, rounded
+    once); the parameter gradients' partial sums kept in registers and stored once per
+    program."""
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_N)
     col_ok = cols < N
@@ -137,6 +138,8 @@ def _norm_bwd_row_kernel(dy_ptr, x_ptr, w_ptr, mean_ptr, rstd_ptr, dx_ptr, dw_pa
             if CENTER:
                 c0 = tl.sum(g, axis=0) / N
             dx = rstd * (g - c0 - x_hat * c1)
+            if HAS_ADD:
+                dx += tl.load(add_ptr + offs, mask=ok, other=0.0).to(tl.float32)
             tl.store(dx_ptr + offs, dx.to(dx_ptr.dtype.element_ty), mask=ok)
         if NEED_DW:
             dw += dy * x_hat
@@ -149,10 +152,10 @@ def _norm_bwd_row_kernel(dy_ptr, x_ptr, w_ptr, mean_ptr, rstd_ptr, dx_ptr, dw_pa
 
 
 @jit
-def _norm_bwd_kernel(dy_ptr, x_ptr, w_ptr, mean_ptr, rstd_ptr, dx_ptr, dw_part_ptr,
+def _norm_bwd_kernel(dy_ptr, x_ptr, w_ptr, mean_ptr, rstd_ptr, dx_ptr, add_ptr, dw_part_ptr,
                      db_part_ptr, M, N, rows_per_program, CENTER: tl.constexpr,
                      NEED_DX: tl.constexpr, NEED_DW: tl.constexpr, NEED_DB: tl.constexpr,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                     HAS_ADD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """The backward of :func:`_norm_bwd_row_kernel` for rows wider than a tile: each row
     read twice (the second time mostly from L2); partial sums added into this
     program's rows of the (zeroed) partial buffers."""
@@ -185,6 +188,8 @@ def _norm_bwd_kernel(dy_ptr, x_ptr, w_ptr, mean_ptr, rstd_ptr, dx_ptr, dw_part_p
             if NEED_DX:
                 w = tl.load(w_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)
                 dx = rstd[:, None] * (dy * w[None, :] - c0[:, None] - x_hat * c1[:, None])
+                if HAS_ADD:
+                    dx += tl.load(add_ptr + offs, mask=mask, other=0.0).to(tl.float32)
                 tl.store(dx_ptr + offs, dx.to(dx_ptr.dtype.element_ty), mask=mask)
             col_ok = cols < N
             part = pid.to(tl.int64) * N + cols
@@ -279,11 +284,13 @@ def norm_forward_fp8_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.T
 def norm_backward_triton(grad_output: torch.Tensor, x: torch.Tensor, mean: torch.Tensor | None,
                          rstd: torch.Tensor, weight: torch.Tensor, center: bool, need_dx: bool,
                          need_dw: bool, need_db: bool = False, block_n: int | None = None,
-                         programs: int | None = None) -> tuple:
+                         programs: int | None = None,
+                         accumulate_into: torch.Tensor | None = None) -> tuple:
     """``(dx, dweight, dbias)`` of :func:`norm_forward_triton`, each None where not needed
     (``dbias`` only with ``center``); the parameter gradients sum the float32 per-program
     sums, rounded once to ``weight``'s dtype. Rows up to 16384 wide are held whole (unless
-    ``block_n`` asks for narrower tiles)."""
+    ``block_n`` asks for narrower tiles). ``accumulate_into`` (``x``'s shape) is added to
+    ``dx`` in the kernel, in float32: one rounding."""
     require_triton("norm_backward_triton")
     dy, x, w, n = grad_output.contiguous(), x.contiguous(), weight.contiguous(), weight.numel()
     need_db = need_db and center
@@ -294,6 +301,7 @@ def norm_backward_triton(grad_output: torch.Tensor, x: torch.Tensor, mean: torch
     if not m:
         zeros = torch.zeros_like(weight)
         return dx, (zeros if need_dw else None), (zeros.clone() if need_db else None)
+    add = accumulate_into.contiguous() if accumulate_into is not None and need_dx else None
     whole = triton.next_power_of_2(n)
     whole_row = (block_n is None or block_n >= whole) and n <= _WHOLE_ROW_MAX
     block_m, block_n = (1, whole) if whole_row else _blocks(n, block_n)
@@ -304,8 +312,10 @@ def norm_backward_triton(grad_output: torch.Tensor, x: torch.Tensor, mean: torch
     dw_part, db_part = (make((programs, n) if need else (1,), device=x.device,
                              dtype=torch.float32) for need in (need_dw, need_db))
     args = (dy, x, w, rstd if mean is None else mean.contiguous(), rstd.contiguous(),
-            dx if need_dx else dy, dw_part, db_part, m, n, rows_per_program)
-    flags = dict(CENTER=center, NEED_DX=need_dx, NEED_DW=need_dw, NEED_DB=need_db)
+            dx if need_dx else dy, dy if add is None else add, dw_part, db_part, m, n,
+            rows_per_program)
+    flags = dict(CENTER=center, NEED_DX=need_dx, NEED_DW=need_dw, NEED_DB=need_db,
+                 HAS_ADD=add is not None)
     if whole_row:
         _norm_bwd_row_kernel[(programs,)](*args, **flags, BLOCK_N=block_n,
                                           num_warps=max(4, min(16, block_n // 512)))
