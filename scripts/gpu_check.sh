@@ -6,7 +6,8 @@
 # (no argument: bf16 and fp8; tp needs two GPUs (kind nvidia-h200-x2); tiles: the GELU
 # kernels' tile shapes (diagnostics/activation_tiles.py); idle: host time, GPU idle and
 # kernels and host profile of the FP8 attention projections, eager and compiled (gpu_idle.py);
-# breakdown: where the host time of the 8B FFN's T=2048 step goes (host_breakdown.py);
+# breakdown: where the host time of the 8B FFN's T=2048 step goes (host_breakdown.py,
+# host_timers.py);
 # zoo: the block zoo,
 # ZOO_CONFIGS of its configs (default all) from index ZOO_FIRST (default 0, which also
 # profiles); TESTS: which tests, default all, "none" for none; the argument "none" runs no
@@ -64,7 +65,8 @@ if [[ " $benches " == *" idle "* ]]; then  # the open questions of the zoo's las
     bench_rc=$(( bench_rc || PIPESTATUS[0] ))
 fi
 if [[ " $benches " == *" breakdown "* ]]; then  # host time of the 8B FFN at T=2048
-    (cd benchmarks && PYTHONPATH=$PYTHONPATH:$PWD python3 diagnostics/host_breakdown.py 1) \
+    (cd benchmarks && PYTHONPATH=$PYTHONPATH:$PWD python3 diagnostics/host_breakdown.py 1 \
+        && PYTHONPATH=$PYTHONPATH:$PWD python3 diagnostics/host_timers.py 1) \
         2>&1 | tee "$OUT/breakdown.log"
     bench_rc=$(( bench_rc || PIPESTATUS[0] ))
 fi
