@@ -262,3 +262,15 @@ def test_dropout_compiled_draws_the_eager_mask(backend):
         p.grad = None
     got = _dropout_run(compiled, x, dy, 5)
     assert all(torch.equal(a, b) for a, b in zip(eager, got))
+
+
+def test_glu_gradient_keeps_float32_precision_where_the_sigmoid_saturates():
+    """``sigmoid'(a)`` as ``sigmoid(a) sigmoid(-a)``: ``1 - sigmoid(a)`` would lose most
+    of float32's digits for large ``a`` (the GPU test found 5e-4 relative errors)."""
+    from fusible.functional.activations import glu_backward
+    from fusible.testing import assert_close
+    torch.manual_seed(0)
+    x = torch.randn(64, 256) * 6
+    dy = torch.randn(64, 128)
+    assert_close(glu_backward("glu", dy, x), glu_backward("glu", dy.double(), x.double()),
+                 torch.float32, "glu dx")

@@ -59,7 +59,8 @@ GATES = {
     "swiglu": (F.silu, lambda g, a: aten.silu_backward(g, a)),
     "geglu": (lambda a: F.gelu(a, approximate="tanh"),
               lambda g, a: aten.gelu_backward(g, a, approximate="tanh")),
-    "glu": (torch.sigmoid, lambda g, a: aten.sigmoid_backward(g, torch.sigmoid(a))),
+    # sigmoid' = sigmoid(a) sigmoid(-a): (1 - sigmoid(a)) would cancel for large a
+    "glu": (torch.sigmoid, lambda g, a: g * torch.sigmoid(a) * torch.sigmoid(-a)),
     "reglu": (torch.relu, lambda g, a: aten.threshold_backward(g, a, 0)),
     "sreglu": (lambda a: torch.relu(a).square(), lambda g, a: g * 2 * torch.relu(a)),
     "qgeglu": (_qgelu, _qgelu_grad),

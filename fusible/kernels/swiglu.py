@@ -55,9 +55,9 @@ def _gate(a, KIND: tl.constexpr):
         sig = tl.sigmoid(2.0 * inner)
         return a * sig, sig + 2.0 * a * sig * (1.0 - sig) * 0.7978845608028654 * (
             1.0 + 3.0 * 0.044715 * a * a)
-    elif KIND == 2:  # sigmoid
+    elif KIND == 2:  # sigmoid; 1 - sigmoid(a) as sigmoid(-a): no cancellation for large a
         sig = tl.sigmoid(a)
-        return sig, sig * (1.0 - sig)
+        return sig, sig * tl.sigmoid(-a)
     elif KIND == 3:  # ReLU
         return tl.maximum(a, 0.0), tl.where(a > 0.0, 1.0, 0.0)
     elif KIND == 4:  # squared ReLU
