@@ -360,3 +360,39 @@ _ACTIVATION_CAST_SCRIPT = textwrap.dedent("""
 @_GPU_COVERS
 def test_activation_writing_fp8_is_the_activation_then_the_cast():
     _run_interpreted(_ACTIVATION_CAST_SCRIPT)
+
+
+def test_cached_launches_reuse_only_an_identical_specialisation():
+    """A Triton kernel's launch skips ``JITFunction.run`` only for a call that Triton
+    would specialise exactly as an earlier one: any change of dtype, alignment, an int's
+    width, its being 1 or a multiple of 16, or a constexpr goes through the JIT again."""
+    from fusible.kernels import CachedLaunches, jit, tl, triton
+    if triton is None:
+        pytest.skip("Triton is not installed")
+    jit_calls, direct = [], []
+
+    class Compiled:
+        def __getitem__(self, grid):
+            return lambda *args: direct.append((grid, args))
+
+    def jit_run(*args, grid, warmup, **kwargs):
+        jit_calls.append(args)
+        return Compiled()
+
+    @jit
+    def kernel(x_ptr, n, scale, BLOCK: tl.constexpr):
+        pass
+
+    launch = CachedLaunches(kernel, jit_run)
+    x = torch.zeros(64)
+    launch(x, 32, 0.5, grid=(4,), warmup=False, BLOCK=16)
+    launch(x, 48, 0.25, grid=(2, 3), warmup=False, BLOCK=16)  # same specialisation
+    assert len(jit_calls) == 1 and direct == [((2, 3, 1), (x, 48, 0.25, 16))]
+    for args, block in (((x[1:], 32, 0.5), 16), ((x, 1, 0.5), 16), ((x, 33, 0.5), 16),
+                        ((x.double(), 32, 0.5), 16), ((x, 2**40, 0.5), 16),
+                        ((x, 32, 0.5), 32)):
+        launch(*args, grid=(1,), warmup=False, BLOCK=block)
+    assert len(jit_calls) == 7 and len(direct) == 1
+    launch(x, 32, 0.5, grid=(1,), warmup=True, BLOCK=16)  # warm-ups always compile
+    assert len(jit_calls) == 8
+    assert isinstance(kernel.run, CachedLaunches)  # the library's kernels launch so

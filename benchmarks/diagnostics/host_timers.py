@@ -1,6 +1,6 @@
 """Where the host time of an eager step goes, function by function, without a profiler:
 every function of a list (fusible's stages, casts, GEMM wrappers and kernel launchers,
-``torch._scaled_mm``, ``torch.zeros``, Triton's ``JITFunction.run``) is wrapped in a
+``torch._scaled_mm``, ``torch.zeros``, the Triton launches) is wrapped in a
 timer, a step runs 50 times, and each reports its calls and inclusive host time per step
 (about 0.3 us of timer per call; a function's time includes the functions it calls).
 
@@ -15,7 +15,6 @@ import sys
 import time
 
 import torch
-import triton
 
 from host_breakdown import launch_split
 from zoo import CONFIGS
@@ -84,8 +83,8 @@ def install() -> None:
                 setattr(cls, method, classmethod(timed(f"{cls_name}.{method}", fn.__func__)))
     torch._scaled_mm = timed("torch._scaled_mm", torch._scaled_mm)
     torch.zeros = timed("torch.zeros", torch.zeros)
-    jit = triton.runtime.jit.JITFunction
-    jit.run = timed("triton JITFunction.run", jit.run)
+    launches = fusible.kernels.CachedLaunches
+    launches.__call__ = timed("Triton kernel launch (CachedLaunches)", launches.__call__)
 
 
 def main(config) -> None:
