@@ -64,8 +64,10 @@ CURATED = [
        "        return scaled_mm(a, b, bias=bias)\n", "        return scaled_mm(a, b)\n",
        "addmm on two Float8Tensors drops the bias"),
     _m("swiglu_in_16_bits", "fusible/functional/activations.py",
-       "    a, b = x.to(compute_dtype(x.dtype)).chunk(2, -1)\n    return",
-       "    a, b = x.chunk(2, -1)\n    return",
+       "    a, b = _deinterleave(x.to(compute_dtype(x.dtype)), interleave).chunk(2, -1)\n"
+       "    if kind == \"clamped_swiglu\":\n        gate, _, linear",
+       "    a, b = _deinterleave(x, interleave).chunk(2, -1)\n"
+       "    if kind == \"clamped_swiglu\":\n        gate, _, linear",
        "SwiGLU's forward computes in bf16 instead of float32"),
     _m("plan_cache_ignores_extra_rg", "fusible/core/conditions.py",
        "                tuple([e.requires_grad for e in extra_inputs]), recipe_key, training)",
@@ -130,10 +132,10 @@ CURATED = [
        "        if True:",
        "activation checkpointing recomputes under the recipe at backward time"),
     _m("wgrad_wrong_scale", "fusible/functional/linear.py",
-       "        dw = fp8_gemm(dy_q._transpose, dy_q._scale_inv, x_saved._transpose.t(),\n"
+       "        dw = fp8_gemm(dy_q._transpose, dy_scale_inv, x_saved._transpose.t(),\n"
        "                      x_saved._scale_inv, None, dy_q.dtype)",
-       "        dw = fp8_gemm(dy_q._transpose, dy_q._scale_inv, x_saved._transpose.t(),\n"
-       "                      dy_q._scale_inv, None, dy_q.dtype)",
+       "        dw = fp8_gemm(dy_q._transpose, dy_scale_inv, x_saved._transpose.t(),\n"
+       "                      dy_scale_inv, None, dy_q.dtype)",
        "the FP8 wgrad scaled by the wrong operand's scale"),
     _m("reshape_backward_keeps_shape", "fusible/ops/reshape.py",
        "        return BackwardResult(args.grad_output.reshape(args.input_shape))",
@@ -163,8 +165,8 @@ CURATED = [
 # alone, without reading tests/, to measure how the suite does on bugs it has not seen.
 FRESH = [
     _m("dgrad_accumulate_weight_transposed", "fusible/functional/linear.py",
-       "dx = torch.addmm(tokens_2d(accumulate_into), dy2, weight)",
-       "dx = torch.addmm(tokens_2d(accumulate_into), dy2, weight.t())",
+       "dx = torch.addmm(tokens_2d(accumulate_into), dy2, weight, alpha=alpha)",
+       "dx = torch.addmm(tokens_2d(accumulate_into), dy2, weight.t(), alpha=alpha)",
        "the accumulating dgrad (BackwardLinearAdd) multiplies by weight.T: silently wrong "
        "for square layers"),
     _m("grad_sync_without_offset", "fusible/planning/prepare.py",
@@ -179,8 +181,8 @@ FRESH = [
        "dy's transposed FP8 copy (read by wgrad) kept when the input needs a gradient "
        "rather than the weight: wgrad of a first layer finds none"),
     _m("rms_norm_dx_mean_last_dim", "fusible/functional/norms.py",
-       "(g * x_hat).mean(dims, keepdim=True)",
-       "(g * x_hat).mean(-1, keepdim=True)",
+       "dx = rstd * (g - x_hat * (g * x_hat).mean(dims, keepdim=True))\n        if accumulate",
+       "dx = rstd * (g - x_hat * (g * x_hat).mean(-1, keepdim=True))\n        if accumulate",
        "RMSNorm's dx averages over the last dimension only: wrong for a multi-dimensional "
        "normalized_shape"),
     _m("gelu_tanh_backward_exact", "fusible/functional/activations.py",
@@ -188,8 +190,8 @@ FRESH = [
        "lambda dy, x: aten.gelu_backward(dy, x)",
        "tanh GELU's backward uses the exact GELU derivative (forward stays tanh)"),
     _m("swiglu_backward_halves_swapped", "fusible/functional/activations.py",
-       "return torch.cat([da, db], -1).to(x.dtype)",
-       "return torch.cat([db, da], -1).to(x.dtype)",
+       "return _interleave(torch.cat([da, db], -1), interleave).to(x.dtype)",
+       "return _interleave(torch.cat([db, da], -1), interleave).to(x.dtype)",
        "SwiGLU's backward concatenates the gate and value gradients in the wrong order"),
     _m("dbias_sums_dy_not_dact", "fusible/functional/activations.py",
        "return dact, bias_grad(dact)",
@@ -292,8 +294,10 @@ FRESH = [
        "return (rstd * dyf).to(dy.dtype)",
        "L2Normalization's input gradient forgets the norm's own dependence on the input"),
     _m("glu_gates_the_second_half", "fusible/functional/activations.py",
-       "    a, b = x.to(compute_dtype(x.dtype)).chunk(2, -1)\n    return (GATES[kind][0](a) * b)",
-       "    b, a = x.to(compute_dtype(x.dtype)).chunk(2, -1)\n    return (GATES[kind][0](a) * b)",
+       "    a, b = _deinterleave(x.to(compute_dtype(x.dtype)), interleave).chunk(2, -1)\n"
+       "    if kind == \"clamped_swiglu\":\n        gate, _, linear",
+       "    b, a = _deinterleave(x.to(compute_dtype(x.dtype)), interleave).chunk(2, -1)\n"
+       "    if kind == \"clamped_swiglu\":\n        gate, _, linear",
        "the gated units gate the second half (PyTorch's F.glu convention, not "
        "TransformerEngine's)"),
     _m("clamped_swiglu_gradient_through_the_clamp", "fusible/functional/activations.py",
