@@ -318,7 +318,7 @@ FRESH = [
        "BackwardLinearScale forgets the scale in the weight gradient"),
     _m("add_rms_norm_branch_gradient_dropped", "fusible/functional/norms.py",
        "        if accumulate_into is not None:\n            dx = dx + _float(accumulate_into)",
-       "        if accumulate_into is None:\n            dx = dx + _float(accumulate_into)",
+       "        if accumulate_into is not None:\n            dx = dx + 0 * _float(accumulate_into)",
        "BackwardAddRMSNorm drops the residual branch's gradient"),
     _m("cached_launch_ignores_alignment", "fusible/kernels/__init__.py",
        "        return value.dtype, value.get_device(), value.data_ptr() % 16 == 0",
