@@ -401,3 +401,61 @@ def test_activation_writing_fp8_on_gpu(kind, dtype):
         assert torch.equal(fused[1], ref[1])
         for got, want in (fused[0], ref[0]), (fused[2], ref[2]):
             assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+
+
+@pytest.mark.parametrize("dtype", GPU_DTYPES, ids=str)
+def test_interleaved_and_clamped_gated_units_on_gpu(dtype):
+    """The kernels' interleaved halves and clamped SwiGLU against FP64, and their FP8
+    outputs as the plain kernel followed by the cast (bits)."""
+    from fusible.functional.activations import glu_backward, glu_forward
+    from fusible.kernels.fp8_cast import cast_to_fp8_triton
+    from fusible.kernels.swiglu import (swiglu_backward_fp8_triton, swiglu_backward_triton,
+                                        swiglu_forward_fp8_triton, swiglu_forward_triton)
+    torch.manual_seed(0)
+    x = torch.randn(300, 512, device="cuda").to(dtype)
+    dy = torch.randn(300, 256, device="cuda").to(dtype)
+    for layout in (dict(kind="clamped_swiglu", clamp=(1.0, 1.702, 1.0)),
+                   dict(kind="clamped_swiglu", interleave=1),
+                   dict(kind="swiglu", interleave=64), dict(kind="geglu", interleave=8)):
+        what = f"{layout} {dtype}"
+        assert_close(swiglu_forward_triton(x, **layout), glu_forward(x=x.double(), **layout),
+                     dtype, what)
+        assert_close(swiglu_backward_triton(dy, x, **layout),
+                     glu_backward(grad_output=dy.double(), x=x.double(), **layout), dtype,
+                     f"{what} dx")
+        if dtype != torch.bfloat16:
+            continue
+        fp8 = torch.float8_e4m3fn
+        for fused, plain in ((swiglu_forward_fp8_triton(x, fp8, FP8_MAX[fp8], True, **layout),
+                              swiglu_forward_triton(x, **layout)),
+                             (swiglu_backward_fp8_triton(dy, x, fp8, FP8_MAX[fp8], True,
+                                                         **layout),
+                              swiglu_backward_triton(dy, x, **layout))):
+            for got, want in zip(fused, cast_to_fp8_triton(plain, fp8, FP8_MAX[fp8], True)):
+                assert same_bits(got, want), what
+
+
+@pytest.mark.parametrize("dtype", GPU_DTYPES, ids=str)
+def test_rms_norm_backward_adds_the_branch_gradient_on_gpu(dtype):
+    from fusible.functional.norms import rms_norm_backward, rms_norm_forward
+    from fusible.kernels.norms import norm_backward_triton, norm_forward_triton
+    torch.manual_seed(0)
+    for n in (4096, 20000):  # whole rows, and column tiles
+        x, dy, add = (torch.randn(64, n, device="cuda").to(dtype) for _ in range(3))
+        w = torch.randn(n, device="cuda").to(dtype)
+        _, _, rstd = norm_forward_triton(x, w, None, 1e-5, False)
+        _, ref_rstd = rms_norm_forward(x.double(), w.double(), [n], 1e-5)
+        dx, _, _ = norm_backward_triton(dy, x, None, rstd, w, False, True, False,
+                                        accumulate_into=add)
+        want, _ = rms_norm_backward(dy.double(), x.double(), ref_rstd, w.double(), [n], True,
+                                    False)
+        assert_close(dx, want + add.double(), dtype, f"dx + add, {n} wide")
+
+
+def test_cached_launches_keep_unaligned_pointers_apart_on_gpu():
+    """A launch on a pointer off the 16-byte grid after one on an aligned pointer (the
+    cached kernel may assume alignment) gives the right values."""
+    from fusible.kernels.fp8_cast import amax_triton
+    x = torch.randn(4097, device="cuda", dtype=torch.bfloat16)
+    for view in (x[:4096], x[1:], x[:4096], x[3:4099]):
+        assert amax_triton(view).item() == view.float().abs().max().item()
