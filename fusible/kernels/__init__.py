@@ -18,17 +18,23 @@ def _never_compiled(fn):
     return fn
 
 
+_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
+
+
 def _arg_key(value):
     """What Triton's JIT specialises a runtime argument on, or finer: a tensor's dtype,
     device and 16-byte alignment; an int's width, whether it is 1 and whether 16 divides
-    it; a bool's value; only the type of a float (always fp32) or None."""
-    if isinstance(value, torch.Tensor):
-        return value.dtype, value.get_device(), value.data_ptr() % 16 == 0
-    if isinstance(value, bool):
-        return value
-    if isinstance(value, int):
-        return int, -2**31 <= value < 2**31, value == 1, value % 16 == 0
-    return type(value)
+    it; a bool's value; only the type of a float (always fp32) or None. Tensors come first:
+    most arguments are pointers."""
+    kind = type(value)
+    if kind in _TENSOR_TYPES or isinstance(value, torch.Tensor):
+        return value.dtype, value.get_device(), not value.data_ptr() & 15
+    if kind is int:  # i32, i64 or u64, as Triton types it
+        width = 0 if -2**31 <= value < 2**31 else 1 if -2**63 <= value < 2**63 else 2
+        return width, value == 1, not value & 15
+    if kind is bool:
+        return value, bool
+    return kind
 
 
 class CachedLaunches:
@@ -51,6 +57,7 @@ class CachedLaunches:
         self.names = list(kernel.arg_names)
         self.index = {name: i for i, name in enumerate(self.names)}
         self.constexpr = [p.is_constexpr for p in kernel.params]
+        self.layouts = {}  # (number of positional arguments, keyword names) -> _layout
 
     def __call__(self, *args, grid, warmup, **kwargs):
         key = None if warmup or type(grid) is not tuple else self.key(args, kwargs)
@@ -66,13 +73,28 @@ class CachedLaunches:
         return hit
 
     def key(self, args, kwargs):
-        names, constexpr, index = self.names, self.constexpr, self.index
-        if getattr(self.kernel, "pre_run_hooks", None) or len(args) + sum(
-                name in kwargs for name in names[len(args):]) != len(names):
+        """The cache key of a call, or None where Triton's own path must run."""
+        names = tuple(kwargs)
+        layout = self.layouts.get((len(args), names))
+        if layout is None:
+            layout = self.layouts[(len(args), names)] = self._layout(len(args), names)
+        if layout is False or getattr(self.kernel, "pre_run_hooks", None):
             return None
-        return (tuple(a if constexpr[i] else _arg_key(a) for i, a in enumerate(args)),
-                tuple((k, v if k not in index or constexpr[index[k]] else _arg_key(v))
-                      for k, v in kwargs.items()))
+        positional, keyword = layout
+        return (names,
+                tuple([_arg_key(a) if runtime else a for a, runtime in zip(args, positional)]),
+                tuple([_arg_key(v) if runtime else v
+                       for v, runtime in zip(kwargs.values(), keyword)]))
+
+    def _layout(self, n_args: int, names: tuple):
+        """Which positional and keyword values are runtime arguments (keyed by
+        :func:`_arg_key`; constexprs and launch options by value), or False when some
+        argument is left to its default."""
+        if n_args + sum(name in names for name in self.names[n_args:]) != len(self.names):
+            return False
+        runtime = [not c for c in self.constexpr]
+        return (runtime[:n_args],
+                [name in self.index and runtime[self.index[name]] for name in names])
 
 
 def _cached_launch_jit(fn):
