@@ -390,9 +390,11 @@ def test_cached_launches_reuse_only_an_identical_specialisation():
     assert len(jit_calls) == 1 and direct == [((2, 3, 1), (x, 48, 0.25, 16))]
     for args, block in (((x[1:], 32, 0.5), 16), ((x, 1, 0.5), 16), ((x, 33, 0.5), 16),
                         ((x.double(), 32, 0.5), 16), ((x, 2**40, 0.5), 16),
-                        ((x, 32, 0.5), 32)):
+                        ((x, 2**63, 0.5), 16), ((x, 32, 0.5), 32)):
         launch(*args, grid=(1,), warmup=False, BLOCK=block)
-    assert len(jit_calls) == 7 and len(direct) == 1
+    assert len(jit_calls) == 8 and len(direct) == 1
+    launch(x, 2**41, 0.5, grid=(1,), warmup=False, BLOCK=16)  # i64 again: a hit
+    assert len(jit_calls) == 8 and len(direct) == 2
     launch(x, 32, 0.5, grid=(1,), warmup=True, BLOCK=16)  # warm-ups always compile
-    assert len(jit_calls) == 8
+    assert len(jit_calls) == 9
     assert isinstance(kernel.run, CachedLaunches)  # the library's kernels launch so
