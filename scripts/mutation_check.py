@@ -321,7 +321,7 @@ FRESH = [
        "        if accumulate_into is not None:\n            dx = dx + 0 * _float(accumulate_into)",
        "BackwardAddRMSNorm drops the residual branch's gradient"),
     _m("cached_launch_ignores_alignment", "fusible/kernels/__init__.py",
-       "        return value.dtype, value.get_device(), value.data_ptr() % 16 == 0",
+       "        return value.dtype, value.get_device(), not value.data_ptr() & 15",
        "        return value.dtype, value.get_device()",
        "a Triton launch reuses a kernel compiled for 16-byte aligned pointers on an "
        "unaligned one"),
