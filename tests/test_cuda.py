@@ -459,3 +459,32 @@ def test_cached_launches_keep_unaligned_pointers_apart_on_gpu():
     x = torch.randn(4097, device="cuda", dtype=torch.bfloat16)
     for view in (x[:4096], x[1:], x[:4096], x[3:4099]):
         assert amax_triton(view).item() == view.float().abs().max().item()
+
+
+def test_backward_linear_scale_fp8_with_a_negative_scale_on_gpu():
+    """Under FP8 the scale multiplies dy's inverse scale inside the GEMMs: a negative one
+    too. The fused gradients match the unfused ones (which quantize ``scale * dy``) to the
+    FP8 rounding of that product."""
+    import fusible
+    from fusible.fusions.backward_linear_scale import BackwardLinearScale
+    torch.manual_seed(0)
+    model = ops.Sequential(ops.BasicLinear(128, 256), ops.ConstantScale(-0.75)).to(
+        "cuda", torch.bfloat16)
+    x = torch.randn(64, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(64, 256, device="cuda", dtype=torch.bfloat16)
+    grads = []
+    for fused in (True, False):
+        if not fused:
+            fusible.unregister_fusion(BackwardLinearScale)
+        try:
+            with fusible.autocast():
+                assert ("BackwardLinearScale" in stage_names(model.plan(x).backward)) == fused
+                model(x).backward(dy)
+        finally:
+            if not fused:
+                fusible.register_fusion(BackwardLinearScale)
+        grads.append((x.grad, model[0].weight.grad))
+        x.grad = model[0].weight.grad = None
+    for got, want in zip(*grads):
+        torch.testing.assert_close(got.float(), want.float(), rtol=0.07,
+                                   atol=0.07 * want.abs().max().item())

@@ -274,3 +274,30 @@ def test_glu_gradient_keeps_float32_precision_where_the_sigmoid_saturates():
     dy = torch.randn(64, 128)
     assert_close(glu_backward("glu", dy, x), glu_backward("glu", dy.double(), x.double()),
                  torch.float32, "glu dx")
+
+
+def test_the_feature_split_passes_through_ops_that_keep_features():
+    """After a column-parallel layer the split runs through every op that maps each feature
+    to itself (bias, activation, dropout, extra inputs and outputs, collectives along the
+    tokens too, not built here: they need a process group): a chunked gated unit behind any
+    of them is refused; an op that mixes features ends the split."""
+    from fusible.functional.parallel import TensorParallel
+    from fusible.planning.passes import check_gated_layouts
+
+    class ColumnParallel:  # what the pass reads of a column-parallel layer on 2 ranks
+        tp = TensorParallel("column", False, "g", 2)
+        keeps_features = False
+
+        def describe(self):
+            return "BasicLinear(column)"
+
+        def check_split_features(self, producer, world_size):
+            pass
+
+    for between in ([], [ops.Bias(8)], [ops.MakeExtraOutput()], [ops.AddExtraInput()],
+                    [ops.GELU(), ops.Dropout(0.1)]):
+        with pytest.raises(ValueError, match=r"SwiGLU\(\) after the column-parallel "
+                                             r"BasicLinear\(column\): each of the 2 ranks"):
+            check_gated_layouts([ColumnParallel(), *between, ops.SwiGLU()])
+        check_gated_layouts([ColumnParallel(), *between, ops.SwiGLU(glu_interleave_size=2)])
+    check_gated_layouts([ColumnParallel(), ops.LayerNorm(8), ops.SwiGLU()])  # split ended

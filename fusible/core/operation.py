@@ -99,8 +99,9 @@ class BasicOperationSpec(FusibleSpec, StageSpec):
     param_names: ClassVar[tuple] = ()
     quantized_params: ClassVar[tuple] = ()
     # Each output feature (last dimension) comes from the same input feature alone (a bias,
-    # a pointwise activation, dropout, a scale): a split of the features over a
-    # tensor-parallel group passes through unchanged (planning.passes.check_gated_layouts).
+    # a pointwise activation, dropout, a scale, an extra input or output, a collective along
+    # the tokens): a split of the features over a tensor-parallel group passes through
+    # unchanged (planning.passes.check_gated_layouts).
     keeps_features: ClassVar[bool] = False
     num_extra_inputs: ClassVar[int] = 0
     num_extra_outputs: ClassVar[int] = 0

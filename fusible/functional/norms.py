@@ -143,13 +143,3 @@ def rms_norm_backward(dy: Tensor, x: Tensor, rstd: Tensor, weight: Tensor,
     if need_dw:
         dw = (dyf * x_hat).reshape(-1, *normalized_shape).sum(0).to(dtype)
     return dx, dw
-    dtype = dy.dtype
-    dims = tuple(range(-len(normalized_shape), 0))
-    dyf, x_hat = _float(dy), _float(x) * rstd
-    dx = dw = None
-    if need_dx:
-        g = dyf * _float(weight)
-        dx = (rstd * (g - x_hat * (g * x_hat).mean(dims, keepdim=True))).to(dtype)
-    if need_dw:
-        dw = (dyf * x_hat).reshape(-1, *normalized_shape).sum(0).to(dtype)
-    return dx, dw

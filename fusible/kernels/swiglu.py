@@ -58,10 +58,10 @@ def _gate(a, KIND: tl.constexpr):
     elif KIND == 2:  # sigmoid; 1 - sigmoid(a) as sigmoid(-a): no cancellation for large a
         sig = tl.sigmoid(a)
         return sig, sig * tl.sigmoid(-a)
-    elif KIND == 3:  # ReLU
-        return tl.maximum(a, 0.0), tl.where(a > 0.0, 1.0, 0.0)
+    elif KIND == 3:  # ReLU (NaN kept, as torch.relu keeps it)
+        return tl.maximum(a, 0.0, propagate_nan=tl.PropagateNan.ALL), tl.where(a > 0.0, 1.0, 0.0)
     elif KIND == 4:  # squared ReLU
-        r = tl.maximum(a, 0.0)
+        r = tl.maximum(a, 0.0, propagate_nan=tl.PropagateNan.ALL)
         return r * r, 2.0 * r
     else:  # KIND 5, quick GELU: a * sigmoid(1.702 a)
         sig = tl.sigmoid(1.702 * a)

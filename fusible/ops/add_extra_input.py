@@ -34,6 +34,8 @@ class AddExtraInput(BasicOperation):
     The extra input must have the shape, dtype and device of ``x``. Saves nothing.
     """
 
+    keeps_features = True
+
     num_extra_inputs = 1
     fwd_args_type = AddForwardArgs
     bwd_args_type = AddBackwardArgs

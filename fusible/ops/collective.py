@@ -52,6 +52,8 @@ class Collective(BasicOperation, abstract=True):
         The group; the default group when None.
     """
 
+    keeps_features = True  # along dim 0: the features stay as they are
+
     fwd_args_type = CollectiveForwardArgs
     bwd_args_type = CollectiveBackwardArgs
     # The collective each direction runs, as plans name it (None: none).

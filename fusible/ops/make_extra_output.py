@@ -36,6 +36,8 @@ class MakeExtraOutput(BasicOperation):
     flowing through.
     """
 
+    keeps_features = True
+
     num_extra_outputs = 1
     fwd_args_type = BranchForwardArgs
     bwd_args_type = BranchBackwardArgs

@@ -45,7 +45,7 @@ class ClampedSwiGLU(GatedActivation):
     Parameters
     ----------
     limit : float
-        The clamp limit, positive.
+        The clamp limit, at least 0.
     alpha : float
         The sigmoid's scale.
     glu_linear_offset : float
