@@ -104,7 +104,10 @@ def report(row: str, config: tuple = CONFIGS[0]) -> None:
     print(host_profile(step))
 
 
-def host_profile(step, steps: int = 20, top: int = 18) -> str:
+def host_profile(step, steps: int = 20, top: int = 18, sort: str = "tottime",
+                 restrict: tuple = ()) -> str:
+    """cProfile's table of ``steps`` calls of ``step``, the ``top`` rows by ``sort``
+    (among the functions whose path matches the ``restrict`` regular expressions)."""
     profiler = cProfile.Profile()
     profiler.enable()
     for _ in range(steps):
@@ -112,8 +115,8 @@ def host_profile(step, steps: int = 20, top: int = 18) -> str:
     profiler.disable()
     torch.cuda.synchronize()
     text = io.StringIO()
-    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(top)
-    lines = [line[:150] for line in text.getvalue().splitlines() if line.strip()]
+    pstats.Stats(profiler, stream=text).sort_stats(sort).print_stats(*restrict, top)
+    lines = [line[:160] for line in text.getvalue().splitlines() if line.strip()]
     return "\n".join(f"   | {line}" for line in lines[2:])
 
 

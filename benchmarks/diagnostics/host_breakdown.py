@@ -3,17 +3,15 @@ Llama-3-8B FFN at 2048 tokens, where fusible's FP8 steps wait on the host):
 
 - per row, the host time to launch the forward and the backward (no profiler; the GPU
   runs behind, so this is launch cost alone), median of 20 steps;
-- fusible's own functions by cumulative host time over 20 FP8 eager steps (cProfile: its
-  overhead inflates every figure, compare them with each other);
+- fusible's own functions by cumulative host time over 20 FP8 eager steps
+  (``gpu_idle.host_profile``, cProfile: its overhead inflates every figure, compare them
+  with each other);
 - one Triton launch through ``JITFunction`` against through the compiled kernel it
   returns (the binding and specialisation the JIT redoes on every call).
 
     PYTHONPATH=.:benchmarks python3 benchmarks/diagnostics/host_breakdown.py [CONFIG_INDEX]
 """
 
-import cProfile
-import io
-import pstats
 import statistics
 import sys
 import time
@@ -21,6 +19,7 @@ import time
 import torch
 
 from fusible.kernels import fp8_cast
+from gpu_idle import host_profile
 from gpu_mlp import prepare
 from host_costs import per_call_us
 from zoo import CONFIGS, build_row
@@ -58,20 +57,6 @@ def launch_split(row: str, config: tuple, steps: int = 20):
             halves)
 
 
-def fusible_functions(step, steps: int = 20, top: int = 45) -> str:
-    profiler = cProfile.Profile()
-    profiler.enable()
-    for _ in range(steps):
-        step()
-    profiler.disable()
-    torch.cuda.synchronize()
-    text = io.StringIO()
-    stats = pstats.Stats(profiler, stream=text).sort_stats("cumtime")
-    stats.print_stats("fusible|triton|torch/_tensor|autograd", top)
-    return "\n".join(f"   | {line[:160]}" for line in text.getvalue().splitlines()[4:]
-                     if line.strip())
-
-
 def triton_launch_paths() -> None:
     x = torch.randn(256, 512, device="cuda", dtype=torch.bfloat16)
     amax = torch.ones((), device="cuda")
@@ -107,7 +92,8 @@ def main(config: tuple) -> None:
         if row == "fusible_fp8_eager":
             fp8_step = step
     print("== fusible FP8 eager, cumulative host time of fusible's functions, 20 steps")
-    print(fusible_functions(fp8_step))
+    print(host_profile(fp8_step, top=45, sort="cumtime",
+                       restrict=("fusible|triton|torch/_tensor|autograd",)))
     print("== one cast-kernel launch")
     triton_launch_paths()
 

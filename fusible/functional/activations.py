@@ -142,7 +142,7 @@ def glu_forward(kind: str, x: Tensor, output_format: Optional[Float8Format] = No
             return from_cast_parts(swiglu_kernels.swiglu_forward_fp8_triton(
                 x, *output_format.cast_args(), **layout), x.dtype)
         return swiglu_kernels.swiglu_forward_triton(x, **layout)
-    _check_halves(kind, x, interleave)
+    swiglu_kernels.check_halves(x, kind, interleave)
     a, b = _deinterleave(x.to(compute_dtype(x.dtype)), interleave).chunk(2, -1)
     if kind == "clamped_swiglu":
         gate, _, linear = _clamped(a, b, clamp)
@@ -161,7 +161,7 @@ def glu_backward(kind: str, grad_output: Tensor, x: Tensor,
             return from_cast_parts(swiglu_kernels.swiglu_backward_fp8_triton(
                 grad_output, x, *output_format.cast_args(), **layout), grad_output.dtype)
         return swiglu_kernels.swiglu_backward_triton(grad_output, x, **layout)
-    _check_halves(kind, x, interleave)
+    swiglu_kernels.check_halves(x, kind, interleave)
     cdt = compute_dtype(x.dtype)
     a, b = _deinterleave(x.to(cdt), interleave).chunk(2, -1)
     dy = grad_output.to(cdt)
@@ -182,14 +182,6 @@ def _clamped(a: Tensor, b: Tensor, clamp: tuple) -> tuple:
     a, b = a.clamp(max=limit), b.clamp(-limit, limit)
     sig = torch.sigmoid(alpha * a)
     return a * sig, sig + alpha * a * sig * (1 - sig), b + offset
-
-
-def _check_halves(kind: str, x: Tensor, interleave: int) -> None:
-    """The Triton path's size check, on the PyTorch path too."""
-    width = 2 * interleave if interleave else 2
-    if x.dim() == 0 or x.shape[-1] % width:
-        raise ValueError(f"{kind} needs a last dimension divisible by {width}, got "
-                         f"{tuple(x.shape)}")
 
 
 def _deinterleave(x: Tensor, interleave: int) -> Tensor:

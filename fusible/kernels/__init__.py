@@ -18,17 +18,14 @@ def _never_compiled(fn):
     return fn
 
 
-_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
-
-
 def _arg_key(value):
     """What Triton's JIT specialises a runtime argument on, or finer: a tensor's dtype,
     device and 16-byte alignment; an int's width, whether it is 1 and whether 16 divides
     it; a bool's value; only the type of a float (always fp32) or None. Tensors come first:
     most arguments are pointers."""
-    kind = type(value)
-    if kind in _TENSOR_TYPES or isinstance(value, torch.Tensor):
+    if isinstance(value, torch.Tensor):
         return value.dtype, value.get_device(), not value.data_ptr() & 15
+    kind = type(value)
     if kind is int:  # i32, i64 or u64, as Triton types it
         width = 0 if -2**31 <= value < 2**31 else 1 if -2**63 <= value < 2**63 else 2
         return width, value == 1, not value & 15

@@ -193,13 +193,19 @@ def _swiglu_bwd_cast_kernel(dy_ptr, x_ptr, amax_ptr, data_ptr, t_ptr, scale_inv_
 CLAMP_DEFAULTS = (7.0, 1.702, 1.0)
 
 
-def _rows_and_half(x: torch.Tensor, kind: str, interleave: int) -> tuple:
+def check_halves(x: torch.Tensor, kind: str, interleave: int) -> None:
+    """ValueError unless ``kind`` is a gated unit and ``x``'s last dimension splits into
+    its halves (blocks of ``interleave``); the PyTorch path checks the same."""
     if kind not in KINDS:
         raise ValueError(f"gated kind must be one of {list(KINDS)}, got {kind!r}")
     width = 2 * interleave if interleave else 2
     if x.dim() == 0 or x.shape[-1] % width:
         raise ValueError(f"{kind} needs a last dimension divisible by {width}, got "
                          f"{tuple(x.shape)}")
+
+
+def _rows_and_half(x: torch.Tensor, kind: str, interleave: int) -> tuple:
+    check_halves(x, kind, interleave)
     n = x.shape[-1] // 2
     return (x.numel() // x.shape[-1] if x.shape[-1] else 0), n
 

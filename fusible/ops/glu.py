@@ -181,7 +181,12 @@ class GatedActivation(BasicOperation, abstract=True):
         return self.unit_reference(a, b), ()
 
     def unit_reference(self, a, b):
-        """The unit's value from the halves, in PyTorch ops (the FP64 reference)."""
+        """The unit's value from the halves, in PyTorch ops (the FP64 reference):
+        ``gate(a) * b``."""
+        return self.gate_reference(a) * b
+
+    @staticmethod
+    def gate_reference(a):
         raise NotImplementedError
 
     @classmethod
@@ -193,9 +198,7 @@ class GLU(GatedActivation):
     """``sigmoid(a) * b``."""
 
     kind = "glu"
-
-    def unit_reference(self, a, b):
-        return torch.sigmoid(a) * b
+    gate_reference = staticmethod(torch.sigmoid)
 
 
 class GEGLU(GatedActivation):
@@ -203,8 +206,9 @@ class GEGLU(GatedActivation):
 
     kind = "geglu"
 
-    def unit_reference(self, a, b):
-        return F.gelu(a, approximate="tanh") * b
+    @staticmethod
+    def gate_reference(a):
+        return F.gelu(a, approximate="tanh")
 
 
 class QGEGLU(GatedActivation):
@@ -212,17 +216,16 @@ class QGEGLU(GatedActivation):
 
     kind = "qgeglu"
 
-    def unit_reference(self, a, b):
-        return a * torch.sigmoid(1.702 * a) * b
+    @staticmethod
+    def gate_reference(a):
+        return a * torch.sigmoid(1.702 * a)
 
 
 class ReGLU(GatedActivation):
     """``relu(a) * b``."""
 
     kind = "reglu"
-
-    def unit_reference(self, a, b):
-        return torch.relu(a) * b
+    gate_reference = staticmethod(torch.relu)
 
 
 class SReGLU(GatedActivation):
@@ -230,5 +233,6 @@ class SReGLU(GatedActivation):
 
     kind = "sreglu"
 
-    def unit_reference(self, a, b):
-        return torch.relu(a).square() * b
+    @staticmethod
+    def gate_reference(a):
+        return torch.relu(a).square()

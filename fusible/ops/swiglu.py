@@ -27,9 +27,7 @@ class SwiGLU(GatedActivation):
     """
 
     kind = "swiglu"
-
-    def unit_reference(self, a, b):
-        return F.silu(a) * b
+    gate_reference = staticmethod(F.silu)
 
 
 class ClampedSwiGLU(GatedActivation):
@@ -74,7 +72,7 @@ class ClampedSwiGLU(GatedActivation):
     def clamp(self) -> tuple:
         return (self.limit, self.alpha, self.glu_linear_offset)
 
-    def unit_reference(self, a, b):
+    def unit_reference(self, a, b):  # not gate(a) * b: both halves are clamped
         a, b = a.clamp(max=self.limit), b.clamp(-self.limit, self.limit)
         return a * torch.sigmoid(self.alpha * a) * (b + self.glu_linear_offset)
 
