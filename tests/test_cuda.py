@@ -461,6 +461,40 @@ def test_cached_launches_keep_unaligned_pointers_apart_on_gpu():
         assert amax_triton(view).item() == view.float().abs().max().item()
 
 
+def test_amax_slots_zeroed_again_eagerly_and_zeros_under_capture_on_gpu(monkeypatch):
+    """The casts' amax accumulators (fp8_cast._ZeroedSlots) start from zero after the
+    slots wrap around, on the stream that used them; a captured CUDA graph gets fresh
+    zeros (captured with it), so each replay scales its own input."""
+    from fusible.kernels import fp8_cast
+    from fusible.quantization.cast import cast_to_fp8_torch
+    monkeypatch.setattr(fp8_cast._ZeroedSlots, "count", 3)
+    monkeypatch.setattr(fp8_cast, "_SLOTS", {})
+
+    def cast(x):
+        return fp8_cast.cast_to_fp8_triton(x, torch.float8_e4m3fn, 448.0, False)[1]
+
+    torch.manual_seed(0)
+    side = torch.cuda.Stream()
+    for k in range(8):  # shrinking maxima: a slot used again unzeroed keeps a larger one
+        x = torch.randn(300, 200, device="cuda") * 2.0 ** -k
+        stream = side if k % 3 == 2 else torch.cuda.current_stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            got = cast(x)
+        torch.cuda.current_stream().wait_stream(stream)
+        assert torch.equal(got, cast_to_fp8_torch(x, torch.float8_e4m3fn)[1]), k
+    assert len(fp8_cast._SLOTS) == 2  # one set of slots per stream
+    static = torch.randn(300, 200, device="cuda")
+    cast(static)  # compile the kernels outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = cast(static)
+    for k in range(3):
+        static.copy_(torch.randn(300, 200, device="cuda") * 2.0 ** -k)
+        graph.replay()
+        assert torch.equal(captured, cast_to_fp8_torch(static, torch.float8_e4m3fn)[1]), k
+
+
 def test_backward_linear_scale_fp8_with_a_negative_scale_on_gpu():
     """Under FP8 the scale multiplies dy's inverse scale inside the GEMMs: a negative one
     too. The fused gradients match the unfused ones (which quantize ``scale * dy``) to the

@@ -109,6 +109,37 @@ _GPU_COVERS = pytest.mark.skipif(
     "Triton 3.6's interpreter rejects their runtime loop bounds")
 
 
+_ZEROED_SLOTS_SCRIPT = textwrap.dedent("""
+    import torch
+    from fusible.kernels import fp8_cast
+    from fusible.kernels.swiglu import swiglu_forward_fp8_triton
+    from fusible.quantization.cast import cast_to_fp8_torch
+    fp8_cast._ZeroedSlots.count = 3  # the slots wrap around twice below
+    torch.manual_seed(0)
+    for k in range(8):  # shrinking maxima: a slot not zeroed again keeps a larger one
+        x = torch.randn(40, 64) * 2.0 ** -k
+        _, scale_inv = fp8_cast.cast_to_fp8_triton(x, torch.float8_e4m3fn, 448.0, False,
+                                                   block=256, block_m=16, block_n=32)
+        assert torch.equal(scale_inv, cast_to_fp8_torch(x, torch.float8_e4m3fn)[1]), k
+        y = x[:, :32] * torch.sigmoid(x[:, :32]) * x[:, 32:]
+        _, scale_inv = swiglu_forward_fp8_triton(x, torch.float8_e4m3fn, 448.0, False,
+                                                 block_m=16, block_n=16)
+        assert torch.equal(scale_inv, cast_to_fp8_torch(y, torch.float8_e4m3fn)[1]), k
+    slots = next(iter(fp8_cast._SLOTS.values()))
+    assert slots.buffer.data_ptr() % 16 == 0 and all(
+        s.data_ptr() % 16 == 0 for s in slots.slots)
+    print("ok")
+""")
+
+
+@_GPU_COVERS
+def test_amax_slots_start_from_zero_after_wrapping_around():
+    """The amax accumulators handed out in turn (no fill per cast) are zero each time:
+    with shrinking inputs a slot used again without its fill would give a larger
+    amax, so a larger scale_inv than PyTorch's cast."""
+    _run_interpreted(_ZEROED_SLOTS_SCRIPT)
+
+
 @_GPU_COVERS
 def test_fp8_cast_triton_scale_and_layout():
     _run_interpreted(_CAST_SCRIPT)

@@ -14,7 +14,8 @@ import torch
 
 from fusible.kernels import jit, require_triton, tl
 from fusible.kernels.fp8_cast import (atomic_amax_of_tile, fp8_buffers, fp8_results,
-                                      scale_from_amax, store_fp8_tile, tile_coords, tile_grid)
+                                      scale_from_amax, store_fp8_tile, tile_coords, tile_grid,
+                                      zeroed_amax)
 
 # The activations whose backward reads their input (ReLU's reads its output, which
 # must then stay in high precision: it keeps the unfused path).
@@ -97,7 +98,7 @@ def activation_fp8_triton(kind: str, x: torch.Tensor, fp8_dtype: torch.dtype, fp
     if not m * n:
         raise ValueError(f"activation_fp8_triton: empty input {tuple(x.shape)}")
     x = x.contiguous()
-    amax = torch.zeros((), device=x.device, dtype=torch.float32)
+    amax = zeroed_amax(x.device)
     grid = tile_grid(m, n, block_m, block_n)
     _activation_kernel[grid](x, amax, amax, m, n, KIND=KINDS[kind], AMAX_ONLY=True,
                              BLOCK_M=block_m, BLOCK_N=block_n)

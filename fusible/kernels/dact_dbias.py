@@ -18,7 +18,7 @@ import torch
 
 from fusible.kernels import jit, require_triton, tl, triton
 from fusible.kernels.fp8_cast import (fp8_buffers, fp8_results, max_keep_nan, scale_from_amax,
-                                      store_fp8_tile, tile_coords, tile_grid)
+                                      store_fp8_tile, tile_coords, tile_grid, zeroed_amax)
 
 KINDS = {"gelu": 0, "gelu_tanh": 1, "relu": 2, "silu": 3}
 
@@ -135,7 +135,7 @@ def dact_dbias_fp8_triton(kind: str, grad_output: torch.Tensor, saved: torch.Ten
     m = dy.numel() // n
     chunks = triton.cdiv(m, rows_per_program)
     partial = torch.empty(chunks, n, device=dy.device, dtype=torch.float32)
-    amax = torch.zeros((), device=dy.device, dtype=torch.float32)
+    amax = zeroed_amax(dy.device)
     _dact_dbias_kernel[(chunks, triton.cdiv(n, block_n))](  # dact_ptr: unused
         dy, s, partial, partial, amax, m, n, KIND=KINDS[kind], KEEP_AMAX=True,
         ROWS_PER_PROGRAM=rows_per_program, BLOCK_M=block_m, BLOCK_N=block_n)

@@ -129,11 +129,58 @@ def tile_grid(m: int, n: int, block_m: int, block_n: int) -> tuple:
     return (triton.cdiv(m, block_m) * triton.cdiv(n, block_n),)
 
 
-def amax_triton(x: torch.Tensor, block: int = 4096) -> torch.Tensor:
-    """The float32 0-d absolute maximum of the non-empty ``x`` (NaN if any is NaN)."""
+class _ZeroedSlots:
+    """Zeroed float32 amax accumulators of one device and stream, handed out in turn:
+    the kernels fold their absolute maxima in with atomics, which need a zero to start
+    from, and a fresh ``torch.zeros`` per cast is one more launch and allocation (about
+    30 us of host time each in a host-bound FP8 step, six casts a step). One fill
+    re-zeroes all the slots once they have been handed out; being on the slots' stream,
+    it runs after every kernel that used them. Each slot is 16-byte aligned, as Triton
+    specialises pointers."""
+
+    count = 1024
+    stride = 4  # float32 elements between slots: 16 bytes
+
+    def __init__(self, device: torch.device):
+        self.buffer = torch.zeros(self.count * self.stride, device=device, dtype=torch.float32)
+        self.slots = list(self.buffer[::self.stride].unbind())
+        self.next = 0
+
+    def take(self) -> torch.Tensor:
+        if self.next == len(self.slots):
+            self.buffer.zero_()
+            self.next = 0
+        self.next += 1
+        return self.slots[self.next - 1]
+
+
+_SLOTS: dict = {}  # (device, stream) -> _ZeroedSlots
+
+
+def zeroed_amax(device: torch.device) -> torch.Tensor:
+    """A zeroed 0-d float32 tensor on ``device`` for a kernel's atomic amax, to be used up
+    by the next kernels on the current stream (a slot of :class:`_ZeroedSlots`). While a
+    CUDA graph is being captured a fresh ``torch.zeros``: its fill is captured with the
+    kernels, so every replay starts from zero."""
+    if device.type == "cuda":
+        if torch.cuda.is_current_stream_capturing():
+            return torch.zeros((), device=device, dtype=torch.float32)
+        key = device, torch._C._cuda_getCurrentStream(device.index)[0]
+    else:  # Triton's interpreter: one stream
+        key = device, 0
+    slots = _SLOTS.get(key)
+    if slots is None:
+        slots = _SLOTS[key] = _ZeroedSlots(device)
+    return slots.take()
+
+
+def amax_triton(x: torch.Tensor, block: int = 4096, out: torch.Tensor | None = None
+                ) -> torch.Tensor:
+    """The float32 0-d absolute maximum of the non-empty ``x`` (NaN if any is NaN),
+    written into ``out`` (zeroed, 0-d float32) where given."""
     require_triton("amax_triton")
     x = x.contiguous()
-    amax = torch.zeros((), device=x.device, dtype=torch.float32)
+    amax = torch.zeros((), device=x.device, dtype=torch.float32) if out is None else out
     # Few enough programs that the atomics on one address stay cheap.
     programs = min(triton.cdiv(x.numel(), block), 2048)
     per_program = triton.cdiv(triton.cdiv(x.numel(), programs), block) * block
@@ -156,7 +203,7 @@ def cast_to_fp8_triton(x: torch.Tensor, fp8_dtype: torch.dtype, fp8_max: float,
     n_cols = x.shape[-1]
     n_rows = x.numel() // n_cols
     if amax is None:
-        amax = amax_triton(x, block)
+        amax = amax_triton(x, block, out=zeroed_amax(x.device))
     else:
         amax = amax.to(torch.float32).contiguous()
     has_data = rowwise or not (columnwise and transposes_in_kernel(x.dtype))

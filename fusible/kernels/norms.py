@@ -21,7 +21,7 @@ import torch
 
 from fusible.kernels import jit, require_triton, tl, triton
 from fusible.kernels.fp8_cast import (fp8_buffers, fp8_results, max_keep_nan, scale_from_amax,
-                                      store_fp8_tile, tile_coords, tile_grid)
+                                      store_fp8_tile, tile_coords, tile_grid, zeroed_amax)
 
 
 @jit
@@ -265,7 +265,7 @@ def norm_forward_fp8_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.T
     mean, rstd = _stats_buffers(x, weight, center)
     b = bias.contiguous() if center else w
     mean_or_rstd = rstd if mean is None else mean  # an unused pointer for RMSNorm
-    amax = torch.zeros((), device=x.device, dtype=torch.float32)
+    amax = zeroed_amax(x.device)
     block_m, block_n = _blocks(n, block_n)
     _norm_fwd_kernel[(triton.cdiv(m, block_m),)](  # y_ptr: unused in this pass
         x, w, b, x, mean_or_rstd, rstd, amax, m, n, eps, CENTER=center, AMAX_ONLY=True,

@@ -21,7 +21,8 @@ import torch
 
 from fusible.kernels import jit, require_triton, tl
 from fusible.kernels.fp8_cast import (atomic_amax_of_tile, fp8_buffers, fp8_results,
-                                      scale_from_amax, store_fp8_tile, tile_coords, tile_grid)
+                                      scale_from_amax, store_fp8_tile, tile_coords, tile_grid,
+                                      zeroed_amax)
 
 
 @jit
@@ -246,7 +247,7 @@ def swiglu_forward_fp8_triton(x: torch.Tensor, fp8_dtype: torch.dtype, fp8_max: 
     m, n = _rows_and_half(x, kind, interleave)
     if not m * n:
         raise ValueError(f"swiglu_forward_fp8_triton: empty input {tuple(x.shape)}")
-    amax = torch.zeros((), device=x.device, dtype=torch.float32)
+    amax = zeroed_amax(x.device)
     grid = tile_grid(m, n, block_m, block_n)
     layout = _layout(kind, interleave, clamp)
     _swiglu_fwd_kernel[grid](x, amax, amax, m, n, **layout, AMAX_ONLY=True,
@@ -285,7 +286,7 @@ def swiglu_backward_fp8_triton(grad_output: torch.Tensor, x: torch.Tensor,
     m, n = _rows_and_half(x, kind, interleave)
     if not m * n:
         raise ValueError(f"swiglu_backward_fp8_triton: empty input {tuple(x.shape)}")
-    amax = torch.zeros((), device=x.device, dtype=torch.float32)
+    amax = zeroed_amax(x.device)
     grid = tile_grid(m, n, block_m, block_n)
     layout = _layout(kind, interleave, clamp)
     _swiglu_bwd_kernel[grid](dy, x, amax, amax, m, n, **layout, AMAX_ONLY=True,
