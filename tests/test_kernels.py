@@ -429,3 +429,17 @@ def test_cached_launches_reuse_only_an_identical_specialisation():
     launch(x, 32, 0.5, grid=(1,), warmup=True, BLOCK=16)  # warm-ups always compile
     assert len(jit_calls) == 9
     assert isinstance(kernel.run, CachedLaunches)  # the library's kernels launch so
+
+
+def test_custom_op_kernels_get_fresh_amax_zeros(monkeypatch):
+    """Outside a custom op the amax accumulators are slots of one buffer; inside one
+    (where CUDA graph trees may be allocating from a graph's pool) fresh zeros."""
+    from fusible.kernels import fp8_cast
+    monkeypatch.setattr(fp8_cast, "_SLOTS", {})
+    slot = fp8_cast.zeroed_amax(torch.device("cpu"))
+    buffer = fp8_cast._SLOTS[torch.device("cpu"), 0].buffer
+    assert slot.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr()
+    inside = fp8_cast.fresh_zeros_inside(lambda: fp8_cast.zeroed_amax(torch.device("cpu")))()
+    assert inside.untyped_storage().data_ptr() != buffer.untyped_storage().data_ptr()
+    assert inside.shape == () and inside.dtype == torch.float32 and inside.item() == 0
+    assert fp8_cast._IN_OP == [0]

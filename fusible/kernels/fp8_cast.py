@@ -155,16 +155,33 @@ class _ZeroedSlots:
 
 
 _SLOTS: dict = {}  # (device, stream) -> _ZeroedSlots
+_IN_OP = [0]      # how many custom-op kernels (fresh_zeros_inside) are running
+
+
+def fresh_zeros_inside(kernel):
+    """``kernel`` (a custom op's), with :func:`zeroed_amax` giving fresh zeros while it
+    runs: torch.compile's CUDA graph trees run compiled graphs once before recording them,
+    allocating from the graph's private pool, where slots would stay allocated (which
+    the trees refuse)."""
+    def run(*args):
+        _IN_OP[0] += 1
+        try:
+            return kernel(*args)
+        finally:
+            _IN_OP[0] -= 1
+    return run
 
 
 def zeroed_amax(device: torch.device) -> torch.Tensor:
     """A zeroed 0-d float32 tensor on ``device`` for a kernel's atomic amax, to be used up
-    by the next kernels on the current stream (a slot of :class:`_ZeroedSlots`). While a
-    CUDA graph is being captured a fresh ``torch.zeros``: its fill is captured with the
-    kernels, so every replay starts from zero."""
-    if device.type == "cuda":
-        if torch.cuda.is_current_stream_capturing():
-            return torch.zeros((), device=device, dtype=torch.float32)
+    by the next kernels on the current stream (a slot of :class:`_ZeroedSlots`). A fresh
+    ``torch.zeros`` inside a custom op's kernel (:func:`fresh_zeros_inside`) and while a
+    CUDA graph is being captured (its fill is captured with the kernels, so every replay
+    starts from zero)."""
+    cuda = device.type == "cuda"
+    if _IN_OP[0] or cuda and torch.cuda.is_current_stream_capturing():
+        return torch.zeros((), device=device, dtype=torch.float32)
+    if cuda:
         key = device, torch._C._cuda_getCurrentStream(device.index)[0]
     else:  # Triton's interpreter: one stream
         key = device, 0

@@ -117,7 +117,8 @@ _LIB = torch.library.Library("fusible", "FRAGMENT")
 _LIB.define("cast_to_fp8(Tensor x, ScalarType fp8_dtype, bool columnwise, Tensor? amax=None, "
             "bool rowwise=True) -> Tensor[]")
 _LIB.define("dequantize(Tensor data, Tensor scale_inv, ScalarType dtype) -> Tensor")
-_LIB.impl("cast_to_fp8", lambda *args: cast_to_fp8(*args), "CompositeExplicitAutograd")
+_LIB.impl("cast_to_fp8", fp8_cast.fresh_zeros_inside(lambda *args: cast_to_fp8(*args)),
+          "CompositeExplicitAutograd")
 _LIB.impl("dequantize", lambda *args: dequantize_fp8(*args), "CompositeExplicitAutograd")
 
 

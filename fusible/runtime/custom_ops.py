@@ -35,6 +35,7 @@ import torch
 
 from fusible.core.results import BackwardResult, ForwardResult
 from fusible.core.schema import flatten_record, record_builder, record_fields, schema_type
+from fusible.kernels.fp8_cast import fresh_zeros_inside
 from fusible.quantization.boundary import decode_results, encode_results
 from fusible.quantization.format import Float8Format, to_format
 from fusible.runtime import recompute
@@ -212,7 +213,8 @@ def _register(cls, direction: str) -> StageOp:
     op = StageOp(name, args_type, fields, parts, dynamic, static)
     compute = getattr(cls, f"{direction}_compute")
     fake = getattr(cls, f"{direction}_fake", None) or compute
-    _LIB.impl(name, _kernel(cls, direction, op, compute), "CompositeExplicitAutograd")
+    _LIB.impl(name, fresh_zeros_inside(_kernel(cls, direction, op, compute)),
+              "CompositeExplicitAutograd")
     torch.library.register_fake(f"fusible::{name}",
                                 _kernel(cls, direction, op, fake, real=False), lib=_LIB)
     op = attrs.evolve(op, overload=getattr(torch.ops.fusible, name).default)
