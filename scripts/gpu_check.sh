@@ -2,13 +2,13 @@
 # Everything the GPU machine runs, in one call: the whole test suite (CUDA tests included)
 # under the machine's PyTorch, then the GPU benchmarks. Results land in $OUT (or out/).
 # Usage there: [TESTS="tests/test_fp8.py ..."] bash scripts/gpu_check.sh [bf16] [fp8] [tp] [tiles]
-#   [idle] [breakdown] [graphs] [zoo]
+#   [idle] [breakdown] [small] [graphs] [zoo]
 # (no argument: bf16 and fp8; tp needs two GPUs (kind nvidia-h200-x2); tiles: the GELU
 # kernels' tile shapes (diagnostics/activation_tiles.py); idle: host time, GPU idle and
 # kernels and host profile of the FP8 attention projections, eager and compiled (gpu_idle.py);
 # breakdown: where the host time of the 8B FFN's T=2048 step goes (host_breakdown.py,
-# host_timers.py); graphs: host time of the small MLP's CUDA-graph steps (graphs_host.py);
-# zoo: the block zoo,
+# host_timers.py); small: issue 13's small steps (small_steps.py); graphs: host time of
+# the small MLP's CUDA-graph steps (graphs_host.py); zoo: the block zoo,
 # ZOO_CONFIGS of its configs (default all) from index ZOO_FIRST (default 0, which also
 # profiles); TESTS: which tests, default all, "none" for none; the argument "none" runs no
 # benchmark)
@@ -68,6 +68,11 @@ if [[ " $benches " == *" breakdown "* ]]; then  # host time of the 8B FFN at T=2
     (cd benchmarks && PYTHONPATH=$PYTHONPATH:$PWD python3 diagnostics/host_breakdown.py 1 \
         && PYTHONPATH=$PYTHONPATH:$PWD python3 diagnostics/host_timers.py 1) \
         2>&1 | tee "$OUT/breakdown.log"
+    bench_rc=$(( bench_rc || PIPESTATUS[0] ))
+fi
+if [[ " $benches " == *" small "* ]]; then  # issue 13's small steps, side by side
+    (cd benchmarks && python3 small_steps.py --output "$OUT_ABS/small_steps.json") \
+        2>&1 | tee "$OUT/small_steps.log"
     bench_rc=$(( bench_rc || PIPESTATUS[0] ))
 fi
 if [[ " $benches " == *" graphs "* ]]; then  # host time of CUDA-graph steps
