@@ -43,7 +43,8 @@ class BackwardLinearAdd(FusedOperation):
         return self.match["linear"].grad_format(recipe, needs[1:])
 
     def backward_args(self, grad_output, grad_extra_outputs, ctxs):
-        gemm = gemm_backward_args(ctxs[1], grad_output, self.match["linear"].tp)
+        gemm = gemm_backward_args(ctxs[1], grad_output, self.match["linear"].tp,
+                                  self.match["linear"].wgrad_dtype)
         return LinearAddBackwardArgs(gemm, grad_extra_outputs[0])
 
     @classmethod

@@ -32,7 +32,8 @@ class BackwardLinearBias(FusedOperation):
         return None  # dbias reads dy in high precision; the GEMMs quantize it inside
 
     def backward_args(self, grad_output, grad_extra_outputs, ctxs):
-        return gemm_backward_args(ctxs[0], grad_output, self.match["linear"].tp)
+        return gemm_backward_args(ctxs[0], grad_output, self.match["linear"].tp,
+                                  self.match["linear"].wgrad_dtype)
 
     @classmethod
     def backward_compute(cls, args, *, in_custom_op=False):

@@ -39,7 +39,8 @@ class BackwardLinearScale(FusedOperation):
         return self.match["linear"].grad_format(recipe, needs[:1])
 
     def backward_args(self, grad_output, grad_extra_outputs, ctxs):
-        gemm = gemm_backward_args(ctxs[0], grad_output, self.match["linear"].tp)
+        gemm = gemm_backward_args(ctxs[0], grad_output, self.match["linear"].tp,
+                                  self.match["linear"].wgrad_dtype)
         return LinearScaleBackwardArgs(gemm, self.match["scale"].scale)
 
     @classmethod

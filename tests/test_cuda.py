@@ -522,3 +522,48 @@ def test_backward_linear_scale_fp8_with_a_negative_scale_on_gpu():
     for got, want in zip(*grads):
         torch.testing.assert_close(got.float(), want.float(), rtol=0.07,
                                    atol=0.07 * want.abs().max().item())
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_main_grad_on_gpu(fp8):
+    """accumulate_into_main_grad on CUDA (cuBLAS's float32-output GEMM; _scaled_mm's under
+    FP8): compiled with Inductor the buffer gets eager's bits, and it is the model's bf16
+    weight gradient before rounding (within a bf16 step of it)."""
+    import contextlib
+    import fusible
+    state = fusible.autocast if fp8 else contextlib.nullcontext
+    torch._dynamo.reset()
+    results = []
+    for mode in ("eager", "compiled", "plain"):
+        torch.manual_seed(0)
+        model = _cuda(ops.Sequential(ops.Linear(64, 128, accumulate_into_main_grad=mode != "plain"),
+                                     ops.GELU(), ops.Linear(128, 64, bias=False)),
+                      torch.bfloat16)
+        weight = model[0].weight
+        weight.main_grad = torch.zeros_like(weight, dtype=torch.float32)
+        run = torch.compile(model, fullgraph=True) if mode == "compiled" else model
+        x = exact_tensor((32, 64), torch.bfloat16, device="cuda")
+        with state():
+            y = run(x)
+        y.backward(exact_tensor((32, 64), torch.bfloat16, device="cuda"))
+        results.append(weight.grad if mode == "plain" else weight.main_grad)
+        assert (weight.grad is None) == (mode != "plain")
+    eager, compiled, plain = results
+    assert eager.dtype == torch.float32 and torch.equal(eager, compiled)
+    assert ((eager - plain.float()).abs() <= 2.0 ** -7 * eager.abs() + 1e-6).all()
+
+
+def test_main_grad_exact_on_gpu():
+    """bf16 weights, two exact microbatches: the float32 buffer holds the fp64 sum of the
+    weight gradients exactly (a bf16 gradient added in would be rounded)."""
+    model = _cuda(ops.Sequential(ops.BasicLinear(64, 96, accumulate_into_main_grad=True)),
+                  torch.bfloat16)
+    weight = model[0].weight
+    weight.main_grad = torch.zeros_like(weight, dtype=torch.float32)
+    want = 0
+    for _ in range(2):
+        x = exact_tensor((48, 64), torch.bfloat16, device="cuda")
+        dy = exact_tensor((48, 96), torch.bfloat16, device="cuda")
+        model(x).backward(dy)
+        want = want + dy.double().t() @ x.double()
+    assert torch.equal(weight.main_grad.double(), want)

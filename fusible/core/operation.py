@@ -94,10 +94,16 @@ class BasicOperationSpec(FusibleSpec, StageSpec):
     quantized_params : tuple of str
         Parameters that an FP8 recipe casts to FP8 from whatever dtype they have: under
         ``torch.autocast`` they reach the op uncast (no detour through the autocast dtype).
+    main_grad_params : tuple of str
+        Parameters whose gradient is added into their ``main_grad`` attribute (a
+        Megatron-style float32 buffer) instead of going to autograd; the stages covering
+        the op return those gradients in float32. Usually an instance property
+        (``BasicLinear(accumulate_into_main_grad=True)``).
     """
 
     param_names: ClassVar[tuple] = ()
     quantized_params: ClassVar[tuple] = ()
+    main_grad_params: tuple = ()
     # Each output feature (last dimension) comes from the same input feature alone (a bias,
     # a pointwise activation, dropout, a scale, an extra input or output, a collective along
     # the tokens): a split of the features over a tensor-parallel group passes through

@@ -80,6 +80,9 @@ class GemmBackwardArgs:
     weight_amax : Tensor or None
         The forward's absolute maximum of the weight (the same scale, bits and no second
         amax pass); None: computed.
+    wgrad_dtype : torch.dtype or None
+        The dtype of the weight gradient (float32 where it goes into ``main_grad``);
+        None: ``dy``'s.
     """
 
     grad_output: Fp8Able
@@ -91,6 +94,7 @@ class GemmBackwardArgs:
     tp: TensorParallel
     weight_format: Optional[Float8Format] = None
     weight_amax: Optional[Tensor] = None
+    wgrad_dtype: Optional[torch.dtype] = None
 
 
 @attrs.define
@@ -137,13 +141,26 @@ def linear_dgrad(grad_output: Tensor, weight: Tensor,
     return like_tokens(dx, grad_output)
 
 
-def linear_wgrad(grad_output: Tensor, x: Tensor, alpha: float = 1.0) -> Tensor:
-    """``alpha * dy.T @ x`` summed over all tokens."""
-    return _scaled_product(tokens_2d(grad_output).t(), tokens_2d(x), alpha)
+def linear_wgrad(grad_output: Tensor, x: Tensor, alpha: float = 1.0,
+                 out_dtype: Optional[torch.dtype] = None) -> Tensor:
+    """``alpha * dy.T @ x`` summed over all tokens, in ``out_dtype`` (default ``dy``'s;
+    float32 from 16-bit operands accumulates and rounds once, in float32)."""
+    return _scaled_product(tokens_2d(grad_output).t(), tokens_2d(x), alpha, out_dtype)
 
 
-def _scaled_product(a: Tensor, b: Tensor, alpha: float) -> Tensor:
-    """``alpha * a @ b`` in one GEMM: ``addmm`` with ``beta=0`` ignores its input."""
+def _scaled_product(a: Tensor, b: Tensor, alpha: float,
+                    out_dtype: Optional[torch.dtype] = None) -> Tensor:
+    """``alpha * a @ b`` in one GEMM: ``addmm`` with ``beta=0`` ignores its input. A
+    float32 ``out_dtype`` from 16-bit operands: cuBLAS's float32 output on CUDA; on the
+    CPU, which has no such GEMM, the operands are widened (exactly) first."""
+    if out_dtype is not None and out_dtype != a.dtype:
+        if not a.is_cuda:
+            a, b = a.to(out_dtype), b.to(out_dtype)
+        elif alpha == 1.0:
+            return torch.mm(a, b, out_dtype=out_dtype)
+        else:
+            return torch.addmm(a.new_zeros((), dtype=out_dtype), a, b, out_dtype=out_dtype,
+                               beta=0, alpha=alpha)
     if alpha == 1.0:
         return torch.mm(a, b)
     return torch.addmm(a.new_zeros(()), a, b, beta=0, alpha=alpha)
@@ -311,7 +328,7 @@ def gemm_backward(args: GemmBackwardArgs, accumulate_into: Optional[Tensor] = No
         dy = parallel.all_gather(dy, tp) if tp.gathers_grad else dy
         dx = linear_dgrad(dy, w_saved, accumulate_into, grad_scale) if need_dgrad else None
         dx = _start_dgrad_reduction(dx, tp)
-        dw = linear_wgrad(dy, x_saved, grad_scale) if need_wgrad else None
+        dw = linear_wgrad(dy, x_saved, grad_scale, args.wgrad_dtype) if need_wgrad else None
         return _finish(dx, tp), dw
     if tp.gathers_grad:
         dy_q, lead = gather_fp8(dy, tp, fmt), _gathered_lead(dy, tp)
@@ -330,5 +347,5 @@ def gemm_backward(args: GemmBackwardArgs, accumulate_into: Optional[Tensor] = No
     dx = _start_dgrad_reduction(dx, tp)
     if need_wgrad:
         dw = fp8_gemm(dy_q._transpose, dy_scale_inv, x_saved._transpose.t(),
-                      x_saved._scale_inv, None, dy_q.dtype)
+                      x_saved._scale_inv, None, args.wgrad_dtype or dy_q.dtype)
     return _finish(dx, tp), dw

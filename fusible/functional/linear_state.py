@@ -87,8 +87,11 @@ def _weight_amax(gemm: GemmForwardArgs, aux: tuple):
     return aux[expected - 1]
 
 
-def gemm_backward_args(ctx, grad_output, tp: TensorParallel) -> GemmBackwardArgs:
-    """The backward GEMM record of a linear layer from its context and saved record.
+def gemm_backward_args(ctx, grad_output, tp: TensorParallel,
+                       wgrad_dtype=None) -> GemmBackwardArgs:
+    """The backward GEMM record of a linear layer from its context and saved record;
+    ``wgrad_dtype``: the layer's (``BasicLinear.wgrad_dtype``: float32 where the weight
+    gradient goes into ``main_grad``).
 
     Under FP8 the weight goes in high precision with the forward's amax:
     :func:`~fusible.functional.linear.gemm_backward` quantizes it into the transposed copy
@@ -99,7 +102,8 @@ def gemm_backward_args(ctx, grad_output, tp: TensorParallel) -> GemmBackwardArgs
     saved, recipe, needs = ctx.saved, ctx.recipe, ctx.needs
     if recipe is None:
         return GemmBackwardArgs(grad_output, saved.input, saved.weight, None, needs.input,
-                                needs.params[0], tp)
+                                needs.params[0], tp, wgrad_dtype=wgrad_dtype)
     return GemmBackwardArgs(grad_output, saved.input, saved.weight,
                             gemm_grad_format(recipe, needs), needs.input, needs.params[0], tp,
-                            weight_format=recipe.weight_format(), weight_amax=saved.weight_amax)
+                            weight_format=recipe.weight_format(), weight_amax=saved.weight_amax,
+                            wgrad_dtype=wgrad_dtype)

@@ -54,6 +54,14 @@ class BasicLinear(BasicOperation):
         all-reduces its dgrad and row all-reduces its output.
     device, dtype
         Where and in which dtype to create ``weight``.
+    accumulate_into_main_grad : bool
+        Megatron-style gradient accumulation: the weight gradient is computed in float32
+        and added into ``weight.main_grad`` (a buffer of the weight's shape the caller
+        creates, usually float32 zeros, and zeroes between optimizer steps), and
+        ``weight.grad`` is left alone. A weight with a ``grad_added_to_main_grad``
+        attribute (Megatron's DDP) has it set to True and receives a dummy gradient
+        (zeros with ``zero_out_wgrad``), so that DDP's hooks run; eagerly only: a compiled
+        graph does not replay that Python, and refuses such a weight.
 
     Notes
     -----
@@ -67,17 +75,19 @@ class BasicLinear(BasicOperation):
     quantized_params = ("weight",)
     attribute_checks = {"in_features": checks.positive_int("in_features"),
                         "out_features": checks.positive_int("out_features"),
-                        "sequence_parallel": checks.boolean("sequence_parallel")}
+                        "sequence_parallel": checks.boolean("sequence_parallel"),
+                        "accumulate_into_main_grad": checks.boolean("accumulate_into_main_grad")}
     fwd_args_type = GemmForwardArgs
     bwd_args_type = GemmBackwardArgs
     saved_type = LinearSaved
 
     def __init__(self, in_features: int, out_features: int, *, tensor_parallel_mode=None,
                  tensor_parallel_group=None, sequence_parallel: bool = False, device=None,
-                 dtype=None):
+                 dtype=None, accumulate_into_main_grad: bool = False):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         self.sequence_parallel = sequence_parallel
+        self.accumulate_into_main_grad = accumulate_into_main_grad
         if sequence_parallel and tensor_parallel_mode is None:
             raise ValueError(f"{self.describe()}: sequence_parallel=True needs "
                              f"tensor_parallel_mode 'column' or 'row'")
@@ -95,6 +105,16 @@ class BasicLinear(BasicOperation):
         init_linear_weight(self.weight, self)
 
     @property
+    def main_grad_params(self) -> tuple:
+        return ("weight",) if self.accumulate_into_main_grad else ()
+
+    @property
+    def wgrad_dtype(self):
+        """The dtype the weight gradient is computed in: float32 where it goes into
+        ``main_grad``, else None (the GEMM's)."""
+        return torch.float32 if self.accumulate_into_main_grad else None
+
+    @property
     def tensor_parallel_group(self):
         """The process group the weight is split over (None when not parallel)."""
         return parallel.group_of(self.tp)
@@ -103,8 +123,10 @@ class BasicLinear(BasicOperation):
         tp = getattr(self, "tp", NOT_PARALLEL)
         mode = (f", tensor_parallel_mode={tp.mode!r}, sequence_parallel={tp.sequence_parallel}"
                 if tp.mode else "")
+        main = (", accumulate_into_main_grad=True"
+                if getattr(self, "accumulate_into_main_grad", False) else "")
         return (f"BasicLinear(in_features={self.in_features}, out_features={self.out_features}"
-                f"{mode})")
+                f"{mode}{main})")
 
     def diagram_label(self) -> str:
         tp = self.tp
@@ -145,7 +167,7 @@ class BasicLinear(BasicOperation):
         save_linear(ctxs[0], args, result.aux)
 
     def backward_args(self, grad_output, grad_extra_outputs, ctxs):
-        return gemm_backward_args(ctxs[0], grad_output, self.tp)
+        return gemm_backward_args(ctxs[0], grad_output, self.tp, self.wgrad_dtype)
 
     @classmethod
     def backward_compute(cls, args, *, in_custom_op=False):

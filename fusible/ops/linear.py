@@ -35,6 +35,9 @@ class Linear(FusibleOperation):
         separate Bias op; with sequence_parallel its gradient is summed over the group).
     device, dtype
         Where and in which dtype to create the parameters.
+    accumulate_into_main_grad : bool
+        As :class:`BasicLinear`: the weight's gradient goes into ``weight.main_grad``
+        (the bias's to autograd as usual). An attribute too.
     """
 
     attribute_checks = {"in_features": checks.positive_int("in_features"),
@@ -42,13 +45,15 @@ class Linear(FusibleOperation):
 
     def __init__(self, in_features: int, out_features: int, *, bias: bool = True,
                  tensor_parallel_mode=None, tensor_parallel_group=None,
-                 sequence_parallel: bool = False, device=None, dtype=None):
+                 sequence_parallel: bool = False, device=None, dtype=None,
+                 accumulate_into_main_grad: bool = False):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features  # checked here
         checks.boolean("bias")("Linear", bias)
         linear = BasicLinear(in_features, out_features, tensor_parallel_mode=tensor_parallel_mode,
                              tensor_parallel_group=tensor_parallel_group,
-                             sequence_parallel=sequence_parallel, device="meta")
+                             sequence_parallel=sequence_parallel, device="meta",
+                             accumulate_into_main_grad=accumulate_into_main_grad)
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight = nn.Parameter(torch.empty(linear.weight.shape, device=device, dtype=dtype))
         column = tensor_parallel_mode == "column"
@@ -84,6 +89,14 @@ class Linear(FusibleOperation):
         if self.bias is not None:
             init_shard_(self.bias, (self.out_features,), linear_shard(linear)[:1],
                         1 / math.sqrt(self.in_features))
+
+    @property
+    def accumulate_into_main_grad(self) -> bool:
+        return self._ops[0].accumulate_into_main_grad
+
+    @accumulate_into_main_grad.setter
+    def accumulate_into_main_grad(self, value: bool) -> None:
+        self._ops[0].accumulate_into_main_grad = value
 
     def basic_ops(self):
         has_bias = (self._parameters.get("bias") is not None

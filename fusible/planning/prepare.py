@@ -65,6 +65,10 @@ class ExecPlan:
     backward_stages: tuple  # the public Stages of `backward`
     recipe: object      # the FP8 recipe, or None
     validated: dict = attrs.field(factory=dict, eq=False)  # input signatures checked already
+    # Parameters (indices among the group's) whose gradient goes into their main_grad
+    # (op.main_grad_params, where a gradient is needed), and their (op, name)
+    main_grad_params: tuple = ()
+    main_grad_owners: tuple = ()
 
     @property
     def conditions(self) -> PlanConditions:
@@ -99,11 +103,15 @@ def prepare_group(ops: tuple, start: int, conditions: PlanConditions) -> ExecPla
     idle = tuple(OperationContext(idle_needs(op), recipe) for op in ops)
     producers = [i for i, op in enumerate(ops) for _ in range(op.num_extra_outputs)]
     constant = tuple(j for j, i in enumerate(producers) if not needs[i].input)
+    owners = [(op, name) for op in ops for name in op.param_names]
+    needed = [p for n in needs for p in n.params]
+    main = tuple(k for k, (op, name) in enumerate(owners)
+                 if needed[k] and name in op.main_grad_params)
     return ExecPlan(group, ops, tuple(forward), tuple(backward_exec), needs,
                     any(n.any for n in needs), needs[0].input if needs else False,
-                    sum(len(op.param_names) for op in ops),
-                    sum(op.num_extra_inputs for op in ops), idle, constant,
-                    tuple(stage for _, stage in backward), recipe)
+                    len(owners), sum(op.num_extra_inputs for op in ops), idle, constant,
+                    tuple(stage for _, stage in backward), recipe, main_grad_params=main,
+                    main_grad_owners=tuple(owners[k] for k in main))
 
 
 def _exec_stage(ops, start, stage, backward: bool, op_needs: tuple) -> ExecStage:

@@ -68,10 +68,13 @@ def _prepare(module_token: int, epoch_now: int, conditions: tuple):
 def fusible_group(runner_token: int, num_extra: int, training: bool, modes: tuple, x,
                   *tensors):
     """One group of fusible ops, run through its stages' custom ops (``modes``: the ops'
-    training flags, which the compiled graph depends on)."""
+    training flags, which the compiled graph depends on); ``tensors``: the extra inputs,
+    the parameters, then the main_grad buffers."""
     runner = tokens.lookup(runner_token)
-    y, extra_outputs = runner.run(x, tensors[:num_extra], training, params=tensors[num_extra:],
-                                  traced=True)
+    params_end = num_extra + runner.num_params
+    y, extra_outputs = runner.run(x, tensors[:num_extra], training,
+                                  params=tensors[num_extra:params_end],
+                                  main_grads=tensors[params_end:], traced=True)
     return (y, *extra_outputs)
 
 
@@ -105,8 +108,11 @@ def compiled_forward(module, x, extra_inputs: tuple):
         # arguments may depend on it (an op switched to eval() alone recompiles too).
         ops = lone or runner.ops
         modes = tuple(op.training for op in ops)
-        out = fusible_group(id(runner), len(extras), training, modes, y, *extras,
-                            *runner.params(ops))
+        params = runner.params(ops)
+        # main_grad buffers become graph inputs here (dynamo reads the attributes), so
+        # the backward graph can add into them
+        out = fusible_group(id(runner), len(extras), training, modes, y, *extras, *params,
+                            *runner.main_grads(params, traced=True))
         return out[0], out[1:]
 
     return layout.run(x, extra_inputs, run_group)

@@ -134,19 +134,24 @@ class _PipelineFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(fctx, plan: ExecPlan, traced: bool, x, *tensors):
-        extra_inputs, params = tensors[:plan.num_extra_inputs], tensors[plan.num_extra_inputs:]
+        extras_end = plan.num_extra_inputs
+        params_end = extras_end + plan.num_params
+        extra_inputs, params = tensors[:extras_end], tensors[extras_end:params_end]
+        # main_grad buffers: held as they are (no version check: other groups add into
+        # them between this forward and its backward, e.g. microbatches)
+        main_grads = tensors[params_end:]
         ctxs = [OperationContext(n, plan.recipe) for n in plan.needs]
         y, extra_outputs = run_forward(plan, x, params, extra_inputs, ctxs, save=True,
                                        traced=traced)
-        stash_saved(fctx, ctxs, plan.ops, (x, *tensors), (y, *extra_outputs))
+        stash_saved(fctx, ctxs, plan.ops, (x, *tensors[:params_end]), (y, *extra_outputs))
         # Traced (compiled) runs keep the plan and ops weakly: a trace may keep this node alive
         # after the module is gone (dynamo's fake propagation never runs its backward), and
         # the compiled graph does not use the node at run time.
         shapes = [p.shape for p in params]  # what each parameter gradient must match
         if traced:
-            fctx.fusible = weakref.ref(plan), ctxs, traced, (), shapes
+            fctx.fusible = weakref.ref(plan), ctxs, traced, (), shapes, main_grads
         else:
-            fctx.fusible = plan, ctxs, traced, _anchors(plan), shapes
+            fctx.fusible = plan, ctxs, traced, _anchors(plan), shapes, main_grads
         if plan.constant_extra_outputs:
             fctx.mark_non_differentiable(*(extra_outputs[j] for j in plan.constant_extra_outputs))
         return (y, *extra_outputs) if extra_outputs else y
@@ -161,7 +166,7 @@ class _PipelineFunction(torch.autograd.Function):
             raise RuntimeError("fusible frees saved intermediates during the backward pass: "
                                "backward through the same graph twice (retain_graph=True) is "
                                "not supported; run the forward again")
-        plan, ctxs, traced, _, shapes = fctx.fusible
+        plan, ctxs, traced, _, shapes, main_grads = fctx.fusible
         plan = plan() if traced else plan
         # Consumed: backward runs once, and the node (which traces may keep) holds nothing.
         fctx.fusible = None
@@ -171,7 +176,36 @@ class _PipelineFunction(torch.autograd.Function):
         for g, shape in zip(grad_params, shapes):
             if g is not None and g.shape != shape:
                 _wrong_grad_shape(plan, grad_params, shapes)
-        return (None, None, dx, *grad_extras, *grad_params)
+        if main_grads:
+            _into_main_grads(plan, grad_params, main_grads, traced)
+        return (None, None, dx, *grad_extras, *grad_params, *(None,) * len(main_grads))
+
+
+def _into_main_grads(plan, grad_params: list, main_grads: tuple, traced: bool) -> None:
+    """Add the float32 gradients of the plan's main-grad parameters into their buffers;
+    autograd gets None for them, or, eagerly, where Megatron's DDP marks the parameter
+    (``grad_added_to_main_grad``), the flag set and a dummy gradient for its hooks."""
+    for k, buffer, (op, name) in zip(plan.main_grad_params, main_grads, plan.main_grad_owners):
+        g = grad_params[k]
+        if g is None:
+            continue
+        if g.dtype != torch.float32:
+            raise RuntimeError(f"the backward stage covering {op.describe()} returned a {g.dtype} "
+                               f"gradient for its {name}, which accumulates into main_grad: "
+                               f"compute it in float32 (gemm_backward_args(..., "
+                               f"linear.wgrad_dtype))")
+        buffer.add_(g)
+        grad_params[k] = None if traced else _megatron_dummy(op.param(name))
+
+
+def _megatron_dummy(param):
+    """None, or for a parameter Megatron's DDP tracks, its flag set and a dummy gradient
+    (zeros with ``zero_out_wgrad``)."""
+    if not hasattr(param, "grad_added_to_main_grad"):
+        return None
+    param.grad_added_to_main_grad = True
+    make = torch.zeros_like if getattr(param, "zero_out_wgrad", False) else torch.empty_like
+    return make(param, memory_format=torch.contiguous_format)
 
 
 def _wrong_grad_shape(plan, grad_params, shapes) -> None:

@@ -38,6 +38,9 @@ class PipelineRunner:
         # what it computes with (slower; re-planned when they come or go).
         self._direct = all(name in d for d, name in self._param_slots)
         self._param_ops = [(op, name) for op in self.ops for name in op.param_names]
+        self.num_params = len(self._param_ops)
+        self._main_grad_slots = [(k, op, name) for k, (op, name) in enumerate(self._param_ops)
+                                 if name in op.main_grad_params]
         self._quantized = {i for i, (op, name) in enumerate(
             (op, name) for op in self.ops for name in op.param_names)
             if name in op.quantized_params}
@@ -60,11 +63,22 @@ class PipelineRunner:
             return [op.param(name) for op, name in self._param_ops]
         return [op.param(name) for op in ops for name in op.param_names]
 
-    def run(self, x, extra_inputs: tuple, training: bool, params=None, traced: bool = False):
+    def main_grads(self, params, traced: bool = False) -> list:
+        """The ``main_grad`` buffers the gradients of ``params`` (the group's, in order) go
+        into: of the parameters in their op's ``main_grad_params`` that need a gradient.
+        Raises naming the op where a buffer is missing or does not fit."""
+        if not self._main_grad_slots or not torch.is_grad_enabled():
+            return []
+        return [_main_grad_of(op, name, params[k], traced)
+                for k, op, name in self._main_grad_slots if params[k].requires_grad]
+
+    def run(self, x, extra_inputs: tuple, training: bool, params=None, traced: bool = False,
+            main_grads=None):
         """Run the group; returns (output, tuple of extra outputs).
 
         ``traced`` runs the stages' custom ops (the compiled path) on the given
-        ``params``, the tensors the compiled graph passes for ``self.params()``.
+        ``params`` and ``main_grads``, the tensors the compiled graph passes for
+        ``self.params()`` and ``self.main_grads(...)``.
         """
         if type(x) is not torch.Tensor or len(extra_inputs) != self.num_extra_inputs \
                 or extra_inputs:
@@ -74,20 +88,28 @@ class PipelineRunner:
             self._refuse_transforms(x)
         device_type = x.device.type
         params = self.params() if params is None else list(params)
+        if main_grads is None:  # read before torch.autocast swaps in cast copies
+            main_grads = self.main_grads(params)
         if _autocast_available(device_type) and torch.is_autocast_enabled(device_type):
-            return self._run_autocast(x, extra_inputs, training, params, traced, device_type)
+            return self._run_autocast(x, extra_inputs, training, params, traced, device_type,
+                                      main_grads)
         key = conditions_key(x, device_type, params, extra_inputs, self._recipe_key(traced),
                              training)
         plan = self._plans.get(key) or self.lookup(PlanConditions(*key))
         if not plan.needs_backward:
             return run_forward(plan, x, params, extra_inputs, plan.idle_ctxs, save=False,
                                traced=traced)
-        outputs = apply_pipeline(plan, traced, x, *extra_inputs, *params)
+        if len(main_grads) != len(plan.main_grad_params):
+            raise RuntimeError(f"{self._name()}: {len(main_grads)} main_grad buffers for "
+                               f"{len(plan.main_grad_params)} parameters that accumulate "
+                               f"into one")
+        outputs = apply_pipeline(plan, traced, x, *extra_inputs, *params, *main_grads)
         if self.num_extra_outputs == 0:
             return outputs, ()
         return outputs[0], tuple(outputs[1:])
 
-    def _run_autocast(self, x, extra_inputs, training, params, traced, device_type):
+    def _run_autocast(self, x, extra_inputs, training, params, traced, device_type,
+                      main_grads):
         """Under torch.autocast: compute in the autocast dtype, from parameters cast to it
         (differentiably: their gradients come back in their own dtype), like nn.Linear.
         Under an FP8 recipe the weights GEMMs quantize are passed as they are."""
@@ -99,7 +121,7 @@ class PipelineRunner:
         CASTING.active = True
         try:
             with torch.autocast(device_type, enabled=False):
-                return self.run(x, extra_inputs, training, params, traced)
+                return self.run(x, extra_inputs, training, params, traced, main_grads)
         finally:
             CASTING.active = False
 
@@ -140,6 +162,25 @@ class PipelineRunner:
 
     def _name(self) -> str:
         return "Sequential(" + ", ".join(op.__class__.__name__ for op in self.ops) + ")"
+
+
+def _main_grad_of(op, name: str, param, traced: bool):
+    """``param.main_grad``, checked: a tensor of the parameter's shape on its device."""
+    where = f"{op.describe()}: its {name} accumulates into main_grad"
+    buffer = getattr(param, "main_grad", None)
+    if not isinstance(buffer, torch.Tensor):
+        raise RuntimeError(f"{where}, which {name} lacks (got {buffer!r}): set "
+                           f"{name}.main_grad = torch.zeros_like({name}, dtype=torch.float32)")
+    if buffer.shape != param.shape or buffer.device != param.device \
+            or not buffer.is_floating_point():
+        raise RuntimeError(f"{where}, a floating-point tensor of shape {tuple(param.shape)} on "
+                           f"{param.device}; got {buffer.dtype} of shape {tuple(buffer.shape)} "
+                           f"on {buffer.device}")
+    if traced and hasattr(param, "grad_added_to_main_grad"):
+        raise RuntimeError(f"{where} with Megatron's grad_added_to_main_grad flag, which "
+                           f"the backward sets in Python: a compiled graph would not set it "
+                           f"again each step; run this model eagerly")
+    return buffer
 
 
 @functools.lru_cache(maxsize=None)
