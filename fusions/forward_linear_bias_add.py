@@ -17,6 +17,7 @@ class LinearBiasAddForwardArgs:
     gemm: GemmForwardArgs  # never tensor-parallel: the fusion refuses it
     bias: Optional[torch.Tensor]
     extra_input: torch.Tensor
+    in_place: bool = False  # AddExtraInput(in_place=True): the GEMM accumulates into it
 
 
 class ForwardLinearBiasAdd(FusedOperation):
@@ -27,6 +28,8 @@ class ForwardLinearBiasAdd(FusedOperation):
     Under an FP8 recipe: ``torch._scaled_mm`` with the bias epilogue, then the residual add
     (``_scaled_mm`` cannot accumulate into C); takes its input in BasicLinear's format.
     Saves: BasicLinear's ``LinearSaved``; Bias and AddExtraInput save nothing.
+    With ``AddExtraInput(in_place=True)`` the GEMM accumulates into the residual itself,
+    the output (run inline when compiled: a custom op may not write into its inputs).
     """
 
     direction = "forward"
@@ -44,19 +47,26 @@ class ForwardLinearBiasAdd(FusedOperation):
     def forward_args(self, input, params, extra_inputs, ctxs):
         weight, bias = params if len(params) == 2 else (params[0], None)  # Bias is optional
         gemm = gemm_forward_args(input, weight, self.match["linear"].tp, ctxs[0])
-        return LinearBiasAddForwardArgs(gemm, bias, extra_inputs[0])
+        return LinearBiasAddForwardArgs(gemm, bias, extra_inputs[0], self.match["add"].in_place)
+
+    def inline_when_compiled(self, direction):
+        return self.match["add"].in_place
 
     @classmethod
     def forward_compute(cls, args, *, in_custom_op=False):
-        gemm = args.gemm
+        gemm, residual = args.gemm, args.extra_input
         if gemm.fp8:
             y, kept = gemm_forward(gemm, args.bias)
-            return ForwardResult(y + args.extra_input, (), forward_aux(gemm, kept))
-        x = gemm.input
-        y = torch.addmm(tokens_2d(args.extra_input), tokens_2d(x), gemm.weight.t())
+            out = residual.add_(y) if args.in_place else y + residual
+            return ForwardResult(out, (), forward_aux(gemm, kept))
+        x, r2 = gemm.input, tokens_2d(residual)
+        if args.in_place:  # a view of the residual (contiguous: the executor checks)
+            y = r2.addmm_(tokens_2d(x), gemm.weight.t())
+        else:
+            y = torch.addmm(r2, tokens_2d(x), gemm.weight.t())
         if args.bias is not None:
-            y.add_(args.bias)  # y is fresh: nothing else sees the in-place add
-        return ForwardResult(like_tokens(y, x))
+            y.add_(args.bias)  # y is fresh, or the residual being written
+        return ForwardResult(residual if args.in_place else like_tokens(y, x))
 
     def save_for_backward(self, args, result, ctxs):
         save_linear(ctxs[0], args.gemm, result.aux)

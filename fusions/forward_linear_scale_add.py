@@ -16,6 +16,7 @@ class LinearScaleAddForwardArgs:
     gemm: GemmForwardArgs  # never tensor-parallel: the fusion refuses it
     scale: float
     extra_input: torch.Tensor
+    in_place: bool = False  # AddExtraInput(in_place=True): the GEMM accumulates into it
 
 
 class ForwardLinearScaleAdd(FusedOperation):
@@ -28,6 +29,8 @@ class ForwardLinearScaleAdd(FusedOperation):
     ``residual + scale * y`` (``_scaled_mm`` cannot accumulate into C); takes its input in
     BasicLinear's format.
     Saves: BasicLinear's ``LinearSaved``; ConstantScale and AddExtraInput save nothing.
+    With ``AddExtraInput(in_place=True)`` the GEMM accumulates into the residual itself,
+    the output (run inline when compiled: a custom op may not write into its inputs).
     """
 
     direction = "forward"
@@ -44,18 +47,25 @@ class ForwardLinearScaleAdd(FusedOperation):
 
     def forward_args(self, input, params, extra_inputs, ctxs):
         gemm = gemm_forward_args(input, params[0], self.match["linear"].tp, ctxs[0])
-        return LinearScaleAddForwardArgs(gemm, self.match["scale"].scale, extra_inputs[0])
+        return LinearScaleAddForwardArgs(gemm, self.match["scale"].scale, extra_inputs[0],
+                                         self.match["add"].in_place)
+
+    def inline_when_compiled(self, direction):
+        return self.match["add"].in_place
 
     @classmethod
     def forward_compute(cls, args, *, in_custom_op=False):
-        gemm = args.gemm
+        gemm, residual = args.gemm, args.extra_input
         if gemm.fp8:
             y, kept = gemm_forward(gemm)
-            return ForwardResult(torch.add(args.extra_input, y, alpha=args.scale), (),
-                                 forward_aux(gemm, kept))
-        x = gemm.input
-        y = torch.addmm(tokens_2d(args.extra_input), tokens_2d(x), gemm.weight.t(),
-                        alpha=args.scale)
+            out = (residual.add_(y, alpha=args.scale) if args.in_place
+                   else torch.add(residual, y, alpha=args.scale))
+            return ForwardResult(out, (), forward_aux(gemm, kept))
+        x, r2 = gemm.input, tokens_2d(residual)
+        if args.in_place:  # a view of the residual (contiguous: the executor checks)
+            r2.addmm_(tokens_2d(x), gemm.weight.t(), alpha=args.scale)
+            return ForwardResult(residual)
+        y = torch.addmm(r2, tokens_2d(x), gemm.weight.t(), alpha=args.scale)
         return ForwardResult(like_tokens(y, x))
 
     def save_for_backward(self, args, result, ctxs):

@@ -154,10 +154,12 @@ class StageSpec:
 
     def inline_when_compiled(self, direction: str) -> bool:
         """Whether the compiled graph runs this ``direction`` stage's compute inline rather
-        than as its custom op: only for a compute of aliases and views, no kernel of its
-        own (AddExtraInput's backward hands ``dy`` on twice). A custom op may return no
-        alias of its inputs, so through one each alias would be a copy the eager run does
-        not make: a pass over memory and a buffer more at the peak."""
+        than as its custom op: for a compute of aliases and views, no kernel of its own
+        (AddExtraInput's backward hands ``dy`` on twice), and for one that writes into its
+        inputs (``AddExtraInput(in_place=True)`` and the fusions covering it). A custom op
+        may return no alias of its inputs, so through one each alias would be a copy the
+        eager run does not make: a pass over memory and a buffer more at the peak; nor may
+        it write into them."""
         return False
 
     def compile_unsupported_reason(self, direction: str) -> Optional[str]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import attrs
 import torch
 
+from fusible.core import checks
 from fusible.core.example import Example
 from fusible.core.results import BackwardResult, ForwardResult
 from fusible.module import BasicOperation
@@ -19,6 +20,7 @@ Tensor = torch.Tensor
 class AddForwardArgs:
     input: Tensor
     extra_input: Tensor
+    in_place: bool = False
 
 
 @attrs.define
@@ -32,13 +34,35 @@ class AddExtraInput(BasicOperation):
     """``y = x + extra``, the extra input taken from the pipeline's extra inputs.
 
     The extra input must have the shape, dtype and device of ``x``. Saves nothing.
+
+    Parameters
+    ----------
+    in_place : bool
+        Write the sum into the extra input, which becomes the output (TransformerEngine's
+        option: no buffer for the output; a fused linear layer before it accumulates its
+        GEMM into the extra input). As with any in-place op, the caller's tensor changes
+        and autograd refuses the backward of anything that saved it; the extra input
+        must be contiguous, and the op the last of its Sequential (its output is the
+        extra input itself). Compiled, the add runs in the graph (a custom op may not
+        write into its inputs).
     """
 
     keeps_features = True
+    attribute_checks = {"in_place": checks.boolean("in_place")}
 
     num_extra_inputs = 1
     fwd_args_type = AddForwardArgs
     bwd_args_type = AddBackwardArgs
+
+    def __init__(self, *, in_place: bool = False):
+        super().__init__()
+        self.in_place = in_place
+
+    def describe(self) -> str:
+        return "AddExtraInput(in_place=True)" if self.in_place else "AddExtraInput"
+
+    def extra_repr(self) -> str:
+        return "in_place=True" if self.in_place else ""
 
     def validate(self, shape, dtype, device, extra_inputs=()):
         (extra,) = extra_inputs
@@ -54,17 +78,21 @@ class AddExtraInput(BasicOperation):
         return tuple(shape)
 
     def forward_args(self, input, params, extra_inputs, ctxs):
-        return AddForwardArgs(input, extra_inputs[0])
+        return AddForwardArgs(input, extra_inputs[0], self.in_place)
 
     @classmethod
     def forward_compute(cls, args, *, in_custom_op=False):
+        if args.in_place:  # never a custom op (inline_when_compiled)
+            return ForwardResult(args.extra_input.add_(args.input))
         return ForwardResult(args.input + args.extra_input)
 
     def save_for_backward(self, args, result, ctxs):
         pass
 
     def inline_when_compiled(self, direction):
-        return direction == "backward"  # dy handed on as it is: no copy when compiled
+        # backward: dy handed on as it is, no copy when compiled; forward in place: a
+        # custom op may not write into its inputs
+        return direction == "backward" or self.in_place
 
     def backward_args(self, grad_output, grad_extra_outputs, ctxs):
         needs = ctxs[0].needs

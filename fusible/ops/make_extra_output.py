@@ -10,8 +10,10 @@ from typing import Optional
 import attrs
 import torch
 
+from fusible.core import checks
 from fusible.core.example import Example
 from fusible.core.results import BackwardResult, ForwardResult
+from fusible.kernels import plain_eager
 from fusible.module import BasicOperation
 
 Tensor = torch.Tensor
@@ -27,6 +29,7 @@ class BranchBackwardArgs:
     grad_output: Tensor
     grad_extra_output: Optional[Tensor]
     need_grad_input: bool
+    in_place: bool = False
 
 
 class MakeExtraOutput(BasicOperation):
@@ -34,9 +37,30 @@ class MakeExtraOutput(BasicOperation):
 
     In the backward, the gradient of the extra output is added to the gradient
     flowing through.
+
+    Parameters
+    ----------
+    in_place : bool
+        Add the gradient flowing through into the extra output's incoming gradient, in
+        its buffer, and hand that on (TransformerEngine's option: no buffer for the sum;
+        a fused linear layer after it accumulates its dgrad GEMM there). That buffer is
+        whatever autograd passes, which may be a gradient the caller gave ``backward``:
+        it is overwritten. Compiled, the sum is computed out of place (a custom op may
+        not write into its inputs), with the same values.
     """
 
     keeps_features = True
+    attribute_checks = {"in_place": checks.boolean("in_place")}
+
+    def __init__(self, *, in_place: bool = False):
+        super().__init__()
+        self.in_place = in_place
+
+    def describe(self) -> str:
+        return "MakeExtraOutput(in_place=True)" if self.in_place else "MakeExtraOutput"
+
+    def extra_repr(self) -> str:
+        return "in_place=True" if self.in_place else ""
 
     num_extra_outputs = 1
     fwd_args_type = BranchForwardArgs
@@ -56,7 +80,10 @@ class MakeExtraOutput(BasicOperation):
         return direction == "forward"  # x handed on twice: no copy when compiled
 
     def backward_args(self, grad_output, grad_extra_outputs, ctxs):
-        return BranchBackwardArgs(grad_output, grad_extra_outputs[0], ctxs[0].needs.input)
+        # In place only on real tensors: a compiled graph's custom op may not write into
+        # its inputs (the values are the same either way)
+        return BranchBackwardArgs(grad_output, grad_extra_outputs[0], ctxs[0].needs.input,
+                                  self.in_place and _writable(grad_extra_outputs[0]))
 
     @classmethod
     def backward_compute(cls, args, *, in_custom_op=False):
@@ -64,6 +91,8 @@ class MakeExtraOutput(BasicOperation):
             return BackwardResult(None)
         if args.grad_extra_output is None:
             return BackwardResult(args.grad_output)
+        if args.in_place:
+            return BackwardResult(args.grad_extra_output.add_(args.grad_output))
         return BackwardResult(args.grad_output + args.grad_extra_output)
 
     def reference(self, x, extra_inputs, params):
@@ -72,3 +101,8 @@ class MakeExtraOutput(BasicOperation):
     @classmethod
     def example(cls):
         return Example((cls(),), (4, 16))
+
+
+def _writable(grad) -> bool:
+    """A real tensor outside any trace (None: nothing to write into)."""
+    return grad is not None and plain_eager(grad)

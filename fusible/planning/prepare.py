@@ -69,6 +69,9 @@ class ExecPlan:
     # (op.main_grad_params, where a gradient is needed), and their (op, name)
     main_grad_params: tuple = ()
     main_grad_owners: tuple = ()
+    # Extra inputs written in place (AddExtraInput(in_place=True)), with their ops
+    in_place_extra_inputs: tuple = ()
+    in_place_ops: tuple = ()
 
     @property
     def conditions(self) -> PlanConditions:
@@ -103,6 +106,7 @@ def prepare_group(ops: tuple, start: int, conditions: PlanConditions) -> ExecPla
     idle = tuple(OperationContext(idle_needs(op), recipe) for op in ops)
     producers = [i for i, op in enumerate(ops) for _ in range(op.num_extra_outputs)]
     constant = tuple(j for j, i in enumerate(producers) if not needs[i].input)
+    in_place = _in_place_extra_inputs(ops)
     owners = [(op, name) for op in ops for name in op.param_names]
     needed = [p for n in needs for p in n.params]
     main = tuple(k for k, (op, name) in enumerate(owners)
@@ -111,7 +115,25 @@ def prepare_group(ops: tuple, start: int, conditions: PlanConditions) -> ExecPla
                     any(n.any for n in needs), needs[0].input if needs else False,
                     len(owners), sum(op.num_extra_inputs for op in ops), idle, constant,
                     tuple(stage for _, stage in backward), recipe, main_grad_params=main,
-                    main_grad_owners=tuple(owners[k] for k in main))
+                    main_grad_owners=tuple(owners[k] for k in main),
+                    in_place_extra_inputs=tuple(j for j, _ in in_place),
+                    in_place_ops=tuple(op for _, op in in_place))
+
+
+def _in_place_extra_inputs(ops) -> list:
+    """``(extra input index, op)`` of the ops that write into their extra input (an
+    ``in_place`` attribute); each must be the group's last op: its output is that extra
+    input, which autograd must see returned as the group's output."""
+    found, position = [], 0
+    for i, op in enumerate(ops):
+        if op.num_extra_inputs and getattr(op, "in_place", False):
+            if i != len(ops) - 1:
+                raise ValueError(f"{op.describe()} at [{i}] writes the sum into its extra "
+                                 f"input, which becomes the output: it must be the last op "
+                                 f"of its Sequential; put the ops after it in another one")
+            found.append((position, op))
+        position += op.num_extra_inputs
+    return found
 
 
 def _exec_stage(ops, start, stage, backward: bool, op_needs: tuple) -> ExecStage:

@@ -31,6 +31,11 @@ def run_forward(plan: ExecPlan, x, params, extra_inputs, ctxs, *, save: bool,
     """
     if traced or (x.shape, x.device) not in plan.validated or extra_inputs:
         _validate(plan, x, extra_inputs, cache=not traced)  # symbolic shapes: no cache
+    for j, op in zip(plan.in_place_extra_inputs, plan.in_place_ops):
+        if not extra_inputs[j].is_contiguous():  # the sum goes into it: no copy may stand in
+            raise ValueError(f"{op.describe()} writes into its extra input, which must be "
+                             f"contiguous; got strides {extra_inputs[j].stride()} for shape "
+                             f"{tuple(extra_inputs[j].shape)}")
     # Same layouts in eager and compiled runs: the kernels (GEMMs, reductions) and so the
     # bits can depend on the input's strides, which a compiled graph may change.
     x = x.contiguous()
@@ -143,6 +148,12 @@ class _PipelineFunction(torch.autograd.Function):
         ctxs = [OperationContext(n, plan.recipe) for n in plan.needs]
         y, extra_outputs = run_forward(plan, x, params, extra_inputs, ctxs, save=True,
                                        traced=traced)
+        if plan.in_place_extra_inputs:  # written in place, and the output itself
+            written = [extra_inputs[j] for j in plan.in_place_extra_inputs]
+            if y is not written[-1]:
+                raise RuntimeError(f"{plan.in_place_ops[-1].describe()}'s stage did not return "
+                                   f"its extra input as the output")
+            fctx.mark_dirty(*written)
         stash_saved(fctx, ctxs, plan.ops, (x, *tensors[:params_end]), (y, *extra_outputs))
         # Traced (compiled) runs keep the plan and ops weakly: a trace may keep this node alive
         # after the module is gone (dynamo's fake propagation never runs its backward), and

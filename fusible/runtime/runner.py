@@ -116,6 +116,11 @@ class PipelineRunner:
         dtype = torch.get_autocast_dtype(device_type)
         keep = self._quantized if self._recipe_key(traced) is not None else ()
         x = x.to(dtype)
+        if any(getattr(op, "in_place", False) for op in self.ops if op.num_extra_inputs) \
+                and any(e.dtype != dtype for e in extra_inputs):
+            raise TypeError(f"{self._name()}: an AddExtraInput(in_place=True) writes into its "
+                            f"extra input, which under torch.autocast must be in the autocast "
+                            f"dtype {dtype}; got {[e.dtype for e in extra_inputs]}")
         extra_inputs = tuple(e.to(dtype) for e in extra_inputs)
         params = [p if i in keep else p.to(dtype) for i, p in enumerate(params)]
         CASTING.active = True
