@@ -17,7 +17,7 @@ from fusible.core import (Check, Example, FusedOperation, Op, OperationContext, 
 from fusible.planning import (Candidate, FusionPlan, PlanEnvironment, Stage, register_fusion,
                               registered_fusions, unregister_fusion)
 from fusible.quantization import (Float8CurrentScaling, Float8Format, Float8Tensor, autocast,
-                                  quantize)
+                                  quantize, quantized_model_init)
 from fusible.runtime import CompileReport, compile_report, make_graphed_callables
 
 __version__ = "0.1.0"
@@ -27,6 +27,6 @@ __all__ = [
     "Float8Tensor", "FusedOperation", "FusionPlan", "Op", "OperationContext", "Pattern",
     "PlanConditions", "PlanEnvironment", "Stage", "autocast", "compile_report",
     "deinterleave_glu_rows", "interleave_glu_rows", "make_graphed_callables", "ops",
-    "quantize", "register_fusion", "register_schema_type", "registered_fusions",
-    "state_dict_from_torch", "testing", "unregister_fusion",
+    "quantize", "quantized_model_init", "register_fusion", "register_schema_type",
+    "registered_fusions", "state_dict_from_torch", "testing", "unregister_fusion",
 ]

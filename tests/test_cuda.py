@@ -567,3 +567,33 @@ def test_main_grad_exact_on_gpu():
         model(x).backward(dy)
         want = want + dy.double().t() @ x.double()
     assert torch.equal(weight.main_grad.double(), want)
+
+
+def test_fp8_parameters_on_gpu():
+    """quantized_model_init on CUDA: compiled with Inductor the FP8-weight model gives
+    eager's bits under fusible.autocast (the GEMMs read the FP8 weights), and an optimizer
+    step quantizes the weights again in place (Triton casts)."""
+    import fusible
+    from fusible.quantization import Float8Tensor
+    torch._dynamo.reset()
+    results = []
+    for compiled in (False, True):
+        torch.manual_seed(0)
+        with fusible.quantized_model_init():
+            model = ops.Sequential(ops.Linear(256, 512), ops.GELU(approximate="tanh"),
+                                   ops.Linear(512, 256)).to("cuda", torch.bfloat16)
+        run = torch.compile(model, fullgraph=True) if compiled else model
+        x = torch.randn(128, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        with fusible.autocast():
+            y = run(x)
+        y.backward(torch.randn_like(y))
+        results.append([y, x.grad] + [p.grad for p in model.parameters()])
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+    w = model[0].weight
+    before = w.dequantize().detach().float()
+    torch.optim.SGD(model.parameters(), lr=0.5).step()
+    assert isinstance(w, Float8Tensor) and w.is_cuda
+    step = (w.dequantize().detach().float() - before + 0.5 * w.grad.float()).abs()
+    assert (step <= 2.0 ** -3 * before.abs() + 2.0 ** -3 * w.grad.float().abs() + 1e-3).all()
+    assert torch.equal(w._transpose.view(torch.uint8), w._data.view(torch.uint8).t())

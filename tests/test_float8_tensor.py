@@ -285,6 +285,15 @@ _CASES = {
         "3d to 2d": (lambda x, op=op: op(x, [16, 32]), True, _fp8(2, 8, 32)),
         "of t()": (lambda x, op=op: op(aten.t.default(x), [2, 16, 16]), True, _fp8(16, 32)),
     } for op in (aten.view.default, aten._unsafe_view.default)},
+    aten._to_copy.default: {  # another floating dtype: what it dequantizes to
+        "to bfloat16": (lambda x: aten._to_copy.default(x, dtype=torch.bfloat16), True,
+                        _fp8(16, 32)),
+        "same dtype": (aten._to_copy.default, True, _fp8(16, 32)),
+        "of t()": (lambda x: aten._to_copy.default(aten.t.default(x), dtype=torch.float64),
+                   True, _fp8(16, 32)),
+        "to int32": (lambda x: aten._to_copy.default(x, dtype=torch.int32), False,
+                     _fp8(16, 32)),
+    },
     aten.t.default: {
         "2d": (aten.t.default, True, _fp8(16, 32)),
         "twice": (lambda x: aten.t.default(aten.t.default(x)), True, _fp8(16, 32)),

@@ -22,7 +22,7 @@ from fusible.functional import parallel
 from fusible.functional.parallel import TensorParallel
 from fusible.kernels.fp8_cast import transposed_copy
 from fusible.quantization.cast import tensor_amax
-from fusible.quantization.float8_tensor import Float8Tensor, Fp8Able, quantize_raw
+from fusible.quantization.float8_tensor import Float8Tensor, Fp8Able, quantize_raw, requantize
 from fusible.quantization.format import Float8Format, to_format
 
 Tensor = torch.Tensor
@@ -36,8 +36,9 @@ class GemmForwardArgs:
     ----------
     input : Tensor or Float8Tensor
         ``x`` (a Float8Tensor when the stage before handed it over quantized).
-    weight : Tensor
-        The (local shard of the) weight parameter.
+    weight : Tensor or Float8Tensor
+        The (local shard of the) weight parameter; a Float8Tensor for an FP8 parameter
+        (``quantized_model_init``), which FP8 GEMMs read as it is.
     input_format, weight_format : Float8Format or None
         The FP8 formats of the GEMM's operands; None for a high-precision GEMM.
         ``input_format.columnwise``: keep the input's transposed copy for wgrad.
@@ -46,7 +47,7 @@ class GemmForwardArgs:
     """
 
     input: Fp8Able
-    weight: Tensor
+    weight: Fp8Able  # a Float8Tensor for an FP8 parameter (quantized_model_init)
     input_format: Optional[Float8Format]
     weight_format: Optional[Float8Format]
     tp: TensorParallel
@@ -241,8 +242,12 @@ def gemm_forward(gemm: GemmForwardArgs, bias: Optional[Tensor] = None):
         x_q, lead = gather_fp8(x, tp, fmt), _gathered_lead(x, tp)
     else:
         x_q, lead = as_fp8(x, fmt if not handed_in(x, fmt) else fmt.rowwise()), x.shape[:-1]
-    w_amax = tensor_amax(weight)
-    w_q = quantize_raw(weight, gemm.weight_format.fp8_dtype, amax=w_amax)
+    if isinstance(weight, Float8Tensor):  # an FP8 parameter (quantized_model_init): as it is
+        w_q = requantize(weight, gemm.weight_format.fp8_dtype, False)
+        w_amax = weight._scale_inv  # unused: the backward reads the FP8 weight itself
+    else:
+        w_amax = tensor_amax(weight)
+        w_q = quantize_raw(weight, gemm.weight_format.fp8_dtype, amax=w_amax)
     # The input's dtype is the compute dtype (under torch.autocast the weight may be the
     # float32 parameter, quantized directly).
     y = fp8_gemm(x_q._data, x_q._scale_inv, w_q._data.t(), w_q._scale_inv, bias, x_q.dtype,

@@ -18,6 +18,7 @@ from fusible.functional.linear_state import (forward_aux, gemm_backward_args, ge
                                              gemm_grad_format, gemm_input_format, save_linear)
 from fusible.functional.parallel import NOT_PARALLEL
 from fusible.module import BasicOperation
+from fusible.quantization.params import fp8_parameter
 
 Tensor = torch.Tensor
 
@@ -98,6 +99,7 @@ class BasicLinear(BasicOperation):
         self.weight = nn.Parameter(torch.empty(self.local_out, self.local_in, device=device,
                                                dtype=dtype))
         self.reset_parameters()
+        self.weight = fp8_parameter(self.weight)  # FP8 inside quantized_model_init()
 
     def reset_parameters(self) -> None:
         """Initialise ``weight`` like ``torch.nn.Linear`` of the global sizes (this rank's

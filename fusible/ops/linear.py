@@ -12,6 +12,7 @@ from fusible.core import checks
 from fusible.module import FusibleOperation
 from fusible.ops.basic_linear import BasicLinear, init_linear_weight, init_shard_, linear_shard
 from fusible.ops.bias import Bias
+from fusible.quantization.params import fp8_parameter
 
 
 class Linear(FusibleOperation):
@@ -72,6 +73,7 @@ class Linear(FusibleOperation):
         object.__setattr__(self, "_ops", tuple(ops))
         self._link_ops()
         self.reset_parameters()
+        self.weight = fp8_parameter(self.weight)  # FP8 inside quantized_model_init()
 
     def _link_ops(self) -> None:
         for op in self._ops:

@@ -4,7 +4,9 @@ from fusible.quantization.autograd import quantize
 from fusible.quantization.boundary import decode_results, encode_results
 from fusible.quantization.float8_tensor import Float8Tensor, Fp8Able
 from fusible.quantization.format import Float8Format, to_format
+from fusible.quantization.params import fp8_parameter, quantized_model_init
 from fusible.quantization.recipe import Float8CurrentScaling, autocast, fp8_recipe
 
 __all__ = ["Float8CurrentScaling", "Float8Format", "Float8Tensor", "Fp8Able", "autocast",
-           "decode_results", "encode_results", "fp8_recipe", "quantize", "to_format"]
+           "decode_results", "encode_results", "fp8_parameter", "fp8_recipe", "quantize",
+           "quantized_model_init", "to_format"]

@@ -93,11 +93,61 @@ class Float8Tensor(torch.Tensor):
             out = handler(*args, **kwargs)
             if out is not NotImplemented:
                 return out
+        written = _written_float8(func, args, kwargs)
+        if written:
+            return _run_in_place(func, args, kwargs, written)
         # Anything else: dequantize and run in the original dtype. Never through
         # super().__torch_dispatch__, which would bypass fake and functional tensors.
         args, kwargs = pytree.tree_map_only(Float8Tensor, Float8Tensor._dequantize_raw,
                                             (args, kwargs))
         return func(*args, **kwargs)
+
+
+def _written_float8(func, args, kwargs) -> list:
+    """The Float8Tensors an op writes into (its schema's ``Tensor(a!)`` arguments:
+    ``add_``, ``copy_``, ``uniform_``, an optimizer's ``_foreach_*_``)."""
+    written = []
+    for i, arg in enumerate(func._schema.arguments):
+        if arg.alias_info is None or not arg.alias_info.is_write:
+            continue
+        value = args[i] if i < len(args) else kwargs.get(arg.name)
+        for t in value if isinstance(value, (list, tuple)) else (value,):
+            if isinstance(t, Float8Tensor):
+                written.append(t)
+    return written
+
+
+def _run_in_place(func, args, kwargs, written: list):
+    """An op that writes into Float8Tensors: run on their values in the original dtype,
+    then each quantized again in place (a new current scale; its data, scale and
+    transposed copy overwritten, so whoever holds it, an optimizer its parameter, sees
+    the new values). Returns what the op returns, with the Float8Tensors in place of
+    their high-precision stand-ins."""
+    for t in written:
+        if t._data.untyped_storage().nbytes() != t._data.numel():
+            raise NotImplementedError(
+                f"{func}: writing into part of a Float8Tensor (shape {tuple(t.shape)}) would "
+                f"scale all of it anew: dequantize it first")
+    stand_in = {id(t): t._dequantize_raw() for t in written}
+
+    def high(t):
+        return stand_in.get(id(t)) if id(t) in stand_in else t._dequantize_raw()
+
+    args2, kwargs2 = pytree.tree_map_only(Float8Tensor, high, (args, kwargs))
+    out = func(*args2, **kwargs2)
+    for t in written:
+        _quantize_into(t, stand_in[id(t)])
+    back = {id(v): t for t in written for v in (stand_in[id(t)],)}
+    return pytree.tree_map_only(torch.Tensor, lambda v: back.get(id(v), v), out)
+
+
+def _quantize_into(t: "Float8Tensor", values: torch.Tensor) -> None:
+    """Overwrite ``t`` with ``values`` quantized to its FP8 dtype and layout."""
+    parts = cast.cast_to_fp8_any(values.contiguous(), t.fp8_dtype, t._transpose is not None)
+    t._data.copy_(parts[0].view(t._data.shape))
+    t._scale_inv.copy_(parts[1])
+    if t._transpose is not None:
+        t._transpose.copy_(parts[2])
 
 
 class _Dequantize(torch.autograd.Function):
@@ -217,6 +267,20 @@ def _addmm(bias, a, b, beta=1, alpha=1):
     return NotImplemented
 
 
+def _to_copy(t, dtype=None, layout=None, device=None, pin_memory=None, non_blocking=False,
+             memory_format=None):
+    """``.to()``: another floating dtype only changes what the values dequantize to (an
+    FP8 parameter stays FP8 through ``model.to(torch.bfloat16)``); a device moves the
+    FP8 bytes, the scale and the transposed copy."""
+    if (dtype is not None and not dtype.is_floating_point) or layout not in (None, torch.strided):
+        return NotImplemented
+
+    def copy(u):
+        return None if u is None else u.to(device=device or u.device, non_blocking=non_blocking,
+                                           copy=True)
+    return Float8Tensor(copy(t._data), copy(t._scale_inv), dtype or t.dtype, copy(t._transpose))
+
+
 _HANDLERS = {
     aten.detach.default: _same(torch.Tensor.detach),
     aten.clone.default: _same(lambda t, **kw: t.clone(**kw), copy_scale=True),
@@ -229,6 +293,7 @@ _HANDLERS = {
     aten.index.Tensor: _subset(aten.index.Tensor),
     aten.mm.default: _mm,
     aten.addmm.default: _addmm,
+    aten._to_copy.default: _to_copy,
 }
 
 
