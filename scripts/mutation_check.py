@@ -133,9 +133,9 @@ CURATED = [
        "activation checkpointing recomputes under the recipe at backward time"),
     _m("wgrad_wrong_scale", "fusible/functional/linear.py",
        "        dw = fp8_gemm(dy_q._transpose, dy_scale_inv, x_saved._transpose.t(),\n"
-       "                      x_saved._scale_inv, None, dy_q.dtype)",
+       "                      x_saved._scale_inv, None, args.wgrad_dtype or dy_q.dtype)",
        "        dw = fp8_gemm(dy_q._transpose, dy_scale_inv, x_saved._transpose.t(),\n"
-       "                      dy_scale_inv, None, dy_q.dtype)",
+       "                      dy_scale_inv, None, args.wgrad_dtype or dy_q.dtype)",
        "the FP8 wgrad scaled by the wrong operand's scale"),
     _m("reshape_backward_keeps_shape", "fusible/ops/reshape.py",
        "        return BackwardResult(args.grad_output.reshape(args.input_shape))",
@@ -159,6 +159,20 @@ CURATED = [
        "    return y, offs, mask",
        "the FP8-writing norm takes its amax and cast from unrounded values (bits differ from "
        "norm-then-cast)"),
+    # the fifth session's features, with their tests
+    _m("amax_slots_not_rezeroed", "fusible/kernels/fp8_cast.py",
+       "            self.buffer.zero_()\n", "            pass\n",
+       "the casts' amax slots are handed out again without their fill"),
+    _m("main_grad_overwritten", "fusible/runtime/executor.py",
+       "        buffer.add_(g)\n", "        buffer.copy_(g)\n",
+       "a weight gradient replaces main_grad instead of adding into it"),
+    _m("in_place_fusion_out_of_place", "fusions/forward_linear_bias_add.py",
+       "            y = r2.addmm_(tokens_2d(x), gemm.weight.t())",
+       "            y = torch.addmm(r2, tokens_2d(x), gemm.weight.t())",
+       "AddExtraInput(in_place=True)'s fused GEMM writes a new tensor, not the residual"),
+    _m("fp8_param_transpose_stale", "fusible/quantization/float8_tensor.py",
+       "        t._transpose.copy_(parts[2])\n", "        pass\n",
+       "an in-place update of an FP8 weight leaves its transposed copy (dgrad's) stale"),
 ]
 
 # Bugs nobody tuned the tests for (the "fresh" set): picked from the library's source
