@@ -363,6 +363,21 @@ def _run_tests(timeout: int) -> tuple:
     return proc.returncode != 0, time.monotonic() - start, where
 
 
+def _check_fusions_are_here() -> None:
+    """The built-in fusions load as ``fusible.fusions``, which an editable install maps to
+    its own checkout's fusions/: run elsewhere (a clone using another checkout's venv),
+    mutations there would go untested and be reported as survivors, or worse, caught by
+    nothing and passed over."""
+    probe = subprocess.run([sys.executable, "-c", "import fusible.fusions as f; "
+                            "print(list(f.__path__)[0])"], cwd=ROOT, capture_output=True,
+                           text=True, timeout=120)
+    where = pathlib.Path(probe.stdout.strip() or ".").resolve()
+    if where != (ROOT / "fusions").resolve():
+        raise SystemExit(f"fusible.fusions loads from {where}, not {ROOT / 'fusions'}: run the "
+                         f"check in the checkout this Python installs (or pip install -e "
+                         f"{ROOT} first)")
+
+
 def run(mutations, timeout: int) -> int:
     """Plant each mutation, run the tests, restore; print a table; return the survivors."""
     survivors = 0
@@ -405,6 +420,7 @@ def main() -> None:
         stale = [m.name for m in mutations if (ROOT / m.path).read_text().count(m.old) != 1]
         print(f"stale: {stale}" if stale else f"all {len(mutations)} snippets found once")
         sys.exit(1 if stale else 0)
+    _check_fusions_are_here()
     sys.exit(1 if run(mutations, args.timeout) else 0)
 
 
