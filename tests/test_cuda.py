@@ -405,8 +405,8 @@ def test_activation_writing_fp8_on_gpu(kind, dtype):
 
 @pytest.mark.parametrize("dtype", GPU_DTYPES, ids=str)
 def test_interleaved_and_clamped_gated_units_on_gpu(dtype):
-    """The kernels' interleaved halves and clamped SwiGLU against FP64, and their FP8
-    outputs as the plain kernel followed by the cast (bits)."""
+    """The kernels' interleaved halves, clamped SwiGLU and SiTU-GLU against FP64, and
+    their FP8 outputs as the plain kernel followed by the cast (bits)."""
     from fusible.functional.activations import glu_backward, glu_forward
     from fusible.kernels.fp8_cast import cast_to_fp8_triton
     from fusible.kernels.swiglu import (swiglu_backward_fp8_triton, swiglu_backward_triton,
@@ -416,6 +416,8 @@ def test_interleaved_and_clamped_gated_units_on_gpu(dtype):
     dy = torch.randn(300, 256, device="cuda").to(dtype)
     for layout in (dict(kind="clamped_swiglu", clamp=(1.0, 1.702, 1.0)),
                    dict(kind="clamped_swiglu", interleave=1),
+                   dict(kind="situ_glu", clamp=(1.5, 0.75, 0.25)),
+                   dict(kind="situ_glu", clamp=(0.3, 0.0, -0.5), interleave=2),
                    dict(kind="swiglu", interleave=64), dict(kind="geglu", interleave=8)):
         what = f"{layout} {dtype}"
         assert_close(swiglu_forward_triton(x, **layout), glu_forward(x=x.double(), **layout),

@@ -217,6 +217,8 @@ _NORM_SWIGLU_SCRIPT = textwrap.dedent("""
         # interleaved halves, and the clamped SwiGLU with limits that bite
         for kind, interleave, clamp in (("clamped_swiglu", 0, (1.0, 1.702, 1.0)),
                                         ("clamped_swiglu", 1, (0.5, 1.0, 0.0)),
+                                        ("situ_glu", 0, (1.5, 0.75, 0.25)),
+                                        ("situ_glu", 2, (0.3, 0.0, -0.5)),  # linear uncapped
                                         ("swiglu", 2, None), ("geglu", 4, None)):
             x, dy = torch.randn(7, 72).to(dtype), torch.randn(7, 36).to(dtype)
             layout = dict(kind=kind, interleave=interleave)
@@ -329,8 +331,8 @@ _FUSED_CAST_SCRIPT = textwrap.dedent("""
                      swiglu_forward_triton(x, kind=kind), fp8, columnwise)
                 same(swiglu_backward_fp8_triton(dy, x, *args, block_m=4, block_n=16, kind=kind),
                      swiglu_backward_triton(dy, x, kind=kind), fp8, columnwise)
-                layout = dict(kind="clamped_swiglu", clamp=(1.0, 1.5, 0.5),
-                              interleave=2 if shape[-1] % 4 == 0 else 1)
+                layout = dict(kind=("clamped_swiglu", "situ_glu")[case % 2],
+                              clamp=(1.0, 1.5, 0.5), interleave=2 if shape[-1] % 4 == 0 else 1)
                 same(swiglu_forward_fp8_triton(x, *args, block_m=4, block_n=16, **layout),
                      swiglu_forward_triton(x, **layout), fp8, columnwise)
                 same(swiglu_backward_fp8_triton(dy, x, *args, block_m=4, block_n=16, **layout),

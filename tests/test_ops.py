@@ -151,6 +151,36 @@ def test_gated_units_gate_the_first_half_as_transformer_engine():
         ops.Sequential(ops.ReGLU())(torch.randn(2, 5))
 
 
+def test_situ_glu_values_gradient_and_bounds():
+    """SiTU-GLU (Kimi K3): ``s tanh(a/s) sigmoid(a) (l tanh(b/l) + offset)``; SwiGLU's to
+    first order near the origin; bounded by ``s (l + |offset|)``; the linear half uncapped
+    with ``linear_scale=None``; the gradient of that formula."""
+    x = torch.randn(5, 16, dtype=torch.float64, requires_grad=True)
+    unit = ops.SiTUGLU(gate_scale=2.0, linear_scale=3.0, linear_offset=0.5)
+    a, b = x.detach().chunk(2, -1)
+    want = 2 * torch.tanh(a / 2) * torch.sigmoid(a) * (3 * torch.tanh(b / 3) + 0.5)
+    y = ops.Sequential(unit)(x)
+    torch.testing.assert_close(y, want)
+    y.backward(torch.ones_like(y))
+    t, u, sig = torch.tanh(a / 2), torch.tanh(b / 3), torch.sigmoid(a)
+    dgate = (1 - t * t) * sig + 2 * t * sig * (1 - sig)
+    torch.testing.assert_close(x.grad, torch.cat([dgate * (3 * u + 0.5),
+                                                  2 * t * sig * (1 - u * u)], -1))
+    huge = torch.full((1, 2), 1e4, dtype=torch.float64)
+    assert ops.Sequential(unit)(huge).item() == pytest.approx(2 * (3 + 0.5))
+    small = torch.tensor([[1e-3, 2e-3]], dtype=torch.float64)
+    swiglu = ops.Sequential(ops.SwiGLU())(small).item()
+    assert ops.Sequential(ops.SiTUGLU(linear_scale=None))(small).item() == pytest.approx(
+        swiglu, rel=1e-6)
+    assert ops.SiTUGLU().describe() == ("SiTUGLU(gate_scale=4.0, linear_scale=25.0, "
+                                        "linear_offset=0.0)")
+    with pytest.raises(ValueError, match="SiTUGLU: gate_scale must be positive, got "
+                                         "gate_scale=0.0"):
+        ops.SiTUGLU(gate_scale=0.0)
+    with pytest.raises(TypeError, match="linear_scale must be a real number"):
+        ops.SiTUGLU(linear_scale="big")
+
+
 def test_clamped_swiglu_and_interleaved_halves_as_transformer_engine():
     """ClampedSwiGLU (GPT-OSS): the gate half clamped from above, the linear half both
     ways, ``a sigmoid(alpha a) (b + offset)``, no gradient where a clamp bites (the bounds

@@ -56,6 +56,18 @@ def real(name: str, *, minimum: float | None = None) -> Check:
     return check
 
 
+def positive_real(name: str) -> Check:
+    """A real number (not a bool) greater than zero, stored as a float."""
+    check_real = real(name)
+
+    def check(op: str, value):
+        value = check_real(op, value)
+        if not value > 0:
+            raise ValueError(f"{op}: {name} must be positive, got {name}={value}")
+        return value
+    return check
+
+
 def one_of(name: str, choices: tuple) -> Check:
     """One of ``choices``."""
     def check(op: str, value):

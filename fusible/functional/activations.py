@@ -125,12 +125,13 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
 def glu_forward(kind: str, x: Tensor, output_format: Optional[Float8Format] = None,
                 interleave: int = 0, clamp: tuple = CLAMP_DEFAULTS):
     """``a, b = x.chunk(2, -1); gate(a) * b`` for the gated kind (a key of :data:`GATES`,
-    or ``"clamped_swiglu"``), in float32 for 16-bit inputs.
+    ``"clamped_swiglu"`` or ``"situ_glu"``), in float32 for 16-bit inputs.
 
     ``interleave``: the halves alternate in blocks of that many features instead (0: they
     do not). ``clamp``: the clamped SwiGLU's ``(limit, alpha, offset)``:
     ``a' = min(a, limit)``, ``b' = clamp(b, -limit, limit)``,
-    ``y = a' sigmoid(alpha a') (b' + offset)``.
+    ``y = a' sigmoid(alpha a') (b' + offset)``; SiTU-GLU's ``(s, l, offset)``:
+    ``y = s tanh(a/s) sigmoid(a) (l tanh(b/l) + offset)`` (``l = 0``: ``b + offset``).
 
     On CUDA one Triton kernel; with ``output_format`` the result comes as that
     Float8Tensor, never written in high precision. Elsewhere the PyTorch ops, and a
@@ -146,6 +147,9 @@ def glu_forward(kind: str, x: Tensor, output_format: Optional[Float8Format] = No
     a, b = _deinterleave(x.to(compute_dtype(x.dtype)), interleave).chunk(2, -1)
     if kind == "clamped_swiglu":
         gate, _, linear = _clamped(a, b, clamp)
+        return (gate * linear).to(x.dtype)
+    if kind == "situ_glu":
+        gate, _, linear, _ = _situ(a, b, clamp)
         return (gate * linear).to(x.dtype)
     return (GATES[kind][0](a) * b).to(x.dtype)
 
@@ -170,6 +174,9 @@ def glu_backward(kind: str, grad_output: Tensor, x: Tensor,
         gate, gate_grad, linear = _clamped(a, b, clamp)
         da = torch.where(a <= limit, dy * linear * gate_grad, 0.0)
         db = torch.where((b >= -limit) & (b <= limit), dy * gate, 0.0)
+    elif kind == "situ_glu":
+        gate, gate_grad, linear, linear_grad = _situ(a, b, clamp)
+        da, db = dy * linear * gate_grad, dy * gate * linear_grad
     else:
         gate, gate_backward = GATES[kind]
         da, db = gate_backward(dy * b, a), dy * gate(a)
@@ -182,6 +189,20 @@ def _clamped(a: Tensor, b: Tensor, clamp: tuple) -> tuple:
     a, b = a.clamp(max=limit), b.clamp(-limit, limit)
     sig = torch.sigmoid(alpha * a)
     return a * sig, sig + alpha * a * sig * (1 - sig), b + offset
+
+
+def _situ(a: Tensor, b: Tensor, params: tuple) -> tuple:
+    """SiTU-GLU's ``(gate(a), gate'(a), linear(b), linear'(b))`` for ``params = (gate
+    scale s, linear scale l, offset)``: ``gate(a) = s tanh(a/s) sigmoid(a)``, ``linear(b)
+    = l tanh(b/l) + offset`` (``b + offset`` for ``l = 0``)."""
+    gate_scale, linear_scale, offset = params
+    t, sig = torch.tanh(a / gate_scale), torch.sigmoid(a)
+    gate = gate_scale * t * sig
+    gate_grad = (1 - t * t) * sig + gate * (1 - sig)
+    if not linear_scale:
+        return gate, gate_grad, b + offset, torch.ones_like(b)
+    u = torch.tanh(b / linear_scale)
+    return gate, gate_grad, linear_scale * u + offset, 1 - u * u
 
 
 def _deinterleave(x: Tensor, interleave: int) -> Tensor:

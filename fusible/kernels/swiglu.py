@@ -45,7 +45,7 @@ def _swiglu_tile(x_ptr, rows, a_cols, b_cols, mask, N):
 
 
 KINDS = {"swiglu": 0, "geglu": 1, "glu": 2, "reglu": 3, "sreglu": 4, "qgeglu": 5,
-         "clamped_swiglu": 6}
+         "clamped_swiglu": 6, "situ_glu": 7}
 
 
 @jit
@@ -81,11 +81,37 @@ def _clamped(a, b, LIMIT, ALPHA, OFFSET):
 
 
 @jit
+def _tanh(z):
+    """tanh(z) as 2 sigmoid(2z) - 1, by its odd series where |z| < 1/8 (where the
+    difference cancels): float32-accurate either side (the next term is ~1e-9)."""
+    z2 = z * z
+    series = z * (1.0 + z2 * (-1.0 / 3.0 + z2 * (2.0 / 15.0 + z2 * (-17.0 / 315.0))))
+    return tl.where(tl.abs(z) < 0.125, series, 2.0 * tl.sigmoid(2.0 * z) - 1.0)
+
+
+@jit
+def _situ(a, b, GATE_SCALE, LINEAR_SCALE, OFFSET):
+    """SiTU-GLU's ``(gate(a), gate'(a), linear(b), linear'(b))``: ``gate(a) = s tanh(a/s)
+    sigmoid(a)``, ``linear(b) = l tanh(b/l) + OFFSET`` (``b + OFFSET`` for ``l = 0``)."""
+    t = _tanh(a / GATE_SCALE)
+    sig = tl.sigmoid(a)
+    gate = GATE_SCALE * t * sig
+    gate_grad = (1.0 - t * t) * sig + gate * (1.0 - sig)
+    capped = LINEAR_SCALE != 0.0
+    u = _tanh(b / tl.where(capped, LINEAR_SCALE, 1.0))
+    linear = tl.where(capped, LINEAR_SCALE * u, b) + OFFSET
+    return gate, gate_grad, linear, tl.where(capped, 1.0 - u * u, 1.0)
+
+
+@jit
 def _swiglu_values(a, b, LIMIT, ALPHA, OFFSET, KIND: tl.constexpr):
     if KIND == 0:
         return a * tl.sigmoid(a) * b
     if KIND == 6:
         g, _, lin = _clamped(a, b, LIMIT, ALPHA, OFFSET)
+        return g * lin
+    if KIND == 7:  # SiTU-GLU: LIMIT, ALPHA carry the gate's and the linear half's scales
+        g, _, lin, _ = _situ(a, b, LIMIT, ALPHA, OFFSET)
         return g * lin
     g, _ = _gate(a, KIND)
     return g * b
@@ -104,6 +130,9 @@ def _swiglu_grads(dy, a, b, LIMIT, ALPHA, OFFSET, KIND: tl.constexpr):
         da = tl.where(a <= LIMIT, dy * lin * dg, 0.0)
         db = tl.where((b >= -LIMIT) & (b <= LIMIT), dy * g, 0.0)
         return da, db
+    if KIND == 7:
+        g, dg, lin, dlin = _situ(a, b, LIMIT, ALPHA, OFFSET)
+        return dy * lin * dg, dy * g * dlin
     g, dg = _gate(a, KIND)
     return dy * b * dg, dy * g
 

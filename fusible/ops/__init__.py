@@ -26,12 +26,13 @@ from fusible.ops.reshape import Reshape
 from fusible.ops.rms_norm import RMSNorm
 from fusible.ops.silu import SiLU
 from fusible.ops.srelu import SReLU
-from fusible.ops.swiglu import ClampedSwiGLU, SwiGLU
+from fusible.ops.swiglu import ClampedSwiGLU, SiTUGLU, SwiGLU
 
 __all__ = [
-    "AddExtraInput", "AllGather", "AllReduce", "BackwardResult", "BasicLinear", "BasicOperation",
-    "Bias", "ClampedSwiGLU", "ConstantScale", "Dropout", "ForwardResult", "FusedOperation", "FusibleOperation", "GELU",
-    "GEGLU", "GLU", "Identity", "L2Normalization", "LayerNorm", "Linear", "MakeExtraOutput",
-    "OperationContext", "QGEGLU", "QGELU", "Quantize", "RMSNorm", "ReGLU", "ReLU",
-    "ReduceScatter", "Reshape", "SReGLU", "SReLU", "SiLU", "Sequential", "SwiGLU",
+    "AddExtraInput", "AllGather", "AllReduce", "BackwardResult", "BasicLinear",
+    "BasicOperation", "Bias", "ClampedSwiGLU", "ConstantScale", "Dropout", "ForwardResult",
+    "FusedOperation", "FusibleOperation", "GEGLU", "GELU", "GLU", "Identity",
+    "L2Normalization", "LayerNorm", "Linear", "MakeExtraOutput", "OperationContext", "QGEGLU",
+    "QGELU", "Quantize", "RMSNorm", "ReGLU", "ReLU", "ReduceScatter", "Reshape", "SReGLU",
+    "SReLU", "Sequential", "SiLU", "SiTUGLU", "SwiGLU",
 ]

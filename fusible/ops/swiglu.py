@@ -1,5 +1,5 @@
-"""SwiGLU, the gated SiLU of Llama-style feed-forward blocks, and the clamped SwiGLU of
-GPT-OSS."""
+"""SwiGLU, the gated SiLU of Llama-style feed-forward blocks, the clamped SwiGLU of
+GPT-OSS and the SiTU-GLU of Kimi K3."""
 
 from __future__ import annotations
 
@@ -80,3 +80,56 @@ class ClampedSwiGLU(GatedActivation):
     def example(cls):
         # small enough a limit that the clamps bite on standard normal inputs
         return Example((cls(limit=1.5, glu_interleave_size=4),), (3, 5, 64))
+
+
+class SiTUGLU(GatedActivation):
+    """SiTU-GLU (the sigmoid-tanh unit of Kimi K3; Megatron-LM's ``situ_glu``): SwiGLU with
+    soft caps on both factors,
+    ``y = s tanh(a/s) sigmoid(a) * (l tanh(b/l) + linear_offset)``, bounded by
+    ``s (l + |linear_offset|)`` and SwiGLU's to first order near the origin. One Triton
+    kernel each way on CUDA, FP8 output as SwiGLU's.
+
+    Parameters
+    ----------
+    gate_scale : float
+        ``s``, the cap of the gate half (positive).
+    linear_scale : float or None
+        ``l``, the cap of the linear half (positive); None leaves it uncapped.
+    linear_offset : float
+        Added to the (capped) linear half.
+    glu_interleave_size, cache_quantized_input
+        As :class:`~fusible.ops.glu.GatedActivation`'s.
+    """
+
+    kind = "situ_glu"
+    attribute_checks = {**GatedActivation.attribute_checks,
+                        "gate_scale": checks.positive_real("gate_scale"),
+                        "linear_scale": checks.optional(checks.positive_real("linear_scale")),
+                        "linear_offset": checks.real("linear_offset")}
+
+    def __init__(self, *, gate_scale: float = 4.0, linear_scale: Optional[float] = 25.0,
+                 linear_offset: float = 0.0, glu_interleave_size: Optional[int] = None,
+                 cache_quantized_input: bool = False):
+        super().__init__(glu_interleave_size=glu_interleave_size,
+                         cache_quantized_input=cache_quantized_input)
+        self.gate_scale, self.linear_scale = gate_scale, linear_scale
+        self.linear_offset = linear_offset
+
+    def options(self) -> tuple:
+        return (("gate_scale", self.gate_scale), ("linear_scale", self.linear_scale),
+                ("linear_offset", self.linear_offset))
+
+    def clamp(self) -> tuple:  # the kernels' three parameters; 0 for an uncapped linear half
+        return (self.gate_scale, self.linear_scale or 0.0, self.linear_offset)
+
+    def unit_reference(self, a, b):
+        gate = self.gate_scale * torch.tanh(a / self.gate_scale) * torch.sigmoid(a)
+        linear = b if self.linear_scale is None else (
+            self.linear_scale * torch.tanh(b / self.linear_scale))
+        return gate * (linear + self.linear_offset)
+
+    @classmethod
+    def example(cls):
+        # caps small enough to bend standard normal inputs
+        return Example((cls(gate_scale=1.5, linear_scale=0.75, linear_offset=0.25,
+                            glu_interleave_size=4),), (3, 5, 64))
