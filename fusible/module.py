@@ -14,6 +14,7 @@ from fusible.core.conditions import PlanConditions
 from fusible.core.hooks import ReplanOnHooks, global_hooks_active, has_hooks
 from fusible.core.fused import FusedOperation
 from fusible.core.operation import BasicOperationSpec, FusibleSpec
+from fusible.planning.channels import caller_counts
 from fusible.planning.plan import FusionPlan
 from fusible.quantization import recipe
 from fusible.runtime.compiled import compiled_forward
@@ -138,10 +139,8 @@ def _entries(root: nn.Module, global_hooks: bool) -> list:
             entries.append(item)
             continue
         ops = flatten(item) if isinstance(item, (FusibleSpec, Sequential)) else ()
-        entries.append(Called(item, sum(op.num_extra_inputs for op in ops
-                                        if isinstance(op, BasicOperationSpec)),
-                              sum(op.num_extra_outputs for op in ops
-                                  if isinstance(op, BasicOperationSpec))))
+        entries.append(Called(item, *caller_counts(
+            [op for op in ops if isinstance(op, BasicOperationSpec)])))
     return entries
 
 

@@ -68,6 +68,15 @@ def positive_real(name: str) -> Check:
     return check
 
 
+def name_string(name: str) -> Check:
+    """A non-empty ``str``."""
+    def check(op: str, value):
+        if not isinstance(value, str) or not value:
+            raise TypeError(f"{op}: {name} must be a non-empty str, got {_describe(value)}")
+        return value
+    return check
+
+
 def one_of(name: str, choices: tuple) -> Check:
     """One of ``choices``."""
     def check(op: str, value):

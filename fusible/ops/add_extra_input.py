@@ -5,6 +5,8 @@
 
 from __future__ import annotations
 
+from typing import Optional
+
 import attrs
 import torch
 
@@ -45,24 +47,34 @@ class AddExtraInput(BasicOperation):
         must be contiguous, and the op the last of its Sequential (its output is the
         extra input itself). Compiled, the add runs in the graph (a custom op may not
         write into its inputs).
+    channel : str, optional
+        Take the extra input from the ``MakeExtraOutput(channel=...)`` of that name
+        before it in the same Sequential rather than from the caller (an internal
+        residual; several readers may share a channel, their gradients summed). Not
+        with ``in_place``.
     """
 
     keeps_features = True
-    attribute_checks = {"in_place": checks.boolean("in_place")}
+    attribute_checks = {"in_place": checks.boolean("in_place"),
+                        "channel": checks.optional(checks.name_string("channel"))}
 
     num_extra_inputs = 1
     fwd_args_type = AddForwardArgs
     bwd_args_type = AddBackwardArgs
 
-    def __init__(self, *, in_place: bool = False):
+    def __init__(self, *, in_place: bool = False, channel: Optional[str] = None):
         super().__init__()
-        self.in_place = in_place
+        self.in_place, self.channel = in_place, channel
+        if in_place and channel is not None:
+            raise ValueError(f"{self.describe()}: in_place writes into the caller's tensor; a channel's is an intermediate of the pipeline")
 
     def describe(self) -> str:
-        return "AddExtraInput(in_place=True)" if self.in_place else "AddExtraInput"
+        options = self.extra_repr()
+        return f"AddExtraInput({options})" if options else "AddExtraInput"
 
     def extra_repr(self) -> str:
-        return "in_place=True" if self.in_place else ""
+        return ", ".join(([f"channel={self.channel!r}"] if self.channel else [])
+                         + (["in_place=True"] if self.in_place else []))
 
     def validate(self, shape, dtype, device, extra_inputs=()):
         (extra,) = extra_inputs

@@ -47,20 +47,29 @@ class MakeExtraOutput(BasicOperation):
         whatever autograd passes, which may be a gradient the caller gave ``backward``:
         it is overwritten. Compiled, the sum is computed out of place (a custom op may
         not write into its inputs), with the same values.
+    channel : str, optional
+        Hand the tensor to the ``AddExtraInput(channel=...)`` ops of that name after it in
+        the same Sequential rather than to the caller (who no longer receives it); their
+        gradients come back here. Not with ``in_place``.
     """
 
     keeps_features = True
-    attribute_checks = {"in_place": checks.boolean("in_place")}
+    attribute_checks = {"in_place": checks.boolean("in_place"),
+                        "channel": checks.optional(checks.name_string("channel"))}
 
-    def __init__(self, *, in_place: bool = False):
+    def __init__(self, *, in_place: bool = False, channel: Optional[str] = None):
         super().__init__()
-        self.in_place = in_place
+        self.in_place, self.channel = in_place, channel
+        if in_place and channel is not None:
+            raise ValueError(f"{self.describe()}: in_place overwrites the incoming gradient, which a channel shares with the pipeline's own")
 
     def describe(self) -> str:
-        return "MakeExtraOutput(in_place=True)" if self.in_place else "MakeExtraOutput"
+        options = self.extra_repr()
+        return f"MakeExtraOutput({options})" if options else "MakeExtraOutput"
 
     def extra_repr(self) -> str:
-        return "in_place=True" if self.in_place else ""
+        return ", ".join(([f"channel={self.channel!r}"] if self.channel else [])
+                         + (["in_place=True"] if self.in_place else []))
 
     num_extra_outputs = 1
     fwd_args_type = BranchForwardArgs

@@ -5,23 +5,32 @@ from __future__ import annotations
 
 from fusible.core.results import OpGradNeeds
 from fusible.functional.parallel import NOT_PARALLEL
+from fusible.planning.channels import channel_of
 
 
 def op_grad_needs(ops, conditions) -> tuple:
     """Which gradients each op must produce, from what requires grad upstream.
 
     ``conditions.params_requires_grad`` and ``extras_requires_grad`` are the group's own,
-    in order; with grad disabled nothing is needed.
+    in order (the extra inputs the caller passes); with grad disabled nothing is needed. An
+    extra input from a channel requires grad where its writer's input does.
     """
     grad = conditions.grad_enabled
     needs, upstream = [], grad and conditions.input_requires_grad
     params_rg, extras_rg = conditions.params_requires_grad, conditions.extras_requires_grad
     p_pos = e_pos = 0
+    channel_rg: dict = {}
     for op in ops:
-        n, k = len(op.param_names), op.num_extra_inputs
+        n, k, name = len(op.param_names), op.num_extra_inputs, channel_of(op)
         params = tuple(grad and bool(r) for r in params_rg[p_pos:p_pos + n])
-        extras = tuple(grad and bool(r) for r in extras_rg[e_pos:e_pos + k])
-        p_pos, e_pos = p_pos + n, e_pos + k
+        if name is not None:
+            extras = (channel_rg.get(name, False),) * k
+            if op.num_extra_outputs:
+                channel_rg[name] = upstream
+        else:
+            extras = tuple(grad and bool(r) for r in extras_rg[e_pos:e_pos + k])
+            e_pos += k
+        p_pos += n
         needs.append(OpGradNeeds(upstream, params, extras))
         upstream = upstream or any(params) or any(extras)
     return tuple(needs)

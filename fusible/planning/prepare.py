@@ -9,6 +9,7 @@ import attrs
 
 from fusible.core.conditions import PlanConditions
 from fusible.core.context import OperationContext
+from fusible.planning.channels import Channels, channel_of, channels_of
 from fusible.planning.passes import (check_gated_layouts, check_sequence_parallel,
                                      hand_off_formats, idle_needs, op_grad_needs)
 from fusible.planning.planner import GroupPlan, PlanEnvironment, plan_group
@@ -72,6 +73,7 @@ class ExecPlan:
     # Extra inputs written in place (AddExtraInput(in_place=True)), with their ops
     in_place_extra_inputs: tuple = ()
     in_place_ops: tuple = ()
+    channels: Optional[Channels] = None  # named channels between the ops, if any
 
     @property
     def conditions(self) -> PlanConditions:
@@ -90,6 +92,7 @@ class ExecPlan:
 
 def prepare_group(ops: tuple, start: int, conditions: PlanConditions) -> ExecPlan:
     """Plan a group of ``ops`` (the first at ``start``) for the group's ``conditions``."""
+    channels = channels_of(ops)
     needs = op_grad_needs(ops, conditions)
     recipe = recipe_for_key(conditions.recipe_key)
     env = PlanEnvironment(conditions, {start + i: n for i, n in enumerate(needs)})
@@ -105,6 +108,7 @@ def prepare_group(ops: tuple, start: int, conditions: PlanConditions) -> ExecPla
     backward_exec = [_with_output_format(st, f) for st, f in zip(backward_exec, bwd_formats)]
     idle = tuple(OperationContext(idle_needs(op), recipe) for op in ops)
     producers = [i for i, op in enumerate(ops) for _ in range(op.num_extra_outputs)]
+    producers = [producers[slot] for slot in channels.caller_out]  # of the caller's
     constant = tuple(j for j, i in enumerate(producers) if not needs[i].input)
     in_place = _in_place_extra_inputs(ops)
     owners = [(op, name) for op in ops for name in op.param_names]
@@ -113,19 +117,22 @@ def prepare_group(ops: tuple, start: int, conditions: PlanConditions) -> ExecPla
                  if needed[k] and name in op.main_grad_params)
     return ExecPlan(group, ops, tuple(forward), tuple(backward_exec), needs,
                     any(n.any for n in needs), needs[0].input if needs else False,
-                    len(owners), sum(op.num_extra_inputs for op in ops), idle, constant,
+                    len(owners), len(channels.caller_in), idle, constant,
                     tuple(stage for _, stage in backward), recipe, main_grad_params=main,
                     main_grad_owners=tuple(owners[k] for k in main),
                     in_place_extra_inputs=tuple(j for j, _ in in_place),
-                    in_place_ops=tuple(op for _, op in in_place))
+                    in_place_ops=tuple(op for _, op in in_place),
+                    channels=channels if channels.any else None)
 
 
 def _in_place_extra_inputs(ops) -> list:
     """``(extra input index, op)`` of the ops that write into their extra input (an
     ``in_place`` attribute); each must be the group's last op: its output is that extra
     input, which autograd must see returned as the group's output."""
-    found, position = [], 0
+    found, position = [], 0  # position: among the extra inputs the caller passes
     for i, op in enumerate(ops):
+        if channel_of(op):  # a channel's reader takes none of the caller's
+            continue
         if op.num_extra_inputs and getattr(op, "in_place", False):
             if i != len(ops) - 1:
                 raise ValueError(f"{op.describe()} at [{i}] writes the sum into its extra "

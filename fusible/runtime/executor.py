@@ -16,6 +16,7 @@ import torch
 
 from fusible.core.context import OperationContext
 from fusible.functional import parallel
+from fusible.planning.channels import channel_of
 from fusible.planning.prepare import ExecPlan
 from fusible.quantization.format import to_format
 from fusible.runtime import custom_ops
@@ -41,9 +42,13 @@ def run_forward(plan: ExecPlan, x, params, extra_inputs, ctxs, *, save: bool,
     x = x.contiguous()
     if extra_inputs:
         extra_inputs = tuple(e.contiguous() for e in extra_inputs)
-    extra_outputs = []
+    extra_outputs, ch = [], plan.channels
+    if ch is not None:  # the ops' extra-input slots, the channels' filled as they are written
+        extra_inputs, store = _spread(extra_inputs, ch.caller_in, len(ch.in_names)), {}
     for st in plan.forward:
         op, op_ctxs = st.op, ctxs[st.lo:st.hi]
+        if ch is not None and st.num_extra_in:
+            _take(extra_inputs, ch.in_names, st, store, required=True)
         args = op.forward_args(x, params[st.params],
                                extra_inputs[st.extra_in] if st.num_extra_in else (), op_ctxs)
         if traced and not op.inline_when_compiled("forward"):
@@ -60,8 +65,49 @@ def run_forward(plan: ExecPlan, x, params, extra_inputs, ctxs, *, save: bool,
         x = result.output
         if st.num_extra_out:
             extra_outputs.extend(result.extra_outputs)
+            if ch is not None:
+                _keep(store, ch.out_names, st.extra_out, result.extra_outputs)
         del args, result  # free this stage's temporaries before the next stage allocates
+    if ch is not None:
+        extra_outputs = [extra_outputs[j] for j in ch.caller_out]
     return x, tuple(extra_outputs)
+
+
+def _spread(values, slots: tuple, n: int) -> list:
+    """``n`` slots, ``values`` at ``slots`` (the caller's), None elsewhere (channels')."""
+    out = [None] * n
+    for value, slot in zip(values, slots):
+        out[slot] = value
+    return out
+
+
+def _take(slots: list, names: tuple, st, store: dict, required: bool) -> None:
+    """Fill the stage's channel slots (``st.extra_in`` forward, ``st.extra_out`` backward)
+    from ``store``: the channels' tensors, or their gradients summed so far."""
+    span = st.extra_in if required else st.extra_out
+    for slot in range(span.start, span.stop):
+        name = names[slot]
+        if name is None:
+            continue
+        if required and name not in store:
+            raise RuntimeError(f"the stage {st.provenance} reads channel {name!r} before its "
+                               f"writer has run (a fusion covering both cannot pass it on)")
+        slots[slot] = store.get(name)
+
+
+def _keep(store: dict, names: tuple, span: slice, values) -> None:
+    """Keep the channel tensors of ``span``'s slots."""
+    for slot, value in zip(range(span.start, span.stop), values):
+        if names[slot] is not None:
+            store[names[slot]] = value
+
+
+def _sum_into(sums: dict, names: tuple, span: slice, grads) -> None:
+    """Add the gradients of ``span``'s channel slots to their channels' sums."""
+    for slot, g in zip(range(span.start, span.stop), grads):
+        name = names[slot]
+        if name is not None and g is not None:
+            sums[name] = g if sums.get(name) is None else sums[name] + g
 
 
 def _validate(plan: ExecPlan, x, extra_inputs, cache: bool = True) -> None:
@@ -73,14 +119,19 @@ def _validate(plan: ExecPlan, x, extra_inputs, cache: bool = True) -> None:
         signature = (x.shape, x.device, *[(e.shape, e.dtype, e.device) for e in extra_inputs])
         if signature in plan.validated:
             return
-    shape, pos = tuple(x.shape), 0
+    shape, pos, channels = tuple(x.shape), 0, {}
     for st in plan.forward:
         for op in st.ops:
-            k = op.num_extra_inputs
+            k, name = op.num_extra_inputs, plan.channels and channel_of(op)
             if plan.recipe is not None:
                 op.validate_fp8(shape)
-            shape = op.validate(shape, x.dtype, x.device, extra_inputs[pos:pos + k])
-            pos += k
+            if name and op.num_extra_outputs:
+                channels[name] = shape
+            if name and k:  # the channel's tensor: of the shape where it was written
+                extras = (x.new_empty(()).expand(channels[name]),) * k
+            else:
+                extras, pos = extra_inputs[pos:pos + k], pos + k
+            shape = op.validate(shape, x.dtype, x.device, extras)
     if cache:
         if len(plan.validated) > 256:  # many distinct shapes: keep the cache small
             plan.validated.clear()
@@ -89,13 +140,18 @@ def _validate(plan: ExecPlan, x, extra_inputs, cache: bool = True) -> None:
 
 def run_backward(plan: ExecPlan, grad_output, grad_extra_outputs, ctxs, traced: bool = False):
     """Run the backward stages; returns (grad_input, grad_extra_inputs, grad_params)."""
-    grad_params = [None] * plan.num_params
-    grad_extras = [None] * plan.num_extra_inputs
+    grad_params, ch = [None] * plan.num_params, plan.channels
+    grad_extras = [None] * (plan.num_extra_inputs if ch is None else len(ch.in_names))
     dy = grad_output.contiguous()  # e.g. the expanded gradient of .sum(): see run_forward
     if grad_extra_outputs:
         grad_extra_outputs = tuple(g.contiguous() for g in grad_extra_outputs)
+    if ch is not None:  # the ops' extra-output slots; the channels' get their readers' sums
+        grad_extra_outputs, sums = _spread(grad_extra_outputs, ch.caller_out,
+                                           len(ch.out_names)), {}
     for st in plan.backward:
         op, op_ctxs = st.op, ctxs[st.lo:st.hi]
+        if ch is not None and st.num_extra_out:
+            _take(grad_extra_outputs, ch.out_names, st, sums, required=False)
         args = op.backward_args(dy, grad_extra_outputs[st.extra_out] if st.num_extra_out else (),
                                 op_ctxs)
         if traced and not st.op.inline_when_compiled("backward"):
@@ -116,11 +172,15 @@ def run_backward(plan: ExecPlan, grad_output, grad_extra_outputs, ctxs, traced: 
                                f"extra-input gradients for ops {[type(o).__name__ for o in st.ops]}")
         if st.num_extra_in:
             grad_extras[st.extra_in] = result.grad_extra_inputs
+            if ch is not None:
+                _sum_into(sums, ch.in_names, st.extra_in, result.grad_extra_inputs)
         for c in op_ctxs:
             c.clear()
         # The next stage's backward_args may allocate (an FP8 weight cast): this stage's
         # inputs (the incoming gradient, saved activations) must be gone by then.
         del args, result
+    if ch is not None:
+        grad_extras = [grad_extras[j] for j in ch.caller_in]
     return (dy if plan.input_needs_grad else None), grad_extras, grad_params
 
 

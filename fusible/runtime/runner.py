@@ -10,6 +10,7 @@ from torch.autograd import forward_ad
 
 from fusible.core.conditions import PlanConditions, conditions_key
 from fusible.core.operation import CASTING
+from fusible.planning.channels import caller_counts
 from fusible.planning.prepare import ExecPlan, prepare_group
 from fusible.quantization import recipe
 from fusible.runtime import custom_ops
@@ -25,8 +26,8 @@ class PipelineRunner:
     def __init__(self, ops: tuple, start: int):
         self.ops = tuple(ops)
         self.start = start
-        self.num_extra_inputs = sum(op.num_extra_inputs for op in self.ops)
-        self.num_extra_outputs = sum(op.num_extra_outputs for op in self.ops)
+        # what the caller passes and receives (channels' are the group's own)
+        self.num_extra_inputs, self.num_extra_outputs = caller_counts(self.ops)
         self._plans: dict = {}
         self._param_slots = [(op._parameters, name) for op in self.ops for name in op.param_names]
         for params, name in self._param_slots:

@@ -164,14 +164,14 @@ def reference_forward(model, x, *extra_inputs, dtype=torch.float64,
             params[id(p)] = p.detach().to(dtype).requires_grad_(p.requires_grad)
         return params[id(p)]
 
-    extras, extra_outputs = list(extra_inputs), []
+    extras, extra_outputs, channels = list(extra_inputs), [], {}
     if rounding is not None:
         extras = [_RoundGrad.apply(e, rounding.low) for e in extras]
     for index, item in enumerate(model.pipeline()):
         if rounding is not None and index in rounding.before:
             x = _RoundGrad.apply(x, rounding.low)
         if isinstance(item, BasicOperationSpec):
-            k = item.num_extra_inputs
+            k, channel = item.num_extra_inputs, getattr(item, "channel", None)
             op_params = [copy_of(p) for p in item.fusible_params()]
             gemm = fp8 is not None and bool(item.quantized_params)
             if gemm:
@@ -181,13 +181,17 @@ def reference_forward(model, x, *extra_inputs, dtype=torch.float64,
                              for name, p in zip(item.param_names, op_params)]
             elif fp8 is not None and item.quantizes(fp8.recipe, "backward"):
                 x = _QuantizedGrad.apply(x, fp8.grad)
-            x, outs = op_reference(item, x, extras[:k], op_params)
+            taken = [channels[channel]] * k if channel and k else extras[:k]
+            x, outs = op_reference(item, x, taken, op_params)
             if gemm:
                 x = _QuantizedGrad.apply(x, fp8.grad)
             elif fp8 is not None and item.quantizes(fp8.recipe, "forward"):
                 x = _QuantizedValue.apply(x, fp8.forward)
-            extras = extras[k:]
-            extra_outputs += outs
+            if channel and outs:  # a named channel: for the readers after it
+                channels[channel] = outs[0]
+            elif not (channel and k):
+                extras = extras[k:]
+                extra_outputs += outs
         else:  # an ordinary module: run it on float64 copies of its parameters and buffers
             state = {name: copy_of(p) for name, p in item.named_parameters()}
             state.update({name: b.to(dtype) if b.is_floating_point() else b

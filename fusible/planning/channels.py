@@ -1,0 +1,68 @@
+"""Named extra-tensor channels: a ``MakeExtraOutput(channel=name)`` hands its tensor to the
+``AddExtraInput(channel=name)`` ops after it in the same group (an internal residual, a
+fan-out) instead of to the caller, and the readers' gradients flow back to it.
+
+The planner and the executor keep working on the ops' own extra-input and extra-output
+slots (one each per AddExtraInput and MakeExtraOutput); :class:`Channels` says which of
+those slots the caller fills or receives and which a channel does.
+"""
+
+from __future__ import annotations
+
+import attrs
+
+
+@attrs.frozen
+class Channels:
+    """Per op-level extra input / output slot, its channel name (None: the caller's)."""
+
+    in_names: tuple
+    out_names: tuple
+    caller_in: tuple   # the input slots the caller fills, in order
+    caller_out: tuple  # the output slots returned to the caller, in order
+
+    @property
+    def any(self) -> bool:
+        return any(self.in_names) or any(self.out_names)
+
+
+def channel_of(op):
+    return getattr(op, "channel", None)
+
+
+def caller_counts(ops) -> tuple:
+    """``(extra inputs, extra outputs)`` a caller of ``ops`` passes and receives."""
+    return (sum(op.num_extra_inputs for op in ops if not channel_of(op)),
+            sum(op.num_extra_outputs for op in ops if not channel_of(op)))
+
+
+def channels_of(ops) -> Channels:
+    """The channels of a group of ops, checked: one writer per name, readers after it, no
+    writer without a reader. Raises ValueError naming the op."""
+    in_names, out_names, written, read = [], [], {}, set()
+    for i, op in enumerate(ops):
+        name = channel_of(op)
+        if name is not None and getattr(op, "in_place", False):
+            raise ValueError(f"{op.describe()} at [{i}]: in_place and channel do not combine")
+        for _ in range(op.num_extra_outputs):
+            if name is not None and name in written:
+                raise ValueError(f"{op.describe()} at [{i}] writes channel {name!r}, which "
+                                 f"{written[name]} writes already")
+            if name is not None:
+                written[name] = f"{ops[i].describe()} at [{i}]"
+            out_names.append(name)
+        for _ in range(op.num_extra_inputs):
+            if name is not None and name not in written:
+                raise ValueError(f"{op.describe()} at [{i}] reads channel {name!r}, which no "
+                                 f"MakeExtraOutput before it in the same group writes (a "
+                                 f"channel lives within one Sequential's run of fusible ops)")
+            read.add(name)
+            in_names.append(name)
+    unread = [n for n in written if n not in read]
+    if unread:
+        raise ValueError(f"{written[unread[0]]} writes channel {unread[0]!r}, which no "
+                         f"AddExtraInput after it in the same group reads (a channel lives "
+                         f"within one Sequential's run of fusible ops)")
+    return Channels(tuple(in_names), tuple(out_names),
+                    tuple(j for j, n in enumerate(in_names) if n is None),
+                    tuple(j for j, n in enumerate(out_names) if n is None))
