@@ -173,6 +173,18 @@ CURATED = [
     _m("fp8_param_transpose_stale", "fusible/quantization/float8_tensor.py",
        "        t._transpose.copy_(parts[2])\n", "        pass\n",
        "an in-place update of an FP8 weight leaves its transposed copy (dgrad's) stale"),
+    _m("channel_fan_out_keeps_last", "fusible/runtime/executor.py",
+       "            sums[name] = g if sums.get(name) is None else sums[name] + g",
+       "            sums[name] = g",
+       "a channel read twice passes back one reader's gradient"),
+    _m("situ_gate_gradient_kernel", "fusible/kernels/swiglu.py",
+       "    gate_grad = (1.0 - t * t) * sig + gate * (1.0 - sig)",
+       "    gate_grad = (1.0 - t * t) * sig + gate * sig",
+       "SiTU-GLU's Triton gate derivative takes sigmoid' as sigmoid"),
+    _m("situ_linear_cap_torch", "fusible/functional/activations.py",
+       "    return gate, gate_grad, linear_scale * u + offset, 1 - u * u",
+       "    return gate, gate_grad, linear_scale * u + offset, 1 - u",
+       "SiTU-GLU's capped linear half has the wrong derivative on the PyTorch path"),
 ]
 
 # Bugs nobody tuned the tests for (the "fresh" set): picked from the library's source
