@@ -54,7 +54,7 @@ CURATED = [
        "weight_format=recipe.grad_format(),",
        "the weight quantized to E5M2 for the dgrad GEMM"),
     _m("dgrad_weight_kept_for_wgrad", "fusible/functional/linear.py",
-       "del w_q  # freed before", "pass  # freed before",
+       "del w_t  # freed before", "pass  # freed before",
        "the FP8 weight copy of dgrad kept alive through the wgrad GEMM (peak memory)"),
     _m("view_keeps_stale_transpose", "fusible/quantization/float8_tensor.py",
        "keep = t._transpose is not None and data.shape[-1] == t._data.shape[-1]",

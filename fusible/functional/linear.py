@@ -21,7 +21,7 @@ import torch
 from fusible.functional import parallel
 from fusible.functional.parallel import TensorParallel
 from fusible.kernels.fp8_cast import transposed_copy
-from fusible.quantization.cast import tensor_amax
+from fusible.quantization.cast import cast_to_fp8_any, tensor_amax
 from fusible.quantization.float8_tensor import Float8Tensor, Fp8Able, quantize_raw, requantize
 from fusible.quantization.format import Float8Format, to_format
 
@@ -242,15 +242,17 @@ def gemm_forward(gemm: GemmForwardArgs, bias: Optional[Tensor] = None):
         x_q, lead = gather_fp8(x, tp, fmt), _gathered_lead(x, tp)
     else:
         x_q, lead = as_fp8(x, fmt if not handed_in(x, fmt) else fmt.rowwise()), x.shape[:-1]
+    fp8_dtype = gemm.weight_format.fp8_dtype
     if isinstance(weight, Float8Tensor):  # an FP8 parameter (quantized_model_init): as it is
-        w_q = requantize(weight, gemm.weight_format.fp8_dtype, False)
+        w_q = requantize(weight, fp8_dtype, False)
+        w_data, w_scale_inv = w_q._data, w_q._scale_inv
         w_amax = weight._scale_inv  # unused: the backward reads the FP8 weight itself
-    else:
+    else:  # the cast's parts, used once: no Float8Tensor built around them
         w_amax = tensor_amax(weight)
-        w_q = quantize_raw(weight, gemm.weight_format.fp8_dtype, amax=w_amax)
+        w_data, w_scale_inv = cast_to_fp8_any(weight, fp8_dtype, False, w_amax)[:2]
     # The input's dtype is the compute dtype (under torch.autocast the weight may be the
     # float32 parameter, quantized directly).
-    y = fp8_gemm(x_q._data, x_q._scale_inv, w_q._data.t(), w_q._scale_inv, bias, x_q.dtype,
+    y = fp8_gemm(x_q._data, x_q._scale_inv, w_data.t(), w_scale_inv, bias, x_q.dtype,
                  fast_accum=True)
     return _reduce_output(y.view(*lead, y.shape[-1]), tp), (x_q, w_amax)
 
@@ -309,18 +311,20 @@ def _finish(dx: Optional[Tensor], tp: TensorParallel) -> Optional[Tensor]:
     return parallel.wait(dx) if dx is not None and _reduces_dgrad(tp) else dx
 
 
-def _dgrad_weight(args: GemmBackwardArgs) -> Float8Tensor:
-    """The weight as dgrad reads it under FP8: its transposed copy."""
+def _dgrad_weight(args: GemmBackwardArgs) -> tuple:
+    """``(transposed FP8 copy, scale_inv)``: the weight as dgrad reads it under FP8 (the
+    cast's parts, used once: no Float8Tensor built around them)."""
     w = args.weight
     if isinstance(w, Float8Tensor):
         if w._transpose is None:
             raise ValueError("gemm_backward: an FP8 weight for dgrad needs its transposed copy")
-        return w
+        return w._transpose, w._scale_inv
     if args.weight_format is None:
         raise ValueError("gemm_backward: FP8 dgrad of a high-precision weight needs "
                          "weight_format (the FP8 format to quantize it to)")
-    return quantize_raw(w, args.weight_format.fp8_dtype, columnwise=True,
-                        amax=args.weight_amax, rowwise=False)
+    transpose, scale_inv = cast_to_fp8_any(w, args.weight_format.fp8_dtype, True,
+                                           args.weight_amax, rowwise=False)
+    return transpose, scale_inv
 
 
 def gemm_backward(args: GemmBackwardArgs, accumulate_into: Optional[Tensor] = None,
@@ -356,10 +360,10 @@ def gemm_backward(args: GemmBackwardArgs, accumulate_into: Optional[Tensor] = No
     dy_scale_inv = dy_q._scale_inv if grad_scale == 1.0 else dy_q._scale_inv * grad_scale
     dx = dw = None
     if need_dgrad:
-        w_q = _dgrad_weight(args)
-        dx = fp8_gemm(dy_q._data, dy_scale_inv, w_q._transpose.t(), w_q._scale_inv, None,
+        w_t, w_scale_inv = _dgrad_weight(args)
+        dx = fp8_gemm(dy_q._data, dy_scale_inv, w_t.t(), w_scale_inv, None,
                       dy_q.dtype)
-        del w_q  # freed before the wgrad GEMM allocates the weight gradient
+        del w_t  # freed before the wgrad GEMM allocates the weight gradient
         dx = dx.view(*lead, dx.shape[-1])
         if accumulate_into is not None and accumulate_in_place:
             _check_writable(accumulate_into)
