@@ -73,7 +73,8 @@ def test_channel_errors_name_the_op():
                                          r"'r', which no MakeExtraOutput before it"):
         ops.Sequential(ops.GELU(), ops.AddExtraInput(channel="r"))(x)
     with pytest.raises(ValueError, match=r"MakeExtraOutput\(channel='r'\) at \[0\] writes "
-                                         r"channel .r., which no AddExtraInput after it in the same group reads"):
+                                         r"channel .r., which no AddExtraInput after it in "
+                                         r"the same group reads"):
         ops.Sequential(ops.MakeExtraOutput(channel="r"), ops.GELU())(x)
     with pytest.raises(ValueError, match=r"at \[1\] writes channel 'r', which "
                                          r"MakeExtraOutput\(channel='r'\) at \[0\] writes"):

@@ -66,7 +66,8 @@ class AddExtraInput(BasicOperation):
         super().__init__()
         self.in_place, self.channel = in_place, channel
         if in_place and channel is not None:
-            raise ValueError(f"{self.describe()}: in_place writes into the caller's tensor; a channel's is an intermediate of the pipeline")
+            raise ValueError(f"{self.describe()}: in_place writes into the caller's tensor; a "
+                             f"channel's is an intermediate of the pipeline")
 
     def describe(self) -> str:
         options = self.extra_repr()

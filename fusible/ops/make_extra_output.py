@@ -61,7 +61,8 @@ class MakeExtraOutput(BasicOperation):
         super().__init__()
         self.in_place, self.channel = in_place, channel
         if in_place and channel is not None:
-            raise ValueError(f"{self.describe()}: in_place overwrites the incoming gradient, which a channel shares with the pipeline's own")
+            raise ValueError(f"{self.describe()}: in_place overwrites the incoming gradient, "
+                             f"which a channel shares with the pipeline's own")
 
     def describe(self) -> str:
         options = self.extra_repr()

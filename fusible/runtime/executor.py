@@ -169,7 +169,8 @@ def run_backward(plan: ExecPlan, grad_output, grad_extra_outputs, ctxs, traced: 
                                       if st.grad_sync else result.grad_params)
         if len(result.grad_extra_inputs) != st.num_extra_in:
             raise RuntimeError(f"{type(op).__name__} returned {len(result.grad_extra_inputs)} "
-                               f"extra-input gradients for ops {[type(o).__name__ for o in st.ops]}")
+                               f"extra-input gradients for ops "
+                               f"{[type(o).__name__ for o in st.ops]}")
         if st.num_extra_in:
             grad_extras[st.extra_in] = result.grad_extra_inputs
             if ch is not None:
