@@ -8,7 +8,6 @@ import torch
 from fusible import Example, FusedOperation, Op, Pattern
 from fusible.functional.linear import GemmBackwardArgs, gemm_backward
 from fusible.functional.linear_state import gemm_backward_args
-from fusible.kernels import plain_eager
 from fusible.ops import BackwardResult, BasicLinear, MakeExtraOutput
 from fusible.ops.basic_linear import parallel_refusal
 
@@ -17,7 +16,6 @@ from fusible.ops.basic_linear import parallel_refusal
 class LinearAddBackwardArgs:
     gemm: GemmBackwardArgs
     grad_extra_output: Optional[torch.Tensor]
-    in_place: bool = False  # MakeExtraOutput(in_place=True): dgrad accumulates into it
 
 
 class BackwardLinearAdd(FusedOperation):
@@ -47,17 +45,11 @@ class BackwardLinearAdd(FusedOperation):
     def backward_args(self, grad_output, grad_extra_outputs, ctxs):
         gemm = gemm_backward_args(ctxs[1], grad_output, self.match["linear"].tp,
                                   self.match["linear"].wgrad_dtype)
-        # In place only on real tensors: a compiled graph's custom op may not write into
-        # its inputs (the values are the same either way)
-        branch_grad = grad_extra_outputs[0]
-        in_place = (self.match["branch"].in_place and branch_grad is not None
-                    and plain_eager(branch_grad))
-        return LinearAddBackwardArgs(gemm, grad_extra_outputs[0], in_place)
+        return LinearAddBackwardArgs(gemm, grad_extra_outputs[0])
 
     @classmethod
     def backward_compute(cls, args, *, in_custom_op=False):
-        dx, dw = gemm_backward(args.gemm, accumulate_into=args.grad_extra_output,
-                               accumulate_in_place=args.in_place)
+        dx, dw = gemm_backward(args.gemm, accumulate_into=args.grad_extra_output)
         return BackwardResult(dx, (dw,))
 
     @classmethod

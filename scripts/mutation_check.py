@@ -178,12 +178,12 @@ CURATED = [
        "            sums[name] = g",
        "a channel read twice passes back one reader's gradient"),
     _m("situ_gate_gradient_kernel", "fusible/kernels/swiglu.py",
-       "    gate_grad = (1.0 - t * t) * sig + gate * (1.0 - sig)",
-       "    gate_grad = (1.0 - t * t) * sig + gate * sig",
+       "    gate_grad = _tanh_grad(z) * sig + gate * tl.sigmoid(-a)",
+       "    gate_grad = _tanh_grad(z) * sig + gate * sig",
        "SiTU-GLU's Triton gate derivative takes sigmoid' as sigmoid"),
     _m("situ_linear_cap_torch", "fusible/functional/activations.py",
-       "    return gate, gate_grad, linear_scale * u + offset, 1 - u * u",
-       "    return gate, gate_grad, linear_scale * u + offset, 1 - u",
+       "    return gate, gate_grad, linear_scale * torch.tanh(w) + offset, _tanh_grad(w)",
+       "    return gate, gate_grad, linear_scale * torch.tanh(w) + offset, _tanh_grad(z)",
        "SiTU-GLU's capped linear half has the wrong derivative on the PyTorch path"),
 ]
 

@@ -85,11 +85,48 @@ def test_channel_errors_name_the_op():
                        ops.AddExtraInput(channel="r"))(x)
     with pytest.raises(ValueError, match="in_place"):
         ops.AddExtraInput(channel="r", in_place=True)
-    with pytest.raises(ValueError, match="in_place"):
-        ops.MakeExtraOutput(channel="r", in_place=True)
     with pytest.raises(TypeError, match="channel must be a non-empty str"):
         ops.AddExtraInput(channel="")
     with pytest.raises(ValueError, match=r"AddExtraInput got extra input of shape \(4, 8\) "
                                          r"for an input of shape \(4, 16\)"):
         ops.Sequential(ops.MakeExtraOutput(channel="r"), ops.BasicLinear(8, 16),
                        ops.AddExtraInput(channel="r"))(x)
+
+
+def test_a_fusion_covering_a_channels_writer_and_reader_is_refused():
+    """The executor passes channels between stages: a plugin fusion covering both ends
+    would lose the channel (its gradient silently), so the plan is an error."""
+    import attrs
+    import fusible
+    from fusible import Example, FusedOperation, Op, Pattern
+    from fusible.ops import BackwardResult
+
+    @attrs.define
+    class Args:
+        grad_output: torch.Tensor
+
+    class BranchAndAdd(FusedOperation):
+        direction = "backward"
+        pattern = Pattern(Op(ops.MakeExtraOutput, name="branch"),
+                          Op(ops.AddExtraInput, name="add"))
+        bwd_args_type = Args
+
+        @classmethod
+        def backward_compute(cls, args, *, in_custom_op=False):
+            return BackwardResult(args.grad_output)
+
+        def backward_args(self, grad_output, grad_extra_outputs, ctxs):
+            return Args(grad_output)
+
+        @classmethod
+        def example(cls):
+            return Example((ops.MakeExtraOutput(), ops.AddExtraInput()), (4, 8), ((4, 8),))
+
+    fusible.register_fusion(BranchAndAdd)
+    try:
+        model = ops.Sequential(ops.MakeExtraOutput(channel="r"), ops.AddExtraInput(channel="r"))
+        with pytest.raises(ValueError, match=r"covers both the writer and a reader of channel "
+                                             r"'r'"):
+            model(torch.randn(4, 8, requires_grad=True))
+    finally:
+        fusible.unregister_fusion(BranchAndAdd)

@@ -173,8 +173,15 @@ def test_master_weights_loop_of_the_docs():
 
 
 def test_writing_into_part_of_a_float8_tensor_is_refused():
-    """Its scale is shared by all of its values: a write into a slice would rescale the
-    rest, so it is an error naming the op."""
+    """Its scale is shared by all of its values and its transposed copy by none of its
+    views: a write into a slice or a view is an error naming the op (the review's case:
+    ``w.view(-1).copy_(v)`` left dgrad's copy stale)."""
     w = _model()[0].weight
     with torch.no_grad(), pytest.raises(NotImplementedError, match="part of a Float8Tensor"):
         w[0].zero_()
+    for view in (w.view(-1), w[:], w.flatten()):  # all of it, but not its transposed copy
+        with torch.no_grad(), pytest.raises(NotImplementedError, match="a view or part"):
+            view.copy_(torch.zeros(view.shape))
+    with torch.no_grad():
+        w.data.copy_(torch.zeros(w.shape))  # .data is the tensor itself, detached
+    assert torch.equal(w._transpose.float(), w._data.float().t()) and w.dequantize().abs().max() == 0

@@ -196,13 +196,18 @@ def _situ(a: Tensor, b: Tensor, params: tuple) -> tuple:
     scale s, linear scale l, offset)``: ``gate(a) = s tanh(a/s) sigmoid(a)``, ``linear(b)
     = l tanh(b/l) + offset`` (``b + offset`` for ``l = 0``)."""
     gate_scale, linear_scale, offset = params
-    t, sig = torch.tanh(a / gate_scale), torch.sigmoid(a)
-    gate = gate_scale * t * sig
-    gate_grad = (1 - t * t) * sig + gate * (1 - sig)
+    z, sig = a / gate_scale, torch.sigmoid(a)
+    gate = gate_scale * torch.tanh(z) * sig
+    gate_grad = _tanh_grad(z) * sig + gate * torch.sigmoid(-a)
     if not linear_scale:
         return gate, gate_grad, b + offset, torch.ones_like(b)
-    u = torch.tanh(b / linear_scale)
-    return gate, gate_grad, linear_scale * u + offset, 1 - u * u
+    w = b / linear_scale
+    return gate, gate_grad, linear_scale * torch.tanh(w) + offset, _tanh_grad(w)
+
+
+def _tanh_grad(z: Tensor) -> Tensor:
+    """1 - tanh(z)^2 as 4 sigmoid(2z) sigmoid(-2z): no cancellation where tanh saturates."""
+    return 4 * torch.sigmoid(2 * z) * torch.sigmoid(-2 * z)
 
 
 def _deinterleave(x: Tensor, interleave: int) -> Tensor:

@@ -131,27 +131,15 @@ def linear_forward(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> 
 
 
 def linear_dgrad(grad_output: Tensor, weight: Tensor,
-                 accumulate_into: Optional[Tensor] = None, alpha: float = 1.0,
-                 in_place: bool = False) -> Tensor:
+                 accumulate_into: Optional[Tensor] = None, alpha: float = 1.0) -> Tensor:
     """``alpha * dy @ weight``; with ``accumulate_into``, ``that + alpha * dy @ weight``:
-    one GEMM either way (``alpha`` in its epilogue, rounded once), written into
-    ``accumulate_into`` (contiguous) itself with ``in_place``."""
+    one GEMM either way (``alpha`` in its epilogue, rounded once)."""
     dy2 = tokens_2d(grad_output)
-    if accumulate_into is not None and in_place:
-        _check_writable(accumulate_into)
-        tokens_2d(accumulate_into).addmm_(dy2, weight, alpha=alpha)
-        return accumulate_into
     if accumulate_into is not None:
         dx = torch.addmm(tokens_2d(accumulate_into), dy2, weight, alpha=alpha)
     else:
         dx = _scaled_product(dy2, weight, alpha)
     return like_tokens(dx, grad_output)
-
-
-def _check_writable(t: Tensor) -> None:
-    if not t.is_contiguous():
-        raise ValueError(f"accumulating in place needs a contiguous tensor, got strides "
-                         f"{t.stride()} for shape {tuple(t.shape)}")
 
 
 def linear_wgrad(grad_output: Tensor, x: Tensor, alpha: float = 1.0,
@@ -328,13 +316,12 @@ def _dgrad_weight(args: GemmBackwardArgs) -> tuple:
 
 
 def gemm_backward(args: GemmBackwardArgs, accumulate_into: Optional[Tensor] = None,
-                  grad_scale: float = 1.0, accumulate_in_place: bool = False):
+                  grad_scale: float = 1.0):
     """``(dgrad or None, wgrad or None)`` from the saved input and weight (under FP8,
     Float8Tensors with their transposed copies).
 
-    ``accumulate_into`` is added to the dgrad (in the GEMM in high precision), in its
-    own buffer with ``accumulate_in_place``; not with a column-parallel ``tp``, whose
-    dgrad is summed over the group afterwards. Row +
+    ``accumulate_into`` is added to the dgrad (in the GEMM in high precision); not with
+    a column-parallel ``tp``, whose dgrad is summed over the group afterwards. Row +
     sequence parallel all-gathers ``dy`` first. ``grad_scale`` multiplies ``dy`` inside
     both GEMMs (their epilogue in high precision, ``dy``'s FP8 scale under FP8): a
     constant scale after the layer, without a pass over ``dy``.
@@ -348,8 +335,7 @@ def gemm_backward(args: GemmBackwardArgs, accumulate_into: Optional[Tensor] = No
                          f"accumulate into a local tensor ({tp})")
     if fmt is None:
         dy = parallel.all_gather(dy, tp) if tp.gathers_grad else dy
-        dx = (linear_dgrad(dy, w_saved, accumulate_into, grad_scale, accumulate_in_place)
-              if need_dgrad else None)
+        dx = linear_dgrad(dy, w_saved, accumulate_into, grad_scale) if need_dgrad else None
         dx = _start_dgrad_reduction(dx, tp)
         dw = linear_wgrad(dy, x_saved, grad_scale, args.wgrad_dtype) if need_wgrad else None
         return _finish(dx, tp), dw
@@ -365,10 +351,7 @@ def gemm_backward(args: GemmBackwardArgs, accumulate_into: Optional[Tensor] = No
                       dy_q.dtype)
         del w_t  # freed before the wgrad GEMM allocates the weight gradient
         dx = dx.view(*lead, dx.shape[-1])
-        if accumulate_into is not None and accumulate_in_place:
-            _check_writable(accumulate_into)
-            dx = accumulate_into.add_(dx)
-        elif accumulate_into is not None:
+        if accumulate_into is not None:
             dx = dx + accumulate_into
     dx = _start_dgrad_reduction(dx, tp)
     if need_wgrad:

@@ -90,17 +90,23 @@ def _tanh(z):
 
 
 @jit
+def _tanh_grad(z):
+    """1 - tanh(z)^2 as 4 sigmoid(2z) sigmoid(-2z): no cancellation where tanh saturates."""
+    return 4.0 * tl.sigmoid(2.0 * z) * tl.sigmoid(-2.0 * z)
+
+
+@jit
 def _situ(a, b, GATE_SCALE, LINEAR_SCALE, OFFSET):
     """SiTU-GLU's ``(gate(a), gate'(a), linear(b), linear'(b))``: ``gate(a) = s tanh(a/s)
     sigmoid(a)``, ``linear(b) = l tanh(b/l) + OFFSET`` (``b + OFFSET`` for ``l = 0``)."""
-    t = _tanh(a / GATE_SCALE)
+    z = a / GATE_SCALE
     sig = tl.sigmoid(a)
-    gate = GATE_SCALE * t * sig
-    gate_grad = (1.0 - t * t) * sig + gate * (1.0 - sig)
+    gate = GATE_SCALE * _tanh(z) * sig
+    gate_grad = _tanh_grad(z) * sig + gate * tl.sigmoid(-a)
     capped = LINEAR_SCALE != 0.0
-    u = _tanh(b / tl.where(capped, LINEAR_SCALE, 1.0))
-    linear = tl.where(capped, LINEAR_SCALE * u, b) + OFFSET
-    return gate, gate_grad, linear, tl.where(capped, 1.0 - u * u, 1.0)
+    w = b / tl.where(capped, LINEAR_SCALE, 1.0)
+    linear = tl.where(capped, LINEAR_SCALE * _tanh(w), b) + OFFSET
+    return gate, gate_grad, linear, tl.where(capped, _tanh_grad(w), 1.0)
 
 
 @jit

@@ -13,7 +13,6 @@ import torch
 from fusible.core import checks
 from fusible.core.example import Example
 from fusible.core.results import BackwardResult, ForwardResult
-from fusible.kernels import plain_eager
 from fusible.module import BasicOperation
 
 Tensor = torch.Tensor
@@ -29,7 +28,6 @@ class BranchBackwardArgs:
     grad_output: Tensor
     grad_extra_output: Optional[Tensor]
     need_grad_input: bool
-    in_place: bool = False
 
 
 class MakeExtraOutput(BasicOperation):
@@ -41,16 +39,15 @@ class MakeExtraOutput(BasicOperation):
     Parameters
     ----------
     in_place : bool
-        Add the gradient flowing through into the extra output's incoming gradient, in
-        its buffer, and hand that on (TransformerEngine's option: no buffer for the sum;
-        a fused linear layer after it accumulates its dgrad GEMM there). That buffer is
-        whatever autograd passes, which may be a gradient the caller gave ``backward``:
-        it is overwritten. Compiled, the sum is computed out of place (a custom op may
-        not write into its inputs), with the same values.
+        Accepted for TransformerEngine's option, which adds the gradient flowing through
+        into the extra output's incoming gradient buffer. Here the sum is computed out of
+        place all the same (same values, one buffer more): autograd may hand one gradient
+        tensor to several consumers (both operands of an addition, a caller's tensor), and
+        a write into it would corrupt their gradients silently.
     channel : str, optional
         Hand the tensor to the ``AddExtraInput(channel=...)`` ops of that name after it in
         the same Sequential rather than to the caller (who no longer receives it); their
-        gradients come back here. Not with ``in_place``.
+        gradients come back here.
     """
 
     keeps_features = True
@@ -60,9 +57,6 @@ class MakeExtraOutput(BasicOperation):
     def __init__(self, *, in_place: bool = False, channel: Optional[str] = None):
         super().__init__()
         self.in_place, self.channel = in_place, channel
-        if in_place and channel is not None:
-            raise ValueError(f"{self.describe()}: in_place overwrites the incoming gradient, "
-                             f"which a channel shares with the pipeline's own")
 
     def describe(self) -> str:
         options = self.extra_repr()
@@ -90,10 +84,7 @@ class MakeExtraOutput(BasicOperation):
         return direction == "forward"  # x handed on twice: no copy when compiled
 
     def backward_args(self, grad_output, grad_extra_outputs, ctxs):
-        # In place only on real tensors: a compiled graph's custom op may not write into
-        # its inputs (the values are the same either way)
-        return BranchBackwardArgs(grad_output, grad_extra_outputs[0], ctxs[0].needs.input,
-                                  self.in_place and _writable(grad_extra_outputs[0]))
+        return BranchBackwardArgs(grad_output, grad_extra_outputs[0], ctxs[0].needs.input)
 
     @classmethod
     def backward_compute(cls, args, *, in_custom_op=False):
@@ -101,8 +92,6 @@ class MakeExtraOutput(BasicOperation):
             return BackwardResult(None)
         if args.grad_extra_output is None:
             return BackwardResult(args.grad_output)
-        if args.in_place:
-            return BackwardResult(args.grad_extra_output.add_(args.grad_output))
         return BackwardResult(args.grad_output + args.grad_extra_output)
 
     def reference(self, x, extra_inputs, params):
@@ -112,7 +101,3 @@ class MakeExtraOutput(BasicOperation):
     def example(cls):
         return Example((cls(),), (4, 16))
 
-
-def _writable(grad) -> bool:
-    """A real tensor outside any trace (None: nothing to write into)."""
-    return grad is not None and plain_eager(grad)

@@ -42,7 +42,7 @@ def channels_of(ops) -> Channels:
     in_names, out_names, written, read = [], [], {}, set()
     for i, op in enumerate(ops):
         name = channel_of(op)
-        if name is not None and getattr(op, "in_place", False):
+        if name is not None and op.num_extra_inputs and getattr(op, "in_place", False):
             raise ValueError(f"{op.describe()} at [{i}]: in_place and channel do not combine")
         for _ in range(op.num_extra_outputs):
             if name is not None and name in written:

@@ -103,6 +103,8 @@ def prepare_group(ops: tuple, start: int, conditions: PlanConditions) -> ExecPla
     backward = [(_exec_stage(ops, start, s, True, needs), s) for s in group.backward]
     backward = [(es, s) for es, s in backward if any(n.any for n in needs[es.lo:es.hi])]
     backward_exec = [es for es, _ in backward]
+    if channels.any:
+        _check_channel_stages(forward + backward_exec)
     fwd_formats, bwd_formats = hand_off_formats(forward, backward_exec, needs, recipe)
     forward = [_with_output_format(st, f) for st, f in zip(forward, fwd_formats)]
     backward_exec = [_with_output_format(st, f) for st, f in zip(backward_exec, bwd_formats)]
@@ -123,6 +125,18 @@ def prepare_group(ops: tuple, start: int, conditions: PlanConditions) -> ExecPla
                     in_place_extra_inputs=tuple(j for j, _ in in_place),
                     in_place_ops=tuple(op for _, op in in_place),
                     channels=channels if channels.any else None)
+
+
+def _check_channel_stages(stages) -> None:
+    """A stage may not cover both the writer and a reader of a channel: the executor
+    passes channels between stages, never inside one."""
+    for st in stages:
+        written = {channel_of(op) for op in st.ops if op.num_extra_outputs} - {None}
+        read = {channel_of(op) for op in st.ops if op.num_extra_inputs} - {None}
+        if written & read:
+            raise ValueError(f"the stage {st.provenance} covers both the writer and a reader of "
+                             f"channel {sorted(written & read)[0]!r}: a fusion cannot pass a "
+                             f"channel on inside itself")
 
 
 def _in_place_extra_inputs(ops) -> list:

@@ -124,10 +124,13 @@ def _run_in_place(func, args, kwargs, written: list):
     the new values). Returns what the op returns, with the Float8Tensors in place of
     their high-precision stand-ins."""
     for t in written:
-        if t._data.untyped_storage().nbytes() != t._data.numel():
+        # A view (even of all of it) shares the bytes but not the transposed copy the
+        # original keeps, which the write would leave stale; part of it would rescale all.
+        if getattr(t, "_a_view", False) or t._data.untyped_storage().nbytes() != t._data.numel():
             raise NotImplementedError(
-                f"{func}: writing into part of a Float8Tensor (shape {tuple(t.shape)}) would "
-                f"scale all of it anew: dequantize it first")
+                f"{func}: writing into a view or part of a Float8Tensor (shape "
+                f"{tuple(t.shape)}) would leave the rest of it, or its transposed copy, "
+                f"stale: write into the tensor itself, or dequantize it first")
     stand_in = {id(t): t._dequantize_raw() for t in written}
 
     def high(t):
@@ -218,16 +221,23 @@ def _same(fn, copy_scale: bool = False):
     return handler
 
 
+def _marked_view(t: "Float8Tensor") -> "Float8Tensor":
+    """``t``, marked as a view of another Float8Tensor: in-place writes refuse it (they
+    would leave the other's transposed copy, or the rest of it, stale)."""
+    t._a_view = True
+    return t
+
+
 def _view(t, shape, *args):
     data = t._data.view(shape)
     keep = t._transpose is not None and data.shape[-1] == t._data.shape[-1]
-    return Float8Tensor(data, t._scale_inv, t.dtype, t._transpose if keep else None)
+    return _marked_view(Float8Tensor(data, t._scale_inv, t.dtype, t._transpose if keep else None))
 
 
 def _t(t):
     if t._transpose is not None and t._data.dim() == 2:  # the copy is the transpose, row-major
-        return Float8Tensor(t._transpose, t._scale_inv, t.dtype, t._data)
-    return Float8Tensor(t._data.t(), t._scale_inv, t.dtype)
+        return _marked_view(Float8Tensor(t._transpose, t._scale_inv, t.dtype, t._data))
+    return _marked_view(Float8Tensor(t._data.t(), t._scale_inv, t.dtype))
 
 
 def _transpose(t, dim0, dim1):
@@ -242,7 +252,7 @@ def _subset(fn):
     device); the transposed copy is dropped (the GEMM that wants one makes it)."""
     def handler(t, *args, **kwargs):
         data = fn(t._data.view(torch.uint8), *args, **kwargs).view(t._data.dtype)
-        return Float8Tensor(data, t._scale_inv, t.dtype)
+        return _marked_view(Float8Tensor(data, t._scale_inv, t.dtype))
     return handler
 
 
