@@ -14,6 +14,7 @@ from fusible.core import checks
 from fusible.core.example import Example
 from fusible.core.results import BackwardResult, ForwardResult
 from fusible.module import BasicOperation
+from fusible.ops.extra_tensor_options import ExtraTensorOptions
 
 Tensor = torch.Tensor
 
@@ -32,7 +33,7 @@ class AddBackwardArgs:
     need_grad_extra_input: bool
 
 
-class AddExtraInput(BasicOperation):
+class AddExtraInput(ExtraTensorOptions, BasicOperation):
     """``y = x + extra``, the extra input taken from the pipeline's extra inputs.
 
     The extra input must have the shape, dtype and device of ``x``. Saves nothing.
@@ -68,14 +69,6 @@ class AddExtraInput(BasicOperation):
         if in_place and channel is not None:
             raise ValueError(f"{self.describe()}: in_place writes into the caller's tensor; a "
                              f"channel's is an intermediate of the pipeline")
-
-    def describe(self) -> str:
-        options = self.extra_repr()
-        return f"AddExtraInput({options})" if options else "AddExtraInput"
-
-    def extra_repr(self) -> str:
-        return ", ".join(([f"channel={self.channel!r}"] if self.channel else [])
-                         + (["in_place=True"] if self.in_place else []))
 
     def validate(self, shape, dtype, device, extra_inputs=()):
         (extra,) = extra_inputs

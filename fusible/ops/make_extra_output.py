@@ -14,6 +14,7 @@ from fusible.core import checks
 from fusible.core.example import Example
 from fusible.core.results import BackwardResult, ForwardResult
 from fusible.module import BasicOperation
+from fusible.ops.extra_tensor_options import ExtraTensorOptions
 
 Tensor = torch.Tensor
 
@@ -30,7 +31,7 @@ class BranchBackwardArgs:
     need_grad_input: bool
 
 
-class MakeExtraOutput(BasicOperation):
+class MakeExtraOutput(ExtraTensorOptions, BasicOperation):
     """Passes its input on and also returns it as an extra output. Saves nothing.
 
     In the backward, the gradient of the extra output is added to the gradient
@@ -57,14 +58,6 @@ class MakeExtraOutput(BasicOperation):
     def __init__(self, *, in_place: bool = False, channel: Optional[str] = None):
         super().__init__()
         self.in_place, self.channel = in_place, channel
-
-    def describe(self) -> str:
-        options = self.extra_repr()
-        return f"MakeExtraOutput({options})" if options else "MakeExtraOutput"
-
-    def extra_repr(self) -> str:
-        return ", ".join(([f"channel={self.channel!r}"] if self.channel else [])
-                         + (["in_place=True"] if self.in_place else []))
 
     num_extra_outputs = 1
     fwd_args_type = BranchForwardArgs
