@@ -37,7 +37,16 @@ def split():
                           ops.BasicLinear(16, 8)), 0
 
 
-MODELS = {f.__name__: f for f in (mlp, relu_block, residual, branch, split)}
+def recompute():
+    """RecomputeNormLinear (a joint fusion) over RMSNorm + BasicLinear and over LayerNorm +
+    Linear, around the residual branch."""
+    return ops.Sequential(ops.MakeExtraOutput(), ops.RMSNorm(8, recompute_output=True),
+                          ops.BasicLinear(8, 32), ops.SwiGLU(),
+                          ops.LayerNorm(16, recompute_output=True), ops.Linear(16, 8),
+                          ops.AddExtraInput()), 1
+
+
+MODELS = {f.__name__: f for f in (mlp, relu_block, residual, branch, split, recompute)}
 
 
 def inputs(num_extra: int, dtype=torch.float32, tokens=(2, 3), seed=0):

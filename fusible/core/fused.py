@@ -14,7 +14,8 @@ class FusedOperation(StageSpec):
     :func:`fusible.register_fusion`, which checks it:
 
     ``direction``
-        ``"forward"`` or ``"backward"``; the two passes are planned separately.
+        ``"forward"`` or ``"backward"``: the two passes are planned separately; or
+        ``"both"``, a *joint* fusion that owns both passes of the ops it covers (below).
     ``pattern``
         A :class:`fusible.Pattern` over basic-op types, written in forward (model)
         order for both directions.
@@ -44,6 +45,15 @@ class FusedOperation(StageSpec):
     the same tensors), and a backward fusion must read them so. The runtime checks the
     record types.
 
+    **Joint fusions** (``direction = "both"``) define the hooks of both passes and a
+    ``saved_type`` of their own: the planner gives a joint match both passes of its ops
+    (it is planned first, and the forward and backward scans go around it), so the
+    backward stage is always this fusion and may read what its forward saved rather than
+    the basic ops' records. That is the one exception to the equivalence contract: its
+    forward stores one record of its ``saved_type`` in the first covered op's context
+    and nothing in the others', and may save less than the basic ops would (recomputing
+    the rest). The computed values stay those of the basic ops.
+
     **FP8.** Under a recipe, a fusion over an op that quantizes in the fusion's
     direction (``op.quantizes(recipe, direction)``, e.g. ``BasicLinear``) must define
     its own ``input_format`` (forward) or ``grad_format`` (backward), saying in which
@@ -52,6 +62,7 @@ class FusedOperation(StageSpec):
     """
 
     direction: ClassVar[str] = ""
+    saved_type: ClassVar[Any] = None  # joint fusions: the record their forward saves
     pattern: ClassVar[Any] = None
     priority: ClassVar[int] = 0
     handles_communication: ClassVar[bool] = False
@@ -79,8 +90,14 @@ class FusedOperation(StageSpec):
 
     @classmethod
     def declares_format(cls) -> bool:
-        """Whether the class defines the format hook of its direction itself."""
-        return defines(cls, FORMAT_HOOKS[cls.direction], FusedOperation)
+        """Whether the class defines the format hook of its direction (both hooks for a
+        joint fusion) itself."""
+        return all(defines(cls, FORMAT_HOOKS[d], FusedOperation) for d in cls.directions())
+
+    @classmethod
+    def directions(cls) -> tuple:
+        """The passes the fusion plans: ``("forward", "backward")`` for a joint one."""
+        return ("forward", "backward") if cls.direction == "both" else (cls.direction,)
 
     @classmethod
     def example(cls):

@@ -18,12 +18,14 @@ Tensor = torch.Tensor
 # The arguments the norm ops share, checked on every assignment.
 NORM_CHECKS = {"normalized_shape": checks.int_tuple("normalized_shape"),
                "eps": checks.real("eps", minimum=0.0),
-               "sequence_parallel": checks.boolean("sequence_parallel")}
+               "sequence_parallel": checks.boolean("sequence_parallel"),
+               "recompute_output": checks.boolean("recompute_output")}
 
 
 def norm_options(op) -> str:
     """The options a norm's description names when they are on."""
-    return "".join(f", {name}=True" for name in ("sequence_parallel", "zero_centered_gamma")
+    return "".join(f", {name}=True" for name in ("sequence_parallel", "zero_centered_gamma",
+                                                        "recompute_output")
                    if getattr(op, name, False))
 
 

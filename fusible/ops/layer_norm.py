@@ -78,6 +78,13 @@ class LayerNorm(BasicOperation):
     zero_centered_gamma : bool
         TransformerEngine's option: multiply by ``1 + weight`` (computed in float32) and
         start ``weight`` at zeros, so that weight decay pulls towards the identity.
+    recompute_output : bool
+        Recompute the output in the backward instead of letting the linear layer after
+        it save it (Megatron's selective recompute of the norm): the joint fusion
+        :class:`~fusible.fusions.RecomputeNormLinear` then owns both passes of the norm and
+        the linear layer, saving one activation of the input's size less for one more norm
+        pass in the backward. Where that fusion is refused (under an FP8 recipe, for a
+        tensor-parallel layer, ...) the plan says why and the output is saved as usual.
     device, dtype
         Where and in which dtype to create ``weight`` (ones; zeros with
         ``zero_centered_gamma``) and ``bias`` (zeros).
@@ -96,8 +103,8 @@ class LayerNorm(BasicOperation):
     quantizes_own_output = True
 
     def __init__(self, normalized_shape, *, eps: float = 1e-5, sequence_parallel: bool = False,
-                 tensor_parallel_group=None, zero_centered_gamma: bool = False, device=None,
-                 dtype=None):
+                 tensor_parallel_group=None, zero_centered_gamma: bool = False,
+                 recompute_output: bool = False, device=None, dtype=None):
         super().__init__()
         self.normalized_shape = normalized_shape
         self.sequence_parallel = sequence_parallel
@@ -105,6 +112,7 @@ class LayerNorm(BasicOperation):
             self.describe(), sequence_parallel, tensor_parallel_group)
         self.eps = eps
         self.zero_centered_gamma = zero_centered_gamma
+        self.recompute_output = recompute_output
         start = torch.zeros if zero_centered_gamma else torch.ones
         self.weight = nn.Parameter(start(self.normalized_shape, device=device, dtype=dtype))
         self.bias = nn.Parameter(torch.zeros(self.normalized_shape, device=device, dtype=dtype))
@@ -170,5 +178,6 @@ class LayerNorm(BasicOperation):
             self.bias.zero_()
 
     def extra_repr(self) -> str:
-        zc = ", zero_centered_gamma=True" if self.zero_centered_gamma else ""
-        return f"normalized_shape={self.normalized_shape}, eps={self.eps}{zc}"
+        on = "".join(f", {name}=True" for name in ("zero_centered_gamma", "recompute_output")
+                     if getattr(self, name))
+        return f"normalized_shape={self.normalized_shape}, eps={self.eps}{on}"

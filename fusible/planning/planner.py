@@ -8,6 +8,9 @@ to the higher priority, then to the fusion registered first. Where nothing
 matches, the basic op is its own stage. Every match is recorded: chosen,
 superseded by a longer one, or refused with the reason. The result must flatten
 back to the basic ops in order.
+
+Joint fusions (``direction = "both"``) are matched first, front to back, by the same
+rule; each chosen one is a stage of both passes, and the two scans go around it.
 """
 
 from __future__ import annotations
@@ -145,51 +148,103 @@ class GroupPlan:
 
 def plan_group(ops: tuple, start: int, env: PlanEnvironment) -> GroupPlan:
     """Plan a group of basic ops whose first op sits at ``start`` in the pipeline."""
-    forward, fwd_candidates = _scan(ops, start, env, "forward")
+    claims, joint_candidates = _claim_joint(ops, start, env)
+    forward, fwd_candidates = _scan(ops, start, env, "forward", claims)
     backward, bwd_candidates = ((), ())
     if env.needs_backward:
-        backward, bwd_candidates = _scan(ops, start, env, "backward")
+        backward, bwd_candidates = _scan(ops, start, env, "backward", claims)
     _check_flattens(ops, start, forward, list(forward))
     _check_flattens(ops, start, backward, list(reversed(backward)) if backward else None)
-    return GroupPlan(forward, backward, fwd_candidates + bwd_candidates, env)
+    return GroupPlan(forward, backward, joint_candidates + fwd_candidates + bwd_candidates, env)
 
 
-def _scan(ops, start, env, direction):
+def _claim_joint(ops, start, env) -> tuple:
+    """The joint fusions' matches, chosen first, front to back: ``({local index of the
+    first op: (fusion instance, match)}, candidates)``. Both scans then take each claim
+    as it is and let no other fusion overlap it."""
+    fusions = registered_fusions("both")
+    claims, candidates, pos = {}, [], 0
+    while fusions and pos < len(ops):
+        best, found = _best_at(fusions, ops, start, list(ops), pos, env, "both", {})
+        candidates += found
+        if best is None:
+            pos += 1
+            continue
+        fusion, match = best
+        claims[match.indices[0] - start] = (fusion(match), match)
+        pos += len(match)
+    return claims, tuple(candidates)
+
+
+def _claimed_by(claims: dict) -> dict:
+    """Local op index -> the joint fusion's name, for every op a claim covers."""
+    return {lo + k: type(op).__name__ for lo, (op, match) in claims.items()
+            for k in range(len(match))}
+
+
+def _scan(ops, start, env, direction, claims):
     n = len(ops)
     reverse = direction == "backward"
     seq = list(ops[::-1]) if reverse else list(ops)
     fusions = registered_fusions(direction)
+    claimed = _claimed_by(claims)
+    # where each claim is met: its first op going forward, its last going backward
+    entries = {(lo + len(m) - 1 if reverse else lo): (op, m) for lo, (op, m) in claims.items()}
     stages, candidates = [], []
     pos = 0
     while pos < n:
-        accepted = []
-        for fusion in fusions:
-            for length, names, failures in fusion.pattern.matches(seq, pos, reverse=reverse):
-                if length == 0:
-                    continue
-                match = _make_match(ops, start, seq, pos, length, names, reverse)
-                verdict = " and ".join(failures) if failures else _ask(fusion, match, env)
-                if verdict is True:
-                    accepted.append((fusion, match))
-                else:
-                    candidates.append(Candidate(fusion.__name__, direction, match.indices,
-                                                "refused", verdict))
-        if accepted:
-            best = max(accepted, key=lambda fm: len(fm[1]))  # max() keeps the first of ties
-            for fm in accepted:
-                status, why = ("chosen", "") if fm is best else (
-                    "superseded", f"{best[0].__name__} at {list(best[1].indices)} won")
-                candidates.append(Candidate(fm[0].__name__, direction, fm[1].indices,
-                                            status, why))
+        local = n - 1 - pos if reverse else pos
+        if local in entries:
+            op, match = entries[local]
+            stages.append(Stage(type(op).__name__, match.indices, op, direction))
+            for p in range(pos, pos + len(match)):  # what the claim keeps out, for the plan
+                candidates += _best_at(fusions, ops, start, seq, p, env, direction, claimed)[1]
+            pos += len(match)
+            continue
+        best, found = _best_at(fusions, ops, start, seq, pos, env, direction, claimed)
+        candidates += found
+        if best is not None:
             fusion, match = best
             stages.append(Stage(fusion.__name__, match.indices, fusion(match), direction))
             pos += len(match)
         else:
-            local = n - 1 - pos if reverse else pos
             op = ops[local]
             stages.append(Stage(op.__class__.__name__, (start + local,), op, direction))
             pos += 1
     return tuple(stages), tuple(candidates)
+
+
+def _best_at(fusions, ops, start, seq, pos, env, direction, claimed) -> tuple:
+    """The match that wins at ``pos`` of ``seq`` (None if none is accepted), and every
+    candidate found there with its status. A match over ops that a joint fusion owns
+    (``claimed``: local index -> its name) is refused."""
+    reverse = direction == "backward"
+    accepted, candidates = [], []
+    for fusion in fusions:
+        for length, names, failures in fusion.pattern.matches(seq, pos, reverse=reverse):
+            if length == 0:
+                continue
+            match = _make_match(ops, start, seq, pos, length, names, reverse)
+            owner = next((claimed[i - start] for i in match.indices if i - start in claimed),
+                         None)
+            if owner is not None:
+                verdict = (f"its ops overlap those of the joint fusion {owner}, which owns "
+                           f"both passes")
+            else:
+                verdict = " and ".join(failures) if failures else _ask(fusion, match, env)
+            if verdict is True:
+                accepted.append((fusion, match))
+            else:
+                candidates.append(Candidate(fusion.__name__, direction, match.indices,
+                                            "refused", verdict))
+    if not accepted:
+        return None, candidates
+    best = max(accepted, key=lambda fm: len(fm[1]))  # max() keeps the first of ties
+    for fm in accepted:
+        status, why = ("chosen", "") if fm is best else (
+            "superseded", f"{best[0].__name__} at {list(best[1].indices)} won")
+        candidates.append(Candidate(fm[0].__name__, direction, fm[1].indices, status, why))
+    return best, candidates
 
 
 def _make_match(ops, start, seq, pos, length, names, reverse) -> Match:
@@ -201,11 +256,11 @@ def _make_match(ops, start, seq, pos, length, names, reverse) -> Match:
 
 
 def _ask(fusion, match, env):
-    direction = fusion.direction
     if not fusion.handles_communication:
-        talking = [op.describe() for op in match.ops if op.communication(direction)]
+        talking = [(op.describe(), d) for op in match.ops for d in fusion.directions()
+                   if op.communication(d)]
         if talking:
-            return (f"it covers {' and '.join(talking)}, whose {direction} compute "
+            return (f"it covers {talking[0][0]}, whose {talking[0][1]} compute "
                     f"communicates, and does not run collectives itself "
                     f"(handles_communication=False)")
     verdict = fusion.accepts(match, env)
@@ -223,13 +278,15 @@ def _fp8_contract(fusion, match, recipe):
     GEMMs would silently leave the recipe's layout."""
     if recipe is None or fusion.declares_format():
         return True
-    quantizing = [op.describe() for op in match.ops if op.quantizes(recipe, fusion.direction)]
+    quantizing = [(op.describe(), d) for op in match.ops for d in fusion.directions()
+                  if op.quantizes(recipe, d)]
     if not quantizing:
         return True
-    hook = "input_format" if fusion.direction == "forward" else "grad_format"
-    return (f"it covers {' and '.join(quantizing)}, which quantizes in the {fusion.direction} "
-            f"pass under {recipe!r}, and does not declare {hook}(): define it to take part "
-            f"in FP8 plans")
+    what, direction = quantizing[0]
+    hooks = {"forward": "input_format()", "backward": "grad_format()"}
+    hook = " and ".join(hooks[d] for d in fusion.directions())
+    return (f"it covers {what}, which quantizes in the {direction} pass under {recipe!r}, "
+            f"and does not declare {hook}: define it to take part in FP8 plans")
 
 
 def _check_flattens(ops, start, stages, in_forward_order) -> None:

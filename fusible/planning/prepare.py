@@ -74,6 +74,8 @@ class ExecPlan:
     in_place_extra_inputs: tuple = ()
     in_place_ops: tuple = ()
     channels: Optional[Channels] = None  # named channels between the ops, if any
+    # Per op: (op, who reads its saved record, the record's type), see stash_saved
+    saved_readers: tuple = ()
 
     @property
     def conditions(self) -> PlanConditions:
@@ -124,7 +126,21 @@ def prepare_group(ops: tuple, start: int, conditions: PlanConditions) -> ExecPla
                     main_grad_owners=tuple(owners[k] for k in main),
                     in_place_extra_inputs=tuple(j for j, _ in in_place),
                     in_place_ops=tuple(op for _, op in in_place),
-                    channels=channels if channels.any else None)
+                    channels=channels if channels.any else None,
+                    saved_readers=_saved_readers(ops, start, group.forward))
+
+
+def _saved_readers(ops, start, forward) -> tuple:
+    """Per op: ``(op, reader, record type)``: the op and its ``saved_type``, but for the
+    ops of a joint fusion, which saves its own record in its first op's context only."""
+    readers = [(op, type(op).__name__, op.saved_type) for op in ops]
+    for stage in forward:
+        if stage.fused and stage.op.direction == "both":
+            lo = stage.indices[0] - start
+            for k in range(len(stage.indices)):
+                what = stage.op.saved_type if k == 0 else None
+                readers[lo + k] = (ops[lo + k], f"the joint fusion {stage.name}", what)
+    return tuple(readers)
 
 
 def _check_channel_stages(stages) -> None:

@@ -14,13 +14,15 @@ from __future__ import annotations
 import importlib.metadata
 import inspect
 
+import attrs
+
 from fusible.core import epoch
 from fusible.core.fused import FusedOperation
 from fusible.core.pattern import Pattern
 from fusible.core.stage import check_stage_class
 
 ENTRY_POINT_GROUP = "fusible.fusions"
-_DIRECTIONS = ("forward", "backward")
+_DIRECTIONS = ("forward", "backward", "both")
 _fusions: list = []
 _state = {"loaded": False, "loading": False}
 
@@ -130,10 +132,14 @@ def validate_fusion(cls) -> None:
     if not (inspect.isclass(cls) and issubclass(cls, FusedOperation)):
         raise TypeError(f"register_fusion needs a subclass of fusible.FusedOperation, got {cls!r}")
     if cls.direction not in _DIRECTIONS:
-        raise ValueError(f"fusion {name}: direction must be 'forward' or 'backward', "
-                         f"got {cls.direction!r}")
+        raise ValueError(f"fusion {name}: direction must be 'forward', 'backward' or 'both' "
+                         f"(a joint fusion), got {cls.direction!r}")
     if not isinstance(cls.pattern, Pattern):
         raise TypeError(f"fusion {name}: pattern must be a fusible.Pattern, got {cls.pattern!r}")
     if not isinstance(cls.priority, int):
         raise TypeError(f"fusion {name}: priority must be an int, got {cls.priority!r}")
-    check_stage_class(cls, "fusion", FusedOperation, (cls.direction,))
+    check_stage_class(cls, "fusion", FusedOperation, cls.directions())
+    if cls.direction == "both" and not (inspect.isclass(cls.saved_type)
+                                        and attrs.has(cls.saved_type)):
+        raise TypeError(f"joint fusion {name} must set saved_type to the attrs class of the "
+                        f"record its forward saves, got {cls.saved_type!r}")

@@ -215,7 +215,8 @@ class _PipelineFunction(torch.autograd.Function):
                 raise RuntimeError(f"{plan.in_place_ops[-1].describe()}'s stage did not return "
                                    f"its extra input as the output")
             fctx.mark_dirty(*written)
-        stash_saved(fctx, ctxs, plan.ops, (x, *tensors[:params_end]), (y, *extra_outputs))
+        stash_saved(fctx, ctxs, plan.saved_readers, (x, *tensors[:params_end]),
+                    (y, *extra_outputs))
         # Traced (compiled) runs keep the plan and ops weakly: a trace may keep this node alive
         # after the module is gone (dynamo's fake propagation never runs its backward), and
         # the compiled graph does not use the node at run time.

@@ -43,23 +43,26 @@ class _SavedRef:
         self.index = index
 
 
-def stash_saved(fctx, ctxs, ops, inputs, outputs) -> None:
+def stash_saved(fctx, ctxs, readers, inputs, outputs) -> None:
     """Prepare the op contexts' saved records for the backward (see the module docstring).
 
-    Raises TypeError naming the op when a stage left a record of another type than the
-    op's ``saved_type`` (the fused-op equivalence contract).
+    ``readers``: per op, ``(op, reader, record type)``: who reads its context's record in
+    the backward (the op itself, or the joint fusion owning it) and in which type (None:
+    the context must stay empty). Raises TypeError naming the op when a stage left another
+    record (the fused-op equivalence contract).
     """
     input_ids = {id(t) for t in inputs}
     output_ids = {id(t) for t in outputs}
     to_save = []
-    for c, op in zip(ctxs, ops):
+    for c, (op, reader, record_type) in zip(ctxs, readers):
         saved = c.saved
         if saved is None:
             continue
-        if type(saved) is not op.saved_type:
+        if type(saved) is not record_type:
             raise TypeError(f"the stage covering {op.describe()} saved a "
-                            f"{type(saved).__name__}; {type(op).__name__} reads a "
-                            f"{getattr(op.saved_type, '__name__', None)} (its saved_type)")
+                            f"{type(saved).__name__}; {reader} reads "
+                            f"{'no record' if record_type is None else 'a ' + record_type.__name__}"
+                            f" there")
         names, values = _FIELDS.get(type(saved)) or _fields(type(saved))
         versions = refs = None
         for name, t in zip(names, values(saved)):

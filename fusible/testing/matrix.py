@@ -22,7 +22,7 @@ class Case:
     """One op or fusion to test: its class and which stage the plan must show."""
 
     cls: type
-    direction: str  # "both" for a basic op (its own stage in each pass)
+    direction: str  # "both": a stage in each pass (a basic op, or a joint fusion)
 
     @property
     def name(self) -> str:
