@@ -9,10 +9,13 @@ import torch
 from fusible import Example, FusedOperation, Op, Pattern
 from fusible.functional.linear import (GemmBackwardArgs, GemmForwardArgs, bias_grad,
                                        gemm_backward, gemm_forward)
-from fusible.functional.norms import (effective_gamma, layer_norm_backward, layer_norm_forward,
-                                      rms_norm_backward, rms_norm_forward)
+from fusible.functional.linear_state import gemm_grad_format, gemm_input_format
+from fusible.functional.norms import (effective_gamma, layer_norm_backward, norm_forward,
+                                      norm_forward_fp8_keeping_amax, norm_output_fp8_again,
+                                      rms_norm_backward)
 from fusible.functional.parallel import NOT_PARALLEL
 from fusible.ops import BackwardResult, BasicLinear, Bias, ForwardResult, LayerNorm, RMSNorm
+from fusible.quantization.format import Float8Format
 
 Tensor = torch.Tensor
 
@@ -27,13 +30,16 @@ class NormLinearForwardArgs:
     normalized_shape: list[int]
     eps: float
     zero_centered_gamma: bool
+    input_format: Optional[Float8Format]   # under FP8: the norm output's, as the GEMM reads it
+    weight_format: Optional[Float8Format]
 
 
 @attrs.define
 class NormLinearSaved:
     """The norm's input and statistics (for its own backward and to recompute its output
-    for the weight gradient) and the linear weight (for the dgrad); None where not needed.
-    The norm's output, which the basic ops would save, is not kept."""
+    for the weight gradient), the linear weight (for the dgrad) and, under FP8, the amaxes
+    that give the forward's scales again; None where not needed. The norm's output, which
+    the basic ops would save, is not kept."""
 
     input: Optional[Tensor]
     mean: Optional[Tensor]       # LayerNorm's
@@ -41,6 +47,8 @@ class NormLinearSaved:
     norm_weight: Optional[Tensor]
     norm_bias: Optional[Tensor]
     linear_weight: Optional[Tensor]
+    output_amax: Optional[Tensor] = None  # FP8: the norm output's
+    weight_amax: Optional[Tensor] = None  # FP8: the linear weight's
 
 
 @attrs.define
@@ -50,36 +58,28 @@ class NormLinearBackwardArgs:
     normalized_shape: list[int]
     eps: float
     zero_centered_gamma: bool
-    layer_norm: bool
     norm_needs: list[bool]       # input, weight (, bias): the norm's gradients
     linear_needs: list[bool]     # dgrad, wgrad (, the Bias op's gradient: when it has one)
     wgrad_dtype: Optional[torch.dtype]
-
-
-def _norm(x, saved_or_args, layer_norm: bool, normalized_shape, eps, zero_centered) -> tuple:
-    """``(y, mean or None, rstd)``: the norm's forward, the same kernels as its op's."""
-    gamma = effective_gamma(saved_or_args.norm_weight, zero_centered)
-    if layer_norm:
-        return layer_norm_forward(x, gamma, saved_or_args.norm_bias, normalized_shape, eps)
-    y, rstd = rms_norm_forward(x, gamma, normalized_shape, eps)
-    return y, None, rstd
+    input_format: Optional[Float8Format]  # FP8: the forward's, to quantize the recomputation
+    grad_format: Optional[Float8Format]
+    weight_format: Optional[Float8Format]
 
 
 class RecomputeNormLinear(FusedOperation):
     """A joint fusion: a norm with ``recompute_output=True``, then a linear layer (and its
     bias), owning both passes. The forward runs the norm and the GEMM as their ops do but
     saves the norm's input and statistics only; the backward recomputes the norm's output
-    for the weight gradient (the same kernel, so the same bits) and then runs the norm's
-    backward. One activation of the input's size less between the passes, for one more
-    norm pass in the backward (Megatron's selective recompute of the norm; what
-    torch.compile's partitioner does by default).
+    for the weight gradient (the same kernel, and under FP8 the forward's scale: the same
+    bits) and then runs the norm's backward. One activation less between the passes (the
+    norm's output, or under FP8 its transposed FP8 copy) for one more norm pass in the
+    backward: Megatron's selective recompute of the norm, what torch.compile's partitioner
+    does by default.
 
     Pattern: ``RMSNorm | LayerNorm (recompute_output=True), BasicLinear, Bias?``.
-    Refused under an FP8 recipe (the linear layer keeps the norm's output as a transposed
-    FP8 copy, which a recomputation would have to reproduce with the forward's scale), for
-    tensor-parallel layers, and where the weight needs no gradient (nothing of the norm's
-    output would be saved). The backward's gradients are those of the basic ops, bit for
-    bit.
+    Refused for tensor-parallel layers and where the weight needs no gradient (nothing of
+    the norm's output would be saved). The gradients are those of the basic ops, bit for
+    bit, in high precision and under FP8.
     """
 
     direction = "both"
@@ -88,13 +88,13 @@ class RecomputeNormLinear(FusedOperation):
     fwd_args_type = NormLinearForwardArgs
     bwd_args_type = NormLinearBackwardArgs
     saved_type = NormLinearSaved
+    # the norm's output and the linear's dgrad are rounded, as the ops' own stages do
+    rounds_output_after = ("norm",)
+    rounds_gradient_before = ("linear",)
 
     @classmethod
     def accepts(cls, match, env):
         linear = match["linear"]
-        if env.recipe is not None:
-            return ("under an FP8 recipe the linear layer saves the norm's output as its "
-                    "transposed FP8 copy; recomputing it would need the forward's scale")
         if linear.tp.active:
             return f"{linear.describe()} is tensor-parallel"
         if not env.needs[match.indices[1]].params[0]:
@@ -103,64 +103,91 @@ class RecomputeNormLinear(FusedOperation):
         return True
 
     def input_format(self, recipe, needs):
-        return None  # never planned under a recipe (accepts)
+        return None  # the norm reads its input in high precision
 
     def grad_format(self, recipe, needs):
-        return None
+        # With a Bias, dbias sums dy in high precision (the GEMMs quantize it inside)
+        return None if len(needs) == 3 else gemm_grad_format(recipe, needs[1])
 
     def forward_args(self, input, params, extra_inputs, ctxs):
         norm = self.match["norm"]
         k = len(norm.param_names)
         norm_bias = params[1] if k == 2 else None
         bias = params[k + 1] if len(params) > k + 1 else None
-        return NormLinearForwardArgs(input, params[0], norm_bias, params[k], bias,
-                                     list(norm.normalized_shape), norm.eps,
-                                     norm.zero_centered_gamma)
+        recipe = ctxs[1].recipe
+        return NormLinearForwardArgs(
+            input, params[0], norm_bias, params[k], bias, list(norm.normalized_shape),
+            norm.eps, norm.zero_centered_gamma, gemm_input_format(recipe, ctxs[1].needs),
+            None if recipe is None else recipe.weight_format())
 
     @classmethod
     def forward_compute(cls, args, *, in_custom_op=False):
-        y, mean, rstd = _norm(args.input, args, args.norm_bias is not None,
-                              args.normalized_shape, args.eps, args.zero_centered_gamma)
-        out, _ = gemm_forward(GemmForwardArgs(y, args.linear_weight, None, None, NOT_PARALLEL),
-                              args.bias)
-        return ForwardResult(out, (), (rstd,) if mean is None else (mean, rstd))
+        center = args.norm_bias is not None
+        gamma = effective_gamma(args.norm_weight, args.zero_centered_gamma)
+        norm = (args.input, gamma, args.norm_bias, args.normalized_shape, args.eps, center)
+        fp8 = ()
+        if args.input_format is None:
+            y, mean, rstd = norm_forward(*norm)
+        else:
+            y, mean, rstd, y_amax = norm_forward_fp8_keeping_amax(*norm, args.input_format)
+        out, kept = gemm_forward(GemmForwardArgs(y, args.linear_weight, args.input_format,
+                                                 args.weight_format, NOT_PARALLEL), args.bias)
+        if args.input_format is not None:
+            fp8 = (y_amax, kept[1])  # the weight's amax: the backward quantizes it by it
+        return ForwardResult(out, (), ((rstd,) if mean is None else (mean, rstd)) + fp8)
 
     def save_for_backward(self, args, result, ctxs):
         norm_needs, linear_needs = ctxs[0].needs, ctxs[1].needs
         keep_norm = norm_needs.any or linear_needs.params[0]
         if not (keep_norm or linear_needs.input):
             return
-        mean, rstd = (None, *result.aux) if len(result.aux) == 1 else result.aux
+        n = 2 if args.norm_bias is not None else 1
+        mean, rstd = (None, *result.aux[:1]) if n == 1 else result.aux[:2]
+        y_amax, w_amax = result.aux[n:] if args.input_format is not None else (None, None)
         ctxs[0].saved = NormLinearSaved(
             *((args.input, mean, rstd, args.norm_weight, args.norm_bias) if keep_norm
               else (None,) * 5),
-            args.linear_weight if linear_needs.input else None)
+            args.linear_weight if linear_needs.input else None,
+            y_amax if linear_needs.params[0] else None,
+            w_amax if linear_needs.input else None)
 
     def backward_args(self, grad_output, grad_extra_outputs, ctxs):
-        norm, linear = self.match["norm"], self.match["linear"]
-        norm_needs = [ctxs[0].needs.input, *ctxs[0].needs.params]
-        linear_needs = [ctxs[1].needs.input, ctxs[1].needs.params[0],
-                        *(c.needs.params[0] for c in ctxs[2:])]
-        return NormLinearBackwardArgs(grad_output, ctxs[0].saved, list(norm.normalized_shape),
-                                      norm.eps, norm.zero_centered_gamma,
-                                      isinstance(norm, LayerNorm), norm_needs, linear_needs,
-                                      linear.wgrad_dtype)
+        norm, linear, recipe = self.match["norm"], self.match["linear"], ctxs[1].recipe
+        needs = ctxs[1].needs
+        return NormLinearBackwardArgs(
+            grad_output, ctxs[0].saved, list(norm.normalized_shape), norm.eps,
+            norm.zero_centered_gamma, [ctxs[0].needs.input, *ctxs[0].needs.params],
+            [needs.input, needs.params[0], *(c.needs.params[0] for c in ctxs[2:])],
+            linear.wgrad_dtype, gemm_input_format(recipe, needs),
+            gemm_grad_format(recipe, needs), None if recipe is None else recipe.weight_format())
 
     @classmethod
     def backward_compute(cls, args, *, in_custom_op=False):
         saved, dy = args.saved, args.grad_output
         dgrad, wgrad, *bias_needs = args.linear_needs
-        y = None
-        if wgrad:  # the norm's output again, bit for bit
-            y = _norm(saved.input, saved, args.layer_norm, args.normalized_shape, args.eps,
-                      args.zero_centered_gamma)[0]
-        d_norm, dw = gemm_backward(GemmBackwardArgs(dy, y, saved.linear_weight, None, dgrad,
-                                                    wgrad, NOT_PARALLEL,
-                                                    wgrad_dtype=args.wgrad_dtype))
+        y = cls._output_again(args) if wgrad else None
+        d_norm, dw = gemm_backward(GemmBackwardArgs(
+            dy, y, saved.linear_weight, args.grad_format, dgrad, wgrad, NOT_PARALLEL,
+            weight_format=args.weight_format, weight_amax=saved.weight_amax,
+            wgrad_dtype=args.wgrad_dtype))
         del y
         linear_grads = (dw, *(bias_grad(dy) if need else None for need in bias_needs))
         norm_grads = cls._norm_backward(args, d_norm)
         return BackwardResult(norm_grads[0], (*norm_grads[1:], *linear_grads))
+
+    @staticmethod
+    def _output_again(args):
+        """The norm's output as the forward's GEMM read it, bit for bit (under FP8 only the
+        transposed copy the weight gradient reads)."""
+        saved = args.saved
+        gamma = effective_gamma(saved.norm_weight, args.zero_centered_gamma)
+        center = saved.norm_bias is not None
+        if args.input_format is None:
+            return norm_forward(saved.input, gamma, saved.norm_bias, args.normalized_shape,
+                                args.eps, center)[0]
+        return norm_output_fp8_again(saved.input, gamma, saved.norm_bias, saved.mean,
+                                     saved.rstd, saved.output_amax, args.normalized_shape,
+                                     args.eps, center, args.input_format)
 
     @staticmethod
     def _norm_backward(args, d_norm) -> tuple:
@@ -169,7 +196,7 @@ class RecomputeNormLinear(FusedOperation):
         if d_norm is None:  # the norm needs nothing
             return (None,) * len(needs)
         gamma = effective_gamma(saved.norm_weight, args.zero_centered_gamma)
-        if args.layer_norm:
+        if saved.norm_bias is not None:
             dx, dw, db = layer_norm_backward(d_norm, saved.input, saved.mean, saved.rstd, gamma,
                                              saved.norm_bias, args.normalized_shape, needs)
             return dx, None if dw is None else dw.to(saved.norm_weight.dtype), db
@@ -179,6 +206,4 @@ class RecomputeNormLinear(FusedOperation):
 
     @classmethod
     def example(cls):
-        # FP8: refused (accepts), so no FP8 case
-        return Example((RMSNorm(32, recompute_output=True), BasicLinear(32, 48)), (3, 5, 32),
-                       fp8=False)
+        return Example((RMSNorm(32, recompute_output=True), BasicLinear(32, 48)), (2, 8, 32))

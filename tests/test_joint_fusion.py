@@ -16,7 +16,7 @@ pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 def _block(norm="rms", bias=False, recompute=True, residual=False):
     norm_op = (ops.RMSNorm if norm == "rms" else ops.LayerNorm)(16, recompute_output=recompute)
     layers = [ops.MakeExtraOutput()] if residual else []
-    layers += [norm_op, ops.BasicLinear(16, 24)] + ([ops.Bias(24)] if bias else [])
+    layers += [norm_op, ops.BasicLinear(16, 32)] + ([ops.Bias(32)] if bias else [])
     return ops.Sequential(*layers)
 
 
@@ -58,7 +58,7 @@ def test_the_norm_output_is_not_saved():
     saved = ctxs[0].saved
     assert type(saved).__name__ == "NormLinearSaved" and ctxs[1].saved is None
     kept = [t for t in attrs.astuple(saved, recurse=False) if t is not None]
-    assert all(t is x or t.numel() < x.numel() or t.shape == (24, 16) for t in kept)
+    assert all(t is x or t.numel() < x.numel() or t.shape == (32, 16) for t in kept)
     plain_ctxs = plain(x).grad_fn.fusible[1]
     assert plain_ctxs[1].saved.input.shape == x.shape  # the norm's output, saved
 
@@ -76,19 +76,32 @@ def test_gradient_needs_frozen_norm_and_plain_input():
         assert (a is None and b is None) or torch.equal(a, b)
 
 
-def test_refused_where_nothing_would_be_saved_and_under_fp8():
+def test_refused_where_nothing_would_be_saved():
     model = _block()
     model[1].weight.requires_grad_(False)
     plan = model.plan(torch.randn(4, 16, requires_grad=True))
     assert stage_names(plan.forward) == ["RMSNorm", "BasicLinear"]
     (cand,) = [c for c in plan.candidates if c.fusion == "RecomputeNormLinear"]
     assert cand.status == "refused" and "needs no gradient" in cand.reason
-    model = _block().to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("norm", ["rms", "layer"])
+@pytest.mark.parametrize("bias", [False, True], ids=["no_bias", "bias"])
+def test_fp8_same_bits_as_the_basic_ops(norm, bias):
+    """Under FP8 the recomputation quantizes by the forward's scale: outputs and every
+    gradient equal the plan without the joint fusion bit for bit, and the linear layer's
+    transposed FP8 copy of the norm's output is not kept."""
+    joint = exact_parameters_(_block(norm, bias).to(torch.bfloat16))
+    plain = _block(norm, bias, recompute=False).to(torch.bfloat16)
+    plain.load_state_dict(joint.state_dict())
+    x = exact_tensor((2, 8, 16), torch.bfloat16).requires_grad_()
     with fusible.autocast(recipe=fusible.Float8CurrentScaling()):
-        plan = model.plan(torch.randn(16, 16, dtype=torch.bfloat16, requires_grad=True))
-    assert stage_names(plan.backward) == ["BasicLinear", "RMSNorm"]
-    (cand,) = [c for c in plan.candidates if c.fusion == "RecomputeNormLinear"]
-    assert cand.status == "refused" and "FP8" in cand.reason
+        plan = joint.plan(x)
+        assert stage_names(plan.forward) == ["RecomputeNormLinear"]
+        assert joint(x).grad_fn.fusible[1][1].saved is None
+        results = [_run(joint, x), _run(plain, x)]
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
 
 
 def test_directional_fusions_over_its_ops_are_refused_and_the_residual_add_stays_right():
@@ -104,6 +117,14 @@ def test_directional_fusions_over_its_ops_are_refused_and_the_residual_add_stays
     assert cand.status == "refused" and "joint fusion RecomputeNormLinear" in cand.reason
     assert "BackwardAddRMSNorm" in stage_names(plain.plan(x).backward)
     torch.testing.assert_close(_run(model, x), _run(plain, x), rtol=0, atol=1e-6)
+
+
+def test_the_plan_and_its_diagram_show_the_joint_stage():
+    model = _block(residual=True)
+    plan = model.plan(torch.randn(4, 16, requires_grad=True))
+    assert "both     RecomputeNormLinear" in plan.explain()
+    dot = plan.to_dot()
+    assert dot.count("RecomputeNormLinear (joint: both passes)") == 2
 
 
 def test_recompute_output_is_checked_and_shown():
@@ -178,3 +199,32 @@ def test_a_joint_fusion_needs_a_saved_type_and_saves_in_its_first_context(regist
             model(x)
     finally:
         _DoubleTwice.into_second = False
+
+
+def test_a_joint_fusion_in_an_fp8_plan_hands_its_output_on_quantized(registered):
+    """Under FP8 the joint stage's output is quantized for the linear layer after it, as
+    any stage's: the same bits as the plan without the joint fusion."""
+    def run():
+        torch.manual_seed(0)
+        model = ops.Sequential(ops.ConstantScale(2.0), ops.ConstantScale(2.0),
+                               ops.BasicLinear(16, 16)).to(torch.bfloat16)
+        x = torch.randn(16, 16, dtype=torch.bfloat16, requires_grad=True)
+        with fusible.autocast(recipe=fusible.Float8CurrentScaling()):
+            names = stage_names(model.plan(x).backward)
+            y = model(x)
+        y.float().square().sum().backward()
+        return names, [y.detach(), x.grad, model[2].weight.grad]
+
+    plain_names, plain = run()
+    registered(_DoubleTwice)
+    names, joint = run()
+    assert names == ["BasicLinear", "_DoubleTwice"] and "_DoubleTwice" not in plain_names
+    for a, b in zip(joint, plain):
+        assert torch.equal(a, b)
+
+
+def test_fp8_compiled_same_bits_as_eager():
+    model = _block("layer", bias=True).to(torch.bfloat16)
+    x = torch.randn(2, 8, 16, dtype=torch.bfloat16, requires_grad=True)
+    with fusible.autocast(recipe=fusible.Float8CurrentScaling()):
+        fusible.testing.check_compiled_matches_eager(model, x)

@@ -32,6 +32,9 @@ class FusedOperation(StageSpec):
         stage rounds to the model's dtype before going on (BackwardActivationBias sums
         the rounded activation gradient into the bias gradient, as torch.nn does): the
         FP64 reference of ``fusible.testing`` rounds there too.
+    ``rounds_output_after`` (optional)
+        Likewise for the forward: pattern names of covered ops (not the last) whose output
+        the forward stage rounds to the model's dtype before going on.
 
     and, optionally, ``accepts(match, env)`` returning True or the reason for
     refusing a structural match. The planner constructs the fusion with the
@@ -67,6 +70,7 @@ class FusedOperation(StageSpec):
     priority: ClassVar[int] = 0
     handles_communication: ClassVar[bool] = False
     rounds_gradient_before: ClassVar[tuple] = ()
+    rounds_output_after: ClassVar[tuple] = ()
 
     def __init__(self, match):
         self.match = match

@@ -9,7 +9,9 @@ import torch
 from fusible.core import checks
 from fusible.kernels import norms as norm_kernels
 from fusible.kernels import triton_can_run
-from fusible.quantization.float8_tensor import from_cast_parts
+from fusible.quantization.cast import FP8_MAX, cast_to_fp8_any, tensor_amax
+from fusible.quantization.float8_tensor import (Float8Tensor, from_cast_parts, quantize_raw,
+                                                transposed_only)
 from fusible.quantization.format import Float8Format
 
 Tensor = torch.Tensor
@@ -145,3 +147,46 @@ def rms_norm_backward(dy: Tensor, x: Tensor, rstd: Tensor, weight: Tensor,
     if need_dw:
         dw = (dyf * x_hat).reshape(-1, *normalized_shape).sum(0).to(dtype)
     return dx, dw
+
+
+def norm_forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], normalized_shape: list,
+                 eps: float, center: bool) -> tuple:
+    """``(y, mean or None, rstd)``: LayerNorm with ``center`` (``bias`` added), RMSNorm
+    without; the kernels of the norm ops."""
+    if center:
+        return layer_norm_forward(x, weight, bias, normalized_shape, eps)
+    y, rstd = rms_norm_forward(x, weight, normalized_shape, eps)
+    return y, None, rstd
+
+
+def norm_forward_fp8_keeping_amax(x: Tensor, weight: Tensor, bias: Optional[Tensor],
+                                  normalized_shape: list, eps: float, center: bool,
+                                  fmt: Float8Format) -> tuple:
+    """``(Float8Tensor y, mean, rstd, amax)``: the norm with ``y`` in ``fmt``, the same bits
+    as the norm op's FP8 forward (or its output quantized after it), and ``y``'s absolute
+    maximum in a tensor of its own, which :func:`norm_output_fp8_again` takes."""
+    kernels = (x, weight) if bias is None else (x, weight, bias)
+    if triton_can_run(*kernels) and x.numel():
+        amax = torch.zeros((), device=x.device, dtype=torch.float32)
+        parts, mean, rstd = norm_kernels.norm_forward_fp8_triton(
+            x, weight, bias, eps, center, *fmt.cast_args(), amax=amax)
+        return from_cast_parts(parts, x.dtype), mean, rstd, amax
+    y, mean, rstd = norm_forward(x, weight, bias, normalized_shape, eps, center)
+    amax = tensor_amax(y)
+    return quantize_raw(y, fmt.fp8_dtype, fmt.columnwise, amax=amax), mean, rstd, amax
+
+
+def norm_output_fp8_again(x: Tensor, weight: Tensor, bias: Optional[Tensor], mean, rstd,
+                          amax: Tensor, normalized_shape: list, eps: float, center: bool,
+                          fmt: Float8Format) -> Float8Tensor:
+    """The ``y`` of :func:`norm_forward_fp8_keeping_amax` once more, bit for bit (the same
+    statistics, the same scale), as its transposed copy only: what a weight gradient
+    reads."""
+    kernels = (x, weight) if bias is None else (x, weight, bias)
+    if triton_can_run(*kernels) and x.numel():
+        parts = norm_kernels.norm_cast_fp8_triton(x, weight, bias, mean, rstd, amax, center,
+                                                  fmt.fp8_dtype, FP8_MAX[fmt.fp8_dtype], True)
+        return transposed_only(parts[2], parts[1], x.dtype)
+    y = norm_forward(x, weight, bias, normalized_shape, eps, center)[0]
+    transpose, scale_inv = cast_to_fp8_any(y, fmt.fp8_dtype, True, amax, rowwise=False)
+    return transposed_only(transpose, scale_inv, x.dtype)

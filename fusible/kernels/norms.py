@@ -253,10 +253,13 @@ def norm_forward_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
 def norm_forward_fp8_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                             eps: float, center: bool, fp8_dtype: torch.dtype, fp8_max: float,
                             columnwise: bool, block_n: int | None = None,
-                            cast_block: tuple | None = None) -> tuple:
+                            cast_block: tuple | None = None,
+                            amax: torch.Tensor | None = None) -> tuple:
     """``([data, scale_inv] (+ transposed copy), mean, rstd)``: :func:`norm_forward_triton`
     with ``y`` in ``fp8_dtype`` (current per-tensor scale), as the FP8 cast of its ``y``
-    would give, never written in ``x``'s dtype."""
+    would give, never written in ``x``'s dtype. ``amax``: a zeroed float32 0-d tensor to
+    accumulate ``y``'s absolute maximum in, which the caller keeps (by default a slot of
+    :func:`~fusible.kernels.fp8_cast.zeroed_amax`, reused later)."""
     require_triton("norm_forward_fp8_triton")
     x, w, n = x.contiguous(), weight.contiguous(), weight.numel()
     m = _rows(x, n)
@@ -265,20 +268,36 @@ def norm_forward_fp8_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.T
     mean, rstd = _stats_buffers(x, weight, center)
     b = bias.contiguous() if center else w
     mean_or_rstd = rstd if mean is None else mean  # an unused pointer for RMSNorm
-    amax = zeroed_amax(x.device)
+    amax = zeroed_amax(x.device) if amax is None else amax
     block_m, block_n = _blocks(n, block_n)
     _norm_fwd_kernel[(triton.cdiv(m, block_m),)](  # y_ptr: unused in this pass
         x, w, b, x, mean_or_rstd, rstd, amax, m, n, eps, CENTER=center, AMAX_ONLY=True,
         BLOCK_M=block_m, BLOCK_N=block_n)
+    parts = norm_cast_fp8_triton(x, w, b, mean, rstd, amax, center, fp8_dtype, fp8_max,
+                                 columnwise, cast_block)
+    return parts, mean, rstd
+
+
+def norm_cast_fp8_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                         mean: torch.Tensor | None, rstd: torch.Tensor, amax: torch.Tensor,
+                         center: bool, fp8_dtype: torch.dtype, fp8_max: float,
+                         columnwise: bool, cast_block: tuple | None = None) -> list:
+    """``[data, scale_inv]`` (+ transposed copy): the norm's output from its statistics,
+    quantized by the scale of ``amax``: :func:`norm_forward_fp8_triton`'s second pass, also
+    what recomputes that output bit for bit in a backward."""
+    require_triton("norm_cast_fp8_triton")
+    x, w, n = x.contiguous(), weight.contiguous(), weight.numel()
+    m = _rows(x, n)
+    b = bias.contiguous() if center else w
     # The transposed copy is (last dimension, the rest): the kernel's (N, M) tiles are that
     # only when one dimension is normalised; otherwise it comes from the FP8 data afterwards.
     data, transpose, scale_inv, in_kernel_t = fp8_buffers(x, fp8_dtype,
                                                           columnwise and weight.dim() == 1)
     cast_m, cast_n = cast_block or _CAST_BLOCK
     _norm_fwd_cast_kernel[tile_grid(m, n, cast_m, cast_n)](
-        x, w, b, mean_or_rstd, rstd, amax, data, transpose, scale_inv, m, n, fp8_max,
-        CENTER=center, HAS_T=in_kernel_t, BLOCK_M=cast_m, BLOCK_N=cast_n)
-    return fp8_results(data, scale_inv, transpose, columnwise, in_kernel_t), mean, rstd
+        x, w, b, rstd if mean is None else mean, rstd, amax, data, transpose, scale_inv, m, n,
+        fp8_max, CENTER=center, HAS_T=in_kernel_t, BLOCK_M=cast_m, BLOCK_N=cast_n)
+    return fp8_results(data, scale_inv, transpose, columnwise, in_kernel_t)
 
 
 def norm_backward_triton(grad_output: torch.Tensor, x: torch.Tensor, mean: torch.Tensor | None,

@@ -83,8 +83,9 @@ def _stage_cluster(plan, lane, k, stage, colors) -> list:
         style = (f'style="rounded,dashed,filled"; fillcolor="#fff5f5"; color="{colors["refused"]}"; '
                  f'penwidth=2; fontcolor="{colors["refused"]}"; label={_quote(label)}; fontsize=10;')
     elif stage.fused:
+        joint = " (joint: both passes)" if stage.op.direction == "both" else ""
         style = (f'style="rounded,filled"; fillcolor="{colors["fused"]}"; color="{colors["edge"]}"; '
-                 f'label={_quote(stage.name)}; fontsize=12;')
+                 f'label={_quote(stage.name + joint)}; fontsize=12;')
     else:
         style = 'style=invis; label="";'
     out = [f"    subgraph cluster_{lane}_{k} {{", f"      {style}"]

@@ -145,7 +145,13 @@ class Rounding:
                 op = s.op.match[name]
                 before.add(next(i for i, o in zip(s.op.match.indices, s.op.match.ops)
                                 if o is op))
-        return cls(low, frozenset(max(s.indices) for s in plan.forward), frozenset(before))
+        after = {max(s.indices) for s in plan.forward}
+        for s in plan.forward:
+            for name in getattr(s.op, "rounds_output_after", ()):
+                op = s.op.match[name]
+                after.add(next(i for i, o in zip(s.op.match.indices, s.op.match.ops)
+                               if o is op))
+        return cls(low, frozenset(after), frozenset(before))
 
 
 def reference_forward(model, x, *extra_inputs, dtype=torch.float64,
