@@ -26,9 +26,8 @@ NORM_CHECKS = {"normalized_shape": checks.int_tuple("normalized_shape"),
 
 def norm_options(op) -> str:
     """The options a norm's description names when they are on."""
-    return "".join(f", {name}=True" for name in ("sequence_parallel", "zero_centered_gamma",
-                                                        "recompute_output")
-                   if getattr(op, name, False))
+    names = ("sequence_parallel", "zero_centered_gamma", "recompute_output")
+    return "".join(f", {name}=True" for name in names if getattr(op, name, False))
 
 
 def check_trailing(op, shape, normalized_shape) -> None:
