@@ -7,7 +7,9 @@ optimizer; the method of ``gpu_mlp.measure``) side by side in one run, as rows:
 - ``torchao_tensorwise``, ``torchao_rowwise``: the twin converted by torchao's
   ``convert_to_float8_training``, compiled;
 - ``fusible_bf16_eager`` / ``_compile``, ``fusible_fp8_eager`` / ``_compile``: fusible
-  Sequentials on the same weights, FP8 under ``fusible.autocast()``.
+  Sequentials on the same weights, FP8 under ``fusible.autocast()``;
+- on request (``--rows``), ``fusible_{bf16,fp8}_recompute_{eager,compile}``: the same with
+  the norms' ``recompute_output=True`` (the joint fusion RecomputeNormLinear).
 
 Blocks: ``llama_ffn`` (RMSNorm, Linear to 2xFF without bias, SwiGLU, Linear back,
 residual) at Llama-3-8B and -70B widths; ``gpt_mlp`` (LayerNorm, Linear+bias,
@@ -173,7 +175,12 @@ def build_row(row: str, name: str, hidden: int, size: int) -> tuple:
     if row.startswith("torch"):
         return ref, mode, contextlib.nullcontext
     context = fusible.autocast if "_fp8_" in row else contextlib.nullcontext
-    return fusible_twin(name, ref), mode, context
+    model = fusible_twin(name, ref)
+    if "_recompute_" in row:  # the norms' outputs recomputed (RecomputeNormLinear)
+        for m in model.modules():
+            if isinstance(m, (ops.RMSNorm, ops.LayerNorm)):
+                m.recompute_output = True
+    return model, mode, context
 
 
 def run_config(config: tuple, rows, results: dict, output: str) -> None:

@@ -10,8 +10,8 @@
 # host_timers.py); small: issue 13's small steps (small_steps.py); graphs: host time of
 # the small MLP's CUDA-graph steps (graphs_host.py); zoo: the block zoo,
 # ZOO_CONFIGS of its configs (default all) from index ZOO_FIRST (default 0, which also
-# profiles); TESTS: which tests, default all, "none" for none; the argument "none" runs no
-# benchmark)
+# profiles), ZOO_ROWS its rows (comma-separated, default all); TESTS: which tests,
+# default all, "none" for none; the argument "none" runs no benchmark)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out}
@@ -82,6 +82,7 @@ if [[ " $benches " == *" graphs "* ]]; then  # host time of CUDA-graph steps
 fi
 if [[ " $benches " == *" zoo "* ]]; then
     (cd benchmarks && python3 zoo.py --configs "${ZOO_CONFIGS:-99}" --first "${ZOO_FIRST:-0}" \
+        ${ZOO_ROWS:+--rows "$ZOO_ROWS"} \
         --output "$OUT_ABS/zoo.json" --profile "$OUT_ABS/zoo_profile.txt") 2>&1 | tee "$OUT/zoo.log"
     bench_rc=$(( bench_rc || PIPESTATUS[0] ))
 fi
