@@ -599,3 +599,56 @@ def test_fp8_parameters_on_gpu():
     step = (w.dequantize().detach().float() - before + 0.5 * w.grad.float()).abs()
     assert (step <= 2.0 ** -3 * before.abs() + 2.0 ** -3 * w.grad.float().abs() + 1e-3).all()
     assert torch.equal(w._transpose.view(torch.uint8), w._data.view(torch.uint8).t())
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("norm", ["rms", "layer"])
+def test_recompute_norm_linear_same_bits_as_the_basic_ops_on_gpu(norm, fp8, monkeypatch):
+    """RecomputeNormLinear on the Triton norm kernels (under FP8 the backward's
+    recomputation is the norm's cast pass alone, by the forward's amax): outputs and every
+    gradient equal the plan without it, eagerly and compiled (Inductor); the transposed
+    FP8 copy of the norm's output is not kept."""
+    import contextlib
+
+    import fusible
+    from fusible.kernels import norms
+    calls = []
+    real = norms.norm_cast_fp8_triton
+    monkeypatch.setattr(norms, "norm_cast_fp8_triton",
+                        lambda *a, **k: calls.append(1) or real(*a, **k))
+    torch.manual_seed(0)
+    Norm = ops.RMSNorm if norm == "rms" else ops.LayerNorm
+
+    def block(recompute):
+        return ops.Sequential(ops.MakeExtraOutput(), Norm(256, recompute_output=recompute),
+                              ops.BasicLinear(256, 512), ops.SwiGLU(), ops.BasicLinear(256, 256),
+                              ops.AddExtraInput()).to("cuda", torch.bfloat16)
+
+    joint, plain = block(True), block(False)
+    plain.load_state_dict(joint.state_dict())
+    x = torch.randn(4, 48, 256, device="cuda", dtype=torch.bfloat16)
+    dy = torch.randn_like(x)
+    context = fusible.autocast if fp8 else contextlib.nullcontext
+
+    def step(model):
+        xx = x.clone().requires_grad_()
+        with context():
+            y = model(xx, xx)
+        y.backward(dy)
+        grads = [y.detach(), xx.grad] + [p.grad for p in model.parameters()]
+        model.zero_grad(set_to_none=True)
+        return grads
+
+    with context():
+        assert "RecomputeNormLinear" in stage_names(joint.plan(x, x).backward)
+        if fp8:
+            node = joint(x.requires_grad_(), x).grad_fn
+            assert node.fusible[1][2].saved is None  # the linear keeps no copy of its input
+            x.requires_grad_(False)
+    want = step(plain)
+    calls.clear()
+    assert all(torch.equal(a, b) for a, b in zip(step(joint), want))
+    assert len(calls) == (2 if fp8 else 0)  # the forward's second pass, the backward's
+    torch._dynamo.reset()
+    compiled = torch.compile(joint, fullgraph=True)
+    assert all(torch.equal(a, b) for a, b in zip(step(compiled), want))
