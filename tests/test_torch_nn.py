@@ -655,6 +655,13 @@ def test_a_compiled_model_inside_an_eager_checkpoint_never_recomputes_silently_o
     with pytest.raises(RuntimeError, match="recomputes the compiled ForwardLinearBias stage "
                                            "without FP8, but its forward ran with it"):
         _fp8_grads(model, x, run, backward_inside=False)
+    # the other way round: a forward without FP8 (which leaves no record) recomputed with it
+    xx = x.clone().requires_grad_()
+    y = run(xx)
+    with fusible.autocast(), pytest.raises(RuntimeError, match="recomputes the compiled "
+                                           "ForwardLinearBias stage with FP8, but its forward "
+                                           "ran without it"):
+        y.square().sum().backward()
 
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])

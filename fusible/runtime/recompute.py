@@ -15,22 +15,36 @@ from torch import nn
 
 _FORWARD_FP8: dict = {}  # (op class, parameter data_ptr) -> whether its forward ran FP8
 _LIMIT = 1 << 16         # stale entries (freed parameters) are dropped past this many
+_STATE = {"cleared": False}
 _PLAIN = (torch.Tensor, nn.Parameter)
 
 
 def note_forward(cls, tensors, quantized: bool) -> None:
     """Record (outside a backward pass) or check (inside one: a recomputation) whether a
-    compiled forward stage of ``cls`` reading these parameters runs under an FP8 recipe."""
+    compiled forward stage of ``cls`` reading these parameters runs under an FP8 recipe.
+
+    Only FP8 forwards are recorded (a plain one removes its record): no record means a
+    forward without FP8, so a process that never ran FP8 pays one test per stage."""
+    if not (quantized or _FORWARD_FP8):
+        return
     in_backward = torch._C._current_graph_task_id() != -1
     for t in tensors:
         if t is None or t.__class__ not in _PLAIN or not (t.is_leaf and t.requires_grad):
             continue
         key = (cls, t.data_ptr())
         if not in_backward:
+            if not quantized:
+                _FORWARD_FP8.pop(key, None)
+                continue
             if len(_FORWARD_FP8) >= _LIMIT:
                 _FORWARD_FP8.clear()
-            _FORWARD_FP8[key] = quantized
-        elif _FORWARD_FP8.get(key, quantized) != quantized:
+                _STATE["cleared"] = True  # from now on a missing record tells nothing
+            _FORWARD_FP8[key] = True
+            continue
+        recorded = _FORWARD_FP8.get(key)
+        if recorded is None and _STATE["cleared"]:
+            continue
+        if bool(recorded) != quantized:
             raise RuntimeError(
                 f"fusible: activation checkpointing recomputes the compiled {cls.__name__} "
                 f"stage {'with' if quantized else 'without'} FP8, but its forward ran "
