@@ -395,6 +395,37 @@ def test_activation_writing_fp8_is_the_activation_then_the_cast():
     _run_interpreted(_ACTIVATION_CAST_SCRIPT)
 
 
+_NORM_RECAST_SCRIPT = textwrap.dedent("""
+    import torch
+    from fusible.kernels.norms import norm_cast_fp8_triton, norm_forward_fp8_triton
+    from fp8_formats import FP8_MAX
+    torch.manual_seed(0)
+    for dtype in (torch.bfloat16, torch.float32):  # the copy in the kernel, and from the data
+        for center in (True, False):
+            x = torch.randn(37, 48).to(dtype)
+            w, b = torch.randn(48).to(dtype), torch.randn(48).to(dtype)
+            bias = b if center else None
+            for fp8 in FP8_MAX:
+                amax = torch.zeros(())
+                full, mean, rstd = norm_forward_fp8_triton(
+                    x, w, bias, 1e-5, center, fp8, FP8_MAX[fp8], True, block_n=16,
+                    cast_block=(16, 32), amax=amax)
+                again = norm_cast_fp8_triton(x, w, bias, mean, rstd, amax, center, fp8,
+                                             FP8_MAX[fp8], True, (16, 32), rowwise=False)
+                assert len(again) == 2 and torch.equal(again[1], full[1])
+                assert again[0].shape == (48, 37)
+                assert torch.equal(again[0].view(torch.uint8), full[2].view(torch.uint8))
+    print("ok")
+""")
+
+
+@_GPU_COVERS
+def test_norm_output_quantized_again_by_a_kept_amax_has_the_same_bits():
+    """RecomputeNormLinear's recomputation: the norm's cast pass by the forward's amax,
+    the transposed copy alone, gives the forward's bytes and scale."""
+    _run_interpreted(_NORM_RECAST_SCRIPT)
+
+
 def test_cached_launches_reuse_only_an_identical_specialisation():
     """A Triton kernel's launch skips ``JITFunction.run`` only for a call that Triton
     would specialise exactly as an earlier one: any change of dtype, alignment, an int's

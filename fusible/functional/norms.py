@@ -183,9 +183,10 @@ def norm_output_fp8_again(x: Tensor, weight: Tensor, bias: Optional[Tensor], mea
     reads."""
     kernels = (x, weight) if bias is None else (x, weight, bias)
     if triton_can_run(*kernels) and x.numel():
-        parts = norm_kernels.norm_cast_fp8_triton(x, weight, bias, mean, rstd, amax, center,
-                                                  fmt.fp8_dtype, FP8_MAX[fmt.fp8_dtype], True)
-        return transposed_only(parts[2], parts[1], x.dtype)
+        transpose, scale_inv = norm_kernels.norm_cast_fp8_triton(
+            x, weight, bias, mean, rstd, amax, center, fmt.fp8_dtype, FP8_MAX[fmt.fp8_dtype],
+            True, rowwise=False)
+        return transposed_only(transpose, scale_inv, x.dtype)
     y = norm_forward(x, weight, bias, normalized_shape, eps, center)[0]
     transpose, scale_inv = cast_to_fp8_any(y, fmt.fp8_dtype, True, amax, rowwise=False)
     return transposed_only(transpose, scale_inv, x.dtype)

@@ -20,8 +20,10 @@ from __future__ import annotations
 import torch
 
 from fusible.kernels import jit, require_triton, tl, triton
-from fusible.kernels.fp8_cast import (fp8_buffers, fp8_results, max_keep_nan, scale_from_amax,
-                                      store_fp8_tile, tile_coords, tile_grid, zeroed_amax)
+from fusible.kernels.fp8_cast import (fp8_buffers, fp8_results, max_keep_nan, quantize_tile,
+                                      scale_from_amax, store_fp8_tile, store_transposed_tile,
+                                      tile_coords, tile_grid, transposes_in_kernel,
+                                      zeroed_amax)
 
 
 @jit
@@ -89,9 +91,10 @@ def _norm_fwd_kernel(x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, amax_ptr, M
 @jit
 def _norm_fwd_cast_kernel(x_ptr, w_ptr, b_ptr, mean_ptr, rstd_ptr, amax_ptr, data_ptr,
                           t_ptr, scale_inv_ptr, M, N, FP8_MAX, CENTER: tl.constexpr,
-                          HAS_T: tl.constexpr, BLOCK_M: tl.constexpr,
+                          HAS_T: tl.constexpr, HAS_DATA: tl.constexpr, BLOCK_M: tl.constexpr,
                           BLOCK_N: tl.constexpr):
-    """The second FP8 pass, over 2-D tiles (the transposed copy's stores stay coalesced)."""
+    """The second FP8 pass, over 2-D tiles (the transposed copy's stores stay coalesced);
+    without ``HAS_DATA`` only the transposed copy is written."""
     scale = scale_from_amax(amax_ptr, FP8_MAX)
     rows, cols, _ = tile_coords(M, N, BLOCK_M, BLOCK_N)
     rstd = tl.load(rstd_ptr + rows, mask=rows < M, other=0.0)
@@ -99,8 +102,12 @@ def _norm_fwd_cast_kernel(x_ptr, w_ptr, b_ptr, mean_ptr, rstd_ptr, amax_ptr, dat
     if CENTER:
         mean = tl.load(mean_ptr + rows, mask=rows < M, other=0.0)
     y, _, mask = _normalized(x_ptr, w_ptr, b_ptr, rows, cols, mean, rstd, M, N, CENTER)
-    store_fp8_tile(y, scale, rows, cols, mask, data_ptr, t_ptr, scale_inv_ptr, M, N,
-                   FP8_MAX, HAS_T)
+    if HAS_DATA:
+        store_fp8_tile(y, scale, rows, cols, mask, data_ptr, t_ptr, scale_inv_ptr, M, N,
+                       FP8_MAX, HAS_T)
+    else:
+        store_transposed_tile(quantize_tile(y, scale, scale_inv_ptr, FP8_MAX), rows, cols,
+                              mask, t_ptr, M)
 
 
 @jit
@@ -281,23 +288,31 @@ def norm_forward_fp8_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.T
 def norm_cast_fp8_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                          mean: torch.Tensor | None, rstd: torch.Tensor, amax: torch.Tensor,
                          center: bool, fp8_dtype: torch.dtype, fp8_max: float,
-                         columnwise: bool, cast_block: tuple | None = None) -> list:
+                         columnwise: bool, cast_block: tuple | None = None,
+                         rowwise: bool = True) -> list:
     """``[data, scale_inv]`` (+ transposed copy): the norm's output from its statistics,
     quantized by the scale of ``amax``: :func:`norm_forward_fp8_triton`'s second pass, also
-    what recomputes that output bit for bit in a backward."""
+    what recomputes that output bit for bit in a backward. Without ``rowwise`` (with
+    ``columnwise``): ``[transposed copy, scale_inv]``, the data not written where the
+    kernel writes the copy itself."""
     require_triton("norm_cast_fp8_triton")
+    if not (rowwise or columnwise):
+        raise ValueError("norm_cast_fp8_triton: asked for neither the data nor its transpose")
     x, w, n = x.contiguous(), weight.contiguous(), weight.numel()
     m = _rows(x, n)
     b = bias.contiguous() if center else w
     # The transposed copy is (last dimension, the rest): the kernel's (N, M) tiles are that
     # only when one dimension is normalised; otherwise it comes from the FP8 data afterwards.
-    data, transpose, scale_inv, in_kernel_t = fp8_buffers(x, fp8_dtype,
-                                                          columnwise and weight.dim() == 1)
+    kernel_t = columnwise and weight.dim() == 1
+    has_data = rowwise or not (kernel_t and transposes_in_kernel(x.dtype))
+    data, transpose, scale_inv, in_kernel_t = fp8_buffers(x, fp8_dtype, kernel_t, has_data)
     cast_m, cast_n = cast_block or _CAST_BLOCK
     _norm_fwd_cast_kernel[tile_grid(m, n, cast_m, cast_n)](
         x, w, b, rstd if mean is None else mean, rstd, amax, data, transpose, scale_inv, m, n,
-        fp8_max, CENTER=center, HAS_T=in_kernel_t, BLOCK_M=cast_m, BLOCK_N=cast_n)
-    return fp8_results(data, scale_inv, transpose, columnwise, in_kernel_t)
+        fp8_max, CENTER=center, HAS_T=in_kernel_t, HAS_DATA=has_data, BLOCK_M=cast_m,
+        BLOCK_N=cast_n)
+    out = fp8_results(data, scale_inv, transpose, columnwise, in_kernel_t)
+    return out if rowwise else [out[2], scale_inv]
 
 
 def norm_backward_triton(grad_output: torch.Tensor, x: torch.Tensor, mean: torch.Tensor | None,
