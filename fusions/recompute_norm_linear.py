@@ -13,7 +13,7 @@ from fusible.functional.linear_state import gemm_grad_format, gemm_input_format
 from fusible.functional.norms import (effective_gamma, layer_norm_backward, norm_forward,
                                       norm_forward_fp8_keeping_amax, norm_output_fp8_again,
                                       rms_norm_backward)
-from fusible.functional.parallel import NOT_PARALLEL
+from fusible.functional.parallel import TensorParallel
 from fusible.ops import BackwardResult, BasicLinear, Bias, ForwardResult, LayerNorm, RMSNorm
 from fusible.quantization.format import Float8Format
 
@@ -32,6 +32,7 @@ class NormLinearForwardArgs:
     zero_centered_gamma: bool
     input_format: Optional[Float8Format]   # under FP8: the norm output's, as the GEMM reads it
     weight_format: Optional[Float8Format]
+    tp: TensorParallel                     # the linear layer's: column-parallel or none
 
 
 @attrs.define
@@ -64,6 +65,7 @@ class NormLinearBackwardArgs:
     input_format: Optional[Float8Format]  # FP8: the forward's, to quantize the recomputation
     grad_format: Optional[Float8Format]
     weight_format: Optional[Float8Format]
+    tp: TensorParallel
 
 
 class RecomputeNormLinear(FusedOperation):
@@ -77,9 +79,11 @@ class RecomputeNormLinear(FusedOperation):
     does by default.
 
     Pattern: ``RMSNorm | LayerNorm (recompute_output=True), BasicLinear, Bias?``.
-    Refused for tensor-parallel layers and where the weight needs no gradient (nothing of
-    the norm's output would be saved). The gradients are those of the basic ops, bit for
-    bit, in high precision and under FP8.
+    A column-parallel layer's dgrad is summed over its group inside the stage, as
+    BasicLinear's is. Refused for sequence parallelism (the recomputation would gather the
+    norm's output again) and row-parallel layers, and where the weight needs no gradient
+    (nothing of the norm's output would be saved). The gradients are those of the basic
+    ops, bit for bit, in high precision and under FP8.
     """
 
     direction = "both"
@@ -88,6 +92,7 @@ class RecomputeNormLinear(FusedOperation):
     fwd_args_type = NormLinearForwardArgs
     bwd_args_type = NormLinearBackwardArgs
     saved_type = NormLinearSaved
+    handles_communication = True  # a column-parallel dgrad's all-reduce, in gemm_backward
     # the norm's output and the linear's dgrad are rounded, as the ops' own stages do
     rounds_output_after = ("norm",)
     rounds_gradient_before = ("linear",)
@@ -95,8 +100,12 @@ class RecomputeNormLinear(FusedOperation):
     @classmethod
     def accepts(cls, match, env):
         linear = match["linear"]
-        if linear.tp.active:
-            return f"{linear.describe()} is tensor-parallel"
+        if linear.tp.active and (linear.tp.mode != "column" or linear.tp.gathers_input):
+            return (f"{linear.describe()} is row-parallel or sequence-parallel: only a "
+                    f"column-parallel layer without sequence parallelism recomputes its input "
+                    f"locally")
+        if match["norm"].sequence_parallel:
+            return f"{match['norm'].describe()} is sequence-parallel"
         if not env.needs[match.indices[1]].params[0]:
             return (f"{linear.describe()}'s weight needs no gradient: the norm's output "
                     f"would not be saved")
@@ -118,7 +127,7 @@ class RecomputeNormLinear(FusedOperation):
         return NormLinearForwardArgs(
             input, params[0], norm_bias, params[k], bias, list(norm.normalized_shape),
             norm.eps, norm.zero_centered_gamma, gemm_input_format(recipe, ctxs[1].needs),
-            None if recipe is None else recipe.weight_format())
+            None if recipe is None else recipe.weight_format(), self.match["linear"].tp)
 
     @classmethod
     def forward_compute(cls, args, *, in_custom_op=False):
@@ -131,7 +140,7 @@ class RecomputeNormLinear(FusedOperation):
         else:
             y, mean, rstd, y_amax = norm_forward_fp8_keeping_amax(*norm, args.input_format)
         out, kept = gemm_forward(GemmForwardArgs(y, args.linear_weight, args.input_format,
-                                                 args.weight_format, NOT_PARALLEL), args.bias)
+                                                 args.weight_format, args.tp), args.bias)
         if args.input_format is not None:
             fp8 = (y_amax, kept[1])  # the weight's amax: the backward quantizes it by it
         return ForwardResult(out, (), ((rstd,) if mean is None else (mean, rstd)) + fp8)
@@ -159,7 +168,8 @@ class RecomputeNormLinear(FusedOperation):
             norm.zero_centered_gamma, [ctxs[0].needs.input, *ctxs[0].needs.params],
             [needs.input, needs.params[0], *(c.needs.params[0] for c in ctxs[2:])],
             linear.wgrad_dtype, gemm_input_format(recipe, needs),
-            gemm_grad_format(recipe, needs), None if recipe is None else recipe.weight_format())
+            gemm_grad_format(recipe, needs), None if recipe is None else recipe.weight_format(),
+            linear.tp)
 
     @classmethod
     def backward_compute(cls, args, *, in_custom_op=False):
@@ -167,7 +177,7 @@ class RecomputeNormLinear(FusedOperation):
         dgrad, wgrad, *bias_needs = args.linear_needs
         y = cls._output_again(args) if wgrad else None
         d_norm, dw = gemm_backward(GemmBackwardArgs(
-            dy, y, saved.linear_weight, args.grad_format, dgrad, wgrad, NOT_PARALLEL,
+            dy, y, saved.linear_weight, args.grad_format, dgrad, wgrad, args.tp,
             weight_format=args.weight_format, weight_amax=saved.weight_amax,
             wgrad_dtype=args.wgrad_dtype))
         del y

@@ -269,3 +269,41 @@ def _check_gated_after_column(rank, ws):
             want = fusible.interleave_glu_rows(full[0].weight.grad, size)[rows]
             assert_close(model[0].weight.grad, want, torch.float64, f"dw1, {size}")
             model.zero_grad()
+
+
+def _check_recompute_norm_before_column(rank, ws):
+    """RecomputeNormLinear over a column-parallel layer: planned (a sequence-parallel one
+    refused, saying why), and the same bits as the plan without it, eagerly and compiled;
+    its dgrad summed over the group."""
+    g = torch.Generator().manual_seed(12)
+    x = exact_tensor((TOKENS, IN), torch.float64, generator=g)
+    dy = exact_tensor((TOKENS, IN), torch.float64, generator=g)
+
+    def block(recompute, sp=False):
+        torch.manual_seed(0)
+        return ops.Sequential(
+            ops.RMSNorm(IN, recompute_output=recompute, sequence_parallel=sp),
+            ops.Linear(IN, OUT, tensor_parallel_mode="column", sequence_parallel=sp),
+            ops.GELU(), ops.Linear(OUT, IN, tensor_parallel_mode="row", sequence_parallel=sp)
+        ).double()
+
+    plan = block(True, sp=True).plan(x.requires_grad_())
+    cands = [c for c in plan.candidates if c.fusion == "RecomputeNormLinear"]
+    assert cands and all(c.status == "refused" and "sequence-parallel" in c.reason
+                         for c in cands), cands
+    joint, plain = block(True), block(False)
+    plain.load_state_dict(joint.state_dict())
+    assert "RecomputeNormLinear" in [s.name for s in joint.plan(x).backward]
+    results = []
+    for run in (plain, joint, torch.compile(joint, backend="aot_eager", fullgraph=True)):
+        xr = x.detach().clone().requires_grad_()
+        y = run(xr)
+        y.backward(dy)
+        results.append([y.detach(), xr.grad] + [p.grad for p in joint.parameters()
+                                                if run is not plain]
+                       + [p.grad for p in plain.parameters() if run is plain])
+        joint.zero_grad(set_to_none=True)
+        plain.zero_grad(set_to_none=True)
+    for got in results[1:]:
+        for a, b in zip(got, results[0], strict=True):
+            assert torch.equal(a, b)

@@ -16,7 +16,8 @@ from parallel_layers import (DEVICE, _check_dgrad_reduction_overlaps_wgrad, _che
                              _check_mlp)
 from parallel_ops import (_check_all_gather_then_column, _check_collectives,
                           _check_gated_after_column, _check_guards,
-                          _check_init, _check_norm_sp, _check_plan, _check_size_errors,
+                          _check_init, _check_norm_sp, _check_plan,
+                          _check_recompute_norm_before_column, _check_size_errors,
                           _check_state_dict_from_torch, one_rank_fails_cases,
                           one_rank_hangs_cases)
 
@@ -35,7 +36,9 @@ def parallel_cases(rank, ws, device="cpu"):
              "guards": lambda: _check_guards(rank, ws),
              "all-gather then column": lambda: _check_all_gather_then_column(rank, ws),
              "fp8 gathered tokens": lambda: _check_fp8_gathered_tokens(rank, ws),
-             "gated unit after column": lambda: _check_gated_after_column(rank, ws)}
+             "gated unit after column": lambda: _check_gated_after_column(rank, ws),
+             "recompute norm before column": lambda: _check_recompute_norm_before_column(
+                 rank, ws)}
     for mode in ("column", "row"):
         for sp in (False, True):
             for bias in (False, True):
@@ -77,7 +80,7 @@ def test_tensor_parallel_nccl():
 def _report(results):
     report = failure_report(results)
     assert not report, report
-    assert [len(outcomes) for outcomes in results] == [50] * len(results)
+    assert [len(outcomes) for outcomes in results] == [51] * len(results)
 
 
 def test_a_rank_that_fails_alone_stops_every_rank_at_once():

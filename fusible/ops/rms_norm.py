@@ -77,8 +77,9 @@ class RMSNorm(BasicOperation):
         it save it (Megatron's selective recompute of the norm): the joint fusion
         :class:`~fusible.fusions.RecomputeNormLinear` then owns both passes of the norm and
         the linear layer, saving one activation of the input's size less for one more norm
-        pass in the backward. Where that fusion is refused (under an FP8 recipe, for a
-        tensor-parallel layer, ...) the plan says why and the output is saved as usual.
+        pass in the backward. Where that fusion is refused (sequence parallelism, a
+        row-parallel layer, a frozen weight) the plan says why and the output is saved as
+        usual.
     device, dtype
         Where and in which dtype to create ``weight`` (ones; zeros with
         ``zero_centered_gamma``).
