@@ -355,6 +355,23 @@ FRESH = [
        "lambda g, a: g * torch.sigmoid(a) * torch.sigmoid(-a)),",
        "lambda g, a: g * torch.sigmoid(a) * (1 - torch.sigmoid(a))),",
        "GLU's gradient computes 1 - sigmoid(a), which cancels in float32 for large a"),
+    _m("recompute_by_the_weight_amax", "fusions/recompute_norm_linear.py",
+       "saved.rstd, saved.output_amax, args.normalized_shape,",
+       "saved.rstd, saved.weight_amax if saved.weight_amax is not None else "
+       "saved.output_amax, args.normalized_shape,",
+       "RecomputeNormLinear quantizes the recomputed norm output by another tensor's scale"),
+    _m("recompute_ignores_zero_centered_gamma", "fusions/recompute_norm_linear.py",
+       "        saved = args.saved\n        gamma = effective_gamma(saved.norm_weight, "
+       "args.zero_centered_gamma)\n        center",
+       "        saved = args.saved\n        gamma = saved.norm_weight\n        center",
+       "the recomputed norm output multiplies by gamma where the forward used 1 + gamma"),
+    _m("joint_claims_ignored_backward", "fusible/planning/planner.py",
+       "    entries = {(lo + len(m) - 1 if reverse else lo): (op, m) for lo, (op, m) in "
+       "claims.items()}",
+       "    entries = {(lo + len(m) - 1 if reverse else lo): (op, m) for lo, (op, m) in "
+       "claims.items() if not reverse}",
+       "the backward scan plans the basic ops under a joint fusion, which read records "
+       "it never saved"),
 ]
 
 SETS = {"curated": CURATED, "fresh": FRESH}

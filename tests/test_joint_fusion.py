@@ -14,7 +14,9 @@ pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
 def _block(norm="rms", bias=False, recompute=True, residual=False):
-    norm_op = (ops.RMSNorm if norm == "rms" else ops.LayerNorm)(16, recompute_output=recompute)
+    zero_centered = norm.endswith("zc")  # "rms_zc", "layer_zc": zero_centered_gamma
+    norm_op = (ops.RMSNorm if norm.startswith("rms") else ops.LayerNorm)(
+        16, recompute_output=recompute, zero_centered_gamma=zero_centered)
     layers = [ops.MakeExtraOutput()] if residual else []
     layers += [norm_op, ops.BasicLinear(16, 32)] + ([ops.Bias(32)] if bias else [])
     return ops.Sequential(*layers)
@@ -32,7 +34,7 @@ def _run(model, x, *extras):
     return [o.detach() for o in outs] + grads
 
 
-@pytest.mark.parametrize("norm", ["rms", "layer"])
+@pytest.mark.parametrize("norm", ["rms", "layer", "layer_zc"])
 @pytest.mark.parametrize("bias", [False, True], ids=["no_bias", "bias"])
 def test_joint_stage_in_both_passes_and_the_basic_ops_bits(norm, bias, dtype):
     """The plan has one RecomputeNormLinear stage each way; outputs and every gradient
@@ -85,7 +87,7 @@ def test_refused_where_nothing_would_be_saved():
     assert cand.status == "refused" and "needs no gradient" in cand.reason
 
 
-@pytest.mark.parametrize("norm", ["rms", "layer"])
+@pytest.mark.parametrize("norm", ["rms", "layer", "rms_zc"])
 @pytest.mark.parametrize("bias", [False, True], ids=["no_bias", "bias"])
 def test_fp8_same_bits_as_the_basic_ops(norm, bias):
     """Under FP8 the recomputation quantizes by the forward's scale: outputs and every
