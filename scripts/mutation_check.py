@@ -356,8 +356,9 @@ FRESH = [
        "        if False:\n            raise ValueError(",
        "a chunked gated unit after a column-parallel layer is accepted (wrong pairs)"),
     _m("linear_scale_dropped_from_wgrad", "fusible/functional/linear.py",
-       "        dw = linear_wgrad(dy, x_saved, grad_scale) if need_wgrad else None",
-       "        dw = linear_wgrad(dy, x_saved) if need_wgrad else None",
+       "        dw = linear_wgrad(dy, x_saved, grad_scale, args.wgrad_dtype) if need_wgrad "
+       "else None",
+       "        dw = linear_wgrad(dy, x_saved, 1.0, args.wgrad_dtype) if need_wgrad else None",
        "BackwardLinearScale forgets the scale in the weight gradient"),
     _m("add_rms_norm_branch_gradient_dropped", "fusible/functional/norms.py",
        "        if accumulate_into is not None:\n            dx = dx + _float(accumulate_into)",

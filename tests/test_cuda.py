@@ -652,3 +652,41 @@ def test_recompute_norm_linear_same_bits_as_the_basic_ops_on_gpu(norm, fp8, monk
     torch._dynamo.reset()
     compiled = torch.compile(joint, fullgraph=True)
     assert all(torch.equal(a, b) for a, b in zip(step(compiled), want))
+
+
+def test_grouped_linear_on_gpu(monkeypatch):
+    """bf16 through torch._grouped_mm (forward, dgrad, 2-D wgrad; an empty group), against
+    the same op in float32 (one GEMM per group); compiled (Inductor) bitwise eager, for
+    two routings."""
+    from fusible.functional import grouped
+    used = []
+    real = torch._grouped_mm
+    monkeypatch.setattr(torch, "_grouped_mm", lambda *a, **k: used.append(1) or real(*a, **k))
+    torch.manual_seed(0)
+    model = ops.Sequential(ops.GroupedLinear(4, 64, 128, bias=True)).to("cuda")
+    ref = ops.Sequential(ops.GroupedLinear(4, 64, 128, bias=True)).to("cuda")
+    ref.load_state_dict(model.state_dict())
+    model.to(torch.bfloat16)
+    x = torch.randn(40, 64, device="cuda")
+    splits = torch.tensor([16, 0, 8, 16], device="cuda")
+    dy = torch.randn(40, 128, device="cuda")
+
+    def step(m, dtype, sizes=splits):
+        xx = x.to(dtype).requires_grad_()
+        y = m(xx, sizes)
+        y.backward(dy.to(dtype))
+        out = [y.detach(), xx.grad] + [p.grad for p in m.parameters()]
+        m.zero_grad(set_to_none=True)
+        return out
+
+    got = step(model, torch.bfloat16)
+    assert len(used) == 3 and grouped.grouped_mm_available(x.bfloat16(), 128, 64)
+    for a, b in zip(got, step(ref, torch.float32)):
+        assert_close(a, b, torch.bfloat16, scale=4)
+    assert not got[2][1].any() and not got[3][1].any()  # the empty group's gradients
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True)
+    assert all(same_bits(a, b) for a, b in zip(step(compiled, torch.bfloat16), got))
+    other = torch.tensor([8, 8, 8, 16], device="cuda")
+    want = step(model, torch.bfloat16, other)
+    assert all(same_bits(a, b) for a, b in zip(step(compiled, torch.bfloat16, other), want))

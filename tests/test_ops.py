@@ -20,7 +20,7 @@ def _single_op_examples() -> list:
             continue  # need a process group: tests/test_matrix.py, tests/test_parallel.py
         example = cls.example()
         if len(example.ops) == 1 and not example.extra_input_shapes and \
-                not cls.num_extra_outputs:
+                not example.extra_input_values and not cls.num_extra_outputs:
             found.append((cls.__name__, cls.example, example.input_shape[-1]))
     return found + [("GELU", lambda: Example((ops.GELU(),), (32,)), 32)]
 

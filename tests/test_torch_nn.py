@@ -318,6 +318,7 @@ def test_check_fusion_defaults_pass_for_every_builtin_on_random_values(dtype):
                         p.copy_(torch.randn_like(p))
                 inputs = [torch.randn(s).to(dtype).requires_grad_()
                           for s in (example.input_shape, *example.extra_input_shapes)]
+                inputs += list(example.extra_input_values)
                 try:
                     check_fusion(model, *inputs, **expected_stages(case), compiled=False)
                 except AssertionError as error:

@@ -19,6 +19,10 @@ class Example:
         The input's shape (exactly representable values are drawn for it).
     extra_input_shapes : tuple of tuple
         Shapes of the extra inputs, in order.
+    extra_input_values : tuple of Tensor
+        Extra inputs given as they are, after those of ``extra_input_shapes`` (integer
+        tensors such as GroupedLinear's split sizes; moved to the device, never
+        converted or differentiated).
     input_requires_grad : bool
         Whether the input and extra inputs require grad.
     frozen : tuple of int
@@ -31,6 +35,7 @@ class Example:
     ops: tuple
     input_shape: tuple
     extra_input_shapes: tuple = ()
+    extra_input_values: tuple = ()
     input_requires_grad: bool = True
     frozen: tuple = ()
     fp8: bool = True

@@ -13,6 +13,7 @@ from fusible.ops.constant_scale import ConstantScale
 from fusible.ops.dropout import Dropout
 from fusible.ops.gelu import GELU
 from fusible.ops.glu import GEGLU, GLU, QGEGLU, ReGLU, SReGLU
+from fusible.ops.grouped_linear import GroupedLinear
 from fusible.ops.identity import Identity
 from fusible.ops.l2_normalization import L2Normalization
 from fusible.ops.layer_norm import LayerNorm
@@ -31,7 +32,7 @@ from fusible.ops.swiglu import ClampedSwiGLU, SiTUGLU, SwiGLU
 __all__ = [
     "AddExtraInput", "AllGather", "AllReduce", "BackwardResult", "BasicLinear",
     "BasicOperation", "Bias", "ClampedSwiGLU", "ConstantScale", "Dropout", "ForwardResult",
-    "FusedOperation", "FusibleOperation", "GEGLU", "GELU", "GLU", "Identity",
+    "FusedOperation", "FusibleOperation", "GEGLU", "GELU", "GLU", "GroupedLinear", "Identity",
     "L2Normalization", "LayerNorm", "Linear", "MakeExtraOutput", "OperationContext", "QGEGLU",
     "QGELU", "Quantize", "RMSNorm", "ReGLU", "ReLU", "ReduceScatter", "Reshape", "SReGLU",
     "SReLU", "Sequential", "SiLU", "SiTUGLU", "SwiGLU",

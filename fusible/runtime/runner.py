@@ -122,7 +122,8 @@ class PipelineRunner:
             raise TypeError(f"{self._name()}: an AddExtraInput(in_place=True) writes into its "
                             f"extra input, which under torch.autocast must be in the autocast "
                             f"dtype {dtype}; got {[e.dtype for e in extra_inputs]}")
-        extra_inputs = tuple(e.to(dtype) for e in extra_inputs)
+        extra_inputs = tuple(e.to(dtype) if e.is_floating_point() else e
+                             for e in extra_inputs)  # split sizes stay integers
         params = [p if i in keep else p.to(dtype) for i, p in enumerate(params)]
         CASTING.active = True
         try:
@@ -161,7 +162,8 @@ class PipelineRunner:
             raise TypeError(f"{self._name()} expects a tensor input, got {type(x).__name__}")
         if len(extra_inputs) != self.num_extra_inputs:
             raise TypeError(f"{self._name()} expects {self.num_extra_inputs} extra input(s) "
-                            f"for its AddExtraInput ops, got {len(extra_inputs)}")
+                            f"(AddExtraInput's residuals, GroupedLinear's split sizes), got "
+                            f"{len(extra_inputs)}")
         if extra_inputs and not all(isinstance(e, torch.Tensor) for e in extra_inputs):
             raise TypeError(f"{self._name()} expects tensor extra inputs, got "
                             f"{[type(e).__name__ for e in extra_inputs]}")

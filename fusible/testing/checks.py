@@ -10,7 +10,7 @@ import torch
 
 from fusible.quantization.float8_tensor import Float8Tensor
 from fusible.runtime import custom_ops
-from fusible.testing.reference import Rounding, exact_tensor, reference_forward
+from fusible.testing.reference import Rounding, exact_tensor, reference_copy, reference_forward
 
 # Relative tolerance against an FP64 reference, per dtype of the computation.
 TOLERANCE = {torch.float64: 1e-12, torch.float32: 2e-6, torch.float16: 1e-3,
@@ -65,7 +65,7 @@ def check_against_reference(model, x, *extra_inputs, seed: int = 0,
         t.grad = None
     copies: dict = {}  # one copy per distinct input, so that model(x, x) stays aliased
     for t in inputs:
-        copies.setdefault(id(t), t.detach().double().requires_grad_(t.requires_grad))
+        copies.setdefault(id(t), reference_copy(t))
     ref_inputs = [copies[id(t)] for t in inputs]
     rounding = Rounding.of_plan(model.plan(*inputs), dtype) if dtype != torch.float64 else None
     outputs = _as_tuple(model(*inputs))

@@ -72,6 +72,7 @@ def build(case: Case, dtype: torch.dtype, device="cpu", seed: int = 0):
     rg = example.input_requires_grad
     inputs = [exact_tensor(shape, dtype, device=device, generator=gen).requires_grad_(rg)
               for shape in (example.input_shape, *example.extra_input_shapes)]
+    inputs += [t.to(device) for t in example.extra_input_values]
     return model, inputs, example
 
 

@@ -47,6 +47,14 @@ def exact_tensor(shape, dtype=torch.float32, *, device="cpu", bits: int = 3,
     return (k.to(torch.float64) / scale).to(device=device, dtype=dtype)
 
 
+def reference_copy(t: torch.Tensor, dtype=torch.float64) -> torch.Tensor:
+    """``t`` for a reference run: a floating tensor detached, in ``dtype``, requiring grad
+    where ``t`` does; any other (integer split sizes) detached as it is."""
+    if not t.is_floating_point():
+        return t.detach()
+    return t.detach().to(dtype).requires_grad_(t.requires_grad)
+
+
 def exact_parameters_(model: nn.Module, bits: int = 3, generator=None) -> nn.Module:
     """Overwrite every parameter with :func:`exact_tensor` values, in place."""
     with torch.no_grad():
@@ -172,7 +180,8 @@ def reference_forward(model, x, *extra_inputs, dtype=torch.float64,
 
     extras, extra_outputs, channels = list(extra_inputs), [], {}
     if rounding is not None:
-        extras = [_RoundGrad.apply(e, rounding.low) for e in extras]
+        extras = [_RoundGrad.apply(e, rounding.low) if e.is_floating_point() else e
+                  for e in extras]
     for index, item in enumerate(model.pipeline()):
         if rounding is not None and index in rounding.before:
             x = _RoundGrad.apply(x, rounding.low)

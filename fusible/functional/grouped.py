@@ -1,0 +1,88 @@
+"""Grouped GEMMs: one weight per group (expert), the tokens of each group consecutive, the
+groups' sizes given as a tensor (``splits``), empty groups included.
+
+On Hopper-class GPUs (bf16, sizes multiple of 8) ``torch._grouped_mm``, which reads the
+sizes on the device (no host synchronisation, so CUDA graphs and changing routings work);
+elsewhere one GEMM per group, which reads them on the host.
+"""
+
+from __future__ import annotations
+
+import torch
+
+Tensor = torch.Tensor
+
+
+def grouped_mm_available(t: Tensor, *features: int) -> bool:
+    """Whether ``torch._grouped_mm`` takes operands like ``t`` with these feature sizes:
+    plain bf16 tensors on a CUDA device of compute capability 9.0 or more, sizes multiple
+    of 8 (16-byte rows)."""
+    if not (t.is_cuda and hasattr(torch, "_grouped_mm") and t.dtype == torch.bfloat16
+            and type(t) is torch.Tensor) or any(f % 8 for f in features):
+        return False
+    return torch.cuda.get_device_capability(t.device)[0] >= 9
+
+
+def _offsets(splits: Tensor) -> Tensor:
+    """The groups' end offsets, int32, as ``torch._grouped_mm`` takes them."""
+    return torch.cumsum(splits, 0, dtype=torch.int32)
+
+
+def _ranges(splits: Tensor) -> list:
+    """``(start, stop)`` of each group's tokens (reads the sizes on the host)."""
+    out, start = [], 0
+    for size in splits.tolist():
+        out.append((start, start + size))
+        start += size
+    return out
+
+
+def check_splits(splits: Tensor, tokens: int, where: str) -> None:
+    """Asynchronously (on the device, no host synchronisation) that the split sizes are
+    non-negative and add up to ``tokens``."""
+    torch._assert_async((splits >= 0).all() & (splits.sum() == tokens),
+                        f"{where}: the split sizes must be non-negative and add up to the "
+                        f"{tokens} tokens of the input")
+
+
+def grouped_forward(x: Tensor, weight: Tensor, splits: Tensor) -> Tensor:
+    """``y[group g's tokens] = x[those tokens] @ weight[g].T``; ``x`` (tokens, in)."""
+    if weight.dtype == x.dtype and grouped_mm_available(x, *weight.shape[-2:]):
+        return torch._grouped_mm(x, weight.transpose(-2, -1), offs=_offsets(splits))
+    y = x.new_empty((x.shape[0], weight.shape[-2]))
+    for g, (lo, hi) in enumerate(_ranges(splits)):
+        torch.mm(x[lo:hi], weight[g].t(), out=y[lo:hi])
+    return y
+
+
+def grouped_dgrad(dy: Tensor, weight: Tensor, splits: Tensor) -> Tensor:
+    """``dx[group g's tokens] = dy[those tokens] @ weight[g]``."""
+    if weight.dtype == dy.dtype and grouped_mm_available(dy, *weight.shape[-2:]):
+        return torch._grouped_mm(dy, weight, offs=_offsets(splits))
+    dx = dy.new_empty((dy.shape[0], weight.shape[-1]))
+    for g, (lo, hi) in enumerate(_ranges(splits)):
+        torch.mm(dy[lo:hi], weight[g], out=dx[lo:hi])
+    return dx
+
+
+def grouped_wgrad(dy: Tensor, x: Tensor, splits: Tensor, num_groups: int) -> Tensor:
+    """``dweight[g] = dy[group g's tokens].T @ x[those tokens]`` (zeros for an empty
+    group), shape (groups, out, in)."""
+    if x.dtype == dy.dtype and grouped_mm_available(x, dy.shape[-1], x.shape[-1]):
+        return torch._grouped_mm(dy.t(), x, offs=_offsets(splits))
+    dw = dy.new_empty((num_groups, dy.shape[-1], x.shape[-1]))
+    for g, (lo, hi) in enumerate(_ranges(splits)):
+        torch.mm(dy[lo:hi].t(), x[lo:hi], out=dw[g])
+    return dw
+
+
+def bias_per_token(bias: Tensor, splits: Tensor, tokens: int) -> Tensor:
+    """Each token's row of ``bias`` (groups, out): its group's."""
+    return bias.repeat_interleave(splits, dim=0, output_size=tokens)
+
+
+def grouped_bias_grad(dy: Tensor, splits: Tensor) -> Tensor:
+    """``dbias[g] = dy[group g's tokens].sum(0)`` (zeros for an empty group), summed in
+    float32 for 16-bit ``dy``, without atomics (deterministic) or host synchronisation."""
+    acc = torch.float32 if dy.dtype in (torch.bfloat16, torch.float16) else dy.dtype
+    return torch.segment_reduce(dy.to(acc), "sum", lengths=splits, axis=0).to(dy.dtype)

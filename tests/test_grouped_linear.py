@@ -1,0 +1,104 @@
+"""GroupedLinear: the experts of a mixture of experts as one op (the matrix of
+tests/test_matrix.py runs its example against FP64, compiled and through opcheck too)."""
+
+import pytest
+import torch
+from torch import nn
+
+from fusible import ops
+from fusible.testing import check_compiled_matches_eager, check_fusion, exact_parameters_
+from fusible.testing import exact_tensor
+
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
+
+
+def _experts_loop(linears, x, splits):
+    """The torch loop over experts a GroupedLinear replaces."""
+    outs, start = [], 0
+    for lin, size in zip(linears, splits.tolist()):
+        outs.append(lin(x[start:start + size]))
+        start += size
+    return torch.cat(outs)
+
+
+@pytest.mark.parametrize("bias", [False, True], ids=["no_bias", "bias"])
+@pytest.mark.parametrize("sizes", [(5, 0, 3, 4), (0, 0, 12, 0), (3, 3, 3, 3)],
+                         ids=["empty_middle", "one_group", "even"])
+def test_against_fp64_with_empty_groups(bias, sizes, dtype):
+    model = exact_parameters_(ops.Sequential(ops.GroupedLinear(4, 16, 24, bias=bias))
+                              .to(dtype))
+    x = exact_tensor((12, 16), dtype).requires_grad_()
+    check_fusion(model, x, torch.tensor(sizes), forward=["GroupedLinear"],
+                 backward=["GroupedLinear"])
+    model(x, torch.tensor(sizes)).sum().backward()
+    for g, size in enumerate(sizes):  # an expert without tokens gets a zero gradient
+        if size == 0:
+            assert not model[0].weight.grad[g].any()
+            assert not bias or not model[0].bias.grad[g].any()
+
+
+def test_same_as_a_loop_over_nn_linear_experts_and_converts_both_ways():
+    torch.manual_seed(0)
+    experts = nn.ModuleList(nn.Linear(16, 24) for _ in range(3))
+    op = ops.GroupedLinear.from_linears(experts)
+    model = ops.Sequential(op)
+    x = torch.randn(2, 5, 16, requires_grad=True)
+    splits = torch.tensor([4, 0, 6])
+    y = model(x, splits)
+    assert y.shape == (2, 5, 24)
+    x_ref = x.detach().clone().requires_grad_()
+    want = _experts_loop(experts, x_ref.reshape(-1, 16), splits).reshape(2, 5, 24)
+    torch.testing.assert_close(y, want)
+    y.backward(torch.ones_like(y))
+    want.backward(torch.ones_like(want))
+    torch.testing.assert_close(x.grad, x_ref.grad)
+    for g, lin in enumerate(experts):
+        torch.testing.assert_close(op.weight.grad[g], lin.weight.grad)
+        torch.testing.assert_close(op.bias.grad[g], lin.bias.grad)
+    back = op.to_linears()
+    assert all(torch.equal(a.weight, b.weight) and torch.equal(a.bias, b.bias)
+               for a, b in zip(back, experts))
+
+
+def test_compiled_bitwise_and_no_recompilation_when_the_routing_changes():
+    torch.manual_seed(0)
+    model = ops.Sequential(ops.GroupedLinear(3, 16, 32, bias=True), ops.GELU(),
+                           ops.BasicLinear(32, 16))
+    x = torch.randn(10, 16, requires_grad=True)
+    check_compiled_matches_eager(model, x, torch.tensor([4, 0, 6]))
+    counts = []
+
+    def backend(gm, example_inputs):
+        counts.append(1)
+        return gm
+
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend=backend, fullgraph=True)
+    for sizes in ([4, 0, 6], [10, 0, 0], [1, 2, 7]):
+        compiled(x, torch.tensor(sizes)).sum().backward()
+    assert len(counts) == 1
+
+
+def test_bad_split_sizes_are_errors_naming_the_op():
+    model = ops.Sequential(ops.GroupedLinear(3, 8, 8))
+    x = torch.randn(6, 8)
+    with pytest.raises(TypeError, match=r"GroupedLinear\(num_groups=3.* integer tensor of "
+                                        r"shape \(3,\), got torch.float32"):
+        model(x, torch.tensor([2.0, 2.0, 2.0]))
+    with pytest.raises(TypeError, match=r"shape \(3,\), got torch.int64 of shape \(2,\)"):
+        model(x, torch.tensor([3, 3]))
+    with pytest.raises(RuntimeError, match="add up to the 6 tokens"):
+        model(x, torch.tensor([3, 3, 1]))
+    with pytest.raises(RuntimeError, match="non-negative"):
+        model(x, torch.tensor([4, -1, 3]))
+    with pytest.raises(ValueError, match="last dimension must be 8"):
+        model(torch.randn(6, 4), torch.tensor([2, 2, 2]))
+
+
+def test_under_torch_autocast_the_sizes_stay_integers():
+    model = ops.Sequential(ops.GroupedLinear(2, 16, 16))
+    x = torch.randn(8, 16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = model(x, torch.tensor([3, 5]))
+    assert y.dtype == torch.bfloat16
+    torch.testing.assert_close(y.float(), model(x, torch.tensor([3, 5])), atol=0.05, rtol=0.02)
