@@ -672,7 +672,7 @@ def test_grouped_linear_on_gpu(monkeypatch):
     dy = torch.randn(40, 128, device="cuda")
 
     def step(m, dtype, sizes=splits):
-        xx = x.to(dtype).requires_grad_()
+        xx = x.to(dtype).clone().requires_grad_()
         y = m(xx, sizes)
         y.backward(dy.to(dtype))
         out = [y.detach(), xx.grad] + [p.grad for p in m.parameters()]
