@@ -1,0 +1,84 @@
+"""Token routing (fusible.moe) and the MoE layer of examples/moe.py built on GroupedLinear."""
+
+import importlib.util
+import pathlib
+
+import pytest
+import torch
+
+from fusible import moe
+
+EXAMPLE = pathlib.Path(__file__).parent.parent / "examples" / "moe.py"
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
+
+
+@pytest.fixture(scope="module")
+def example():
+    spec = importlib.util.spec_from_file_location("moe_example", EXAMPLE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_route_top_k():
+    logits = torch.tensor([[0.0, 2.0, 1.0, -1.0], [3.0, 0.0, 0.0, 3.5]])
+    experts, weights = moe.route_top_k(logits, 2)
+    assert experts.tolist() == [[1, 2], [3, 0]]
+    torch.testing.assert_close(weights.sum(-1), torch.ones(2))
+    p = torch.softmax(logits[0], -1)
+    torch.testing.assert_close(weights[0], p[[1, 2]] / p[[1, 2]].sum())
+    _, raw = moe.route_top_k(logits, 2, normalize=False)
+    torch.testing.assert_close(raw[0], p[[1, 2]])
+    with pytest.raises(ValueError, match=r"k must be in 1..4 \(the experts\), got 5"):
+        moe.route_top_k(logits, 5)
+
+
+def test_permute_sorts_copies_by_expert_stably_and_unpermute_combines():
+    x = torch.arange(5.0).unsqueeze(1).repeat(1, 3)  # row t holds t
+    experts = torch.tensor([[2, 0], [0, 3], [2, 3], [0, 2], [3, 0]])
+    copies, routing = moe.permute_tokens(x, experts, 5)
+    assert routing.splits.tolist() == [4, 0, 3, 3, 0]  # an expert without tokens
+    assert copies[:, 0].tolist() == [0, 1, 3, 4, 0, 2, 3, 1, 2, 4]  # tokens in order
+    weights = torch.tensor([[0.25, 0.75]] * 5)
+    torch.testing.assert_close(moe.unpermute_tokens(copies, routing, weights), x)
+    y = copies * 2  # an expert that doubles: the weighted sum doubles
+    torch.testing.assert_close(moe.unpermute_tokens(y, routing, weights), 2 * x)
+
+
+def test_permute_refuses_a_wrong_expert_index():
+    with pytest.raises(RuntimeError, match=r"expert indices must be in 0..3"):
+        moe.permute_tokens(torch.randn(2, 4), torch.tensor([[0], [4]]), 4)
+    with pytest.raises(ValueError, match=r"must be \(tokens, k\) = \(2, k\)"):
+        moe.permute_tokens(torch.randn(2, 4), torch.tensor([0, 1]), 4)
+
+
+def test_moe_layer_matches_the_loop_over_experts_with_gradients(example):
+    torch.manual_seed(0)
+    layer = example.MoEFeedForward(hidden=32, ffn=48, num_experts=6, k=2).double()
+    x = torch.randn(40, 32, dtype=torch.float64, requires_grad=True)
+    x_ref = x.detach().clone().requires_grad_()
+    y, want = layer(x), example.loop_reference(layer, x_ref)
+    torch.testing.assert_close(y, want)
+    dy = torch.randn_like(y)
+    y.backward(dy)
+    router_grad = layer.router.weight.grad.clone()
+    layer.zero_grad()
+    want.backward(dy)
+    torch.testing.assert_close(x.grad, x_ref.grad)
+    torch.testing.assert_close(router_grad, layer.router.weight.grad)
+
+
+def test_moe_layer_compiles_once_for_changing_routings(example):
+    torch.manual_seed(0)
+    layer = example.MoEFeedForward(hidden=32, ffn=48, num_experts=6, k=2)
+    graphs = []
+
+    def backend(gm, inputs):
+        graphs.append(gm)
+        return gm
+
+    compiled = torch.compile(layer, fullgraph=True, backend=backend)
+    for seed in range(3):
+        x = torch.randn(40, 32, generator=torch.Generator().manual_seed(seed))
+        torch.testing.assert_close(compiled(x), layer(x), rtol=0, atol=0)
+    assert len(graphs) == 1
