@@ -12,7 +12,7 @@ Dropless: every token reaches its ``k`` experts.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -74,11 +74,21 @@ def permute_tokens(x: Tensor, experts: Tensor, num_experts: int) -> tuple:
     return copies[order], Routing(order, splits, k)
 
 
-def unpermute_tokens(y: Tensor, routing: Routing, weights: Tensor) -> Tensor:
+def unpermute_tokens(y: Tensor, routing: Routing, weights: Optional[Tensor] = None) -> Tensor:
     """``out[t] = sum_j weights[t, j] * y[copy j of token t]``: the experts' outputs
     ``y`` (in the sorted order of :func:`permute_tokens`) back in token order, combined by
-    the router's ``weights`` (tokens, k). Differentiable in ``y`` and ``weights``."""
+    the router's ``weights`` (tokens, k), or summed where the experts applied them already
+    (None: a scaled gated unit, :func:`sorted_weights`). Differentiable in ``y`` and
+    ``weights``."""
     inverse = torch.empty_like(routing.order)
     inverse[routing.order] = torch.arange(routing.order.numel(), device=y.device)
     copies = y[inverse].view(-1, routing.k, y.shape[-1])  # token-major
+    if weights is None:
+        return copies.sum(1)
     return (copies * weights.unsqueeze(-1).to(y.dtype)).sum(1)
+
+
+def sorted_weights(weights: Tensor, routing: Routing) -> Tensor:
+    """The router's ``weights`` (tokens, k) in the sorted order of the copies: the scales
+    a scaled gated unit (``ops.ScaledSwiGLU`` ...) takes inside the experts."""
+    return weights.reshape(-1)[routing.order]

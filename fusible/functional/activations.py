@@ -144,14 +144,69 @@ def glu_forward(kind: str, x: Tensor, output_format: Optional[Float8Format] = No
                 x, *output_format.cast_args(), **layout), x.dtype)
         return swiglu_kernels.swiglu_forward_triton(x, **layout)
     swiglu_kernels.check_halves(x, kind, interleave)
-    a, b = _deinterleave(x.to(compute_dtype(x.dtype)), interleave).chunk(2, -1)
+    return _glu_value(kind, x, interleave, clamp).to(x.dtype)
+
+
+def _halves(x: Tensor, interleave: int) -> tuple:
+    """``(a, b)`` in the compute dtype."""
+    return _deinterleave(x.to(compute_dtype(x.dtype)), interleave).chunk(2, -1)
+
+
+def _glu_value(kind: str, x: Tensor, interleave: int, clamp: tuple) -> Tensor:
+    """``gate(a) * linear(b)`` in the compute dtype (PyTorch ops)."""
+    a, b = _halves(x, interleave)
     if kind == "clamped_swiglu":
         gate, _, linear = _clamped(a, b, clamp)
-        return (gate * linear).to(x.dtype)
+        return gate * linear
     if kind == "situ_glu":
         gate, _, linear, _ = _situ(a, b, clamp)
-        return (gate * linear).to(x.dtype)
-    return (GATES[kind][0](a) * b).to(x.dtype)
+        return gate * linear
+    return GATES[kind][0](a) * b
+
+
+def _glu_input_grad(kind: str, dy: Tensor, x: Tensor, interleave: int, clamp: tuple) -> Tensor:
+    """The gradient w.r.t. ``x`` (in the compute dtype, ``x``'s layout) of the unit's
+    value, for ``dy`` in the compute dtype (PyTorch ops)."""
+    a, b = _halves(x, interleave)
+    if kind == "clamped_swiglu":
+        limit = clamp[0]
+        gate, gate_grad, linear = _clamped(a, b, clamp)
+        da = torch.where(a <= limit, dy * linear * gate_grad, 0.0)
+        db = torch.where((b >= -limit) & (b <= limit), dy * gate, 0.0)
+    elif kind == "situ_glu":
+        gate, gate_grad, linear, linear_grad = _situ(a, b, clamp)
+        da, db = dy * linear * gate_grad, dy * gate * linear_grad
+    else:
+        gate, gate_backward = GATES[kind]
+        da, db = gate_backward(dy * b, a), dy * gate(a)
+    return _interleave(torch.cat([da, db], -1), interleave)
+
+
+def scaled_glu_forward(kind: str, x: Tensor, scales: Tensor, interleave: int = 0,
+                       clamp: tuple = CLAMP_DEFAULTS) -> Tensor:
+    """``glu(x) * scales[..., None]`` (``scales``: ``x.shape[:-1]``, a mixture of experts'
+    router weights), computed in float32 for 16-bit inputs and rounded once (PyTorch ops
+    on every device)."""
+    swiglu_kernels.check_halves(x, kind, interleave)
+    value = _glu_value(kind, x, interleave, clamp)
+    return (value * scales.to(value.dtype).unsqueeze(-1)).to(x.dtype)
+
+
+def scaled_glu_backward(kind: str, grad_output: Tensor, x: Tensor, scales: Tensor,
+                        need_grad_input: bool, need_grad_scales: bool, interleave: int = 0,
+                        clamp: tuple = CLAMP_DEFAULTS) -> tuple:
+    """``(dx, dscales)`` of :func:`scaled_glu_forward` (None where not needed):
+    ``dx = glu'(x)(dy * s)``, ``dscales = sum(dy * glu(x), -1)``, each rounded once to
+    ``x``'s dtype (the scales': the op requires both the same). ``scales`` may be None
+    where ``dx`` is not needed."""
+    dy = grad_output.to(compute_dtype(x.dtype))
+    dx = ds = None
+    if need_grad_input:
+        dys = dy * scales.to(dy.dtype).unsqueeze(-1)
+        dx = _glu_input_grad(kind, dys, x, interleave, clamp).to(x.dtype)
+    if need_grad_scales:
+        ds = (dy * _glu_value(kind, x, interleave, clamp)).sum(-1).to(x.dtype)
+    return dx, ds
 
 
 def glu_backward(kind: str, grad_output: Tensor, x: Tensor,
@@ -166,21 +221,8 @@ def glu_backward(kind: str, grad_output: Tensor, x: Tensor,
                 grad_output, x, *output_format.cast_args(), **layout), grad_output.dtype)
         return swiglu_kernels.swiglu_backward_triton(grad_output, x, **layout)
     swiglu_kernels.check_halves(x, kind, interleave)
-    cdt = compute_dtype(x.dtype)
-    a, b = _deinterleave(x.to(cdt), interleave).chunk(2, -1)
-    dy = grad_output.to(cdt)
-    if kind == "clamped_swiglu":
-        limit = clamp[0]
-        gate, gate_grad, linear = _clamped(a, b, clamp)
-        da = torch.where(a <= limit, dy * linear * gate_grad, 0.0)
-        db = torch.where((b >= -limit) & (b <= limit), dy * gate, 0.0)
-    elif kind == "situ_glu":
-        gate, gate_grad, linear, linear_grad = _situ(a, b, clamp)
-        da, db = dy * linear * gate_grad, dy * gate * linear_grad
-    else:
-        gate, gate_backward = GATES[kind]
-        da, db = gate_backward(dy * b, a), dy * gate(a)
-    return _interleave(torch.cat([da, db], -1), interleave).to(x.dtype)
+    dy = grad_output.to(compute_dtype(x.dtype))
+    return _glu_input_grad(kind, dy, x, interleave, clamp).to(x.dtype)
 
 
 def _clamped(a: Tensor, b: Tensor, clamp: tuple) -> tuple:

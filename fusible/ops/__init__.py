@@ -25,6 +25,8 @@ from fusible.ops.reduce_scatter import ReduceScatter
 from fusible.ops.relu import ReLU
 from fusible.ops.reshape import Reshape
 from fusible.ops.rms_norm import RMSNorm
+from fusible.ops.scaled_glu import (ScaledClampedSwiGLU, ScaledGEGLU, ScaledGLU, ScaledQGEGLU,
+                                    ScaledReGLU, ScaledSiTUGLU, ScaledSReGLU, ScaledSwiGLU)
 from fusible.ops.silu import SiLU
 from fusible.ops.srelu import SReLU
 from fusible.ops.swiglu import ClampedSwiGLU, SiTUGLU, SwiGLU
@@ -35,5 +37,6 @@ __all__ = [
     "FusedOperation", "FusibleOperation", "GEGLU", "GELU", "GLU", "GroupedLinear", "Identity",
     "L2Normalization", "LayerNorm", "Linear", "MakeExtraOutput", "OperationContext", "QGEGLU",
     "QGELU", "Quantize", "RMSNorm", "ReGLU", "ReLU", "ReduceScatter", "Reshape", "SReGLU",
-    "SReLU", "Sequential", "SiLU", "SiTUGLU", "SwiGLU",
+    "SReLU", "ScaledClampedSwiGLU", "ScaledGEGLU", "ScaledGLU", "ScaledQGEGLU", "ScaledReGLU",
+    "ScaledSReGLU", "ScaledSiTUGLU", "ScaledSwiGLU", "Sequential", "SiLU", "SiTUGLU", "SwiGLU",
 ]

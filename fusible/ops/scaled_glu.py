@@ -1,0 +1,152 @@
+"""Scaled gated units: a gated unit whose output row is multiplied by a per-token scale,
+an extra input (a mixture of experts' router weights, applied inside the expert rather
+than when the experts' outputs are combined)."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import attrs
+import torch
+
+from fusible.core.example import Example
+from fusible.core.results import BackwardResult, ForwardResult
+from fusible.functional.activations import scaled_glu_backward, scaled_glu_forward
+from fusible.ops.glu import GEGLU, GLU, QGEGLU, ReGLU, SReGLU
+from fusible.ops.swiglu import ClampedSwiGLU, SiTUGLU, SwiGLU
+
+Tensor = torch.Tensor
+
+
+@attrs.define
+class ScaledGLUForwardArgs:
+    input: Tensor
+    scales: Tensor
+    kind: str
+    interleave: int
+    clamp: tuple[float, ...]
+
+
+@attrs.define
+class ScaledGLUSaved:
+    """A scaled unit's saved record: its input (both gradients read it) and the scales
+    (the input gradient reads them; None where it is not needed)."""
+
+    input: Tensor
+    scales: Optional[Tensor]
+
+
+@attrs.define
+class ScaledGLUBackwardArgs:
+    grad_output: Tensor
+    input: Tensor
+    scales: Optional[Tensor]
+    kind: str
+    interleave: int
+    clamp: tuple[float, ...]
+    need_grad_input: bool
+    need_grad_scales: bool
+
+
+class ScaledUnit:
+    """The scaled form of a gated unit (mixed in before it): ``y = unit(x) * scales[...,
+    None]``, ``model(x, scales)`` with ``scales`` of shape ``x.shape[:-1]`` in ``x``'s dtype;
+    the scales' gradient is ``sum(dy * unit(x), -1)``. Computed in float32 for 16-bit
+    inputs, rounded once; PyTorch ops on every device (no fused kernel yet); under an FP8
+    recipe the output is quantized after the stage. Not with ``cache_quantized_input``.
+    """
+
+    num_extra_inputs = 1
+    fwd_args_type = ScaledGLUForwardArgs
+    bwd_args_type = ScaledGLUBackwardArgs
+    saved_type = ScaledGLUSaved
+    quantizes_own_output = False
+
+    def __init__(self, **options):
+        if options.get("cache_quantized_input"):
+            raise ValueError(f"{type(self).__name__}: cache_quantized_input is not available "
+                             f"for scaled units")
+        super().__init__(**options)
+
+    def validate(self, shape, dtype, device, extra_inputs=()):
+        out = super().validate(shape, dtype, device)
+        (scales,) = extra_inputs
+        if not isinstance(scales, torch.Tensor) or tuple(scales.shape) != tuple(shape[:-1]):
+            got = tuple(scales.shape) if isinstance(scales, torch.Tensor) else type(scales)
+            raise ValueError(f"{self.describe()} takes one scale per row: scales of shape "
+                             f"{tuple(shape[:-1])}, got {got}")
+        if scales.dtype != dtype or scales.device != device:
+            raise TypeError(f"{self.describe()} got scales of dtype {scales.dtype} on "
+                            f"{scales.device} for an input of dtype {dtype} on {device}")
+        return out
+
+    def forward_args(self, input, params, extra_inputs, ctxs):
+        return ScaledGLUForwardArgs(input, extra_inputs[0], self.kind,
+                                    self.glu_interleave_size or 0, self.clamp())
+
+    @classmethod
+    def forward_compute(cls, args, *, in_custom_op=False):
+        return ForwardResult(scaled_glu_forward(args.kind, args.input, args.scales,
+                                                args.interleave, args.clamp))
+
+    def save_for_backward(self, args, result, ctxs):
+        needs = ctxs[0].needs
+        if needs.any:
+            ctxs[0].saved = ScaledGLUSaved(args.input, args.scales if needs.input else None)
+
+    def backward_args(self, grad_output, grad_extra_outputs, ctxs):
+        needs, saved = ctxs[0].needs, ctxs[0].saved
+        return ScaledGLUBackwardArgs(grad_output, saved.input, saved.scales, self.kind,
+                                     self.glu_interleave_size or 0, self.clamp(), needs.input,
+                                     needs.extra_inputs[0])
+
+    @classmethod
+    def backward_compute(cls, args, *, in_custom_op=False):
+        dx, ds = scaled_glu_backward(args.kind, args.grad_output, args.input, args.scales,
+                                     args.need_grad_input, args.need_grad_scales,
+                                     args.interleave, args.clamp)
+        return BackwardResult(dx, (), (ds,))
+
+    def reference(self, x, extra_inputs, params):
+        y, _ = super().reference(x, (), params)
+        return y * extra_inputs[0].unsqueeze(-1), ()
+
+    example_options: dict = {}  # the constructor options of the test matrices' example
+
+    @classmethod
+    def example(cls):
+        return Example((cls(**cls.example_options),), (3, 5, 64), ((3, 5),))
+
+
+class ScaledSwiGLU(ScaledUnit, SwiGLU):
+    """``silu(a) * b * scales[..., None]`` (see :class:`ScaledUnit`)."""
+
+
+class ScaledClampedSwiGLU(ScaledUnit, ClampedSwiGLU):
+    """GPT-OSS's clamped SwiGLU times the per-token scales (see :class:`ScaledUnit`)."""
+
+    example_options = {"limit": 1.5, "glu_interleave_size": 4}  # the clamps bite
+
+
+class ScaledSiTUGLU(ScaledUnit, SiTUGLU):
+    """SiTU-GLU times the per-token scales (see :class:`ScaledUnit`)."""
+
+
+class ScaledGLU(ScaledUnit, GLU):
+    """``sigmoid(a) * b * scales[..., None]`` (see :class:`ScaledUnit`)."""
+
+
+class ScaledGEGLU(ScaledUnit, GEGLU):
+    """``gelu_tanh(a) * b * scales[..., None]`` (see :class:`ScaledUnit`)."""
+
+
+class ScaledQGEGLU(ScaledUnit, QGEGLU):
+    """``a sigmoid(1.702 a) * b * scales[..., None]`` (see :class:`ScaledUnit`)."""
+
+
+class ScaledReGLU(ScaledUnit, ReGLU):
+    """``relu(a) * b * scales[..., None]`` (see :class:`ScaledUnit`)."""
+
+
+class ScaledSReGLU(ScaledUnit, SReGLU):
+    """``relu(a)**2 * b * scales[..., None]`` (see :class:`ScaledUnit`)."""
