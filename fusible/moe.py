@@ -7,11 +7,15 @@ token's ``k`` results weighted by the router (:func:`unpermute_tokens`). Plain P
 differentiable, deterministic (every gather reads distinct rows, so no gradient is summed
 by atomics), and traceable: the counts stay on the device, so a compiled layer does not
 recompile when the routing changes.
-Dropless: every token reaches its ``k`` experts.
+Dropless by default (every token reaches its ``k`` experts, each expert gets as many
+copies as are routed to it); with a capacity, each expert gets exactly ``capacity`` rows
+(static shapes: its first copies in token order, zero rows after them) and the copies
+beyond it are dropped (they contribute nothing to their token's output).
 """
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple, Optional
 
 import torch
@@ -31,11 +35,19 @@ class Routing(NamedTuple):
         (num_experts,) int64: how many copies each expert got, in expert order.
     k : int
         Experts per token.
+    slot : Tensor or None
+        With a capacity: (tokens * k,) int64, each sorted copy's row among the
+        ``num_experts * capacity`` rows the experts see, ``num_experts * capacity`` for a
+        dropped copy. None: dropless.
+    capacity : int
+        The rows per expert with a capacity (0: dropless).
     """
 
     order: Tensor
     splits: Tensor
     k: int
+    slot: Optional[Tensor] = None
+    capacity: int = 0
 
 
 def route_top_k(logits: Tensor, k: int, *, normalize: bool = True) -> tuple:
@@ -55,10 +67,17 @@ def route_top_k(logits: Tensor, k: int, *, normalize: bool = True) -> tuple:
     return experts, weights.to(logits.dtype)
 
 
-def permute_tokens(x: Tensor, experts: Tensor, num_experts: int) -> tuple:
+def permute_tokens(x: Tensor, experts: Tensor, num_experts: int, *,
+                   capacity_factor: Optional[float] = None) -> tuple:
     """``(sorted copies, Routing)``: each token of ``x`` (tokens, features) copied once per
     expert in ``experts`` (tokens, k), the copies sorted by expert (stably: tokens in order
-    within an expert)."""
+    within an expert).
+
+    ``capacity_factor``: each expert gets ``ceil(capacity_factor * tokens * k /
+    num_experts)`` rows, filled with its first copies (zeros after them); the copies beyond
+    are dropped. The result then has ``num_experts * capacity`` rows whatever the routing,
+    and ``routing.splits`` is that capacity for every expert.
+    """
     if experts.dim() != 2 or experts.shape[0] != x.shape[0]:
         raise ValueError(f"permute_tokens: experts must be (tokens, k) = ({x.shape[0]}, k), got "
                          f"{tuple(experts.shape)}")
@@ -71,7 +90,26 @@ def permute_tokens(x: Tensor, experts: Tensor, num_experts: int) -> tuple:
     splits.scatter_add_(0, flat.long(), torch.ones_like(flat, dtype=torch.int64))
     # k copies of each token (their gradients summed by a reshape, not by atomics), sorted
     copies = x.unsqueeze(1).expand(tokens, k, x.shape[-1]).reshape(tokens * k, x.shape[-1])
-    return copies[order], Routing(order, splits, k)
+    if capacity_factor is None:
+        return copies[order], Routing(order, splits, k)
+    if not capacity_factor > 0:
+        raise ValueError(f"permute_tokens: capacity_factor must be positive, got "
+                         f"{capacity_factor}")
+    capacity = math.ceil(capacity_factor * tokens * k / num_experts)
+    slot = _capacity_slots(flat[order], splits, capacity, num_experts)
+    rows = x.new_zeros((num_experts * capacity + 1, x.shape[-1]))  # the last: dropped ones
+    rows = rows.index_copy(0, slot, copies[order])[:-1]
+    return rows, Routing(order, torch.full_like(splits, capacity), k, slot, capacity)
+
+
+def _capacity_slots(sorted_experts: Tensor, splits: Tensor, capacity: int,
+                    num_experts: int) -> Tensor:
+    """Each sorted copy's row ``expert * capacity + its place among the expert's copies``,
+    or ``num_experts * capacity`` past the capacity."""
+    starts = torch.cumsum(splits, 0) - splits
+    place = torch.arange(sorted_experts.numel(), device=splits.device) - starts[sorted_experts]
+    return torch.where(place < capacity, sorted_experts * capacity + place,
+                       num_experts * capacity)
 
 
 def unpermute_tokens(y: Tensor, routing: Routing, weights: Optional[Tensor] = None) -> Tensor:
@@ -80,6 +118,8 @@ def unpermute_tokens(y: Tensor, routing: Routing, weights: Optional[Tensor] = No
     the router's ``weights`` (tokens, k), or summed where the experts applied them already
     (None: a scaled gated unit, :func:`sorted_weights`). Differentiable in ``y`` and
     ``weights``."""
+    if routing.slot is not None:  # the sorted copies from the rows (zeros: dropped)
+        y = torch.cat([y, y.new_zeros((1, y.shape[-1]))])[routing.slot]
     inverse = torch.empty_like(routing.order)
     inverse[routing.order] = torch.arange(routing.order.numel(), device=y.device)
     copies = y[inverse].view(-1, routing.k, y.shape[-1])  # token-major
@@ -89,6 +129,11 @@ def unpermute_tokens(y: Tensor, routing: Routing, weights: Optional[Tensor] = No
 
 
 def sorted_weights(weights: Tensor, routing: Routing) -> Tensor:
-    """The router's ``weights`` (tokens, k) in the sorted order of the copies: the scales
-    a scaled gated unit (``ops.ScaledSwiGLU`` ...) takes inside the experts."""
-    return weights.reshape(-1)[routing.order]
+    """The router's ``weights`` (tokens, k) in the order of the rows the experts see: the
+    scales a scaled gated unit (``ops.ScaledSwiGLU`` ...) takes inside the experts (zero
+    for the empty rows of a capacity)."""
+    flat = weights.reshape(-1)[routing.order]
+    if routing.slot is None:
+        return flat
+    rows = routing.splits.numel() * routing.capacity + 1
+    return flat.new_zeros(rows).index_copy(0, routing.slot, flat)[:-1]

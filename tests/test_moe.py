@@ -82,3 +82,49 @@ def test_moe_layer_compiles_once_for_changing_routings(example):
         x = torch.randn(40, 32, generator=torch.Generator().manual_seed(seed))
         torch.testing.assert_close(compiled(x), layer(x), rtol=0, atol=0)
     assert len(graphs) == 1
+
+
+def test_capacity_gives_static_rows_and_drops_the_overflow():
+    x = torch.arange(1.0, 7.0).unsqueeze(1).repeat(1, 2)  # row t holds t + 1
+    experts = torch.tensor([[0], [0], [0], [1], [0], [2]])  # expert 0 overloaded
+    rows, routing = moe.permute_tokens(x, experts, 3, capacity_factor=1.0)  # capacity 2
+    assert routing.capacity == 2 and routing.splits.tolist() == [2, 2, 2]
+    assert rows[:, 0].tolist() == [1, 2, 4, 0, 6, 0]  # tokens 3 and 5 dropped, zero rows
+    weights = torch.ones(6, 1)
+    out = moe.unpermute_tokens(rows * 10, routing, weights)
+    assert out[:, 0].tolist() == [10, 20, 0, 40, 0, 60]  # the dropped get nothing
+    scales = moe.sorted_weights(torch.arange(1.0, 7.0).unsqueeze(1), routing)
+    assert scales.tolist() == [1, 2, 4, 0, 6, 0]
+    with pytest.raises(ValueError, match="capacity_factor must be positive"):
+        moe.permute_tokens(x, experts, 3, capacity_factor=0.0)
+
+
+def test_capacity_gradients_and_compiled_once(example):
+    """The dropped copies get no gradient; compiled, one graph for changing routings (the
+    rows' count is static)."""
+    torch.manual_seed(0)
+    experts_op = example.MoEFeedForward(hidden=16, ffn=32, num_experts=4, k=2).experts
+
+    def layer(x, logits):
+        experts, weights = moe.route_top_k(logits, 2)
+        rows, routing = moe.permute_tokens(x, experts, 4, capacity_factor=0.5)
+        y = experts_op(rows, routing.splits, routing.splits)
+        return moe.unpermute_tokens(y, routing, weights)
+
+    graphs = []
+
+    def backend(gm, inputs):
+        graphs.append(gm)
+        return gm
+
+    compiled = torch.compile(layer, fullgraph=True, backend=backend)
+    for seed in range(3):
+        gen = torch.Generator().manual_seed(seed)
+        x = torch.randn(24, 16, generator=gen, requires_grad=True)
+        logits = torch.randn(24, 4, generator=gen)
+        y = compiled(x, logits)
+        torch.testing.assert_close(y, layer(x, logits), rtol=0, atol=0)
+        y.sum().backward()
+        dropped = (y == 0).all(-1)  # tokens whose copies were all dropped
+        assert not x.grad[dropped].any()
+    assert len(graphs) == 1
