@@ -202,6 +202,16 @@ CURATED = [
        "claims.items() if not reverse}",
        "the backward scan plans the basic ops under a joint fusion, which read records "
        "it never saved"),
+    _m("grouped_wgrad_skips_empty_groups", "fusible/functional/grouped.py",
+       "    for g, (lo, hi) in enumerate(_ranges(splits)):\n        torch.mm(dy[lo:hi].t(), "
+       "x[lo:hi], out=dw[g])",
+       "    for g, (lo, hi) in enumerate(_ranges(splits)):\n        if hi > lo:\n"
+       "            torch.mm(dy[lo:hi].t(), x[lo:hi], out=dw[g])",
+       "an expert without tokens gets an uninitialised weight gradient instead of zeros"),
+    _m("unpermute_ignores_capacity_drops", "fusible/moe.py",
+       "        y = torch.cat([y, y.new_zeros((1, y.shape[-1]))])[routing.slot]",
+       "        y = torch.cat([y, y[-1:]])[routing.slot]",
+       "a copy dropped by the capacity gets another row's output instead of nothing"),
 ]
 
 # Bugs nobody tuned the tests for (the "fresh" set): picked from the library's source
