@@ -64,11 +64,9 @@ CURATED = [
        "        return scaled_mm(a, b, bias=bias)\n", "        return scaled_mm(a, b)\n",
        "addmm on two Float8Tensors drops the bias"),
     _m("swiglu_in_16_bits", "fusible/functional/activations.py",
-       "    a, b = _deinterleave(x.to(compute_dtype(x.dtype)), interleave).chunk(2, -1)\n"
-       "    if kind == \"clamped_swiglu\":\n        gate, _, linear",
-       "    a, b = _deinterleave(x, interleave).chunk(2, -1)\n"
-       "    if kind == \"clamped_swiglu\":\n        gate, _, linear",
-       "SwiGLU's forward computes in bf16 instead of float32"),
+       "    return _deinterleave(x.to(compute_dtype(x.dtype)), interleave).chunk(2, -1)",
+       "    return _deinterleave(x, interleave).chunk(2, -1)",
+       "the gated units' PyTorch path computes in bf16 instead of float32"),
     _m("plan_cache_ignores_extra_rg", "fusible/core/conditions.py",
        "                tuple([e.requires_grad for e in extra_inputs]), recipe_key, training)",
        "                _falses(len(extra_inputs)), recipe_key, training)",
