@@ -241,8 +241,8 @@ FRESH = [
        "lambda dy, x: aten.gelu_backward(dy, x)",
        "tanh GELU's backward uses the exact GELU derivative (forward stays tanh)"),
     _m("swiglu_backward_halves_swapped", "fusible/functional/activations.py",
-       "return _interleave(torch.cat([da, db], -1), interleave).to(x.dtype)",
-       "return _interleave(torch.cat([db, da], -1), interleave).to(x.dtype)",
+       "    return _interleave(torch.cat([da, db], -1), interleave)\n",
+       "    return _interleave(torch.cat([db, da], -1), interleave)\n",
        "SwiGLU's backward concatenates the gate and value gradients in the wrong order"),
     _m("dbias_sums_dy_not_dact", "fusible/functional/activations.py",
        "return dact, bias_grad(dact)",
@@ -294,8 +294,8 @@ FRESH = [
        "saved inputs and parameters kept only in the record, not through "
        "save_for_backward: an in-place change after the forward goes undetected"),
     _m("autocast_extra_inputs_not_cast", "fusible/runtime/runner.py",
-       "extra_inputs = tuple(e.to(dtype) for e in extra_inputs)",
-       "extra_inputs = tuple(extra_inputs)",
+       "extra_inputs = tuple(e.to(dtype) if e.is_floating_point() else e",
+       "extra_inputs = tuple(e if e.is_floating_point() else e",
        "under torch.autocast the extra inputs are not cast to the autocast dtype"),
     _m("compiled_ignores_recipe", "fusible/runtime/compiled.py",
        "extra_inputs, recipe.current_key(),",
@@ -345,9 +345,9 @@ FRESH = [
        "return (rstd * dyf).to(dy.dtype)",
        "L2Normalization's input gradient forgets the norm's own dependence on the input"),
     _m("glu_gates_the_second_half", "fusible/functional/activations.py",
-       "    a, b = _deinterleave(x.to(compute_dtype(x.dtype)), interleave).chunk(2, -1)\n"
+       "    a, b = _halves(x, interleave)\n"
        "    if kind == \"clamped_swiglu\":\n        gate, _, linear",
-       "    b, a = _deinterleave(x.to(compute_dtype(x.dtype)), interleave).chunk(2, -1)\n"
+       "    b, a = _halves(x, interleave)\n"
        "    if kind == \"clamped_swiglu\":\n        gate, _, linear",
        "the gated units gate the second half (PyTorch's F.glu convention, not "
        "TransformerEngine's)"),
