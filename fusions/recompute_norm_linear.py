@@ -134,12 +134,13 @@ class RecomputeNormLinear(FusedOperation):
         center = args.norm_bias is not None
         gamma = effective_gamma(args.norm_weight, args.zero_centered_gamma)
         norm = (args.input, gamma, args.norm_bias, args.normalized_shape, args.eps, center)
-        fp8 = ()
-        if args.input_format is None:
+        fp8, fmt = (), args.input_format
+        if fmt is None:
             y, mean, rstd = norm_forward(*norm)
-        else:
-            y, mean, rstd, y_amax = norm_forward_fp8_keeping_amax(*norm, args.input_format)
-        out, kept = gemm_forward(GemmForwardArgs(y, args.linear_weight, args.input_format,
+        else:  # no transposed copy: the backward recomputes the one wgrad reads
+            fmt = fmt.rowwise()
+            y, mean, rstd, y_amax = norm_forward_fp8_keeping_amax(*norm, fmt)
+        out, kept = gemm_forward(GemmForwardArgs(y, args.linear_weight, fmt,
                                                  args.weight_format, args.tp), args.bias)
         if args.input_format is not None:
             fp8 = (y_amax, kept[1])  # the weight's amax: the backward quantizes it by it

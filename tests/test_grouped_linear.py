@@ -82,9 +82,13 @@ def test_compiled_bitwise_and_no_recompilation_when_the_routing_changes():
 def test_bad_split_sizes_are_errors_naming_the_op():
     model = ops.Sequential(ops.GroupedLinear(3, 8, 8))
     x = torch.randn(6, 8)
-    with pytest.raises(TypeError, match=r"GroupedLinear\(num_groups=3.* integer tensor of "
-                                        r"shape \(3,\), got torch.float32"):
+    with pytest.raises(TypeError, match=r"GroupedLinear\(num_groups=3.* integer tensor "
+                                        r"\(int32 or int64\) of shape \(3,\), got "
+                                        r"torch.float32"):
         model(x, torch.tensor([2.0, 2.0, 2.0]))
+    with pytest.raises(TypeError, match="got torch.int16"):
+        model(x, torch.tensor([2, 2, 2], dtype=torch.int16))
+    model(x, torch.tensor([2, 2, 2], dtype=torch.int32))
     with pytest.raises(TypeError, match=r"shape \(3,\), got torch.int64 of shape \(2,\)"):
         model(x, torch.tensor([3, 3]))
     with pytest.raises(RuntimeError, match="add up to the 6 tokens"):

@@ -57,3 +57,12 @@ def test_a_moe_layer_with_the_weights_inside_the_experts():
     scales = moe.sorted_weights(weights, routing)
     got = moe.unpermute_tokens(inner(copies, routing.splits, scales, routing.splits), routing)
     torch.testing.assert_close(got, want)
+
+
+def test_a_scaled_unit_is_not_its_plain_unit_for_fusion_patterns():
+    """A pattern written for SwiGLU (isinstance) must not match ScaledSwiGLU, whose scales
+    it would drop."""
+    assert not isinstance(ops.ScaledSwiGLU(), ops.SwiGLU)
+    assert not isinstance(ops.ScaledClampedSwiGLU(), ops.ClampedSwiGLU)
+    assert not isinstance(ops.ScaledSiTUGLU(), ops.SiTUGLU)
+    assert not isinstance(ops.ScaledGEGLU(), ops.GEGLU)

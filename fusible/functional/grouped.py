@@ -1,7 +1,7 @@
 """Grouped GEMMs: one weight per group (expert), the tokens of each group consecutive, the
 groups' sizes given as a tensor (``splits``), empty groups included.
 
-On Hopper-class GPUs (bf16, sizes multiple of 8) ``torch._grouped_mm``, which reads the
+On Hopper GPUs (bf16, sizes multiple of 8) ``torch._grouped_mm``, which reads the
 sizes on the device (no host synchronisation, so CUDA graphs and changing routings work);
 elsewhere one GEMM per group, which reads them on the host.
 """
@@ -15,12 +15,13 @@ Tensor = torch.Tensor
 
 def grouped_mm_available(t: Tensor, *features: int) -> bool:
     """Whether ``torch._grouped_mm`` takes operands like ``t`` with these feature sizes:
-    plain bf16 tensors on a CUDA device of compute capability 9.0 or more, sizes multiple
-    of 8 (16-byte rows)."""
+    plain bf16 tensors on a Hopper GPU (compute capability 9.x: on Blackwell its weight
+    gradient of an empty group is not zero, pytorch#172439), sizes multiple of 8 (16-byte
+    rows)."""
     if not (t.is_cuda and hasattr(torch, "_grouped_mm") and t.dtype == torch.bfloat16
             and type(t) is torch.Tensor) or any(f % 8 for f in features):
         return False
-    return torch.cuda.get_device_capability(t.device)[0] >= 9
+    return torch.cuda.get_device_capability(t.device)[0] == 9
 
 
 def _offsets(splits: Tensor) -> Tensor:
@@ -85,4 +86,6 @@ def grouped_bias_grad(dy: Tensor, splits: Tensor) -> Tensor:
     """``dbias[g] = dy[group g's tokens].sum(0)`` (zeros for an empty group), summed in
     float32 for 16-bit ``dy``, without atomics (deterministic) or host synchronisation."""
     acc = torch.float32 if dy.dtype in (torch.bfloat16, torch.float16) else dy.dtype
-    return torch.segment_reduce(dy.to(acc), "sum", lengths=splits, axis=0).to(dy.dtype)
+    # unsafe: no host-side check of the lengths (check_splits checks them on the device)
+    return torch.segment_reduce(dy.to(acc), "sum", lengths=splits, axis=0,
+                                unsafe=True).to(dy.dtype)

@@ -62,7 +62,7 @@ class GroupedLinear(BasicOperation):
     groups included. The sizes are a tensor so that a compiled model does not recompile
     when the routing changes; they are checked (non-negative, adding up to the tokens)
     on the device, without a host synchronisation. Forward, dgrad and wgrad are grouped
-    GEMMs: ``torch._grouped_mm`` on Hopper-class GPUs in bf16 (feature sizes multiple of
+    GEMMs: ``torch._grouped_mm`` on Hopper GPUs in bf16 (feature sizes multiple of
     8), one GEMM per group elsewhere (which reads the sizes on the host).
 
     Parameters
@@ -120,12 +120,12 @@ class GroupedLinear(BasicOperation):
     def validate(self, shape, dtype, device, extra_inputs=()):
         (splits,) = extra_inputs
         if not (isinstance(splits, torch.Tensor) and splits.dim() == 1
-                and len(splits) == self.num_groups and not splits.is_floating_point()
-                and not splits.is_complex() and splits.dtype != torch.bool):
+                and len(splits) == self.num_groups
+                and splits.dtype in (torch.int32, torch.int64)):
             got = (f"{splits.dtype} of shape {tuple(splits.shape)}"
                    if isinstance(splits, torch.Tensor) else type(splits).__name__)
             raise TypeError(f"{self.describe()} takes the split sizes as an integer tensor "
-                            f"of shape ({self.num_groups},), got {got}")
+                            f"(int32 or int64) of shape ({self.num_groups},), got {got}")
         if splits.device != device:
             raise ValueError(f"{self.describe()}: the split sizes are on {splits.device}, "
                              f"the input on {device}")

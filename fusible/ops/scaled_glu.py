@@ -12,8 +12,8 @@ import torch
 from fusible.core.example import Example
 from fusible.core.results import BackwardResult, ForwardResult
 from fusible.functional.activations import scaled_glu_backward, scaled_glu_forward
-from fusible.ops.glu import GEGLU, GLU, QGEGLU, ReGLU, SReGLU
-from fusible.ops.swiglu import ClampedSwiGLU, SiTUGLU, SwiGLU
+from fusible.ops.glu import GEGLU, GLU, QGEGLU, GatedActivation, ReGLU, SReGLU
+from fusible.ops.swiglu import ClampedOptions, SiTUOptions, SwiGLU
 
 Tensor = torch.Tensor
 
@@ -118,35 +118,59 @@ class ScaledUnit:
         return Example((cls(**cls.example_options),), (3, 5, 64), ((3, 5),))
 
 
-class ScaledSwiGLU(ScaledUnit, SwiGLU):
+# Each scaled unit is the plain unit's gate on the scaled base, not a subclass of the plain
+# unit: a fusion pattern written for SwiGLU must not match a ScaledSwiGLU (isinstance).
+
+
+class ScaledSwiGLU(ScaledUnit, GatedActivation):
     """``silu(a) * b * scales[..., None]`` (see :class:`ScaledUnit`)."""
 
+    kind = "swiglu"
+    gate_reference = staticmethod(SwiGLU.gate_reference)
 
-class ScaledClampedSwiGLU(ScaledUnit, ClampedSwiGLU):
-    """GPT-OSS's clamped SwiGLU times the per-token scales (see :class:`ScaledUnit`)."""
+
+class ScaledClampedSwiGLU(ScaledUnit, ClampedOptions, GatedActivation):
+    """GPT-OSS's clamped SwiGLU (:class:`~fusible.ops.ClampedSwiGLU`'s options) times the
+    per-token scales (see :class:`ScaledUnit`)."""
 
     example_options = {"limit": 1.5, "glu_interleave_size": 4}  # the clamps bite
 
 
-class ScaledSiTUGLU(ScaledUnit, SiTUGLU):
-    """SiTU-GLU times the per-token scales (see :class:`ScaledUnit`)."""
+class ScaledSiTUGLU(ScaledUnit, SiTUOptions, GatedActivation):
+    """SiTU-GLU (:class:`~fusible.ops.SiTUGLU`'s options) times the per-token scales (see
+    :class:`ScaledUnit`)."""
 
 
-class ScaledGLU(ScaledUnit, GLU):
+class ScaledGLU(ScaledUnit, GatedActivation):
     """``sigmoid(a) * b * scales[..., None]`` (see :class:`ScaledUnit`)."""
 
+    kind = "glu"
+    gate_reference = staticmethod(GLU.gate_reference)
 
-class ScaledGEGLU(ScaledUnit, GEGLU):
+
+class ScaledGEGLU(ScaledUnit, GatedActivation):
     """``gelu_tanh(a) * b * scales[..., None]`` (see :class:`ScaledUnit`)."""
 
+    kind = "geglu"
+    gate_reference = staticmethod(GEGLU.gate_reference)
 
-class ScaledQGEGLU(ScaledUnit, QGEGLU):
+
+class ScaledQGEGLU(ScaledUnit, GatedActivation):
     """``a sigmoid(1.702 a) * b * scales[..., None]`` (see :class:`ScaledUnit`)."""
 
+    kind = "qgeglu"
+    gate_reference = staticmethod(QGEGLU.gate_reference)
 
-class ScaledReGLU(ScaledUnit, ReGLU):
+
+class ScaledReGLU(ScaledUnit, GatedActivation):
     """``relu(a) * b * scales[..., None]`` (see :class:`ScaledUnit`)."""
 
+    kind = "reglu"
+    gate_reference = staticmethod(ReGLU.gate_reference)
 
-class ScaledSReGLU(ScaledUnit, SReGLU):
+
+class ScaledSReGLU(ScaledUnit, GatedActivation):
     """``relu(a)**2 * b * scales[..., None]`` (see :class:`ScaledUnit`)."""
+
+    kind = "sreglu"
+    gate_reference = staticmethod(SReGLU.gate_reference)

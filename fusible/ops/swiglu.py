@@ -30,7 +30,34 @@ class SwiGLU(GatedActivation):
     gate_reference = staticmethod(F.silu)
 
 
-class ClampedSwiGLU(GatedActivation):
+class ClampedOptions:
+    """GPT-OSS's clamp (``limit``, ``alpha``, ``glu_linear_offset``), shared by
+    :class:`ClampedSwiGLU` and its scaled form; mixed in before the unit's base."""
+
+    kind = "clamped_swiglu"
+    attribute_checks = {**GatedActivation.attribute_checks,
+                        "limit": checks.real("limit", minimum=0.0),
+                        "alpha": checks.real("alpha"),
+                        "glu_linear_offset": checks.real("glu_linear_offset")}
+
+    def __init__(self, *, limit: float = 7.0, alpha: float = 1.702,
+                 glu_linear_offset: float = 1.0, **options):
+        super().__init__(**options)
+        self.limit, self.alpha, self.glu_linear_offset = limit, alpha, glu_linear_offset
+
+    def options(self) -> tuple:
+        return (("limit", self.limit), ("alpha", self.alpha),
+                ("glu_linear_offset", self.glu_linear_offset))
+
+    def clamp(self) -> tuple:
+        return (self.limit, self.alpha, self.glu_linear_offset)
+
+    def unit_reference(self, a, b):  # not gate(a) * b: both halves are clamped
+        a, b = a.clamp(max=self.limit), b.clamp(-self.limit, self.limit)
+        return a * torch.sigmoid(self.alpha * a) * (b + self.glu_linear_offset)
+
+
+class ClampedSwiGLU(ClampedOptions, GatedActivation):
     """GPT-OSS's SwiGLU, as TransformerEngine's ``ClampedSwiGLU``:
     ``a' = min(a, limit)``, ``b' = clamp(b, -limit, limit)``,
     ``y = a' * sigmoid(alpha * a') * (b' + glu_linear_offset)``.
@@ -52,37 +79,43 @@ class ClampedSwiGLU(GatedActivation):
         As :class:`~fusible.ops.glu.GatedActivation`'s.
     """
 
-    kind = "clamped_swiglu"
-    attribute_checks = {**GatedActivation.attribute_checks,
-                        "limit": checks.real("limit", minimum=0.0),
-                        "alpha": checks.real("alpha"),
-                        "glu_linear_offset": checks.real("glu_linear_offset")}
-
-    def __init__(self, *, limit: float = 7.0, alpha: float = 1.702,
-                 glu_linear_offset: float = 1.0, glu_interleave_size: Optional[int] = None,
-                 cache_quantized_input: bool = False):
-        super().__init__(glu_interleave_size=glu_interleave_size,
-                         cache_quantized_input=cache_quantized_input)
-        self.limit, self.alpha, self.glu_linear_offset = limit, alpha, glu_linear_offset
-
-    def options(self) -> tuple:
-        return (("limit", self.limit), ("alpha", self.alpha),
-                ("glu_linear_offset", self.glu_linear_offset))
-
-    def clamp(self) -> tuple:
-        return (self.limit, self.alpha, self.glu_linear_offset)
-
-    def unit_reference(self, a, b):  # not gate(a) * b: both halves are clamped
-        a, b = a.clamp(max=self.limit), b.clamp(-self.limit, self.limit)
-        return a * torch.sigmoid(self.alpha * a) * (b + self.glu_linear_offset)
-
     @classmethod
     def example(cls):
         # small enough a limit that the clamps bite on standard normal inputs
         return Example((cls(limit=1.5, glu_interleave_size=4),), (3, 5, 64))
 
 
-class SiTUGLU(GatedActivation):
+class SiTUOptions:
+    """SiTU-GLU's caps (``gate_scale``, ``linear_scale``, ``linear_offset``), shared by
+    :class:`SiTUGLU` and its scaled form; mixed in before the unit's base."""
+
+    kind = "situ_glu"
+    attribute_checks = {**GatedActivation.attribute_checks,
+                        "gate_scale": checks.positive_real("gate_scale"),
+                        "linear_scale": checks.optional(checks.positive_real("linear_scale")),
+                        "linear_offset": checks.real("linear_offset")}
+
+    def __init__(self, *, gate_scale: float = 4.0, linear_scale: Optional[float] = 25.0,
+                 linear_offset: float = 0.0, **options):
+        super().__init__(**options)
+        self.gate_scale, self.linear_scale = gate_scale, linear_scale
+        self.linear_offset = linear_offset
+
+    def options(self) -> tuple:
+        return (("gate_scale", self.gate_scale), ("linear_scale", self.linear_scale),
+                ("linear_offset", self.linear_offset))
+
+    def clamp(self) -> tuple:  # the kernels' three parameters; 0 for an uncapped linear half
+        return (self.gate_scale, self.linear_scale or 0.0, self.linear_offset)
+
+    def unit_reference(self, a, b):
+        gate = self.gate_scale * torch.tanh(a / self.gate_scale) * torch.sigmoid(a)
+        linear = b if self.linear_scale is None else (
+            self.linear_scale * torch.tanh(b / self.linear_scale))
+        return gate * (linear + self.linear_offset)
+
+
+class SiTUGLU(SiTUOptions, GatedActivation):
     """SiTU-GLU (the sigmoid-tanh unit of Kimi K3; Megatron-LM's ``situ_glu``): SwiGLU with
     soft caps on both factors,
     ``y = s tanh(a/s) sigmoid(a) * (l tanh(b/l) + linear_offset)``, bounded by
@@ -100,33 +133,6 @@ class SiTUGLU(GatedActivation):
     glu_interleave_size, cache_quantized_input
         As :class:`~fusible.ops.glu.GatedActivation`'s.
     """
-
-    kind = "situ_glu"
-    attribute_checks = {**GatedActivation.attribute_checks,
-                        "gate_scale": checks.positive_real("gate_scale"),
-                        "linear_scale": checks.optional(checks.positive_real("linear_scale")),
-                        "linear_offset": checks.real("linear_offset")}
-
-    def __init__(self, *, gate_scale: float = 4.0, linear_scale: Optional[float] = 25.0,
-                 linear_offset: float = 0.0, glu_interleave_size: Optional[int] = None,
-                 cache_quantized_input: bool = False):
-        super().__init__(glu_interleave_size=glu_interleave_size,
-                         cache_quantized_input=cache_quantized_input)
-        self.gate_scale, self.linear_scale = gate_scale, linear_scale
-        self.linear_offset = linear_offset
-
-    def options(self) -> tuple:
-        return (("gate_scale", self.gate_scale), ("linear_scale", self.linear_scale),
-                ("linear_offset", self.linear_offset))
-
-    def clamp(self) -> tuple:  # the kernels' three parameters; 0 for an uncapped linear half
-        return (self.gate_scale, self.linear_scale or 0.0, self.linear_offset)
-
-    def unit_reference(self, a, b):
-        gate = self.gate_scale * torch.tanh(a / self.gate_scale) * torch.sigmoid(a)
-        linear = b if self.linear_scale is None else (
-            self.linear_scale * torch.tanh(b / self.linear_scale))
-        return gate * (linear + self.linear_offset)
 
     @classmethod
     def example(cls):

@@ -54,7 +54,7 @@ def stash_saved(fctx, ctxs, readers, inputs, outputs) -> None:
     input_ids = {id(t) for t in inputs}
     output_ids = {id(t) for t in outputs}
     to_save = []
-    for c, (op, reader, record_type) in zip(ctxs, readers):
+    for c, (op, reader, record_type) in zip(ctxs, readers, strict=True):
         saved = c.saved
         if saved is None:
             continue
