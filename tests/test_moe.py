@@ -86,15 +86,15 @@ def test_moe_layer_compiles_once_for_changing_routings(example):
 
 def test_capacity_gives_static_rows_and_drops_the_overflow():
     x = torch.arange(1.0, 7.0).unsqueeze(1).repeat(1, 2)  # row t holds t + 1
-    experts = torch.tensor([[0], [0], [0], [1], [0], [2]])  # expert 0 overloaded
+    experts = torch.tensor([[0], [0], [0], [1], [2], [2]])  # expert 0 overloaded
     rows, routing = moe.permute_tokens(x, experts, 3, capacity_factor=1.0)  # capacity 2
     assert routing.capacity == 2 and routing.splits.tolist() == [2, 2, 2]
-    assert rows[:, 0].tolist() == [1, 2, 4, 0, 6, 0]  # tokens 3 and 5 dropped, zero rows
+    assert rows[:, 0].tolist() == [1, 2, 4, 0, 5, 6]  # token 3 dropped, a zero row
     weights = torch.ones(6, 1)
     out = moe.unpermute_tokens(rows * 10, routing, weights)
-    assert out[:, 0].tolist() == [10, 20, 0, 40, 0, 60]  # the dropped get nothing
+    assert out[:, 0].tolist() == [10, 20, 0, 40, 50, 60]  # the dropped one gets nothing
     scales = moe.sorted_weights(torch.arange(1.0, 7.0).unsqueeze(1), routing)
-    assert scales.tolist() == [1, 2, 4, 0, 6, 0]
+    assert scales.tolist() == [1, 2, 4, 0, 5, 6]
     with pytest.raises(ValueError, match="capacity_factor must be positive"):
         moe.permute_tokens(x, experts, 3, capacity_factor=0.0)
 
