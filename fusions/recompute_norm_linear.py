@@ -176,22 +176,23 @@ class RecomputeNormLinear(FusedOperation):
     def backward_compute(cls, args, *, in_custom_op=False):
         saved, dy = args.saved, args.grad_output
         dgrad, wgrad, *bias_needs = args.linear_needs
-        y = cls._output_again(args) if wgrad else None
+        gamma = None if saved.norm_weight is None else effective_gamma(
+            saved.norm_weight, args.zero_centered_gamma)
+        y = cls._output_again(args, gamma) if wgrad else None
         d_norm, dw = gemm_backward(GemmBackwardArgs(
             dy, y, saved.linear_weight, args.grad_format, dgrad, wgrad, args.tp,
             weight_format=args.weight_format, weight_amax=saved.weight_amax,
             wgrad_dtype=args.wgrad_dtype))
         del y
         linear_grads = (dw, *(bias_grad(dy) if need else None for need in bias_needs))
-        norm_grads = cls._norm_backward(args, d_norm)
+        norm_grads = cls._norm_backward(args, d_norm, gamma)
         return BackwardResult(norm_grads[0], (*norm_grads[1:], *linear_grads))
 
     @staticmethod
-    def _output_again(args):
+    def _output_again(args, gamma):
         """The norm's output as the forward's GEMM read it, bit for bit (under FP8 only the
-        transposed copy the weight gradient reads)."""
+        transposed copy the weight gradient reads); ``gamma``: what the norm multiplies by."""
         saved = args.saved
-        gamma = effective_gamma(saved.norm_weight, args.zero_centered_gamma)
         center = saved.norm_bias is not None
         if args.input_format is None:
             return norm_forward(saved.input, gamma, saved.norm_bias, args.normalized_shape,
@@ -201,12 +202,11 @@ class RecomputeNormLinear(FusedOperation):
                                      args.eps, center, args.input_format)
 
     @staticmethod
-    def _norm_backward(args, d_norm) -> tuple:
+    def _norm_backward(args, d_norm, gamma) -> tuple:
         """``(dx, dweight[, dbias])`` of the norm (None where not needed)."""
         saved, needs = args.saved, args.norm_needs
         if d_norm is None:  # the norm needs nothing
             return (None,) * len(needs)
-        gamma = effective_gamma(saved.norm_weight, args.zero_centered_gamma)
         if saved.norm_bias is not None:
             dx, dw, db = layer_norm_backward(d_norm, saved.input, saved.mean, saved.rstd, gamma,
                                              saved.norm_bias, args.normalized_shape, needs)

@@ -189,9 +189,8 @@ CURATED = [
        "saved.output_amax, args.normalized_shape,",
        "RecomputeNormLinear quantizes the recomputed norm output by another tensor's scale"),
     _m("recompute_ignores_zero_centered_gamma", "fusions/recompute_norm_linear.py",
-       "        saved = args.saved\n        gamma = effective_gamma(saved.norm_weight, "
-       "args.zero_centered_gamma)\n        center",
-       "        saved = args.saved\n        gamma = saved.norm_weight\n        center",
+       "        y = cls._output_again(args, gamma) if wgrad else None",
+       "        y = cls._output_again(args, saved.norm_weight) if wgrad else None",
        "the recomputed norm output multiplies by gamma where the forward used 1 + gamma"),
     _m("joint_claims_ignored_backward", "fusible/planning/planner.py",
        "    entries = {(lo + len(m) - 1 if reverse else lo): (op, m) for lo, (op, m) in "

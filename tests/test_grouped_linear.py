@@ -4,6 +4,7 @@ tests/test_matrix.py runs its example against FP64, compiled and through opcheck
 import pytest
 import torch
 from torch import nn
+from torch._dynamo.testing import CompileCounter
 
 from fusible import ops
 from fusible.testing import check_compiled_matches_eager, check_fusion, exact_parameters_
@@ -66,17 +67,12 @@ def test_compiled_bitwise_and_no_recompilation_when_the_routing_changes():
                            ops.BasicLinear(32, 16))
     x = torch.randn(10, 16, requires_grad=True)
     check_compiled_matches_eager(model, x, torch.tensor([4, 0, 6]))
-    counts = []
-
-    def backend(gm, example_inputs):
-        counts.append(1)
-        return gm
-
+    counter = CompileCounter()
     torch._dynamo.reset()
-    compiled = torch.compile(model, backend=backend, fullgraph=True)
+    compiled = torch.compile(model, backend=counter, fullgraph=True)
     for sizes in ([4, 0, 6], [10, 0, 0], [1, 2, 7]):
         compiled(x, torch.tensor(sizes)).sum().backward()
-    assert len(counts) == 1
+    assert counter.frame_count == 1
 
 
 def test_bad_split_sizes_are_errors_naming_the_op():

@@ -5,6 +5,7 @@ import pathlib
 
 import pytest
 import torch
+from torch._dynamo.testing import CompileCounter
 
 from fusible import moe
 
@@ -71,17 +72,12 @@ def test_moe_layer_matches_the_loop_over_experts_with_gradients(example):
 def test_moe_layer_compiles_once_for_changing_routings(example):
     torch.manual_seed(0)
     layer = example.MoEFeedForward(hidden=32, ffn=48, num_experts=6, k=2)
-    graphs = []
-
-    def backend(gm, inputs):
-        graphs.append(gm)
-        return gm
-
-    compiled = torch.compile(layer, fullgraph=True, backend=backend)
+    counter = CompileCounter()
+    compiled = torch.compile(layer, fullgraph=True, backend=counter)
     for seed in range(3):
         x = torch.randn(40, 32, generator=torch.Generator().manual_seed(seed))
         torch.testing.assert_close(compiled(x), layer(x), rtol=0, atol=0)
-    assert len(graphs) == 1
+    assert counter.frame_count == 1
 
 
 def test_capacity_gives_static_rows_and_drops_the_overflow():
@@ -111,13 +107,8 @@ def test_capacity_gradients_and_compiled_once(example):
         y = experts_op(rows, routing.splits, routing.splits)
         return moe.unpermute_tokens(y, routing, weights)
 
-    graphs = []
-
-    def backend(gm, inputs):
-        graphs.append(gm)
-        return gm
-
-    compiled = torch.compile(layer, fullgraph=True, backend=backend)
+    counter = CompileCounter()
+    compiled = torch.compile(layer, fullgraph=True, backend=counter)
     for seed in range(3):
         gen = torch.Generator().manual_seed(seed)
         x = torch.randn(24, 16, generator=gen, requires_grad=True)
@@ -127,4 +118,4 @@ def test_capacity_gradients_and_compiled_once(example):
         y.sum().backward()
         dropped = (y == 0).all(-1)  # tokens whose copies were all dropped
         assert not x.grad[dropped].any()
-    assert len(graphs) == 1
+    assert counter.frame_count == 1

@@ -57,13 +57,9 @@ def grouped_forward(x: Tensor, weight: Tensor, splits: Tensor) -> Tensor:
 
 
 def grouped_dgrad(dy: Tensor, weight: Tensor, splits: Tensor) -> Tensor:
-    """``dx[group g's tokens] = dy[those tokens] @ weight[g]``."""
-    if weight.dtype == dy.dtype and grouped_mm_available(dy, *weight.shape[-2:]):
-        return torch._grouped_mm(dy, weight, offs=_offsets(splits))
-    dx = dy.new_empty((dy.shape[0], weight.shape[-1]))
-    for g, (lo, hi) in enumerate(_ranges(splits)):
-        torch.mm(dy[lo:hi], weight[g], out=dx[lo:hi])
-    return dx
+    """``dx[group g's tokens] = dy[those tokens] @ weight[g]``: the forward's grouped GEMM
+    with each group's weight transposed (a view: the same kernels)."""
+    return grouped_forward(dy, weight.transpose(-2, -1), splits)
 
 
 def grouped_wgrad(dy: Tensor, x: Tensor, splits: Tensor, num_groups: int) -> Tensor:
