@@ -2,7 +2,7 @@
 # Everything the GPU machine runs, in one call: the whole test suite (CUDA tests included)
 # under the machine's PyTorch, then the GPU benchmarks. Results land in $OUT (or out/).
 # Usage there: [TESTS="tests/test_fp8.py ..."] bash scripts/gpu_check.sh [bf16] [fp8] [tp] [tiles]
-#   [idle] [breakdown] [small] [graphs] [zoo]
+#   [idle] [breakdown] [small] [graphs] [zoo] [moe] [probe]
 # (no argument: bf16 and fp8; tp needs two GPUs (kind nvidia-h200-x2); tiles: the GELU
 # kernels' tile shapes (diagnostics/activation_tiles.py); idle: host time, GPU idle and
 # kernels and host profile of the FP8 attention projections, eager and compiled (gpu_idle.py);
@@ -10,7 +10,9 @@
 # host_timers.py); small: issue 13's small steps (small_steps.py); graphs: host time of
 # the small MLP's CUDA-graph steps (graphs_host.py); zoo: the block zoo,
 # ZOO_CONFIGS of its configs (default all) from index ZOO_FIRST (default 0, which also
-# profiles), ZOO_ROWS its rows (comma-separated, default all); TESTS: which tests,
+# profiles), ZOO_ROWS its rows (comma-separated, default all); moe: the mixture-of-experts
+# layers (zoo_moe.py, MOE_ROWS its rows, default all); probe: what torch._scaled_grouped_mm
+# takes (diagnostics/scaled_grouped_probe.py); TESTS: which tests,
 # default all, "none" for none; the argument "none" runs no benchmark)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -84,6 +86,16 @@ if [[ " $benches " == *" zoo "* ]]; then
     (cd benchmarks && python3 zoo.py --configs "${ZOO_CONFIGS:-99}" --first "${ZOO_FIRST:-0}" \
         ${ZOO_ROWS:+--rows "$ZOO_ROWS"} \
         --output "$OUT_ABS/zoo.json" --profile "$OUT_ABS/zoo_profile.txt") 2>&1 | tee "$OUT/zoo.log"
+    bench_rc=$(( bench_rc || PIPESTATUS[0] ))
+fi
+if [[ " $benches " == *" probe "* ]]; then
+    python3 benchmarks/diagnostics/scaled_grouped_probe.py 2>&1 | tee "$OUT/probe.log"
+    bench_rc=$(( bench_rc || PIPESTATUS[0] ))
+fi
+if [[ " $benches " == *" moe "* ]]; then
+    (cd benchmarks && python3 zoo_moe.py ${MOE_ROWS:+--rows "$MOE_ROWS"} \
+        --output "$OUT_ABS/zoo_moe.json" --profile "$OUT_ABS/moe_profile.txt") 2>&1 \
+        | tee "$OUT/zoo_moe.log"
     bench_rc=$(( bench_rc || PIPESTATUS[0] ))
 fi
 echo "tests rc=$tests_rc bench rc=$bench_rc"
