@@ -2,14 +2,16 @@
 experts, ``torch._grouped_mm`` used directly and torchao's FP8 grouped GEMMs.
 
 Every row is the same layer (router, top-k, tokens sorted by expert with
-``fusible.moe``, SwiGLU experts, weighted combine), fwd+bwd as ``gpu_mlp.measure`` times
+``fusible.moe``, each expert's rows padded to a multiple of 16 as FP8 grouped GEMMs
+need, SwiGLU experts, weighted combine), fwd+bwd as ``gpu_mlp.measure`` times
 it; the rows differ only in how the experts run:
 
 - ``torch_loop``: one ``F.linear`` per expert on its slice (the sizes read on the host),
   eager, bf16;
 - ``grouped_mm_eager`` / ``_compile``: ``torch._grouped_mm`` written by hand, bf16;
-- ``torchao_fp8_rowwise``: the same with torchao's ``_quantize_then_scaled_grouped_mm``
-  (rowwise FP8), compiled, where its wheel imports;
+- ``torchao_fp8_rowwise``: the same with torchao's
+  ``_to_fp8_rowwise_then_scaled_grouped_mm`` (rowwise FP8), compiled, where its wheel
+  imports;
 - ``fusible_bf16_eager`` / ``_compile``, ``fusible_fp8_eager`` / ``_compile``:
   ``ops.Sequential(GroupedLinear, SwiGLU, GroupedLinear)``, FP8 under
   ``fusible.autocast()``.
@@ -92,7 +94,7 @@ class MoELayer(nn.Module):
 
     def forward(self, x):
         experts, weights = moe.route_top_k(self.router(x), self.k)
-        copies, routing = moe.permute_tokens(x, experts, self.router.out_features)
+        copies, routing = moe.permute_tokens(x, experts, self.router.out_features, align=16)
         return moe.unpermute_tokens(self.experts(copies, routing.splits), routing, weights)
 
 
@@ -111,8 +113,10 @@ def build_row(row: str, hidden: int, ffn: int, num_experts: int, k: int) -> tupl
     elif row.startswith("grouped_mm"):
         experts = GroupedMMExperts(w13, w2)
     elif row == "torchao_fp8_rowwise":
-        from torchao.prototype.moe_training import _quantize_then_scaled_grouped_mm
-        experts = GroupedMMExperts(w13, w2, _quantize_then_scaled_grouped_mm)
+        from torchao.prototype.moe_training import _to_fp8_rowwise_then_scaled_grouped_mm
+        experts = GroupedMMExperts(w13, w2, lambda a, b, offs: (
+            _to_fp8_rowwise_then_scaled_grouped_mm(a, b, offs,
+                                                   pad_token_groups_for_grouped_mm=False)))
     else:
         experts = FusibleExperts(w13, w2)
     return MoELayer(router, experts, k), mode, context

@@ -10,7 +10,11 @@ recompile when the routing changes.
 Dropless by default (every token reaches its ``k`` experts, each expert gets as many
 copies as are routed to it); with a capacity, each expert gets exactly ``capacity`` rows
 (static shapes: its first copies in token order, zero rows after them) and the copies
-beyond it are dropped (they contribute nothing to their token's output).
+beyond it are dropped (they contribute nothing to their token's output). With ``align``
+each expert's rows are padded with zero rows to a multiple of it (FP8 grouped GEMMs need
+16), the last expert taking the spare rows of a static upper bound.
+Gathers are ``index_select`` of distinct rows: their gradients are scatters of distinct
+rows (no sort, no sum in a varying order).
 """
 
 from __future__ import annotations
@@ -36,11 +40,13 @@ class Routing(NamedTuple):
     k : int
         Experts per token.
     slot : Tensor or None
-        With a capacity: (tokens * k,) int64, each sorted copy's row among the
-        ``num_experts * capacity`` rows the experts see, ``num_experts * capacity`` for a
-        dropped copy. None: dropless.
+        With a capacity or an alignment: (tokens * k,) int64, each sorted copy's row among
+        the ``rows`` the experts see, ``rows`` for a dropped copy. None: the experts see
+        the sorted copies themselves.
     capacity : int
-        The rows per expert with a capacity (0: dropless).
+        The rows per expert with a capacity (0: none).
+    rows : int
+        With ``slot``: how many rows the experts see (a static size).
     """
 
     order: Tensor
@@ -48,6 +54,7 @@ class Routing(NamedTuple):
     k: int
     slot: Optional[Tensor] = None
     capacity: int = 0
+    rows: int = 0
 
 
 def route_top_k(logits: Tensor, k: int, *, normalize: bool = True) -> tuple:
@@ -68,19 +75,25 @@ def route_top_k(logits: Tensor, k: int, *, normalize: bool = True) -> tuple:
 
 
 def permute_tokens(x: Tensor, experts: Tensor, num_experts: int, *,
-                   capacity_factor: Optional[float] = None) -> tuple:
-    """``(sorted copies, Routing)``: each token of ``x`` (tokens, features) copied once per
-    expert in ``experts`` (tokens, k), the copies sorted by expert (stably: tokens in order
-    within an expert).
+                   capacity_factor: Optional[float] = None, align: int = 1) -> tuple:
+    """``(rows, Routing)``: each token of ``x`` (tokens, features) copied once per expert
+    in ``experts`` (tokens, k), the copies sorted by expert (stably: tokens in order
+    within an expert); ``routing.splits`` is how many rows each expert gets, what
+    :class:`~fusible.ops.GroupedLinear` takes.
 
     ``capacity_factor``: each expert gets ``ceil(capacity_factor * tokens * k /
-    num_experts)`` rows, filled with its first copies (zeros after them); the copies beyond
-    are dropped. The result then has ``num_experts * capacity`` rows whatever the routing,
-    and ``routing.splits`` is that capacity for every expert.
+    num_experts)`` rows (rounded up to ``align``), filled with its first copies (zeros
+    after them); the copies beyond are dropped. The result then has ``num_experts *
+    capacity`` rows whatever the routing. ``align``: every expert's row count a multiple
+    of it (``16`` for FP8 grouped GEMMs), padded with zero rows; dropless, the result has
+    the static ``round_up(tokens * k + num_experts * (align - 1), align)`` rows, the spare
+    ones given to the last expert.
     """
     if experts.dim() != 2 or experts.shape[0] != x.shape[0]:
         raise ValueError(f"permute_tokens: experts must be (tokens, k) = ({x.shape[0]}, k), got "
                          f"{tuple(experts.shape)}")
+    if not (isinstance(align, int) and align >= 1):
+        raise ValueError(f"permute_tokens: align must be a positive int, got {align!r}")
     tokens, k = experts.shape
     flat = experts.reshape(-1)
     torch._assert_async(((flat >= 0) & (flat < num_experts)).all(),
@@ -90,26 +103,54 @@ def permute_tokens(x: Tensor, experts: Tensor, num_experts: int, *,
     splits.scatter_add_(0, flat.long(), torch.ones_like(flat, dtype=torch.int64))
     # k copies of each token (their gradients summed by a reshape, not by atomics), sorted
     copies = x.unsqueeze(1).expand(tokens, k, x.shape[-1]).reshape(tokens * k, x.shape[-1])
-    if capacity_factor is None:
-        return copies[order], Routing(order, splits, k)
-    if not capacity_factor > 0:
-        raise ValueError(f"permute_tokens: capacity_factor must be positive, got "
-                         f"{capacity_factor}")
-    capacity = math.ceil(capacity_factor * tokens * k / num_experts)
-    slot = _capacity_slots(flat[order], splits, capacity, num_experts)
-    rows = x.new_zeros((num_experts * capacity + 1, x.shape[-1]))  # the last: dropped ones
-    rows = rows.index_copy(0, slot, copies[order])[:-1]
-    return rows, Routing(order, torch.full_like(splits, capacity), k, slot, capacity)
+    sorted_copies = copies.index_select(0, order)
+    if capacity_factor is None and align == 1:
+        return sorted_copies, Routing(order, splits, k)
+    sorted_experts = flat[order]
+    if capacity_factor is not None:
+        if not capacity_factor > 0:
+            raise ValueError(f"permute_tokens: capacity_factor must be positive, got "
+                             f"{capacity_factor}")
+        capacity = _round_up(math.ceil(capacity_factor * tokens * k / num_experts), align)
+        rows = num_experts * capacity
+        slot = _capacity_slots(sorted_experts, splits, capacity, num_experts)
+        splits = torch.full_like(splits, capacity)
+    else:
+        capacity, rows = 0, _round_up(tokens * k + num_experts * (align - 1), align)
+        slot, splits = _aligned_slots(sorted_experts, splits, align, rows)
+    out = x.new_zeros((rows + 1, x.shape[-1]))  # the last row: the dropped copies'
+    out = out.index_copy(0, slot, sorted_copies)[:-1]
+    return out, Routing(order, splits, k, slot, capacity, rows)
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def _starts(splits: Tensor) -> Tensor:
+    return torch.cumsum(splits, 0) - splits
 
 
 def _capacity_slots(sorted_experts: Tensor, splits: Tensor, capacity: int,
                     num_experts: int) -> Tensor:
     """Each sorted copy's row ``expert * capacity + its place among the expert's copies``,
     or ``num_experts * capacity`` past the capacity."""
-    starts = torch.cumsum(splits, 0) - splits
-    place = torch.arange(sorted_experts.numel(), device=splits.device) - starts[sorted_experts]
+    place = torch.arange(sorted_experts.numel(), device=splits.device) \
+        - _starts(splits)[sorted_experts]
     return torch.where(place < capacity, sorted_experts * capacity + place,
                        num_experts * capacity)
+
+
+def _aligned_slots(sorted_experts: Tensor, splits: Tensor, align: int, rows: int) -> tuple:
+    """``(slot, padded splits)``: each expert's run padded to a multiple of ``align``,
+    the last expert also taking the rows up to ``rows`` (a multiple of ``align``)."""
+    padded = (splits + align - 1) // align * align
+    place = torch.arange(sorted_experts.numel(), device=splits.device) \
+        - _starts(splits)[sorted_experts]
+    slot = _starts(padded)[sorted_experts] + place
+    spare = torch.zeros_like(padded)
+    spare[-1] = rows - padded.sum()
+    return slot, padded + spare
 
 
 def unpermute_tokens(y: Tensor, routing: Routing, weights: Optional[Tensor] = None) -> Tensor:
@@ -119,13 +160,14 @@ def unpermute_tokens(y: Tensor, routing: Routing, weights: Optional[Tensor] = No
     (None: a scaled gated unit, :func:`sorted_weights`). Differentiable in ``y`` and
     ``weights``."""
     if routing.slot is not None:  # the sorted copies from the rows (zeros: dropped)
-        y = torch.cat([y, y.new_zeros((1, y.shape[-1]))])[routing.slot]
+        y = torch.cat([y, y.new_zeros((1, y.shape[-1]))]).index_select(0, routing.slot)
     inverse = torch.empty_like(routing.order)
     inverse[routing.order] = torch.arange(routing.order.numel(), device=y.device)
-    copies = y[inverse].view(-1, routing.k, y.shape[-1])  # token-major
+    copies = y.index_select(0, inverse).view(-1, routing.k, y.shape[-1])  # token-major
     if weights is None:
         return copies.sum(1)
-    return (copies * weights.unsqueeze(-1).to(y.dtype)).sum(1)
+    # (tokens, 1, k) @ (tokens, k, features): one batched GEMM reads the copies once
+    return torch.bmm(weights.unsqueeze(1).to(y.dtype), copies).squeeze(1)
 
 
 def sorted_weights(weights: Tensor, routing: Routing) -> Tensor:
@@ -135,5 +177,4 @@ def sorted_weights(weights: Tensor, routing: Routing) -> Tensor:
     flat = weights.reshape(-1)[routing.order]
     if routing.slot is None:
         return flat
-    rows = routing.splits.numel() * routing.capacity + 1
-    return flat.new_zeros(rows).index_copy(0, routing.slot, flat)[:-1]
+    return flat.new_zeros(routing.rows + 1).index_copy(0, routing.slot, flat)[:-1]

@@ -7,7 +7,7 @@ from fusible import ops
 from fusible.functional.activations import dact_dbias_torch
 from fusible.kernels.dact_dbias import dact_dbias_triton
 from fusible.testing import (assert_close, check_fusion, exact_parameters_, exact_tensor,
-                             same_bits, stage_names)
+                             same_bits, snr_db, stage_names)
 from fp8_emulation import check_against_emulation
 from fp8_formats import FP8_MAX
 
@@ -690,3 +690,54 @@ def test_grouped_linear_on_gpu(monkeypatch):
     other = torch.tensor([8, 8, 8, 16], device="cuda")
     want = step(model, torch.bfloat16, other)
     assert all(same_bits(a, b) for a, b in zip(step(compiled, torch.bfloat16, other), want))
+
+
+def test_grouped_fp8_on_gpu(monkeypatch):
+    """FP8 SwiGLU experts through torch._scaled_grouped_mm (an empty expert): against the
+    same FP8 operands one torch._scaled_mm per group (forward, dgrad, wgrad), the FP8
+    weight casts' bits against PyTorch's on the CPU, Inductor bitwise eager."""
+    import fusible
+    from fusible.functional import grouped_fp8
+    torch.manual_seed(0)
+    E4M3 = torch.float8_e4m3fn
+    w = (torch.randn(4, 96, 64) * torch.tensor([1.0, 16.0, 2.0 ** -5, 0.5]).view(4, 1, 1))
+    w = w.to("cuda", torch.bfloat16)
+    for transposed in (False, True):  # the batched Triton cast: PyTorch's bits
+        data, scale_inv = grouped_fp8.cast_grouped_weight(w, E4M3, transposed=transposed)
+        ref, ref_scale_inv = grouped_fp8.cast_grouped_weight(w.cpu(), E4M3,
+                                                             transposed=transposed)
+        assert same_bits(data.cpu(), ref) and same_bits(scale_inv.cpu(), ref_scale_inv)
+    used = []
+    real = torch._scaled_grouped_mm
+    monkeypatch.setattr(torch, "_scaled_grouped_mm", lambda *a, **k: used.append(1)
+                        or real(*a, **k))
+    model = ops.Sequential(ops.GroupedLinear(4, 64, 192), ops.SwiGLU(),
+                           ops.GroupedLinear(4, 96, 64)).to("cuda", torch.bfloat16)
+    with torch.no_grad():
+        model[0].weight.mul_(torch.tensor([1.0, 16.0, 2.0 ** -5, 0.5], device="cuda")
+                             .view(4, 1, 1).bfloat16())
+    x = torch.randn(96, 64, device="cuda", dtype=torch.bfloat16)
+    splits = torch.tensor([32, 0, 48, 16], device="cuda")
+    dy = torch.randn(96, 64, device="cuda", dtype=torch.bfloat16)
+
+    def step(m):
+        xx = x.clone().requires_grad_()
+        with fusible.autocast():
+            y = m(xx, splits, splits)
+        y.backward(dy)
+        out = [y.detach(), xx.grad] + [p.grad for p in model.parameters()]
+        model.zero_grad(set_to_none=True)
+        return out
+
+    got = step(model)
+    assert len(used) == 6  # forward, dgrad, wgrad of both layers
+    monkeypatch.setattr(grouped_fp8, "grouped_fp8_available", lambda *a: False)
+    loop = step(model)
+    assert len(used) == 6
+    for name, a, b in zip(("y", "dx", "dw13", "dw2"), got, loop):
+        assert snr_db(a, b) > 40, name  # the same operands: accumulation order and rounding
+    assert not got[2][1].any() and not got[3][1].any()  # the empty expert's gradients
+    monkeypatch.undo()
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True)
+    assert all(same_bits(a, b) for a, b in zip(step(compiled), got))

@@ -476,3 +476,33 @@ def test_custom_op_kernels_get_fresh_amax_zeros(monkeypatch):
     assert inside.untyped_storage().data_ptr() != buffer.untyped_storage().data_ptr()
     assert inside.shape == () and inside.dtype == torch.float32 and inside.item() == 0
     assert fp8_cast._IN_OP == [0]
+
+
+# The interpreter rounds to FP8 differently from GPUs (see _CAST_SCRIPT): the scales, the
+# batches' offsets and both layouts here; tests/test_cuda.py checks the bits on a GPU.
+_BATCHED_CAST_SCRIPT = textwrap.dedent("""
+    import torch
+    from fusible.functional.grouped_fp8 import grouped_weight_amax
+    from fusible.kernels.fp8_cast import cast_batched_triton, cast_to_fp8_triton
+    torch.manual_seed(0)
+    E4M3 = torch.float8_e4m3fn
+    for dtype in (torch.float32, torch.bfloat16):
+        w = torch.randn(3, 20, 36) * torch.tensor([1.0, 64.0, 2.0 ** -7]).view(3, 1, 1)
+        w = w.to(dtype)
+        amax = grouped_weight_amax(w)
+        data, scale_inv = cast_batched_triton(w, amax, E4M3, 448.0, False, 8, 16)
+        assert data.shape == (3, 20, 36) and data.dtype == E4M3
+        for b in range(3):  # each batch as the plain kernel casts it with its amax
+            alone = cast_to_fp8_triton(w[b], E4M3, 448.0, False, block_m=8, block_n=16,
+                                       amax=amax[b])
+            assert torch.equal(data[b].view(torch.uint8), alone[0].view(torch.uint8))
+            assert torch.equal(scale_inv[b], alone[1])
+        t, t_scale_inv = cast_batched_triton(w, amax, E4M3, 448.0, True, 8, 16)
+        assert t.shape == (3, 36, 20) and torch.equal(t_scale_inv, scale_inv)
+        assert torch.equal(t.view(torch.uint8), data.view(torch.uint8).transpose(-2, -1))
+    print("ok")
+""")
+
+
+def test_batched_fp8_cast_triton_scales_and_layouts():
+    _run_interpreted(_BATCHED_CAST_SCRIPT)

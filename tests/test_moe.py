@@ -119,3 +119,33 @@ def test_capacity_gradients_and_compiled_once(example):
         dropped = (y == 0).all(-1)  # tokens whose copies were all dropped
         assert not x.grad[dropped].any()
     assert counter.frame_count == 1
+
+
+def test_align_pads_every_expert_to_a_multiple_and_changes_no_result():
+    """Each expert's rows padded with zeros to a multiple of 4; the static row count
+    ``round_up(tokens * k + experts * 3, 4)``, the spare rows the last expert's; the
+    combined result, its gradients and the scales as without padding."""
+    torch.manual_seed(0)
+    x = torch.randn(7, 3, dtype=torch.float64, requires_grad=True)
+    experts = torch.tensor([[2, 0], [0, 3], [2, 3], [0, 2], [3, 0], [0, 1], [2, 0]])
+    weights = torch.rand(7, 2, dtype=torch.float64)
+    rows, routing = moe.permute_tokens(x, experts, 5, align=4)
+    assert rows.shape == (32, 3) and routing.rows == 32  # round_up(14 + 5 * 3, 4)
+    # counts 6, 1, 4, 3, 0 padded to 8, 4, 4, 4, 0; the last expert takes the 12 spare
+    assert routing.splits.tolist() == [8, 4, 4, 4, 12]
+    copies, plain = moe.permute_tokens(x, experts, 5)
+    kept = torch.zeros(32, dtype=torch.bool)
+    kept[routing.slot] = True
+    assert not rows[~kept].any()  # the padding rows are zeros
+    out = moe.unpermute_tokens(rows * 3, routing, weights)
+    torch.testing.assert_close(out, moe.unpermute_tokens(copies * 3, plain, weights),
+                               rtol=0, atol=0)
+    out.sum().backward()
+    torch.testing.assert_close(x.grad, 3 * weights.sum(-1, keepdim=True).expand(7, 3))
+    scales = moe.sorted_weights(weights, routing)
+    assert torch.equal(scales[routing.slot], moe.sorted_weights(weights, plain))
+    assert not scales[~kept].any()
+    _, both = moe.permute_tokens(x, experts, 5, capacity_factor=1.0, align=4)
+    assert both.capacity == 4 and both.splits.tolist() == [4] * 5  # ceil(2.8) = 3 -> 4
+    with pytest.raises(ValueError, match="align must be a positive int, got 0"):
+        moe.permute_tokens(x, experts, 5, align=0)

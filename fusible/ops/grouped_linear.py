@@ -15,34 +15,50 @@ from fusible.core.example import Example
 from fusible.core.results import BackwardResult, ForwardResult
 from fusible.functional.grouped import (bias_per_token, check_splits, grouped_bias_grad,
                                         grouped_dgrad, grouped_forward, grouped_wgrad)
-from fusible.functional.linear import like_tokens, tokens_2d
+from fusible.functional.grouped_fp8 import (cast_grouped_weight, check_aligned_splits,
+                                            fp8_grouped_mm, fp8_grouped_wgrad,
+                                            grouped_weight_amax)
+from fusible.functional.linear import as_fp8, handed_in, like_tokens, tokens_2d
 from fusible.module import BasicOperation
+from fusible.quantization.float8_tensor import Float8Tensor, Fp8Able, transposed_only
+from fusible.quantization.format import Float8Format
 
 Tensor = torch.Tensor
 
 
+# Every grouped FP8 operand is E4M3 (see fusible.functional.grouped_fp8).
+_E4M3 = torch.float8_e4m3fn
+
+
 @attrs.define
 class GroupedForwardArgs:
-    input: Tensor
+    """``input_format``: under FP8 the input's (tensorwise E4M3, with the transposed copy
+    where wgrad needs it); None in high precision."""
+
+    input: Fp8Able
     splits: Tensor
     weight: Tensor
     bias: Optional[Tensor]
+    input_format: Optional[Float8Format] = None
 
 
 @attrs.define
 class GroupedSaved:
-    """GroupedLinear's saved record: the input for wgrad, the weight for dgrad (None where
-    not needed), the split sizes."""
+    """GroupedLinear's saved record: the input for wgrad (under FP8 its transposed copy
+    only), the weight for dgrad (None where not needed), the split sizes; under FP8 the
+    forward's per-group amax of the weight (dgrad quantizes it again with it: the same
+    bits, no second reduction)."""
 
-    input: Optional[Tensor]
+    input: Optional[Fp8Able]
     weight: Optional[Tensor]
     splits: Tensor
+    weight_amax: Optional[Tensor] = None
 
 
 @attrs.define
 class GroupedBackwardArgs:
-    grad_output: Tensor
-    input: Optional[Tensor]
+    grad_output: Fp8Able
+    input: Optional[Fp8Able]
     weight: Optional[Tensor]
     splits: Tensor
     need_grad_input: bool
@@ -50,6 +66,8 @@ class GroupedBackwardArgs:
     need_grad_bias: bool
     num_groups: int
     has_bias: bool
+    grad_format: Optional[Float8Format] = None
+    weight_amax: Optional[Tensor] = None
 
 
 class GroupedLinear(BasicOperation):
@@ -64,6 +82,15 @@ class GroupedLinear(BasicOperation):
     on the device, without a host synchronisation. Forward, dgrad and wgrad are grouped
     GEMMs: ``torch._grouped_mm`` on Hopper GPUs in bf16 (feature sizes multiple of
     8), one GEMM per group elsewhere (which reads the sizes on the host).
+
+    Under an FP8 recipe (``fusible.autocast``) the GEMMs are FP8 grouped GEMMs
+    (``torch._scaled_grouped_mm`` on Hopper, one ``torch._scaled_mm`` per group
+    elsewhere): the input and the output gradient scaled per tensor (handed over
+    quantized by the stage before, like a linear layer's), each group's weight by its own
+    scale, everything E4M3 (Hopper's grouped FP8 GEMM takes no E5M2; see
+    :mod:`fusible.functional.grouped_fp8`). The feature sizes must be multiples of 16 and,
+    for the weight gradient, every group's token count too
+    (``fusible.moe.permute_tokens(..., align=16)`` pads them; checked on the device).
 
     Parameters
     ----------
@@ -138,52 +165,93 @@ class GroupedLinear(BasicOperation):
         return (*shape[:-1], self.out_features)
 
     def validate_fp8(self, shape) -> None:
-        """No FP8 grouped GEMMs yet: an error rather than bf16 GEMMs where FP8 was asked."""
-        raise NotImplementedError(f"{self.describe()} has no FP8 grouped GEMMs yet: run the "
-                                  f"experts inside fusible.autocast(enabled=False)")
+        """FP8 GEMMs need the feature sizes divisible by 16 (the token counts are checked
+        on the device, see the class notes)."""
+        if self.in_features % 16 or self.out_features % 16:
+            raise ValueError(f"{self.describe()} under an FP8 recipe needs in_features and "
+                             f"out_features divisible by 16; run it outside fusible.autocast")
+
+    def quantizes(self, recipe, direction):
+        return recipe is not None
+
+    def input_format(self, recipe, needs):
+        return None if recipe is None else Float8Format(_E4M3, needs[0].params[0])
+
+    def grad_format(self, recipe, needs):
+        # With a bias, dy arrives in high precision: the bias gradient sums it unrounded.
+        if recipe is None or self.bias is not None:
+            return None
+        return Float8Format(_E4M3, needs[0].params[0])
 
     def forward_args(self, input, params, extra_inputs, ctxs):
+        fmt = None
+        if ctxs[0].recipe is not None:
+            fmt = Float8Format(_E4M3, ctxs[0].needs.params[0])
         return GroupedForwardArgs(input, extra_inputs[0], params[0],
-                                  params[1] if len(params) > 1 else None)
+                                  params[1] if len(params) > 1 else None, fmt)
 
     @classmethod
     def forward_compute(cls, args, *, in_custom_op=False):
         x2 = tokens_2d(args.input)
         check_splits(args.splits, x2.shape[0], "GroupedLinear")
-        y = grouped_forward(x2, args.weight, args.splits)
+        aux = ()
+        if args.input_format is None:
+            y = grouped_forward(x2, args.weight, args.splits)
+        else:
+            y, aux = _fp8_forward(args)
         if args.bias is not None:
             y = y + bias_per_token(args.bias, args.splits, x2.shape[0])
-        return ForwardResult(like_tokens(y, args.input))
+        return ForwardResult(like_tokens(y, args.input), (), aux)
 
     @classmethod
     def forward_fake(cls, args, *, in_custom_op=False):
-        """The output's shape and dtype without reading the sizes (compiled graphs)."""
-        shape = (*args.input.shape[:-1], args.weight.shape[-2])
-        return ForwardResult(args.input.new_empty(shape))
+        """The results' shapes and dtypes without reading the sizes (compiled graphs)."""
+        x = args.input
+        y = torch.empty((*x.shape[:-1], args.weight.shape[-2]), dtype=x.dtype, device=x.device)
+        fmt = args.input_format
+        if fmt is None:
+            return ForwardResult(y)
+        w_amax = torch.empty((args.weight.shape[0],), dtype=torch.float32, device=x.device)
+        if handed_in(x, fmt) or not fmt.columnwise:
+            return ForwardResult(y, (), (w_amax,))
+        tokens = x.numel() // x.shape[-1]
+        x_t = torch.empty((x.shape[-1], tokens), dtype=_E4M3, device=x.device)
+        scale_inv = torch.empty((), dtype=torch.float32, device=x.device)
+        return ForwardResult(y, (), (x_t, scale_inv, w_amax))
 
     def save_for_backward(self, args, result, ctxs):
         needs = ctxs[0].needs
-        if needs.any:
-            ctxs[0].saved = GroupedSaved(args.input if needs.params[0] else None,
-                                         args.weight if needs.input else None, args.splits)
+        if not needs.any:
+            return
+        x, w_amax = (args.input if needs.params[0] else None), None
+        if args.input_format is not None:
+            w_amax = result.aux[-1]
+            if needs.params[0]:
+                x = _saved_fp8_input(args, result.aux)
+        ctxs[0].saved = GroupedSaved(x, args.weight if needs.input else None, args.splits,
+                                     w_amax if needs.input else None)
 
     def backward_args(self, grad_output, grad_extra_outputs, ctxs):
-        needs, saved = ctxs[0].needs, ctxs[0].saved
+        needs, saved, recipe = ctxs[0].needs, ctxs[0].saved, ctxs[0].recipe
+        fmt = None if recipe is None else Float8Format(_E4M3, needs.params[0])
         return GroupedBackwardArgs(grad_output, saved.input, saved.weight, saved.splits,
                                    needs.input, needs.params[0],
                                    len(needs.params) > 1 and needs.params[1], self.num_groups,
-                                   len(needs.params) > 1)
+                                   len(needs.params) > 1, fmt, saved.weight_amax)
 
     @classmethod
     def backward_compute(cls, args, *, in_custom_op=False):
-        dy = tokens_2d(args.grad_output)
-        dx = dw = db = None
-        if args.need_grad_input:
-            dx = like_tokens(grouped_dgrad(dy, args.weight, args.splits), args.grad_output)
-        if args.need_grad_weight:
-            dw = grouped_wgrad(dy, tokens_2d(args.input), args.splits, args.num_groups)
-        if args.need_grad_bias:
-            db = grouped_bias_grad(dy, args.splits)
+        if args.grad_format is not None:
+            dx, dw = _fp8_backward(args)
+        else:
+            dy = tokens_2d(args.grad_output)
+            dx = dw = None
+            if args.need_grad_input:
+                dx = like_tokens(grouped_dgrad(dy, args.weight, args.splits), args.grad_output)
+            if args.need_grad_weight:
+                dw = grouped_wgrad(dy, tokens_2d(args.input), args.splits, args.num_groups)
+        db = grouped_bias_grad(tokens_2d(args.grad_output), args.splits) \
+            if args.need_grad_bias else None
         return BackwardResult(dx, (dw, db) if args.has_bias else (dw,), (None,))
 
     @classmethod
@@ -191,10 +259,13 @@ class GroupedLinear(BasicOperation):
         """The gradients' shapes and dtypes without reading the sizes (compiled graphs)."""
         dy = args.grad_output
         g, n = args.num_groups, dy.shape[-1]
-        dx = dy.new_empty((*dy.shape[:-1], args.weight.shape[-1])) if args.need_grad_input \
-            else None
-        dw = dy.new_empty((g, n, args.input.shape[-1])) if args.need_grad_weight else None
-        db = dy.new_empty((g, n)) if args.need_grad_bias else None
+
+        def empty(*shape):
+            return torch.empty(shape, dtype=dy.dtype, device=dy.device)
+        dx = empty(*dy.shape[:-1], args.weight.shape[-1]) if args.need_grad_input else None
+        k = args.input.shape[-1] if args.need_grad_weight else 0
+        dw = empty(g, n, k) if args.need_grad_weight else None
+        db = empty(g, n) if args.need_grad_bias else None
         return BackwardResult(dx, (dw, db) if args.has_bias else (dw,), (None,))
 
     def reference(self, x, extra_inputs, params):
@@ -246,3 +317,45 @@ class GroupedLinear(BasicOperation):
     def extra_repr(self) -> str:
         return (f"num_groups={self.num_groups}, in_features={self.in_features}, "
                 f"out_features={self.out_features}, bias={self.bias is not None}")
+
+
+def _fp8_forward(args: GroupedForwardArgs) -> tuple:
+    """``(y, aux)`` of the FP8 forward: aux as :func:`_saved_fp8_input` reads it, the
+    weight's per-group amax last."""
+    fmt, x = args.input_format, args.input
+    mine = not handed_in(x, fmt)  # an input handed over quantized is the caller's to save
+    x_q = as_fp8(x, fmt if mine else fmt.rowwise())
+    w_amax = grouped_weight_amax(args.weight)
+    w_data, w_scale_inv = cast_grouped_weight(args.weight, _E4M3, w_amax)
+    y = fp8_grouped_mm(x_q._data, x_q._scale_inv, w_data, w_scale_inv, args.splits,
+                       x_q.dtype, fast_accum=True)
+    if not (mine and fmt.columnwise):
+        return y, (w_amax,)
+    return y, (x_q._transpose, x_q._scale_inv, w_amax)
+
+
+def _saved_fp8_input(args: GroupedForwardArgs, aux: tuple) -> Float8Tensor:
+    """The input as wgrad reads it: its transposed FP8 copy alone."""
+    if len(aux) == 1:  # handed over quantized: its transposed copy made here if missing
+        x_q = as_fp8(args.input, args.input_format)
+        return transposed_only(x_q._transpose, x_q._scale_inv, x_q.dtype)
+    return transposed_only(aux[0], aux[1], args.input.dtype)
+
+
+def _fp8_backward(args: GroupedBackwardArgs) -> tuple:
+    """``(dx, dw)`` from FP8 grouped GEMMs (None where not needed)."""
+    dy = args.grad_output
+    dy_q = as_fp8(dy, args.grad_format)
+    dx = dw = None
+    if args.need_grad_input:
+        w_t, w_scale_inv = cast_grouped_weight(args.weight, _E4M3, args.weight_amax,
+                                               transposed=True)
+        dx = fp8_grouped_mm(dy_q._data, dy_q._scale_inv, w_t, w_scale_inv, args.splits,
+                            dy_q.dtype, fast_accum=False)
+        del w_t  # freed before the weight gradient is allocated
+        dx = dx.view(*dy.shape[:-1], dx.shape[-1])
+    if args.need_grad_weight:
+        check_aligned_splits(args.splits, "GroupedLinear")
+        dw = fp8_grouped_wgrad(dy_q._transpose, dy_q._scale_inv, args.input._transpose,
+                               args.input._scale_inv, args.splits, args.num_groups, dy_q.dtype)
+    return dx, dw
