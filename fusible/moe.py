@@ -13,8 +13,9 @@ copies as are routed to it); with a capacity, each expert gets exactly ``capacit
 beyond it are dropped (they contribute nothing to their token's output). With ``align``
 each expert's rows are padded with zero rows to a multiple of it (FP8 grouped GEMMs need
 16), the last expert taking the spare rows of a static upper bound.
-Gathers are ``index_select`` of distinct rows: their gradients are scatters of distinct
-rows (no sort, no sum in a varying order).
+Every gather reads distinct rows (those of one discarded row aside), so its gradient is
+a scatter of distinct rows by ``index_copy``: no atomics, no sort (what autograd's own
+``index`` and ``index_select`` backward cost: sort-based accumulation, bf16 atomics).
 """
 
 from __future__ import annotations
@@ -55,6 +56,25 @@ class Routing(NamedTuple):
     slot: Optional[Tensor] = None
     capacity: int = 0
     rows: int = 0
+
+
+class _GatherRows(torch.autograd.Function):
+    """``src[index]``, its gradient scattered back by ``index_copy``: ``index``'s rows are
+    distinct (a permutation where ``permutation``: every row written, no zero fill), or
+    repeat only a row whose gradient is discarded (the dropped copies' zero row)."""
+
+    @staticmethod
+    def forward(ctx, src, index, permutation):
+        ctx.save_for_backward(index)
+        ctx.rows, ctx.permutation = src.shape[0], permutation
+        return src.index_select(0, index)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (index,) = ctx.saved_tensors
+        shape = (ctx.rows, *grad.shape[1:])
+        out = grad.new_empty(shape) if ctx.permutation else grad.new_zeros(shape)
+        return out.index_copy_(0, index, grad), None, None
 
 
 def route_top_k(logits: Tensor, k: int, *, normalize: bool = True) -> tuple:
@@ -103,7 +123,7 @@ def permute_tokens(x: Tensor, experts: Tensor, num_experts: int, *,
     splits.scatter_add_(0, flat.long(), torch.ones_like(flat, dtype=torch.int64))
     # k copies of each token (their gradients summed by a reshape, not by atomics), sorted
     copies = x.unsqueeze(1).expand(tokens, k, x.shape[-1]).reshape(tokens * k, x.shape[-1])
-    sorted_copies = copies.index_select(0, order)
+    sorted_copies = _GatherRows.apply(copies, order, True)
     if capacity_factor is None and align == 1:
         return sorted_copies, Routing(order, splits, k)
     sorted_experts = flat[order]
@@ -160,14 +180,14 @@ def unpermute_tokens(y: Tensor, routing: Routing, weights: Optional[Tensor] = No
     (None: a scaled gated unit, :func:`sorted_weights`). Differentiable in ``y`` and
     ``weights``."""
     if routing.slot is not None:  # the sorted copies from the rows (zeros: dropped)
-        y = torch.cat([y, y.new_zeros((1, y.shape[-1]))]).index_select(0, routing.slot)
+        y = _GatherRows.apply(torch.cat([y, y.new_zeros((1, y.shape[-1]))]), routing.slot,
+                              False)
     inverse = torch.empty_like(routing.order)
     inverse[routing.order] = torch.arange(routing.order.numel(), device=y.device)
-    copies = y.index_select(0, inverse).view(-1, routing.k, y.shape[-1])  # token-major
+    copies = _GatherRows.apply(y, inverse, True).view(-1, routing.k, y.shape[-1])
     if weights is None:
         return copies.sum(1)
-    # (tokens, 1, k) @ (tokens, k, features): one batched GEMM reads the copies once
-    return torch.bmm(weights.unsqueeze(1).to(y.dtype), copies).squeeze(1)
+    return (copies * weights.unsqueeze(-1).to(y.dtype)).sum(1)
 
 
 def sorted_weights(weights: Tensor, routing: Routing) -> Tensor:

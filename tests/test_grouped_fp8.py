@@ -174,4 +174,3 @@ def test_fp8_moe_layer_with_aligned_routing_trains_like_bf16():
     # FP8 (E4M3) against float32 through two layers: about 24 dB
     for got, want in zip(results[1], results[0]):
         assert snr_db(got, want) > 20
-

@@ -89,7 +89,9 @@ def fp8_grouped_mm(a: Tensor, a_scale_inv: Tensor, b: Tensor, b_scale_inv: Tenso
             out_dtype=out_dtype, use_fast_accum=fast_accum)
     out = a.new_empty((tokens, n), dtype=out_dtype)
     for g, (lo, hi) in enumerate(_ranges(splits)):
-        out[lo:hi] = fp8_gemm(a[lo:hi], a_scale_inv, b[g].t(), b_scale_inv[g], None,
+        # a scale of its own: cuBLASLt refuses (NOT_SUPPORTED) a scale pointer that is not
+        # 16-byte aligned, as an element of the scales vector may be
+        out[lo:hi] = fp8_gemm(a[lo:hi], a_scale_inv, b[g].t(), b_scale_inv[g].clone(), None,
                               out_dtype, fast_accum)
     return out
 
