@@ -25,6 +25,8 @@ from typing import NamedTuple, Optional
 
 import torch
 
+from fusible.functional import parallel
+
 Tensor = torch.Tensor
 
 
@@ -210,3 +212,65 @@ def sorted_weights(weights: Tensor, routing: Routing) -> Tensor:
     if routing.slot is None:
         return flat
     return flat.new_zeros(routing.rows + 1).index_copy(0, routing.slot, flat)[:-1]
+
+
+class ExpertParallel(NamedTuple):
+    """An expert-parallel layer's counts and permutations (:func:`expert_parallel`), the
+    extra inputs of its Sequential ``AllToAll, PermuteRows, <experts>, PermuteRows,
+    AllToAll`` in :meth:`inputs`.
+
+    Attributes
+    ----------
+    send_counts : Tensor
+        (world size,): the rows this rank sends to each rank (the dispatch's counts).
+    regroup : Tensor
+        The received rows (by source rank, then local expert) by local expert, then source
+        rank: what the local experts read.
+    local_splits : Tensor
+        (local experts,): each local expert's rows, what its GroupedLinear layers take.
+    ungroup : Tensor
+        ``regroup``'s inverse: the experts' output rows back by source rank.
+    recv_counts : Tensor
+        (world size,): the rows received from each rank, sent back by the combine.
+    """
+
+    send_counts: Tensor
+    regroup: Tensor
+    local_splits: Tensor
+    ungroup: Tensor
+    recv_counts: Tensor
+
+    def inputs(self, grouped_layers: int = 2) -> tuple:
+        """The extra inputs in the order the Sequential ``AllToAll, PermuteRows,
+        <grouped_layers GroupedLinear layers and ops without extra inputs>, PermuteRows,
+        AllToAll`` reads them."""
+        return (self.send_counts, self.regroup, *([self.local_splits] * grouped_layers),
+                self.ungroup, self.recv_counts)
+
+
+def expert_parallel(splits: Tensor, process_group=None) -> ExpertParallel:
+    """The counts and permutations that run ``splits.numel()`` experts split over the
+    ranks of ``process_group`` (rank ``r`` holds experts ``r * E / W`` to ``(r + 1) * E / W
+    - 1``): ``splits`` is this rank's rows per expert (``permute_tokens``'s
+    ``routing.splits``, its rows sorted by expert, so the rows for each rank are
+    consecutive). The ranks exchange their counts (a small all-to-all); the row total is
+    read on the host, as the all-to-all's sizes are anyway. With ``align`` in
+    ``permute_tokens`` every local expert's rows stay a multiple of it.
+
+    Raises ValueError unless the experts divide evenly over the ranks.
+    """
+    group = parallel.group_config("expert_parallel", "", False, process_group)
+    ranks, experts = group.world_size, splits.numel()
+    if experts % ranks:
+        raise ValueError(f"expert_parallel: {experts} experts do not divide over "
+                         f"{ranks} ranks")
+    sent = splits.reshape(ranks, experts // ranks).contiguous()
+    received = parallel.exchange_counts(sent, group)  # [source rank, local expert]
+    starts = (torch.cumsum(received.reshape(-1), 0) - received.reshape(-1)).view_as(received)
+    lengths = received.t().reshape(-1)  # by local expert, then source rank
+    total = int(lengths.sum())
+    shift = starts.t().reshape(-1) - (torch.cumsum(lengths, 0) - lengths)
+    regroup = torch.repeat_interleave(shift, lengths, output_size=total) \
+        + torch.arange(total, device=splits.device)
+    return ExpertParallel(sent.sum(1), regroup, received.sum(0), _inverse(regroup, total),
+                          received.sum(1))

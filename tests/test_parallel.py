@@ -20,6 +20,7 @@ from parallel_ops import (_check_all_gather_then_column, _check_collectives,
                           _check_recompute_norm_before_column, _check_size_errors,
                           _check_state_dict_from_torch, one_rank_fails_cases,
                           one_rank_hangs_cases)
+from parallel_moe import _check_expert_parallel, _check_expert_parallel_plan
 
 
 def parallel_cases(rank, ws, device="cpu"):
@@ -38,7 +39,10 @@ def parallel_cases(rank, ws, device="cpu"):
              "fp8 gathered tokens": lambda: _check_fp8_gathered_tokens(rank, ws),
              "gated unit after column": lambda: _check_gated_after_column(rank, ws),
              "recompute norm before column": lambda: _check_recompute_norm_before_column(
-                 rank, ws)}
+                 rank, ws),
+             "expert parallel": lambda: _check_expert_parallel(rank, ws),
+             "expert parallel fp8": lambda: _check_expert_parallel(rank, ws, fp8=True),
+             "expert parallel plan": lambda: _check_expert_parallel_plan(rank, ws)}
     for mode in ("column", "row"):
         for sp in (False, True):
             for bias in (False, True):

@@ -153,6 +153,28 @@ def all_gather(x: Tensor, tp: TensorParallel) -> Tensor:
     return out.view(fp8) if fp8 is not None else out
 
 
+def all_to_all(x: Tensor, send_sizes: list, recv_sizes: list, tp: TensorParallel) -> Tensor:
+    """Rows ``send_sizes[r]`` of ``x`` (consecutive, in rank order) to rank ``r``; the
+    rows received, ``recv_sizes[r]`` from rank ``r``, in rank order. The sizes are Python
+    ints (an all-to-all needs them on the host)."""
+    if not tp.active:
+        return x
+    data, fp8 = _as_bytes(x.contiguous())
+    out = _c10d.wait_tensor(_c10d.all_to_all_single(data, recv_sizes, send_sizes,
+                                                    tp.group_name))
+    return out.view(fp8) if fp8 is not None else out
+
+
+def exchange_counts(counts: Tensor, tp: TensorParallel) -> Tensor:
+    """``counts`` (world size, ...) of integers: row ``r`` goes to rank ``r``; the rows
+    every rank sent this one, in rank order (an all-to-all of equal parts)."""
+    if not tp.active:
+        return counts
+    part = counts.numel() // tp.world_size
+    flat = all_to_all(counts.reshape(-1), [part] * tp.world_size, [part] * tp.world_size, tp)
+    return flat.view(counts.shape)
+
+
 def reduce_scatter(x: Tensor, tp: TensorParallel, wait: bool = True) -> Tensor:
     """Sum over ranks, each keeping its slice of dim 0.
 

@@ -6,6 +6,7 @@ from fusible.core.results import BackwardResult, ForwardResult
 from fusible.module import BasicOperation, FusibleOperation, Sequential
 from fusible.ops.add_extra_input import AddExtraInput
 from fusible.ops.all_gather import AllGather
+from fusible.ops.all_to_all import AllToAll
 from fusible.ops.all_reduce import AllReduce
 from fusible.ops.basic_linear import BasicLinear
 from fusible.ops.bias import Bias
@@ -14,6 +15,7 @@ from fusible.ops.dropout import Dropout
 from fusible.ops.gelu import GELU
 from fusible.ops.glu import GEGLU, GLU, QGEGLU, ReGLU, SReGLU
 from fusible.ops.grouped_linear import GroupedLinear
+from fusible.ops.permute_rows import PermuteRows
 from fusible.ops.identity import Identity
 from fusible.ops.l2_normalization import L2Normalization
 from fusible.ops.layer_norm import LayerNorm
@@ -32,11 +34,11 @@ from fusible.ops.srelu import SReLU
 from fusible.ops.swiglu import ClampedSwiGLU, SiTUGLU, SwiGLU
 
 __all__ = [
-    "AddExtraInput", "AllGather", "AllReduce", "BackwardResult", "BasicLinear",
+    "AddExtraInput", "AllGather", "AllReduce", "AllToAll", "BackwardResult", "BasicLinear",
     "BasicOperation", "Bias", "ClampedSwiGLU", "ConstantScale", "Dropout", "ForwardResult",
     "FusedOperation", "FusibleOperation", "GEGLU", "GELU", "GLU", "GroupedLinear", "Identity",
-    "L2Normalization", "LayerNorm", "Linear", "MakeExtraOutput", "OperationContext", "QGEGLU",
-    "QGELU", "Quantize", "RMSNorm", "ReGLU", "ReLU", "ReduceScatter", "Reshape", "SReGLU",
+    "L2Normalization", "LayerNorm", "Linear", "MakeExtraOutput", "OperationContext",
+    "PermuteRows", "QGEGLU", "QGELU", "Quantize", "RMSNorm", "ReGLU", "ReLU", "ReduceScatter", "Reshape", "SReGLU",
     "SReLU", "ScaledClampedSwiGLU", "ScaledGEGLU", "ScaledGLU", "ScaledQGEGLU", "ScaledReGLU",
     "ScaledSReGLU", "ScaledSiTUGLU", "ScaledSwiGLU", "Sequential", "SiLU", "SiTUGLU", "SwiGLU",
 ]

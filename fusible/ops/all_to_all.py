@@ -1,0 +1,124 @@
+"""AllToAll: rows sent to the ranks by counts (a mixture of experts' token dispatch and
+combine, expert parallelism)."""
+
+from __future__ import annotations
+
+import attrs
+import torch
+
+from fusible.core.example import Example
+from fusible.core.results import BackwardResult, ForwardResult
+from fusible.functional import parallel
+from fusible.functional.parallel import TensorParallel
+from fusible.ops.collective import Collective
+
+Tensor = torch.Tensor
+
+
+@attrs.define
+class AllToAllForwardArgs:
+    input: Tensor
+    send_counts: Tensor
+    group: TensorParallel
+
+
+@attrs.define
+class AllToAllSaved:
+    """The counts both ways (the backward sends the gradients back the way they came)."""
+
+    send_counts: Tensor
+    recv_counts: Tensor
+
+
+@attrs.define
+class AllToAllBackwardArgs:
+    grad_output: Tensor
+    send_counts: Tensor
+    recv_counts: Tensor
+    group: TensorParallel
+    need_grad_input: bool
+
+
+class AllToAll(Collective):
+    """Send the first ``send_counts[0]`` rows of the input to rank 0, the next
+    ``send_counts[1]`` to rank 1, ...; the output is the rows every rank sent this one, in
+    rank order.
+
+    ``model(x, send_counts)``: ``send_counts`` an integer tensor of ``world_size`` counts on
+    ``x``'s device, adding up to ``x``'s rows. The ranks exchange their counts first (a
+    small all-to-all), and both are read on the host, as an all-to-all's sizes must be
+    (a host synchronisation per call, as in every MoE framework's dispatch). Backward: the
+    gradients go back the way the rows came. Eager only for now: the output's row count
+    depends on the routing (a compiled graph would need it symbolic); under
+    ``torch.compile`` an error says so.
+
+    Parameters
+    ----------
+    process_group : torch.distributed.ProcessGroup, optional
+        The group; the default group when None.
+
+    See Also
+    --------
+    fusible.moe.expert_parallel : the counts and permutations of an expert-parallel layer.
+    """
+
+    num_extra_inputs = 1
+    forward_collective = "all-to-all"
+    backward_collective = "all-to-all"
+    fwd_args_type = AllToAllForwardArgs
+    bwd_args_type = AllToAllBackwardArgs
+    saved_type = AllToAllSaved
+
+    def validate(self, shape, dtype, device, extra_inputs=()):
+        (counts,) = extra_inputs
+        ws = self.group.world_size
+        if not (isinstance(counts, torch.Tensor) and counts.shape == (ws,)
+                and not counts.is_floating_point()):
+            got = (f"{counts.dtype} of shape {tuple(counts.shape)}"
+                   if isinstance(counts, torch.Tensor) else type(counts).__name__)
+            raise TypeError(f"{self.describe()} takes the rows to send to each rank as an "
+                            f"integer tensor of shape ({ws},), got {got}")
+        if not shape:
+            raise ValueError(f"{self.describe()} got a 0-d input; it sends rows (dim 0)")
+        return (-1, *shape[1:])  # the rows received: known once the counts are exchanged
+
+    def forward_args(self, input, params, extra_inputs, ctxs):
+        return AllToAllForwardArgs(input, extra_inputs[0], self.group)
+
+    @classmethod
+    def forward_compute(cls, args, *, in_custom_op=False):
+        send = args.send_counts.tolist()
+        if sum(send) != args.input.shape[0] or min(send) < 0:
+            raise ValueError(f"AllToAll: the send counts {send} must be non-negative and add "
+                             f"up to the input's {args.input.shape[0]} rows")
+        recv_counts = parallel.exchange_counts(args.send_counts, args.group)
+        y = parallel.all_to_all(args.input, send, recv_counts.tolist(), args.group)
+        return ForwardResult(y, (), (recv_counts,))
+
+    @classmethod
+    def forward_fake(cls, args, *, in_custom_op=False):
+        raise NotImplementedError("AllToAll does not compile yet (its output's row count "
+                                  "depends on the routing): run the expert-parallel layer "
+                                  "eagerly, e.g. under torch.compiler.disable")
+
+    def save_for_backward(self, args, result, ctxs):
+        if ctxs[0].needs.input:
+            ctxs[0].saved = AllToAllSaved(args.send_counts, result.aux[0])
+
+    def backward_args(self, grad_output, grad_extra_outputs, ctxs):
+        saved = ctxs[0].saved
+        return AllToAllBackwardArgs(grad_output, saved.send_counts, saved.recv_counts,
+                                    self.group, ctxs[0].needs.input)
+
+    @classmethod
+    def backward_compute(cls, args, *, in_custom_op=False):
+        if not args.need_grad_input:
+            return BackwardResult(None, (), (None,))
+        dx = parallel.all_to_all(args.grad_output, args.recv_counts.tolist(),
+                                 args.send_counts.tolist(), args.group)
+        return BackwardResult(dx, (), (None,))
+
+    @classmethod
+    def example(cls):
+        """Needs torch.distributed: the test matrices run it in a group of one."""
+        return Example((cls(),), (4, 16), extra_input_values=(torch.tensor([4]),), fp8=False)
