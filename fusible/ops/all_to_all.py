@@ -49,8 +49,9 @@ class AllToAll(Collective):
     small all-to-all), and both are read on the host, as an all-to-all's sizes must be
     (a host synchronisation per call, as in every MoE framework's dispatch). Backward: the
     gradients go back the way the rows came. Eager only for now: the output's row count
-    depends on the routing (a compiled graph would need it symbolic); under
-    ``torch.compile`` an error says so.
+    depends on the routing (a compiled graph would need it symbolic); plans mark its
+    stages EAGER ONLY, and a compiled model breaks the graph there (an error with
+    ``fullgraph=True``).
 
     Parameters
     ----------
@@ -95,11 +96,9 @@ class AllToAll(Collective):
         y = parallel.all_to_all(args.input, send, recv_counts.tolist(), args.group)
         return ForwardResult(y, (), (recv_counts,))
 
-    @classmethod
-    def forward_fake(cls, args, *, in_custom_op=False):
-        raise NotImplementedError("AllToAll does not compile yet (its output's row count "
-                                  "depends on the routing): run the expert-parallel layer "
-                                  "eagerly, e.g. under torch.compiler.disable")
+    def compile_unsupported_reason(self, direction):
+        return ("its output's row count depends on the routing, which a compiled graph "
+                "would need symbolic (not yet)")
 
     def save_for_backward(self, args, result, ctxs):
         if ctxs[0].needs.input:
