@@ -506,3 +506,61 @@ _BATCHED_CAST_SCRIPT = textwrap.dedent("""
 
 def test_batched_fp8_cast_triton_scales_and_layouts():
     _run_interpreted(_BATCHED_CAST_SCRIPT)
+
+
+# The FP8 casts' bits are checked on the GPU (tests/test_cuda.py); here the values against
+# the FP64 PyTorch path, the row sums, odd shapes, interleaving and the clamps.
+_SCALED_GLU_SCRIPT = textwrap.dedent("""
+    import torch
+    from fusible.functional.activations import scaled_glu_backward, scaled_glu_forward
+    from fusible.kernels.scaled_glu import (scaled_glu_backward_triton,
+                                            scaled_glu_forward_triton)
+    from fusible.kernels.swiglu import KINDS
+    from fusible.testing import assert_close
+    torch.manual_seed(0)
+    cases = [(kind, 0, None) for kind in KINDS if kind not in ("clamped_swiglu", "situ_glu")]
+    cases += [("clamped_swiglu", 1, (1.0, 1.702, 1.0)), ("situ_glu", 2, (1.5, 0.75, 0.25))]
+    for dtype in (torch.float32, torch.bfloat16):
+        for kind, interleave, clamp in cases:
+            layout = dict(kind=kind, interleave=interleave)
+            if clamp:
+                layout["clamp"] = clamp
+            for shape in ((7, 72), (3, 5, 40)):
+                x = torch.randn(shape).to(dtype)
+                dy = torch.randn(*shape[:-1], shape[-1] // 2).to(dtype)
+                s = torch.rand(shape[:-1]).to(dtype)
+                what = f"{layout} {dtype} {shape}"
+                y = scaled_glu_forward_triton(x, s, block_m=4, block_n=16, **layout)
+                assert_close(y, scaled_glu_forward(x=x.double(), scales=s.double(), **layout),
+                             dtype, what)
+                for need in ((True, True), (True, False), (False, True)):
+                    dx, ds = scaled_glu_backward_triton(dy, x, s, *need, block_m=4,
+                                                        block_n=16, **layout)
+                    rdx, rds = scaled_glu_backward(grad_output=dy.double(), x=x.double(),
+                                                   scales=s.double(), need_grad_input=need[0],
+                                                   need_grad_scales=need[1], **layout)
+                    assert (dx is None) == (not need[0]) and (ds is None) == (not need[1])
+                    if need[0]:
+                        assert_close(dx, rdx, dtype, f"{what} dx")
+                    if need[1]:  # a sum over the row: about sqrt(N) roundings' worth
+                        assert_close(ds, rds, dtype, f"{what} ds", scale=4)
+                parts = scaled_glu_forward_triton(x, s, (torch.float8_e4m3fn, 448.0, True),
+                                                  block_m=4, block_n=16, **layout)
+                data, scale_inv, transpose = parts
+                assert data.shape == y.shape and transpose.shape == (y.shape[-1], y.numel() //
+                                                                     y.shape[-1])
+                assert torch.allclose(scale_inv, y.float().abs().max() / 448.0, rtol=1e-6)
+                (g_data, g_scale_inv, g_t), _ = scaled_glu_backward_triton(
+                    dy, x, s, True, False, (torch.float8_e4m3fn, 448.0, True), block_m=4,
+                    block_n=16, **layout)
+                assert g_data.shape == x.shape and g_t.shape == (x.shape[-1], x.numel() //
+                                                                 x.shape[-1])
+                dx, _ = scaled_glu_backward_triton(dy, x, s, True, False, block_m=4,
+                                                   block_n=16, **layout)
+                assert torch.allclose(g_scale_inv, dx.float().abs().max() / 448.0, rtol=1e-6)
+    print("ok")
+""")
+
+
+def test_scaled_glu_triton_matches_pytorch():
+    _run_interpreted(_SCALED_GLU_SCRIPT)

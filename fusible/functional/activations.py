@@ -11,6 +11,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from fusible.functional.linear import bias_grad
 from fusible.kernels import activation_cast
 from fusible.kernels import dact_dbias as kernels
+from fusible.kernels import scaled_glu as scaled_kernels
 from fusible.kernels import swiglu as swiglu_kernels
 from fusible.kernels.swiglu import CLAMP_DEFAULTS
 from fusible.kernels import triton_can_run
@@ -183,10 +184,18 @@ def _glu_input_grad(kind: str, dy: Tensor, x: Tensor, interleave: int, clamp: tu
 
 
 def scaled_glu_forward(kind: str, x: Tensor, scales: Tensor, interleave: int = 0,
-                       clamp: tuple = CLAMP_DEFAULTS) -> Tensor:
+                       clamp: tuple = CLAMP_DEFAULTS,
+                       output_format: Optional[Float8Format] = None):
     """``glu(x) * scales[..., None]`` (``scales``: ``x.shape[:-1]``, a mixture of experts'
-    router weights), computed in float32 for 16-bit inputs and rounded once (PyTorch ops
-    on every device)."""
+    router weights), computed in float32 for 16-bit inputs and rounded once. On CUDA one
+    Triton kernel (with ``output_format``, the result as that Float8Tensor, never written
+    in high precision); elsewhere PyTorch ops and a high-precision result."""
+    if triton_can_run(x, scales):
+        layout = dict(kind=kind, interleave=interleave, clamp=clamp)
+        if output_format is not None and x.numel():
+            return from_cast_parts(scaled_kernels.scaled_glu_forward_triton(
+                x, scales, output_format.cast_args(), **layout), x.dtype)
+        return scaled_kernels.scaled_glu_forward_triton(x, scales, **layout)
     swiglu_kernels.check_halves(x, kind, interleave)
     value = _glu_value(kind, x, interleave, clamp)
     return (value * scales.to(value.dtype).unsqueeze(-1)).to(x.dtype)
@@ -194,11 +203,22 @@ def scaled_glu_forward(kind: str, x: Tensor, scales: Tensor, interleave: int = 0
 
 def scaled_glu_backward(kind: str, grad_output: Tensor, x: Tensor, scales: Tensor,
                         need_grad_input: bool, need_grad_scales: bool, interleave: int = 0,
-                        clamp: tuple = CLAMP_DEFAULTS) -> tuple:
+                        clamp: tuple = CLAMP_DEFAULTS,
+                        output_format: Optional[Float8Format] = None) -> tuple:
     """``(dx, dscales)`` of :func:`scaled_glu_forward` (None where not needed):
     ``dx = glu'(x)(dy * s)``, ``dscales = sum(dy * glu(x), -1)``, each rounded once to
     ``x``'s dtype (the scales': the op requires both the same). ``scales`` may be None
-    where ``dx`` is not needed."""
+    where ``dx`` is not needed. On CUDA one Triton kernel (``output_format``: ``dx`` as
+    that Float8Tensor; the sum in float32 in column order), elsewhere PyTorch ops."""
+    if triton_can_run(grad_output, x) and (scales is None or triton_can_run(scales)):
+        layout = dict(kind=kind, interleave=interleave, clamp=clamp)
+        s = scales if scales is not None else x.new_empty(x.shape[:-1])  # unread
+        fmt = output_format.cast_args() if output_format is not None and x.numel() else None
+        dx, ds = scaled_kernels.scaled_glu_backward_triton(
+            grad_output, x, s, need_grad_input, need_grad_scales, fmt, **layout)
+        if fmt is not None and dx is not None:
+            dx = from_cast_parts(dx, grad_output.dtype)
+        return dx, ds
     dy = grad_output.to(compute_dtype(x.dtype))
     dx = ds = None
     if need_grad_input:

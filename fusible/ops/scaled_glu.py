@@ -52,15 +52,17 @@ class ScaledUnit:
     """The scaled form of a gated unit (mixed in before it): ``y = unit(x) * scales[...,
     None]``, ``model(x, scales)`` with ``scales`` of shape ``x.shape[:-1]`` in ``x``'s dtype;
     the scales' gradient is ``sum(dy * unit(x), -1)``. Computed in float32 for 16-bit
-    inputs, rounded once; PyTorch ops on every device (no fused kernel yet); under an FP8
-    recipe the output is quantized after the stage. Not with ``cache_quantized_input``.
+    inputs, rounded once: on CUDA one Triton kernel each way (the scales' gradient summed
+    in the backward's walk over each row), with the FP8 cast of the output (or of the
+    input gradient) fused when the next (previous) GEMM takes it in FP8; elsewhere
+    PyTorch ops. Not with ``cache_quantized_input``.
     """
 
     num_extra_inputs = 1
     fwd_args_type = ScaledGLUForwardArgs
     bwd_args_type = ScaledGLUBackwardArgs
     saved_type = ScaledGLUSaved
-    quantizes_own_output = False
+    quantizes_own_output = True
 
     def __init__(self, **options):
         if options.get("cache_quantized_input"):
@@ -85,9 +87,9 @@ class ScaledUnit:
                                     self.glu_interleave_size or 0, self.clamp())
 
     @classmethod
-    def forward_compute(cls, args, *, in_custom_op=False):
+    def forward_compute(cls, args, *, in_custom_op=False, output_format=None):
         return ForwardResult(scaled_glu_forward(args.kind, args.input, args.scales,
-                                                args.interleave, args.clamp))
+                                                args.interleave, args.clamp, output_format))
 
     def save_for_backward(self, args, result, ctxs):
         needs = ctxs[0].needs
@@ -101,10 +103,10 @@ class ScaledUnit:
                                      needs.extra_inputs[0])
 
     @classmethod
-    def backward_compute(cls, args, *, in_custom_op=False):
+    def backward_compute(cls, args, *, in_custom_op=False, output_format=None):
         dx, ds = scaled_glu_backward(args.kind, args.grad_output, args.input, args.scales,
                                      args.need_grad_input, args.need_grad_scales,
-                                     args.interleave, args.clamp)
+                                     args.interleave, args.clamp, output_format)
         return BackwardResult(dx, (), (ds,))
 
     def reference(self, x, extra_inputs, params):
