@@ -789,3 +789,31 @@ def test_scaled_glu_kernels_on_gpu():
     want = step(model)
     torch._dynamo.reset()
     assert all(same_bits(a, b) for a, b in zip(step(torch.compile(model, fullgraph=True)), want))
+
+
+@pytest.mark.parametrize("dtype", GPU_DTYPES, ids=str)
+def test_grouped_gemm_triton_on_gpu(dtype):
+    """The Triton grouped GEMMs (GPUs and dtypes torch._grouped_mm does not take) against
+    an FP64 loop over the groups, empty groups included."""
+    from fusible.kernels.grouped_gemm import grouped_mm_triton, grouped_wgrad_triton
+    torch.manual_seed(0)
+    sizes = (5, 0, 130, 61, 0)
+    splits = torch.tensor(sizes, device="cuda")
+    rows, g = sum(sizes), len(sizes)
+    x = torch.randn(rows, 200, device="cuda", dtype=dtype)
+    w = torch.randn(g, 72, 200, device="cuda", dtype=dtype)
+    dy = torch.randn(rows, 72, device="cuda", dtype=dtype)
+    want_y, want_dx = (torch.zeros(rows, 72, dtype=torch.float64),
+                       torch.zeros(rows, 200, dtype=torch.float64))
+    want_dw, start = torch.zeros(g, 72, 200, dtype=torch.float64), 0
+    for i, n in enumerate(sizes):
+        xs, dys, wi = (t.double().cpu() for t in (x[start:start + n], dy[start:start + n], w[i]))
+        want_y[start:start + n], want_dx[start:start + n] = xs @ wi.t(), dys @ wi
+        want_dw[i] = dys.t() @ xs
+        start += n
+    assert_close(grouped_mm_triton(x, w, splits), want_y, dtype, "y", scale=4)
+    assert_close(grouped_mm_triton(dy, w.transpose(-2, -1), splits), want_dx, dtype, "dx",
+                 scale=4)
+    dw = grouped_wgrad_triton(dy, x, splits, g)
+    assert_close(dw, want_dw, dtype, "dw", scale=4)
+    assert not dw[1].any() and not dw[4].any()

@@ -1,14 +1,17 @@
 """Grouped GEMMs: one weight per group (expert), the tokens of each group consecutive, the
 groups' sizes given as a tensor (``splits``), empty groups included.
 
-On Hopper GPUs (bf16, sizes multiple of 8) ``torch._grouped_mm``, which reads the
-sizes on the device (no host synchronisation, so CUDA graphs and changing routings work);
-elsewhere one GEMM per group, which reads them on the host.
+On Hopper GPUs (bf16, sizes multiple of 8) ``torch._grouped_mm``; on other GPUs and
+dtypes Triton grouped GEMMs (``fusible.kernels.grouped_gemm``); both read the sizes on
+the device (no host synchronisation, so CUDA graphs and changing routings work). On the
+CPU one GEMM per group, which reads them on the host.
 """
 
 from __future__ import annotations
 
 import torch
+
+from fusible.kernels import grouped_gemm, triton_can_run
 
 Tensor = torch.Tensor
 
@@ -50,6 +53,8 @@ def grouped_forward(x: Tensor, weight: Tensor, splits: Tensor) -> Tensor:
     """``y[group g's tokens] = x[those tokens] @ weight[g].T``; ``x`` (tokens, in)."""
     if weight.dtype == x.dtype and grouped_mm_available(x, *weight.shape[-2:]):
         return torch._grouped_mm(x, weight.transpose(-2, -1), offs=_offsets(splits))
+    if weight.dtype == x.dtype and triton_can_run(x, weight):
+        return grouped_gemm.grouped_mm_triton(x, weight, splits)
     y = x.new_empty((x.shape[0], weight.shape[-2]))
     for g, (lo, hi) in enumerate(_ranges(splits)):
         torch.mm(x[lo:hi], weight[g].t(), out=y[lo:hi])
@@ -67,6 +72,8 @@ def grouped_wgrad(dy: Tensor, x: Tensor, splits: Tensor, num_groups: int) -> Ten
     group), shape (groups, out, in)."""
     if x.dtype == dy.dtype and grouped_mm_available(x, dy.shape[-1], x.shape[-1]):
         return torch._grouped_mm(dy.t(), x, offs=_offsets(splits))
+    if x.dtype == dy.dtype and triton_can_run(dy, x):
+        return grouped_gemm.grouped_wgrad_triton(dy, x, splits, num_groups)
     dw = dy.new_empty((num_groups, dy.shape[-1], x.shape[-1]))
     for g, (lo, hi) in enumerate(_ranges(splits)):
         torch.mm(dy[lo:hi].t(), x[lo:hi], out=dw[g])
