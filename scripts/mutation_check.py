@@ -206,9 +206,34 @@ CURATED = [
        "            torch.mm(dy[lo:hi].t(), x[lo:hi], out=dw[g])",
        "an expert without tokens gets an uninitialised weight gradient instead of zeros"),
     _m("unpermute_ignores_capacity_drops", "fusible/moe.py",
-       "        y = torch.cat([y, y.new_zeros((1, y.shape[-1]))])[routing.slot]",
-       "        y = torch.cat([y, y[-1:]])[routing.slot]",
+       "        rows = torch.cat([y, y.new_zeros((1, y.shape[-1]))])",
+       "        rows = torch.cat([y, y[-1:]])",
        "a copy dropped by the capacity gets another row's output instead of nothing"),
+    _m("grouped_fp8_one_weight_scale", "fusible/functional/grouped_fp8.py",
+       "    return torch.linalg.vector_norm(weight.reshape(weight.shape[0], -1), "
+       "float(\"inf\"), dim=1,\n                                    dtype=torch.float32)",
+       "    return torch.linalg.vector_norm(weight.reshape(1, -1), float(\"inf\"), dim=1,\n"
+       "                                    dtype=torch.float32).expand(weight.shape[0])",
+       "FP8 grouped GEMMs scale all the experts' weights by one scale, not each its own"),
+    _m("grouped_fp8_unaligned_wgrad_unchecked", "fusible/ops/grouped_linear.py",
+       "        check_aligned_splits(args.splits, \"GroupedLinear\")\n", "",
+       "the FP8 weight gradient runs on groups the GPU kernel cannot take (a device assert "
+       "there), without the error that says how to align them"),
+    _m("gather_rows_backward_by_forward_index", "fusible/moe.py",
+       "        ctx.save_for_backward(back)\n", "        ctx.save_for_backward(index)\n",
+       "the routing gathers send their gradients back by the forward index, not its inverse"),
+    _m("align_loses_spare_rows", "fusible/moe.py",
+       "    spare[-1] = rows - padded.sum()", "    spare[-1] = 0",
+       "aligned routing's splits miss the spare rows: they no longer add up to the rows"),
+    _m("all_to_all_backward_same_way", "fusible/ops/all_to_all.py",
+       "        dx = parallel.all_to_all(args.grad_output, args.recv_counts.tolist(),\n"
+       "                                 args.send_counts.tolist(), args.group)",
+       "        dx = parallel.all_to_all(args.grad_output, args.send_counts.tolist(),\n"
+       "                                 args.recv_counts.tolist(), args.group)",
+       "the expert-parallel dispatch sends gradients back with the forward's counts"),
+    _m("scaled_glu_kernel_dx_unscaled", "fusible/kernels/scaled_glu.py",
+       "da, db = _swiglu_grads(dy * s[:, None], a, b,", "da, db = _swiglu_grads(dy, a, b,",
+       "the scaled unit's Triton backward forgets the router weight in the input gradient"),
 ]
 
 # Bugs nobody tuned the tests for (the "fresh" set): picked from the library's source

@@ -84,7 +84,7 @@ def test_tensor_parallel_nccl():
 def _report(results):
     report = failure_report(results)
     assert not report, report
-    assert [len(outcomes) for outcomes in results] == [51] * len(results)
+    assert [len(outcomes) for outcomes in results] == [54] * len(results)
 
 
 def test_a_rank_that_fails_alone_stops_every_rank_at_once():
