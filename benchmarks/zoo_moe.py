@@ -14,7 +14,10 @@ it; the rows differ only in how the experts run:
   imports;
 - ``fusible_bf16_eager`` / ``_compile``, ``fusible_fp8_eager`` / ``_compile``:
   ``ops.Sequential(GroupedLinear, SwiGLU, GroupedLinear)``, FP8 under
-  ``fusible.autocast()``.
+  ``fusible.autocast()``;
+- on request (``--rows``), ``fusible_scaled_{bf16,fp8}_{eager,compile}``: the router's
+  weights applied inside the experts by ``ScaledSwiGLU`` (``moe.sorted_weights``), the
+  combine an unweighted sum.
 
 Layers: DeepSeek-V3-like (64 experts of FF=2048, H=4096, top-6) and Mixtral-like
 (8 experts of FF=14336, top-2), 8192 tokens. Results go to a JSON file row by row.
@@ -76,15 +79,26 @@ class GroupedMMExperts(LoopExperts):
 
 
 class FusibleExperts(nn.Module):
+    scaled = False
+
     def __init__(self, w13, w2):
         super().__init__()
         e, ff2, h = w13.shape
-        self.seq = ops.Sequential(ops.GroupedLinear(e, h, ff2), ops.SwiGLU(),
+        gate = ops.ScaledSwiGLU() if self.scaled else ops.SwiGLU()
+        self.seq = ops.Sequential(ops.GroupedLinear(e, h, ff2), gate,
                                   ops.GroupedLinear(e, ff2 // 2, h))
         self.seq[0].weight, self.seq[2].weight = w13, w2
 
-    def forward(self, x, splits):
+    def forward(self, x, splits, scales=None):
+        if self.scaled:
+            return self.seq(x, splits, scales, splits)
         return self.seq(x, splits, splits)
+
+
+class ScaledFusibleExperts(FusibleExperts):
+    """The router's weights applied inside the experts (ScaledSwiGLU)."""
+
+    scaled = True
 
 
 class MoELayer(nn.Module):
@@ -95,6 +109,9 @@ class MoELayer(nn.Module):
     def forward(self, x):
         experts, weights = moe.route_top_k(self.router(x), self.k)
         copies, routing = moe.permute_tokens(x, experts, self.router.out_features, align=16)
+        if getattr(self.experts, "scaled", False):
+            scales = moe.sorted_weights(weights, routing)
+            return moe.unpermute_tokens(self.experts(copies, routing.splits, scales), routing)
         return moe.unpermute_tokens(self.experts(copies, routing.splits), routing, weights)
 
 
@@ -117,6 +134,8 @@ def build_row(row: str, hidden: int, ffn: int, num_experts: int, k: int) -> tupl
         experts = GroupedMMExperts(w13, w2, lambda a, b, offs: (
             _to_fp8_rowwise_then_scaled_grouped_mm(a, b, offs,
                                                    pad_token_groups_for_grouped_mm=False)))
+    elif "_scaled_" in row:
+        experts = ScaledFusibleExperts(w13, w2)
     else:
         experts = FusibleExperts(w13, w2)
     return MoELayer(router, experts, k), mode, context
