@@ -216,13 +216,13 @@ def sorted_weights(weights: Tensor, routing: Routing) -> Tensor:
 
 class ExpertParallel(NamedTuple):
     """An expert-parallel layer's counts and permutations (:func:`expert_parallel`), the
-    extra inputs of its Sequential ``AllToAll, PermuteRows, <experts>, PermuteRows,
-    AllToAll`` in :meth:`inputs`.
+    extra inputs of its Sequential in :meth:`inputs`.
 
     Attributes
     ----------
-    send_counts : Tensor
-        (world size,): the rows this rank sends to each rank (the dispatch's counts).
+    send_counts : Tensor or None
+        (world size,): the rows this rank sends to each rank (the dispatch's counts); None
+        with a capacity (equal shares: ``ops.AllToAllEqual``).
     regroup : Tensor
         The received rows (by source rank, then local expert) by local expert, then source
         rank: what the local experts read.
@@ -230,47 +230,70 @@ class ExpertParallel(NamedTuple):
         (local experts,): each local expert's rows, what its GroupedLinear layers take.
     ungroup : Tensor
         ``regroup``'s inverse: the experts' output rows back by source rank.
-    recv_counts : Tensor
-        (world size,): the rows received from each rank, sent back by the combine.
+    recv_counts : Tensor or None
+        (world size,): the rows received from each rank, sent back by the combine; None
+        with a capacity.
     """
 
-    send_counts: Tensor
+    send_counts: Optional[Tensor]
     regroup: Tensor
     local_splits: Tensor
     ungroup: Tensor
-    recv_counts: Tensor
+    recv_counts: Optional[Tensor]
 
     def inputs(self, grouped_layers: int = 2) -> tuple:
         """The extra inputs in the order the Sequential ``AllToAll, PermuteRows,
         <grouped_layers GroupedLinear layers and ops without extra inputs>, PermuteRows,
-        AllToAll`` reads them."""
-        return (self.send_counts, self.regroup, *([self.local_splits] * grouped_layers),
-                self.ungroup, self.recv_counts)
+        AllToAll`` reads them (with a capacity, ``AllToAllEqual``, which reads none)."""
+        counts = self.send_counts is not None
+        return ((self.send_counts,) if counts else ()) + (
+            self.regroup, *([self.local_splits] * grouped_layers), self.ungroup) + (
+            (self.recv_counts,) if counts else ())
 
 
-def expert_parallel(splits: Tensor, process_group=None) -> ExpertParallel:
+def expert_parallel(splits: Tensor, process_group=None, *, capacity: int = 0
+                    ) -> ExpertParallel:
     """The counts and permutations that run ``splits.numel()`` experts split over the
     ranks of ``process_group`` (rank ``r`` holds experts ``r * E / W`` to ``(r + 1) * E / W
     - 1``): ``splits`` is this rank's rows per expert (``permute_tokens``'s
     ``routing.splits``, its rows sorted by expert, so the rows for each rank are
-    consecutive). The ranks exchange their counts (a small all-to-all); the row total is
-    read on the host, as the all-to-all's sizes are anyway. With ``align`` in
-    ``permute_tokens`` every local expert's rows stay a multiple of it.
+    consecutive).
+
+    Dropless (``capacity=0``): the ranks exchange their counts (a small all-to-all) and
+    the row total is read on the host, as the all-to-all's sizes are anyway; the layer's
+    all-to-alls are ``ops.AllToAll``. With ``align`` in ``permute_tokens`` every local
+    expert's rows stay a multiple of it. With a capacity (``routing.capacity``: every
+    expert gets that many rows from every rank) nothing is exchanged or read on the host:
+    the layer uses ``ops.AllToAllEqual``, and compiles.
 
     Raises ValueError unless the experts divide evenly over the ranks.
     """
-    group = parallel.group_config("expert_parallel", "", False, process_group)
-    ranks, experts = group.world_size, splits.numel()
+    parallel.resolve_group("expert_parallel", process_group)  # an error if none
+    # the world size alone (dynamo traces it; the group's record is for the eager path)
+    ranks, experts = torch.distributed.get_world_size(process_group), splits.numel()
     if experts % ranks:
         raise ValueError(f"expert_parallel: {experts} experts do not divide over "
                          f"{ranks} ranks")
-    sent = splits.reshape(ranks, experts // ranks).contiguous()
+    local = experts // ranks
+    if capacity:
+        received = torch.full((ranks, local), capacity, dtype=splits.dtype,
+                              device=splits.device)
+        regroup, ungroup = _regroup(received, ranks * local * capacity)
+        return ExpertParallel(None, regroup, received.sum(0), ungroup, None)
+    group = parallel.group_config("expert_parallel", "", False, process_group)
+    sent = splits.reshape(ranks, local).contiguous()
     received = parallel.exchange_counts(sent, group)  # [source rank, local expert]
+    regroup, ungroup = _regroup(received, int(received.sum()))
+    return ExpertParallel(sent.sum(1), regroup, received.sum(0), ungroup, received.sum(1))
+
+
+def _regroup(received: Tensor, total: int) -> tuple:
+    """``(regroup, ungroup)``: the permutation from rows in blocks by (source rank, local
+    expert), ``received[s, e]`` rows each, to blocks by (local expert, source rank), and
+    its inverse."""
     starts = (torch.cumsum(received.reshape(-1), 0) - received.reshape(-1)).view_as(received)
     lengths = received.t().reshape(-1)  # by local expert, then source rank
-    total = int(lengths.sum())
     shift = starts.t().reshape(-1) - (torch.cumsum(lengths, 0) - lengths)
     regroup = torch.repeat_interleave(shift, lengths, output_size=total) \
-        + torch.arange(total, device=splits.device)
-    return ExpertParallel(sent.sum(1), regroup, received.sum(0), _inverse(regroup, total),
-                          received.sum(1))
+        + torch.arange(total, device=received.device)
+    return regroup, _inverse(regroup, total)

@@ -89,3 +89,53 @@ def _check_expert_parallel_plan(rank, ws):
             error
     else:
         raise AssertionError("a compiled AllToAll ran")
+
+
+def _check_expert_parallel_capacity(rank, ws):
+    """With a capacity: equal all-to-alls (AllToAllEqual), no counts exchanged; the same
+    results as the whole layer, and the whole MoE layer compiled in one graph, bit for bit
+    eager, without recompiling for a new routing."""
+    from torch._dynamo.testing import CompileCounter
+    full = _experts(EXPERTS).to(DEVICE[0], torch.float64)
+    local = EXPERTS // ws
+    mine = slice(rank * local, (rank + 1) * local)
+    ep = ops.Sequential(ops.AllToAllEqual(), ops.PermuteRows(), *_experts(local),
+                        ops.PermuteRows(), ops.AllToAllEqual()).to(DEVICE[0], torch.float64)
+    g = torch.Generator().manual_seed(6)
+    with torch.no_grad():
+        for layer in (full[0], full[2]):
+            layer.weight.copy_(exact_tensor(tuple(layer.weight.shape), torch.float64,
+                                            generator=g))
+        ep[2].weight.copy_(full[0].weight[mine])
+        ep[4].weight.copy_(full[2].weight[mine])
+
+    def layer(experts_seq, x, logits, parallel):
+        chosen, weights = moe.route_top_k(logits, K)
+        rows, routing = moe.permute_tokens(x, chosen, EXPERTS, capacity_factor=0.75)
+        inputs = (moe.expert_parallel(routing.splits, capacity=routing.capacity).inputs()
+                  if parallel else (routing.splits, routing.splits))
+        return moe.unpermute_tokens(experts_seq(rows, *inputs), routing, weights)
+
+    counter = CompileCounter()
+    compiled = torch.compile(layer, fullgraph=True, backend=counter)
+    for step in range(2):  # two routings
+        g = torch.Generator().manual_seed(200 + 10 * step + rank)
+        x0 = exact_tensor((TOKENS, HIDDEN), torch.float64, generator=g).to(DEVICE[0])
+        logits = torch.randn(TOKENS, EXPERTS, generator=g, dtype=torch.float64).to(DEVICE[0])
+        results = []
+        for run, seq, parallel in ((layer, full, False), (layer, ep, True),
+                                   (compiled, ep, True)):
+            x = x0.clone().requires_grad_()
+            y = run(seq, x, logits, parallel)
+            y.backward(torch.ones_like(y))
+            first, second = (seq[2], seq[4]) if parallel else (seq[0], seq[2])
+            results.append([y, x.grad, first.weight.grad.clone(), second.weight.grad.clone()])
+            seq.zero_grad(set_to_none=True)
+        (y, dx, dw1, dw2), eager, graph = results
+        dist.all_reduce(dw1)
+        dist.all_reduce(dw2)
+        for name, a, b in zip(("y", "dx", "dw13", "dw2"), eager, (y, dx, dw1[mine], dw2[mine])):
+            torch.testing.assert_close(a.cpu(), b.cpu(), rtol=1e-12, atol=1e-12,
+                                       msg=lambda m: f"{name}: {m}")
+        assert all(torch.equal(a, b) for a, b in zip(graph, eager))
+    assert counter.frame_count == 1, counter.frame_count

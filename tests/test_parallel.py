@@ -20,7 +20,8 @@ from parallel_ops import (_check_all_gather_then_column, _check_collectives,
                           _check_recompute_norm_before_column, _check_size_errors,
                           _check_state_dict_from_torch, one_rank_fails_cases,
                           one_rank_hangs_cases)
-from parallel_moe import _check_expert_parallel, _check_expert_parallel_plan
+from parallel_moe import (_check_expert_parallel, _check_expert_parallel_capacity,
+                          _check_expert_parallel_plan)
 
 
 def parallel_cases(rank, ws, device="cpu"):
@@ -42,7 +43,8 @@ def parallel_cases(rank, ws, device="cpu"):
                  rank, ws),
              "expert parallel": lambda: _check_expert_parallel(rank, ws),
              "expert parallel fp8": lambda: _check_expert_parallel(rank, ws, fp8=True),
-             "expert parallel plan": lambda: _check_expert_parallel_plan(rank, ws)}
+             "expert parallel plan": lambda: _check_expert_parallel_plan(rank, ws),
+             "expert parallel capacity": lambda: _check_expert_parallel_capacity(rank, ws)}
     for mode in ("column", "row"):
         for sp in (False, True):
             for bias in (False, True):
@@ -84,7 +86,7 @@ def test_tensor_parallel_nccl():
 def _report(results):
     report = failure_report(results)
     assert not report, report
-    assert [len(outcomes) for outcomes in results] == [54] * len(results)
+    assert [len(outcomes) for outcomes in results] == [55] * len(results)
 
 
 def test_a_rank_that_fails_alone_stops_every_rank_at_once():

@@ -6,7 +6,7 @@ from fusible.core.results import BackwardResult, ForwardResult
 from fusible.module import BasicOperation, FusibleOperation, Sequential
 from fusible.ops.add_extra_input import AddExtraInput
 from fusible.ops.all_gather import AllGather
-from fusible.ops.all_to_all import AllToAll
+from fusible.ops.all_to_all import AllToAll, AllToAllEqual
 from fusible.ops.all_reduce import AllReduce
 from fusible.ops.basic_linear import BasicLinear
 from fusible.ops.bias import Bias
@@ -34,8 +34,8 @@ from fusible.ops.srelu import SReLU
 from fusible.ops.swiglu import ClampedSwiGLU, SiTUGLU, SwiGLU
 
 __all__ = [
-    "AddExtraInput", "AllGather", "AllReduce", "AllToAll", "BackwardResult", "BasicLinear",
-    "BasicOperation", "Bias", "ClampedSwiGLU", "ConstantScale", "Dropout", "ForwardResult",
+    "AddExtraInput", "AllGather", "AllReduce", "AllToAll", "AllToAllEqual", "BackwardResult",
+    "BasicLinear", "BasicOperation", "Bias", "ClampedSwiGLU", "ConstantScale", "Dropout", "ForwardResult",
     "FusedOperation", "FusibleOperation", "GEGLU", "GELU", "GLU", "GroupedLinear", "Identity",
     "L2Normalization", "LayerNorm", "Linear", "MakeExtraOutput", "OperationContext",
     "PermuteRows", "QGEGLU", "QGELU", "Quantize", "RMSNorm", "ReGLU", "ReLU", "ReduceScatter", "Reshape", "SReGLU",

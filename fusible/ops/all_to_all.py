@@ -121,3 +121,43 @@ class AllToAll(Collective):
     def example(cls):
         """Needs torch.distributed: the test matrices run it in a group of one."""
         return Example((cls(),), (4, 16), extra_input_values=(torch.tensor([4]),), fp8=False)
+
+
+class AllToAllEqual(Collective):
+    """Send an equal share of the input's rows to every rank (the first ``rows / world_size``
+    to rank 0, ...); the output is the shares every rank sent this one, in rank order, as
+    many rows as the input. Backward: the same exchange of the gradients, which sends each
+    share back.
+
+    No counts, so no host synchronisation and static shapes: it compiles (one custom op,
+    no graph break) and suits CUDA graphs. In an expert-parallel layer with a capacity
+    (``fusible.moe.permute_tokens(..., capacity_factor=...)``, every expert the same rows)
+    it dispatches and combines the tokens (:func:`fusible.moe.expert_parallel`).
+
+    Parameters
+    ----------
+    process_group : torch.distributed.ProcessGroup, optional
+        The group; the default group when None.
+    """
+
+    forward_collective = "all-to-all (equal)"
+    backward_collective = "all-to-all (equal)"
+
+    def validate(self, shape, dtype, device, extra_inputs=()):
+        self._check_rows(shape)
+        return tuple(shape)
+
+    @classmethod
+    def forward_compute(cls, args, *, in_custom_op=False):
+        return ForwardResult(_exchange_equal(args.input, args.group))
+
+    @classmethod
+    def backward_compute(cls, args, *, in_custom_op=False):
+        if not args.need_grad_input:
+            return BackwardResult(None)
+        return BackwardResult(_exchange_equal(args.grad_output, args.group))
+
+
+def _exchange_equal(x: Tensor, group: TensorParallel) -> Tensor:
+    share = [x.shape[0] // group.world_size] * group.world_size
+    return parallel.all_to_all(x, share, share, group)
