@@ -35,10 +35,11 @@ from fusible.ops.swiglu import ClampedSwiGLU, SiTUGLU, SwiGLU
 
 __all__ = [
     "AddExtraInput", "AllGather", "AllReduce", "AllToAll", "AllToAllEqual", "BackwardResult",
-    "BasicLinear", "BasicOperation", "Bias", "ClampedSwiGLU", "ConstantScale", "Dropout", "ForwardResult",
-    "FusedOperation", "FusibleOperation", "GEGLU", "GELU", "GLU", "GroupedLinear", "Identity",
-    "L2Normalization", "LayerNorm", "Linear", "MakeExtraOutput", "OperationContext",
-    "PermuteRows", "QGEGLU", "QGELU", "Quantize", "RMSNorm", "ReGLU", "ReLU", "ReduceScatter", "Reshape", "SReGLU",
-    "SReLU", "ScaledClampedSwiGLU", "ScaledGEGLU", "ScaledGLU", "ScaledQGEGLU", "ScaledReGLU",
-    "ScaledSReGLU", "ScaledSiTUGLU", "ScaledSwiGLU", "Sequential", "SiLU", "SiTUGLU", "SwiGLU",
+    "BasicLinear", "BasicOperation", "Bias", "ClampedSwiGLU", "ConstantScale", "Dropout",
+    "ForwardResult", "FusedOperation", "FusibleOperation", "GEGLU", "GELU", "GLU", "GroupedLinear",
+    "Identity", "L2Normalization", "LayerNorm", "Linear", "MakeExtraOutput", "OperationContext",
+    "PermuteRows", "QGEGLU", "QGELU", "Quantize", "RMSNorm", "ReGLU", "ReLU", "ReduceScatter",
+    "Reshape", "SReGLU", "SReLU", "ScaledClampedSwiGLU", "ScaledGEGLU", "ScaledGLU",
+    "ScaledQGEGLU", "ScaledReGLU", "ScaledSReGLU", "ScaledSiTUGLU", "ScaledSwiGLU", "Sequential",
+    "SiLU", "SiTUGLU", "SwiGLU",
 ]
