@@ -2,8 +2,10 @@
 token; the experts run as two GroupedLinear ops over the tokens sorted by expert.
 
 It checks itself against the same layer written as a loop over ``nn.Linear`` experts (the
-same weights, converted with ``GroupedLinear.to_linears``), then trains a few steps eagerly
-and compiled (one compilation, whatever the routing):
+same weights, converted with ``GroupedLinear.to_linears``), trains a few steps eagerly and
+compiled (one compilation, whatever the routing), then a few with FP8 grouped GEMMs
+(``fusible.autocast()``; each expert's rows padded to a multiple of 16, as their weight
+gradients need):
 
     python examples/moe.py
 """
@@ -19,9 +21,9 @@ from fusible import moe, ops
 class MoEFeedForward(nn.Module):
     """``sum_j w_j * expert_j(x)`` over each token's top-``k`` experts."""
 
-    def __init__(self, hidden: int, ffn: int, num_experts: int, k: int):
+    def __init__(self, hidden: int, ffn: int, num_experts: int, k: int, align: int = 1):
         super().__init__()
-        self.k, self.num_experts = k, num_experts
+        self.k, self.num_experts, self.align = k, num_experts, align
         self.router = nn.Linear(hidden, num_experts, bias=False)
         self.experts = ops.Sequential(ops.GroupedLinear(num_experts, hidden, 2 * ffn),
                                       ops.SwiGLU(),
@@ -29,7 +31,7 @@ class MoEFeedForward(nn.Module):
 
     def forward(self, x):
         experts, weights = moe.route_top_k(self.router(x), self.k)
-        copies, routing = moe.permute_tokens(x, experts, self.num_experts)
+        copies, routing = moe.permute_tokens(x, experts, self.num_experts, align=self.align)
         y = self.experts(copies, routing.splits, routing.splits)  # each GroupedLinear's
         return moe.unpermute_tokens(y, routing, weights)
 
@@ -70,6 +72,15 @@ def main() -> None:
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     print(f"graphs compiled over 15 compiled steps with changing routings: {graphs}")
     print(fusible.compile_report(layer, x))
+
+    layer.align = 16  # FP8 weight gradients need every expert's rows a multiple of 16
+    for step in range(5):
+        with fusible.autocast():  # FP8 grouped GEMMs, E4M3, a scale per expert weight
+            loss = F.mse_loss(layer(x), target)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+    print(f"after 5 FP8 steps  loss {loss.item():.4f}")
 
 
 if __name__ == "__main__":
