@@ -17,7 +17,8 @@ it; the rows differ only in how the experts run:
   ``fusible.autocast()``;
 - on request (``--rows``), ``fusible_scaled_{bf16,fp8}_{eager,compile}``: the router's
   weights applied inside the experts by ``ScaledSwiGLU`` (``moe.sorted_weights``), the
-  combine an unweighted sum.
+  combine an unweighted sum; ``fusible_fp8_triton_{eager,compile}``: FP8 through fusible's
+  Triton grouped GEMMs instead of ``torch._scaled_grouped_mm``.
 
 Layers: DeepSeek-V3-like (64 experts of FF=2048, H=4096, top-6) and Mixtral-like
 (8 experts of FF=14336, top-2), 8192 tokens. Results go to a JSON file row by row.
@@ -38,6 +39,7 @@ from torch.profiler import profile as torch_profile
 
 import fusible
 from fusible import moe, ops
+from fusible.functional import grouped_fp8
 from gpu_mlp import make_step, measure, prepare
 
 # (name, hidden, ffn per expert, experts, top-k, tokens)
@@ -118,6 +120,7 @@ class MoELayer(nn.Module):
 def build_row(row: str, hidden: int, ffn: int, num_experts: int, k: int) -> tuple:
     """``(layer, mode, context)``: every row on the same weights (seed 0)."""
     torch.manual_seed(0)
+    grouped_fp8.HOPPER_KERNEL = "triton" if "_triton_" in row else "torch"
     kw = {"device": "cuda", "dtype": torch.bfloat16}
     router = nn.Linear(hidden, num_experts, bias=False, **kw)
     w13 = nn.Parameter(torch.randn(num_experts, 2 * ffn, hidden, **kw) * hidden ** -0.5)

@@ -694,8 +694,9 @@ def test_grouped_linear_on_gpu(monkeypatch):
 
 def test_grouped_fp8_on_gpu(monkeypatch):
     """FP8 SwiGLU experts through torch._scaled_grouped_mm (an empty expert): against the
-    same FP8 operands one torch._scaled_mm per group (forward, dgrad, wgrad), the FP8
-    weight casts' bits against PyTorch's on the CPU, Inductor bitwise eager."""
+    same FP8 operands through the Triton grouped GEMMs and one torch._scaled_mm per group
+    (forward, dgrad, wgrad), the FP8 weight casts' bits against PyTorch's on the CPU,
+    Inductor bitwise eager."""
     import fusible
     from fusible.functional import grouped_fp8
     torch.manual_seed(0)
@@ -731,11 +732,15 @@ def test_grouped_fp8_on_gpu(monkeypatch):
 
     got = step(model)
     assert len(used) == 6  # forward, dgrad, wgrad of both layers
-    monkeypatch.setattr(grouped_fp8, "grouped_fp8_available", lambda *a: False)
+    monkeypatch.setattr(grouped_fp8, "HOPPER_KERNEL", "triton")
+    triton_run = step(model)
+    monkeypatch.setattr(grouped_fp8, "fp8_backend", lambda *a: "loop")
     loop = step(model)
     assert len(used) == 6
-    for name, a, b in zip(("y", "dx", "dw13", "dw2"), got, loop):
-        assert snr_db(a, b) > 40, name  # the same operands: accumulation order and rounding
+    for other in (triton_run, loop):
+        for name, a, b in zip(("y", "dx", "dw13", "dw2"), got, other):
+            assert snr_db(a, b) > 40, name  # the same operands: accumulation and rounding
+        assert not other[2][1].any() and not other[3][1].any()
     assert not got[2][1].any() and not got[3][1].any()  # the empty expert's gradients
     monkeypatch.undo()
     torch._dynamo.reset()

@@ -597,6 +597,32 @@ _GROUPED_GEMM_SCRIPT = textwrap.dedent("""
             assert_close(dw, want_dw, dtype, f"dw {what}", scale=4)
             for i, n in enumerate(sizes):
                 assert n or not dw[i].any()  # an empty group: zeros
+    # FP8 operands with their scales: as the CPU's loop of torch._scaled_mm computes them
+    from fusible.functional.grouped_fp8 import (cast_grouped_weight, fp8_grouped_mm,
+                                                fp8_grouped_wgrad)
+    from fusible.quantization.cast import cast_to_fp8
+    E4M3 = torch.float8_e4m3fn
+    sizes = (16, 0, 32, 16)
+    splits = torch.tensor(sizes)
+    x, dy = torch.randn(64, 48), torch.randn(64, 40)
+    w = torch.randn(4, 40, 48) * torch.tensor([1.0, 8.0, 0.25, 2.0]).view(4, 1, 1)
+    xq, sx, xt = cast_to_fp8(x, E4M3, True)
+    dyq, sdy, dyt = cast_to_fp8(dy, E4M3, True)
+    wq, sw = cast_grouped_weight(w, E4M3)
+    wt, _ = cast_grouped_weight(w, E4M3, transposed=True)
+    for out_dtype in (torch.float32, torch.float16):
+        got = grouped_mm_triton(xq, wq, splits, 16, 16, 16, scales=(sx, sw), out_dtype=out_dtype)
+        want = fp8_grouped_mm(xq, sx, wq, sw, splits, out_dtype, fast_accum=False)
+        assert_close(got, want, out_dtype, f"fp8 y {out_dtype}")
+        got = grouped_mm_triton(dyq, wt, splits, 16, 16, 16, scales=(sdy, sw),
+                                out_dtype=out_dtype)
+        want = fp8_grouped_mm(dyq, sdy, wt, sw, splits, out_dtype, fast_accum=False)
+        assert_close(got, want, out_dtype, f"fp8 dx {out_dtype}")
+        got = grouped_wgrad_triton(dyt.t(), xt.t(), splits, 4, 16, 16, 16,
+                                   scales=(sdy, sx), out_dtype=out_dtype)
+        want = fp8_grouped_wgrad(dyt, sdy, xt, sx, splits, 4, out_dtype)
+        assert_close(got, want, out_dtype, f"fp8 dw {out_dtype}")
+        assert not got[1].any()
     print("ok")
 """)
 

@@ -7,9 +7,11 @@ is what the grouped GEMM's per-group scale vector holds). Everything is E4M3: Ho
 grouped FP8 GEMM (``torch._scaled_grouped_mm``) takes no E5M2 operand, so a grouped
 layer's gradient is E4M3 under every recipe, on every device.
 
-On Hopper GPUs with bf16 outputs, ``torch._scaled_grouped_mm`` (the sizes read on the
-device); elsewhere one ``torch._scaled_mm`` per group (the sizes read on the host), the
-same operands and scales. The weight gradient contracts over each group's tokens: both
+On Hopper GPUs with bf16 outputs, ``torch._scaled_grouped_mm``; on other GPUs Triton's
+(``fusible.kernels.grouped_gemm`` with scales), both reading the sizes on the device; on
+the CPU one ``torch._scaled_mm`` per group (the sizes read on the host); the same operands
+and scales everywhere. :data:`HOPPER_KERNEL` picks the Hopper kernel ("torch", or
+"triton" to compare them). The weight gradient contracts over each group's tokens: both
 need every group's token count to be a multiple of 16 (16-byte aligned FP8 slices):
 :func:`check_aligned_splits`, and ``fusible.moe.permute_tokens(..., align=16)`` pads
 the groups to it.
@@ -23,13 +25,15 @@ import torch
 
 from fusible.functional.grouped import _offsets, _ranges
 from fusible.functional.linear import fp8_gemm
-from fusible.kernels import fp8_cast
+from fusible.kernels import fp8_cast, grouped_gemm, plain_eager
 from fusible.quantization.cast import FP8_MAX, scale_from_amax
 
 Tensor = torch.Tensor
 
 # What one group's tokens must be a multiple of for the FP8 weight gradient.
 FP8_TOKEN_ALIGNMENT = 16
+# The grouped FP8 GEMM kernel on Hopper: "torch" (torch._scaled_grouped_mm) or "triton".
+HOPPER_KERNEL = "torch"
 
 
 def grouped_fp8_available(t: Tensor, out_dtype: torch.dtype) -> bool:
@@ -37,6 +41,15 @@ def grouped_fp8_available(t: Tensor, out_dtype: torch.dtype) -> bool:
     output dtype: a Hopper GPU (compute capability 9.x), bf16 outputs only."""
     return (t.is_cuda and hasattr(torch, "_scaled_grouped_mm") and out_dtype == torch.bfloat16
             and torch.cuda.get_device_capability(t.device)[0] == 9)
+
+
+def fp8_backend(t: Tensor, out_dtype: torch.dtype) -> str:
+    """Which grouped FP8 GEMM runs for operands like ``t``: "torch", "triton" or "loop"."""
+    if grouped_fp8_available(t, out_dtype) and HOPPER_KERNEL == "torch":
+        return "torch"
+    if t.is_cuda and fp8_cast.triton is not None and plain_eager(t):
+        return "triton"
+    return "loop"
 
 
 def check_aligned_splits(splits: Tensor, where: str) -> None:
@@ -82,7 +95,12 @@ def fp8_grouped_mm(a: Tensor, a_scale_inv: Tensor, b: Tensor, b_scale_inv: Tenso
     k) row-major FP8 with one scale, ``b`` (groups, n, k) row-major FP8 with one scale
     per group. The forward (``b`` the weight) and dgrad (``b`` its transposed copy)."""
     tokens, groups, n = a.shape[0], b.shape[0], b.shape[1]
-    if grouped_fp8_available(a, out_dtype):
+    backend = fp8_backend(a, out_dtype)
+    if backend == "triton":
+        return grouped_gemm.grouped_mm_triton(a, b, splits, 128, 128, 64,
+                                              scales=(a_scale_inv, b_scale_inv),
+                                              out_dtype=out_dtype, num_warps=8)
+    if backend == "torch":
         return torch._scaled_grouped_mm(
             a, b.transpose(-2, -1), a_scale_inv.expand(tokens).contiguous(),
             b_scale_inv[:, None].expand(groups, n).contiguous(), offs=_offsets(splits),
@@ -103,7 +121,12 @@ def fp8_grouped_wgrad(dy_t: Tensor, dy_scale_inv: Tensor, x_t: Tensor, x_scale_i
     with one scale. Every group's token count must be a multiple of 16
     (:func:`check_aligned_splits`)."""
     n, k = dy_t.shape[0], x_t.shape[0]
-    if grouped_fp8_available(dy_t, out_dtype):
+    backend = fp8_backend(dy_t, out_dtype)
+    if backend == "triton":
+        return grouped_gemm.grouped_wgrad_triton(dy_t.t(), x_t.t(), splits, groups, 64, 128,
+                                                 128, scales=(dy_scale_inv, x_scale_inv),
+                                                 out_dtype=out_dtype, num_warps=8)
+    if backend == "torch":
         return torch._scaled_grouped_mm(
             dy_t, x_t.t(), dy_scale_inv.expand(groups * n).contiguous(),
             x_scale_inv.expand(groups * k).contiguous(), offs=_offsets(splits),
