@@ -14,7 +14,7 @@ beyond it are dropped (they contribute nothing to their token's output). With ``
 each expert's rows are padded with zero rows to a multiple of it (FP8 grouped GEMMs need
 16), the last expert taking the spare rows of a static upper bound.
 Every gather reads distinct rows (those of one discarded row aside), so its gradient is
-a scatter of distinct rows by ``index_copy``: no atomics, no sort (what autograd's own
+a gather too, by the inverse map: no atomics, no sort, no scatter (what autograd's own
 ``index`` and ``index_select`` backward cost: sort-based accumulation, bf16 atomics).
 """
 
@@ -63,31 +63,37 @@ class Routing(NamedTuple):
 class _GatherRows(torch.autograd.Function):
     """``src[index]`` whose gradient is a gather too: ``back[r]`` is the output row that
     read source row ``r`` (each read at most once, those of one discarded row aside), or
-    ``len(index)`` for a row nobody read (its gradient zero). A gather both ways:
-    autograd's own ``index`` backward sorts and accumulates, ``index_select``'s adds with
-    atomics, a scatter writes uncoalesced (three times the gather's time on an H200)."""
+    ``len(index)`` for a row nobody read (its gradient zero, from an appended zero row;
+    none is appended for a ``permutation``). A gather both ways: autograd's own ``index``
+    backward sorts and accumulates, ``index_select``'s adds with atomics, a scatter writes
+    uncoalesced (three times the gather's time on an H200)."""
 
     @staticmethod
-    def forward(ctx, src, index, back):
+    def forward(ctx, src, index, back, permutation):
         ctx.save_for_backward(back)
-        ctx.all_read = back.numel() == index.numel()  # a permutation: no zero row needed
+        ctx.permutation = permutation
         return src.index_select(0, index)
 
     @staticmethod
     def backward(ctx, grad):
         (back,) = ctx.saved_tensors
-        if not ctx.all_read:
+        if not ctx.permutation:
             grad = torch.cat([grad, grad.new_zeros((1, *grad.shape[1:]))])
-        return grad.index_select(0, back), None, None
+        return grad.index_select(0, back), None, None, None
 
 
-def _inverse(index: Tensor, rows: int) -> Tensor:
+def _gather_permuted(src: Tensor, index: Tensor) -> Tensor:
+    """``src[index]`` for a permutation ``index`` of ``src``'s rows."""
+    return _GatherRows.apply(src, index, _inverse(index, index.numel()), True)
+
+
+def _inverse(index: Tensor, rows: int, discarded_last: bool = False) -> Tensor:
     """``back`` of :class:`_GatherRows` for ``index`` into ``rows`` source rows: where each
-    source row went, ``len(index)`` for those not read (the last row's, read by the
-    dropped copies, too: its gradient is discarded)."""
+    source row went, ``len(index)`` for those not read; with ``discarded_last`` the last
+    row's too (read by every dropped copy: its gradient is discarded)."""
     back = torch.full((rows,), index.numel(), dtype=torch.int64, device=index.device)
     back[index] = torch.arange(index.numel(), device=index.device)
-    if rows != index.numel():
+    if discarded_last:
         back[-1] = index.numel()
     return back
 
@@ -138,7 +144,7 @@ def permute_tokens(x: Tensor, experts: Tensor, num_experts: int, *,
     splits.scatter_add_(0, flat.long(), torch.ones_like(flat, dtype=torch.int64))
     # k copies of each token (their gradients summed by a reshape, not by atomics), sorted
     copies = x.unsqueeze(1).expand(tokens, k, x.shape[-1]).reshape(tokens * k, x.shape[-1])
-    sorted_copies = _GatherRows.apply(copies, order, _inverse(order, order.numel()))
+    sorted_copies = _gather_permuted(copies, order)
     if capacity_factor is None and align == 1:
         return sorted_copies, Routing(order, splits, k)
     sorted_experts = flat[order]
@@ -196,9 +202,11 @@ def unpermute_tokens(y: Tensor, routing: Routing, weights: Optional[Tensor] = No
     ``weights``."""
     if routing.slot is not None:  # the sorted copies from the rows (zeros: dropped)
         rows = torch.cat([y, y.new_zeros((1, y.shape[-1]))])
-        y = _GatherRows.apply(rows, routing.slot, _inverse(routing.slot, rows.shape[0]))
+        back = _inverse(routing.slot, rows.shape[0], discarded_last=True)
+        y = _GatherRows.apply(rows, routing.slot, back, False)
     inverse = _inverse(routing.order, routing.order.numel())
-    copies = _GatherRows.apply(y, inverse, routing.order).view(-1, routing.k, y.shape[-1])
+    # token-major; the gradient gathered back by ``order``, the inverse's inverse
+    copies = _GatherRows.apply(y, inverse, routing.order, True).view(-1, routing.k, y.shape[-1])
     if weights is None:
         return copies.sum(1)
     return (copies * weights.unsqueeze(-1).to(y.dtype)).sum(1)
@@ -264,7 +272,9 @@ def expert_parallel(splits: Tensor, process_group=None, *, capacity: int = 0
     all-to-alls are ``ops.AllToAll``. With ``align`` in ``permute_tokens`` every local
     expert's rows stay a multiple of it. With a capacity (``routing.capacity``: every
     expert gets that many rows from every rank) nothing is exchanged or read on the host:
-    the layer uses ``ops.AllToAllEqual``, and compiles.
+    the layer uses ``ops.AllToAllEqual``, and compiles. Every rank must then route the same
+    number of tokens with the same capacity factor (one capacity everywhere: a ragged last
+    batch must be padded), which nothing checks on the way.
 
     Raises ValueError unless the experts divide evenly over the ranks.
     """

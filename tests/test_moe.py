@@ -149,3 +149,15 @@ def test_align_pads_every_expert_to_a_multiple_and_changes_no_result():
     assert both.capacity == 4 and both.splits.tolist() == [4] * 5  # ceil(2.8) = 3 -> 4
     with pytest.raises(ValueError, match="align must be a positive int, got 0"):
         moe.permute_tokens(x, experts, 5, align=0)
+
+
+def test_capacity_below_one_with_drops_back_propagates():
+    """A capacity under the tokens' copies (experts' rows left empty while copies are
+    dropped): the gradient reaches the kept copies only."""
+    x = torch.randn(5, 4, requires_grad=True)
+    rows, routing = moe.permute_tokens(x, torch.zeros(5, 1, dtype=torch.long), 2,
+                                       capacity_factor=0.8)  # capacity 2: three dropped
+    assert routing.capacity == 2
+    out = moe.unpermute_tokens(rows * 2, routing, torch.ones(5, 1))
+    out.sum().backward()
+    assert x.grad[:2].eq(2).all() and not x.grad[2:].any()

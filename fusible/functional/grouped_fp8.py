@@ -25,7 +25,7 @@ import torch
 
 from fusible.functional.grouped import _offsets, _ranges
 from fusible.functional.linear import fp8_gemm
-from fusible.kernels import fp8_cast, grouped_gemm, plain_eager
+from fusible.kernels import fp8_cast, grouped_gemm
 from fusible.quantization.cast import FP8_MAX, scale_from_amax
 
 Tensor = torch.Tensor
@@ -44,10 +44,17 @@ def grouped_fp8_available(t: Tensor, out_dtype: torch.dtype) -> bool:
 
 
 def fp8_backend(t: Tensor, out_dtype: torch.dtype) -> str:
-    """Which grouped FP8 GEMM runs for operands like ``t``: "torch", "triton" or "loop"."""
+    """Which grouped FP8 GEMM runs for operands like ``t``: "torch", "triton" or "loop".
+
+    Raises RuntimeError on a GPU without FP8 (compute capability below 8.9)."""
+    if t.is_cuda and torch.cuda.get_device_capability(t.device) < (8, 9):
+        raise RuntimeError(f"FP8 grouped GEMMs need a GPU of compute capability 8.9 or more "
+                           f"(Ada, Hopper, Blackwell); {torch.cuda.get_device_name(t.device)} "
+                           f"has {torch.cuda.get_device_capability(t.device)}")
     if grouped_fp8_available(t, out_dtype) and HOPPER_KERNEL == "torch":
         return "torch"
-    if t.is_cuda and fp8_cast.triton is not None and plain_eager(t):
+    if t.is_cuda and fp8_cast.triton is not None and type(t) in (torch.Tensor,
+                                                                 torch.nn.Parameter):
         return "triton"
     return "loop"
 

@@ -72,10 +72,10 @@ def _grouped_wgrad_kernel(dy_ptr, x_ptr, dw_ptr, ends_ptr, sdy_ptr, sx_ptr, N, K
                           BLOCK_K: tl.constexpr):
     """``dy`` (rows, N) and ``x`` (rows, K) by strides: row-major, or (FP8) the views of
     their transposed copies, where the rows are the contiguous dimension."""
-    group = tl.program_id(0)
+    group = tl.program_id(1)  # the tiles on axis 0: CUDA caps axis 1 at 65535 programs
     tiles_n = tl.cdiv(N, BLOCK_N)
-    ns = (tl.program_id(1) % tiles_n) * BLOCK_N + tl.arange(0, BLOCK_N)
-    ks = (tl.program_id(1) // tiles_n) * BLOCK_K + tl.arange(0, BLOCK_K)
+    ns = (tl.program_id(0) % tiles_n) * BLOCK_N + tl.arange(0, BLOCK_N)
+    ks = (tl.program_id(0) // tiles_n) * BLOCK_K + tl.arange(0, BLOCK_K)
     end = tl.load(ends_ptr + group).to(tl.int32)
     start = tl.load(ends_ptr + group - 1, mask=group > 0, other=0).to(tl.int32)
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
@@ -135,7 +135,7 @@ def grouped_wgrad_triton(dy: torch.Tensor, x: torch.Tensor, splits: torch.Tensor
     if not (n and k):
         return dw
     sdy, sx = scales or (dw, dw)
-    grid = (groups, triton.cdiv(n, block_n) * triton.cdiv(k, block_k))
+    grid = (triton.cdiv(n, block_n) * triton.cdiv(k, block_k), groups)
     _grouped_wgrad_kernel[grid](dy, x, dw, _ends(splits), sdy, sx, n, k, *dy.stride(),
                                 *x.stride(), IEEE=dy.dtype == torch.float32,
                                 SCALED=bool(scales), BLOCK_M=block_m, BLOCK_N=block_n,

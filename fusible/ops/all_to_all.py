@@ -130,9 +130,11 @@ class AllToAllEqual(Collective):
     share back.
 
     No counts, so no host synchronisation and static shapes: it compiles (one custom op,
-    no graph break) and suits CUDA graphs. In an expert-parallel layer with a capacity
-    (``fusible.moe.permute_tokens(..., capacity_factor=...)``, every expert the same rows)
-    it dispatches and combines the tokens (:func:`fusible.moe.expert_parallel`).
+    no graph break) and suits CUDA graphs. Every rank must send as many rows (nothing
+    checks it: unequal shares fail or hang in the collective). In an expert-parallel layer
+    with a capacity (``fusible.moe.permute_tokens(..., capacity_factor=...)``, every
+    expert the same rows) it dispatches and combines the tokens
+    (:func:`fusible.moe.expert_parallel`).
 
     Parameters
     ----------

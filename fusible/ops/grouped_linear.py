@@ -81,15 +81,16 @@ class GroupedLinear(BasicOperation):
     when the routing changes; they are checked (non-negative, adding up to the tokens)
     on the device, without a host synchronisation. Forward, dgrad and wgrad are grouped
     GEMMs: ``torch._grouped_mm`` on Hopper GPUs in bf16 (feature sizes multiple of
-    8), one GEMM per group elsewhere (which reads the sizes on the host).
+    8), Triton grouped GEMMs on other GPUs and dtypes (the sizes read on the device too),
+    one GEMM per group on the CPU (which reads the sizes on the host).
 
     Under an FP8 recipe (``fusible.autocast``) the GEMMs are FP8 grouped GEMMs
-    (``torch._scaled_grouped_mm`` on Hopper, one ``torch._scaled_mm`` per group
-    elsewhere): the input and the output gradient scaled per tensor (handed over
-    quantized by the stage before, like a linear layer's), each group's weight by its own
-    scale, everything E4M3 (Hopper's grouped FP8 GEMM takes no E5M2; see
-    :mod:`fusible.functional.grouped_fp8`). The feature sizes must be multiples of 16 and,
-    for the weight gradient, every group's token count too
+    (``torch._scaled_grouped_mm`` on Hopper, Triton's on other GPUs of compute capability
+    8.9 or more, one ``torch._scaled_mm`` per group on the CPU): the input and the output
+    gradient scaled per tensor (handed over quantized by the stage before, like a linear
+    layer's), each group's weight by its own scale, everything E4M3 (Hopper's grouped FP8
+    GEMM takes no E5M2; see :mod:`fusible.functional.grouped_fp8`). The feature sizes must
+    be multiples of 16 and, for the weight gradient, every group's token count too
     (``fusible.moe.permute_tokens(..., align=16)`` pads them; checked on the device).
 
     Parameters

@@ -50,14 +50,17 @@ class PermuteRows(BasicOperation):
 
     def validate(self, shape, dtype, device, extra_inputs=()):
         (index,) = extra_inputs
-        rows = shape[0] if shape else None
+        rows = shape[0] if shape and shape[0] >= 0 else None  # unknown after an AllToAll
         if not (isinstance(index, torch.Tensor) and index.dim() == 1
-                and not index.is_floating_point() and (rows is None or rows < 0
-                                                       or index.shape[0] == rows)):
+                and not index.is_floating_point() and rows in (None, index.shape[0])):
             got = (f"{index.dtype} of shape {tuple(index.shape)}"
                    if isinstance(index, torch.Tensor) else type(index).__name__)
+            want = f"shape ({rows},)" if rows is not None else "one dimension"
             raise TypeError(f"PermuteRows takes a permutation of the input's rows as an "
-                            f"integer tensor of shape ({rows},), got {got}")
+                            f"integer tensor of {want}, got {got}")
+        if index.device != device:
+            raise ValueError(f"PermuteRows: the index is on {index.device}, the input on "
+                             f"{device}")
         return tuple(shape)
 
     def forward_args(self, input, params, extra_inputs, ctxs):
