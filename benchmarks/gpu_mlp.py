@@ -97,6 +97,47 @@ def measure(model, tokens: int, hidden: int, ffn: int, mode: str = "eager",
     return {"ms": ms, "tflops": flops / ms / 1e9, "peak_gib": peak, "first3_s": first3}
 
 
+def measure_rows(key: str, rows, build, shape: tuple, flops: float, results: dict,
+                 output: str) -> None:
+    """Measure each row side by side (``build(row) -> (model, mode, context)``; ``shape``:
+    ``measure``'s ``(tokens, hidden, ffn)``) into ``results[key][row]``; a row that cannot
+    run is reported as its error and the rest go on; the results file is rewritten after
+    each row (a run cut short keeps what it measured)."""
+    for row in rows:
+        torch._dynamo.reset()
+        gc.collect()
+        torch.cuda.empty_cache()
+        model = None
+        try:
+            model, mode, context = build(row)
+            results.setdefault(key, {})[row] = measure(model, *shape, mode, context,
+                                                       flops=flops)
+        except Exception as error:  # a row that cannot run is reported, the rest go on
+            results.setdefault(key, {})[row] = {"error": repr(error)[:300]}
+        del model
+        print(key, row, results[key][row], flush=True)
+        with open(output, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+def profile_step(step, title: str, path: str) -> None:
+    """Append the kernels of three ``step()`` calls (after three to warm up), by GPU time,
+    to ``path`` under the heading ``title``."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(3):
+            step()
+        torch.cuda.synchronize()
+    with open(path, "a") as f:
+        f.write(f"== {title}, 3 steps\n")
+        f.write(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=25))
+        f.write("\n")
+
+
 def check_same(tokens, hidden, ffn) -> float:
     """Relative difference of fusible's output vs torch.nn's on the same weights."""
     x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)

@@ -24,7 +24,6 @@ torch.compile's.
 
 import argparse
 import contextlib
-import gc
 import json
 
 import torch
@@ -33,7 +32,7 @@ from torch import nn
 
 import fusible
 from fusible import ops
-from gpu_mlp import make_step, measure, prepare
+from gpu_mlp import make_step, measure_rows, prepare, profile_step
 
 SEQUENCE = 2048  # tokens per sequence in the attention block
 
@@ -185,29 +184,13 @@ def build_row(row: str, name: str, hidden: int, size: int) -> tuple:
 
 def run_config(config: tuple, rows, results: dict, output: str) -> None:
     name, hidden, size, tokens = config
-    key = f"{name}_H{hidden}_{size}_T{tokens}"
-    flops = BLOCKS[name][1](hidden, size) * tokens
-    for row in rows:
-        torch._dynamo.reset()
-        gc.collect()
-        torch.cuda.empty_cache()
-        model = None
-        try:
-            model, mode, context = build_row(row, name, hidden, size)
-            results.setdefault(key, {})[row] = measure(model, tokens, hidden, size, mode,
-                                                       context, flops=flops)
-        except Exception as error:  # a row that cannot run is reported, the rest go on
-            results.setdefault(key, {})[row] = {"error": repr(error)[:300]}
-        del model
-        print(key, row, results[key][row], flush=True)
-        with open(output, "w") as f:
-            json.dump(results, f, indent=1)
+    measure_rows(f"{name}_H{hidden}_{size}_T{tokens}", rows,
+                 lambda row: build_row(row, name, hidden, size), (tokens, hidden, size),
+                 BLOCKS[name][1](hidden, size) * tokens, results, output)
 
 
 def profile(config: tuple, rows, path: str) -> None:
     """Append the kernels of three steps of each row, by GPU time, to ``path``."""
-    from torch.profiler import ProfilerActivity
-    from torch.profiler import profile as torch_profile
     name, hidden, size, tokens = config
     for row in rows:
         torch._dynamo.reset()
@@ -215,17 +198,7 @@ def profile(config: tuple, rows, path: str) -> None:
         x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         dy = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
         step = make_step(prepare(model, mode), list(model.parameters()), x, dy, context)
-        for _ in range(3):
-            step()
-        torch.cuda.synchronize()
-        with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            for _ in range(3):
-                step()
-            torch.cuda.synchronize()
-        with open(path, "a") as f:
-            f.write(f"== {row} {config}, 3 steps\n")
-            f.write(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=25))
-            f.write("\n")
+        profile_step(step, f"{row} {config}", path)
         del model
 
 

@@ -28,19 +28,15 @@ Layers: DeepSeek-V3-like (64 experts of FF=2048, H=4096, top-6) and Mixtral-like
 
 import argparse
 import contextlib
-import gc
-import json
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.profiler import ProfilerActivity
-from torch.profiler import profile as torch_profile
 
 import fusible
 from fusible import moe, ops
 from fusible.functional import grouped_fp8
-from gpu_mlp import make_step, measure, prepare
+from gpu_mlp import make_step, measure_rows, prepare, profile_step
 
 # (name, hidden, ffn per expert, experts, top-k, tokens)
 CONFIGS = [("deepseek_v3_like", 4096, 2048, 64, 6, 8192),
@@ -146,52 +142,28 @@ def build_row(row: str, hidden: int, ffn: int, num_experts: int, k: int) -> tupl
 
 def run_config(config: tuple, rows, results: dict, output: str) -> None:
     name, hidden, ffn, num_experts, k, tokens = config
-    key = f"{name}_H{hidden}_FF{ffn}_E{num_experts}_top{k}_T{tokens}"
-    flops = 6 * 3 * hidden * ffn * tokens * k  # the experts' GEMMs, fwd+bwd
-    for row in rows:
-        torch._dynamo.reset()
-        gc.collect()
-        torch.cuda.empty_cache()
-        layer = None
-        try:
-            layer, mode, context = build_row(row, hidden, ffn, num_experts, k)
-            results.setdefault(key, {})[row] = measure(layer, tokens, hidden, ffn, mode,
-                                                       context, flops=flops)
-        except Exception as error:  # a row that cannot run is reported, the rest go on
-            results.setdefault(key, {})[row] = {"error": repr(error)[:300]}
-        del layer
-        print(key, row, results[key][row], flush=True)
-        with open(output, "w") as f:
-            json.dump(results, f, indent=1)
+    measure_rows(f"{name}_H{hidden}_FF{ffn}_E{num_experts}_top{k}_T{tokens}", rows,
+                 lambda row: build_row(row, hidden, ffn, num_experts, k),
+                 (tokens, hidden, ffn),
+                 6 * 3 * hidden * ffn * tokens * k,  # the experts' GEMMs, fwd+bwd
+                 results, output)
 
 
 def profile(config: tuple, rows, path: str) -> None:
-    """Append the kernels of three steps of each row, by GPU time, to ``path``."""
+    """Append the kernels of three steps of each row, by GPU time, to ``path`` (a row that
+    cannot run is reported; the measurements go on)."""
+    name, hidden, ffn, num_experts, k, tokens = config
     for row in rows:
         try:
-            _profile_row(row, config, path)
-        except Exception as error:  # reported; the measurements go on
+            torch._dynamo.reset()
+            layer, mode, context = build_row(row, hidden, ffn, num_experts, k)
+            x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16,
+                            requires_grad=True)
+            dy = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
+            step = make_step(prepare(layer, mode), list(layer.parameters()), x, dy, context)
+            profile_step(step, f"{row} {config}", path)
+        except Exception as error:
             print("profile of", row, "failed:", repr(error)[:300], flush=True)
-
-
-def _profile_row(row: str, config: tuple, path: str) -> None:
-    name, hidden, ffn, num_experts, k, tokens = config
-    torch._dynamo.reset()
-    layer, mode, context = build_row(row, hidden, ffn, num_experts, k)
-    x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    dy = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
-    step = make_step(prepare(layer, mode), list(layer.parameters()), x, dy, context)
-    for _ in range(3):
-        step()
-    torch.cuda.synchronize()
-    with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for _ in range(3):
-            step()
-        torch.cuda.synchronize()
-    with open(path, "a") as f:
-        f.write(f"== {row} {config}, 3 steps\n")
-        f.write(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=25))
-        f.write("\n")
 
 
 def main() -> None:
