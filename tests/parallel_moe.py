@@ -18,6 +18,25 @@ def _experts(num_experts):
                           ops.GroupedLinear(num_experts, FFN, HIDDEN))
 
 
+def _whole_and_parallel(rank, ws, all_to_all, dtype, seed):
+    """``(whole layer in FP64, expert-parallel layer in dtype, this rank's experts)``: the
+    same exactly representable weights (seed), the parallel layer holding this rank's
+    share of the experts between two ``all_to_all`` ops."""
+    full = _experts(EXPERTS).to(DEVICE[0], torch.float64)
+    local = EXPERTS // ws
+    mine = slice(rank * local, (rank + 1) * local)
+    ep = ops.Sequential(all_to_all(), ops.PermuteRows(), *_experts(local), ops.PermuteRows(),
+                        all_to_all()).to(DEVICE[0], dtype)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for layer in (full[0], full[2]):
+            layer.weight.copy_(exact_tensor(tuple(layer.weight.shape), torch.float64,
+                                            generator=g))
+        ep[2].weight.copy_(full[0].weight[mine])
+        ep[4].weight.copy_(full[2].weight[mine])
+    return full, ep, mine
+
+
 def _run(layer, x, logits, make_inputs):
     experts, weights = moe.route_top_k(logits, K)
     rows, routing = moe.permute_tokens(x, experts, EXPERTS, align=16)
@@ -29,19 +48,7 @@ def _check_expert_parallel(rank, ws, fp8=False):
     """Outputs and input gradients equal to the whole layer's on this rank's tokens; each
     local expert's weight gradient the sum over the ranks of the whole layer's."""
     dtype = torch.bfloat16 if fp8 else torch.float64
-    full = _experts(EXPERTS).to(DEVICE[0], torch.float64)
-    local = EXPERTS // ws
-    mine = slice(rank * local, (rank + 1) * local)
-    ep = ops.Sequential(ops.AllToAll(), ops.PermuteRows(),
-                        *_experts(local), ops.PermuteRows(), ops.AllToAll())
-    ep.to(DEVICE[0], dtype)
-    g = torch.Generator().manual_seed(5)
-    with torch.no_grad():
-        for layer in (full[0], full[2]):
-            layer.weight.copy_(exact_tensor(tuple(layer.weight.shape), torch.float64,
-                                            generator=g))
-        ep[2].weight.copy_(full[0].weight[mine])
-        ep[4].weight.copy_(full[2].weight[mine])
+    full, ep, mine = _whole_and_parallel(rank, ws, ops.AllToAll, dtype, 5)
     g = torch.Generator().manual_seed(100 + rank)  # each rank its own tokens and routing
     x0 = exact_tensor((TOKENS * (rank + 1), HIDDEN), torch.float64, generator=g)
     logits = torch.randn(x0.shape[0], EXPERTS, generator=g, dtype=torch.float64)
@@ -96,18 +103,7 @@ def _check_expert_parallel_capacity(rank, ws):
     results as the whole layer, and the whole MoE layer compiled in one graph, bit for bit
     eager, without recompiling for a new routing."""
     from torch._dynamo.testing import CompileCounter
-    full = _experts(EXPERTS).to(DEVICE[0], torch.float64)
-    local = EXPERTS // ws
-    mine = slice(rank * local, (rank + 1) * local)
-    ep = ops.Sequential(ops.AllToAllEqual(), ops.PermuteRows(), *_experts(local),
-                        ops.PermuteRows(), ops.AllToAllEqual()).to(DEVICE[0], torch.float64)
-    g = torch.Generator().manual_seed(6)
-    with torch.no_grad():
-        for layer in (full[0], full[2]):
-            layer.weight.copy_(exact_tensor(tuple(layer.weight.shape), torch.float64,
-                                            generator=g))
-        ep[2].weight.copy_(full[0].weight[mine])
-        ep[4].weight.copy_(full[2].weight[mine])
+    full, ep, mine = _whole_and_parallel(rank, ws, ops.AllToAllEqual, torch.float64, 6)
 
     def layer(experts_seq, x, logits, parallel):
         chosen, weights = moe.route_top_k(logits, K)
