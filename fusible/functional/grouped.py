@@ -27,11 +27,6 @@ def grouped_mm_available(t: Tensor, *features: int) -> bool:
     return torch.cuda.get_device_capability(t.device)[0] == 9
 
 
-def _offsets(splits: Tensor) -> Tensor:
-    """The groups' end offsets, int32, as ``torch._grouped_mm`` takes them."""
-    return torch.cumsum(splits, 0, dtype=torch.int32)
-
-
 def _ranges(splits: Tensor) -> list:
     """``(start, stop)`` of each group's tokens (reads the sizes on the host)."""
     out, start = [], 0
@@ -52,7 +47,7 @@ def check_splits(splits: Tensor, tokens: int, where: str) -> None:
 def grouped_forward(x: Tensor, weight: Tensor, splits: Tensor) -> Tensor:
     """``y[group g's tokens] = x[those tokens] @ weight[g].T``; ``x`` (tokens, in)."""
     if weight.dtype == x.dtype and grouped_mm_available(x, *weight.shape[-2:]):
-        return torch._grouped_mm(x, weight.transpose(-2, -1), offs=_offsets(splits))
+        return torch._grouped_mm(x, weight.transpose(-2, -1), offs=grouped_gemm.group_ends(splits))
     if weight.dtype == x.dtype and triton_can_run(x, weight):
         return grouped_gemm.grouped_mm_triton(x, weight, splits)
     y = x.new_empty((x.shape[0], weight.shape[-2]))
@@ -71,7 +66,7 @@ def grouped_wgrad(dy: Tensor, x: Tensor, splits: Tensor, num_groups: int) -> Ten
     """``dweight[g] = dy[group g's tokens].T @ x[those tokens]`` (zeros for an empty
     group), shape (groups, out, in)."""
     if x.dtype == dy.dtype and grouped_mm_available(x, dy.shape[-1], x.shape[-1]):
-        return torch._grouped_mm(dy.t(), x, offs=_offsets(splits))
+        return torch._grouped_mm(dy.t(), x, offs=grouped_gemm.group_ends(splits))
     if x.dtype == dy.dtype and triton_can_run(dy, x):
         return grouped_gemm.grouped_wgrad_triton(dy, x, splits, num_groups)
     dw = dy.new_empty((num_groups, dy.shape[-1], x.shape[-1]))

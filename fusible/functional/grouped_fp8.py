@@ -23,10 +23,10 @@ from typing import Optional
 
 import torch
 
-from fusible.functional.grouped import _offsets, _ranges
+from fusible.functional.grouped import _ranges
 from fusible.functional.linear import fp8_gemm
 from fusible.kernels import fp8_cast, grouped_gemm
-from fusible.quantization.cast import FP8_MAX, scale_from_amax
+from fusible.quantization.cast import FP8_MAX, cast_to_fp8_torch
 
 Tensor = torch.Tensor
 
@@ -88,12 +88,10 @@ def cast_grouped_weight(weight: Tensor, fp8_dtype: torch.dtype, amax: Optional[T
     if weight.is_cuda and fp8_cast.triton is not None:
         return fp8_cast.cast_batched_triton(weight, amax, fp8_dtype, FP8_MAX[fp8_dtype],
                                             transposed)
-    scale = scale_from_amax(amax, fp8_dtype)
-    limit = FP8_MAX[fp8_dtype]
-    data = (weight.float() * scale[:, None, None]).clamp_(-limit, limit).to(fp8_dtype)
+    data, scale_inv = cast_to_fp8_torch(weight, fp8_dtype, False, amax[:, None, None])
     if transposed:
         data = data.transpose(-2, -1).contiguous()
-    return data, torch.ones_like(scale) / scale
+    return data, scale_inv.reshape(-1)
 
 
 def fp8_grouped_mm(a: Tensor, a_scale_inv: Tensor, b: Tensor, b_scale_inv: Tensor,
@@ -110,8 +108,9 @@ def fp8_grouped_mm(a: Tensor, a_scale_inv: Tensor, b: Tensor, b_scale_inv: Tenso
     if backend == "torch":
         return torch._scaled_grouped_mm(
             a, b.transpose(-2, -1), a_scale_inv.expand(tokens).contiguous(),
-            b_scale_inv[:, None].expand(groups, n).contiguous(), offs=_offsets(splits),
-            out_dtype=out_dtype, use_fast_accum=fast_accum)
+            b_scale_inv[:, None].expand(groups, n).contiguous(),
+            offs=grouped_gemm.group_ends(splits), out_dtype=out_dtype,
+            use_fast_accum=fast_accum)
     out = a.new_empty((tokens, n), dtype=out_dtype)
     for g, (lo, hi) in enumerate(_ranges(splits)):
         # a scale of its own: cuBLASLt refuses (NOT_SUPPORTED) a scale pointer that is not
@@ -136,7 +135,7 @@ def fp8_grouped_wgrad(dy_t: Tensor, dy_scale_inv: Tensor, x_t: Tensor, x_scale_i
     if backend == "torch":
         return torch._scaled_grouped_mm(
             dy_t, x_t.t(), dy_scale_inv.expand(groups * n).contiguous(),
-            x_scale_inv.expand(groups * k).contiguous(), offs=_offsets(splits),
+            x_scale_inv.expand(groups * k).contiguous(), offs=grouped_gemm.group_ends(splits),
             out_dtype=out_dtype)
     dw = dy_t.new_empty((groups, n, k), dtype=out_dtype)
     for g, (lo, hi) in enumerate(_ranges(splits)):

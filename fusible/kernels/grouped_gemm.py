@@ -94,7 +94,8 @@ def _grouped_wgrad_kernel(dy_ptr, x_ptr, dw_ptr, ends_ptr, sdy_ptr, sx_ptr, N, K
              acc.to(dw_ptr.dtype.element_ty), mask=(ns[:, None] < N) & (ks[None, :] < K))
 
 
-def _ends(splits: torch.Tensor) -> torch.Tensor:
+def group_ends(splits: torch.Tensor) -> torch.Tensor:
+    """The groups' end offsets, int32: what these kernels and ``torch._grouped_mm`` take."""
     return torch.cumsum(splits, 0, dtype=torch.int32)
 
 
@@ -114,7 +115,7 @@ def grouped_mm_triton(x: torch.Tensor, w: torch.Tensor, splits: torch.Tensor,
         return y
     sx, sw = scales or (y, y)  # unused pointers without scales
     grid = (triton.cdiv(x.shape[0], block_m) + groups, triton.cdiv(n, block_n))
-    _grouped_mm_kernel[grid](x, w, y, _ends(splits), sx, sw, groups, n, k, *w.stride(),
+    _grouped_mm_kernel[grid](x, w, y, group_ends(splits), sx, sw, groups, n, k, *w.stride(),
                              IEEE=x.dtype == torch.float32, SCALED=bool(scales),
                              BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
                              num_warps=num_warps)
@@ -136,7 +137,7 @@ def grouped_wgrad_triton(dy: torch.Tensor, x: torch.Tensor, splits: torch.Tensor
         return dw
     sdy, sx = scales or (dw, dw)
     grid = (triton.cdiv(n, block_n) * triton.cdiv(k, block_k), groups)
-    _grouped_wgrad_kernel[grid](dy, x, dw, _ends(splits), sdy, sx, n, k, *dy.stride(),
+    _grouped_wgrad_kernel[grid](dy, x, dw, group_ends(splits), sdy, sx, n, k, *dy.stride(),
                                 *x.stride(), IEEE=dy.dtype == torch.float32,
                                 SCALED=bool(scales), BLOCK_M=block_m, BLOCK_N=block_n,
                                 BLOCK_K=block_k, num_warps=num_warps)

@@ -76,7 +76,8 @@ def _amax_of_float(xf: torch.Tensor) -> torch.Tensor:
 
 def cast_to_fp8_torch(x: torch.Tensor, fp8_dtype: torch.dtype, columnwise: bool = False,
                       amax: torch.Tensor | None = None) -> list:
-    """:func:`cast_to_fp8` in PyTorch ops."""
+    """:func:`cast_to_fp8` in PyTorch ops; ``amax`` may also have a shape that broadcasts
+    against ``x`` (one per batch: each batch's own scale, ``scale_inv`` of that shape)."""
     xf = x.float().contiguous()  # contiguous outputs, whatever the input's strides
     if amax is None:
         amax = _amax_of_float(xf)
