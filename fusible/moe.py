@@ -3,9 +3,8 @@
 A layer routes each token to ``k`` experts (:func:`route_top_k`), sorts the token copies
 by expert (:func:`permute_tokens`, which also gives each expert's token count, the
 ``splits`` GroupedLinear takes), runs the experts on the sorted copies, and combines each
-token's ``k`` results weighted by the router (:func:`unpermute_tokens`). Plain PyTorch,
-differentiable, deterministic (every gather reads distinct rows, so no gradient is summed
-by atomics), and traceable: the counts stay on the device, so a compiled layer does not
+token's ``k`` results weighted by the router (:func:`unpermute_tokens`). Differentiable,
+deterministic and traceable: the counts stay on the device, so a compiled layer does not
 recompile when the routing changes.
 Dropless by default (every token reaches its ``k`` experts, each expert gets as many
 copies as are routed to it); with a capacity, each expert gets exactly ``capacity`` rows
@@ -13,9 +12,9 @@ copies as are routed to it); with a capacity, each expert gets exactly ``capacit
 beyond it are dropped (they contribute nothing to their token's output). With ``align``
 each expert's rows are padded with zero rows to a multiple of it (FP8 grouped GEMMs need
 16), the last expert taking the spare rows of a static upper bound.
-Every gather reads distinct rows (those of one discarded row aside), so its gradient is
-a gather too, by the inverse map: no atomics, no sort, no scatter (what autograd's own
-``index`` and ``index_select`` backward cost: sort-based accumulation, bf16 atomics).
+The index maps (:class:`Routing`) are small integer tensors; the rows move in one pass
+each way, forward and backward (:mod:`fusible.functional.moe_rows`: every output row is
+read from its source rows, so no gradient is summed by atomics, sorted or scattered).
 """
 
 from __future__ import annotations
@@ -25,7 +24,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from fusible.functional import parallel
+from fusible.functional import moe_rows, parallel
 
 Tensor = torch.Tensor
 
@@ -36,12 +35,18 @@ class Routing(NamedTuple):
     Attributes
     ----------
     order : Tensor
-        (tokens * k,) int64: for each row of the sorted copies, its row in the token-major
-        list of copies (token ``t``'s ``j``-th copy is row ``t * k + j``).
+        (tokens * k,) int64: for each sorted copy, its copy in token-major order (token
+        ``t``'s ``j``-th copy is copy ``t * k + j``).
     splits : Tensor
-        (num_experts,) int64: how many copies each expert got, in expert order.
+        (num_experts,) int64: how many rows each expert gets, in expert order.
     k : int
         Experts per token.
+    copy_row : Tensor
+        (tokens * k,) int64: the row of the experts' input holding each copy (token-major),
+        -1 for a dropped copy.
+    row_copy : Tensor
+        (rows,) int64: the copy each row of the experts' input holds, -1 for a padding or
+        empty row.
     slot : Tensor or None
         With a capacity or an alignment: (tokens * k,) int64, each sorted copy's row among
         the ``rows`` the experts see, ``rows`` for a dropped copy. None: the experts see
@@ -55,47 +60,50 @@ class Routing(NamedTuple):
     order: Tensor
     splits: Tensor
     k: int
+    copy_row: Tensor
+    row_copy: Tensor
     slot: Optional[Tensor] = None
     capacity: int = 0
     rows: int = 0
 
 
-class _GatherRows(torch.autograd.Function):
-    """``src[index]`` whose gradient is a gather too: ``back[r]`` is the output row that
-    read source row ``r`` (each read at most once, those of one discarded row aside), or
-    ``len(index)`` for a row nobody read (its gradient zero, from an appended zero row;
-    none is appended for a ``permutation``). A gather both ways: autograd's own ``index``
-    backward sorts and accumulates, ``index_select``'s adds with atomics, a scatter writes
-    uncoalesced (three times the gather's time on an H200)."""
+class _DispatchTokens(torch.autograd.Function):
+    """The experts' input rows from the tokens (each a copy of its token, or zeros): one
+    gather; its gradient sums each token's copies, one gather too (no atomics, no sort,
+    no scatter: what autograd's own ``index`` and ``index_select`` backward cost)."""
 
     @staticmethod
-    def forward(ctx, src, index, back, permutation):
-        ctx.save_for_backward(back)
-        ctx.permutation = permutation
-        return src.index_select(0, index)
+    def forward(ctx, x, row_copy, copy_row, k):
+        ctx.save_for_backward(copy_row)
+        ctx.k = k
+        return moe_rows.gather_rows(x, row_copy, k)[0]
 
     @staticmethod
     def backward(ctx, grad):
-        (back,) = ctx.saved_tensors
-        if not ctx.permutation:
-            grad = torch.cat([grad, grad.new_zeros((1, *grad.shape[1:]))])
-        return grad.index_select(0, back), None, None, None
+        (copy_row,) = ctx.saved_tensors
+        return moe_rows.combine_rows(grad, copy_row.view(-1, ctx.k)), None, None, None
 
 
-def _gather_permuted(src: Tensor, index: Tensor) -> Tensor:
-    """``src[index]`` for a permutation ``index`` of ``src``'s rows."""
-    return _GatherRows.apply(src, index, _inverse(index, index.numel()), True)
+class _CombineCopies(torch.autograd.Function):
+    """Each token's output, the router-weighted sum of its copies' rows (one gather);
+    gradients: each row its token's gradient times its weight, the weights' the rows'
+    dot products with it, in one gather."""
 
+    @staticmethod
+    def forward(ctx, y, weights, copy_row, row_copy, k):
+        ctx.save_for_backward(y, weights, row_copy)
+        ctx.k = k
+        w = None if weights is None else weights.reshape(-1, k)
+        return moe_rows.combine_rows(y, copy_row.view(-1, k), w)
 
-def _inverse(index: Tensor, rows: int, discarded_last: bool = False) -> Tensor:
-    """``back`` of :class:`_GatherRows` for ``index`` into ``rows`` source rows: where each
-    source row went, ``len(index)`` for those not read; with ``discarded_last`` the last
-    row's too (read by every dropped copy: its gradient is discarded)."""
-    back = torch.full((rows,), index.numel(), dtype=torch.int64, device=index.device)
-    back[index] = torch.arange(index.numel(), device=index.device)
-    if discarded_last:
-        back[-1] = index.numel()
-    return back
+    @staticmethod
+    def backward(ctx, grad):
+        y, weights, row_copy = ctx.saved_tensors
+        flat = None if weights is None else weights.reshape(-1)
+        need_dw = weights is not None and ctx.needs_input_grad[1]
+        dy, dots = moe_rows.gather_rows(grad, row_copy, ctx.k, flat, y if need_dw else None)
+        dw = dots.to(weights.dtype).view_as(weights) if need_dw else None
+        return dy, dw, None, None, None
 
 
 def route_top_k(logits: Tensor, k: int, *, normalize: bool = True) -> tuple:
@@ -142,26 +150,44 @@ def permute_tokens(x: Tensor, experts: Tensor, num_experts: int, *,
     order = torch.argsort(flat, stable=True)
     splits = torch.zeros(num_experts, dtype=torch.int64, device=flat.device)
     splits.scatter_add_(0, flat.long(), torch.ones_like(flat, dtype=torch.int64))
-    # k copies of each token (their gradients summed by a reshape, not by atomics), sorted
-    copies = x.unsqueeze(1).expand(tokens, k, x.shape[-1]).reshape(tokens * k, x.shape[-1])
-    sorted_copies = _gather_permuted(copies, order)
     if capacity_factor is None and align == 1:
-        return sorted_copies, Routing(order, splits, k)
-    sorted_experts = flat[order]
-    if capacity_factor is not None:
-        if not capacity_factor > 0:
-            raise ValueError(f"permute_tokens: capacity_factor must be positive, got "
-                             f"{capacity_factor}")
-        capacity = _round_up(math.ceil(capacity_factor * tokens * k / num_experts), align)
-        rows = num_experts * capacity
-        slot = _capacity_slots(sorted_experts, splits, capacity, num_experts)
-        splits = torch.full_like(splits, capacity)
+        slot, capacity, rows = None, 0, tokens * k
+        row_copy = order
+        copy_row = _inverse(order)
     else:
-        capacity, rows = 0, _round_up(tokens * k + num_experts * (align - 1), align)
-        slot, splits = _aligned_slots(sorted_experts, splits, align, rows)
-    out = x.new_zeros((rows + 1, x.shape[-1]))  # the last row: the dropped copies'
-    out = out.index_copy(0, slot, sorted_copies)[:-1]
-    return out, Routing(order, splits, k, slot, capacity, rows)
+        sorted_experts = flat[order]
+        if capacity_factor is not None:
+            if not capacity_factor > 0:
+                raise ValueError(f"permute_tokens: capacity_factor must be positive, got "
+                                 f"{capacity_factor}")
+            capacity = _round_up(math.ceil(capacity_factor * tokens * k / num_experts), align)
+            rows = num_experts * capacity
+            slot = _capacity_slots(sorted_experts, splits, capacity, num_experts)
+            splits = torch.full_like(splits, capacity)
+        else:
+            capacity, rows = 0, _round_up(tokens * k + num_experts * (align - 1), align)
+            slot, splits = _aligned_slots(sorted_experts, splits, align, rows)
+        row_copy, copy_row = _row_maps(order, slot, rows)
+    routing = Routing(order, splits, k, copy_row, row_copy, slot, capacity, rows)
+    return _DispatchTokens.apply(x, row_copy, copy_row, k), routing
+
+
+def _inverse(permutation: Tensor) -> Tensor:
+    """The inverse of a permutation of ``0..n-1``."""
+    inverse = torch.empty_like(permutation)
+    inverse[permutation] = torch.arange(permutation.numel(), device=permutation.device)
+    return inverse
+
+
+def _row_maps(order: Tensor, slot: Tensor, rows: int) -> tuple:
+    """``(row_copy, copy_row)`` of :class:`Routing` from the sorted copies' slots (``rows``
+    for a dropped copy)."""
+    kept = slot < rows
+    # the dropped copies all land on the spare last entry, which is cut off
+    row_copy = torch.full((rows + 1,), -1, dtype=torch.int64, device=order.device)
+    row_copy = row_copy.index_copy(0, slot, order)[:-1]
+    copy_row = torch.empty_like(order).index_copy_(0, order, torch.where(kept, slot, -1))
+    return row_copy, copy_row
 
 
 def _round_up(n: int, multiple: int) -> int:
@@ -196,30 +222,21 @@ def _aligned_slots(sorted_experts: Tensor, splits: Tensor, align: int, rows: int
 
 def unpermute_tokens(y: Tensor, routing: Routing, weights: Optional[Tensor] = None) -> Tensor:
     """``out[t] = sum_j weights[t, j] * y[copy j of token t]``: the experts' outputs
-    ``y`` (in the sorted order of :func:`permute_tokens`) back in token order, combined by
-    the router's ``weights`` (tokens, k), or summed where the experts applied them already
-    (None: a scaled gated unit, :func:`sorted_weights`). Differentiable in ``y`` and
-    ``weights``."""
-    if routing.slot is not None:  # the sorted copies from the rows (zeros: dropped)
-        rows = torch.cat([y, y.new_zeros((1, y.shape[-1]))])
-        back = _inverse(routing.slot, rows.shape[0], discarded_last=True)
-        y = _GatherRows.apply(rows, routing.slot, back, False)
-    inverse = _inverse(routing.order, routing.order.numel())
-    # token-major; the gradient gathered back by ``order``, the inverse's inverse
-    copies = _GatherRows.apply(y, inverse, routing.order, True).view(-1, routing.k, y.shape[-1])
-    if weights is None:
-        return copies.sum(1)
-    return (copies * weights.unsqueeze(-1).to(y.dtype)).sum(1)
+    ``y`` (the rows of :func:`permute_tokens`) back in token order, combined by the
+    router's ``weights`` (tokens, k), or summed where the experts applied them already
+    (None: a scaled gated unit, :func:`sorted_weights`); a dropped copy contributes
+    nothing. Products and sum in float32 (the sum in ``j`` order), rounded once.
+    Differentiable in ``y`` and ``weights``."""
+    return _CombineCopies.apply(y, weights, routing.copy_row, routing.row_copy, routing.k)
 
 
 def sorted_weights(weights: Tensor, routing: Routing) -> Tensor:
     """The router's ``weights`` (tokens, k) in the order of the rows the experts see: the
     scales a scaled gated unit (``ops.ScaledSwiGLU`` ...) takes inside the experts (zero
-    for the empty rows of a capacity)."""
-    flat = weights.reshape(-1)[routing.order]
-    if routing.slot is None:
-        return flat
-    return flat.new_zeros(routing.rows + 1).index_copy(0, routing.slot, flat)[:-1]
+    for the padding and empty rows)."""
+    valid = routing.row_copy >= 0
+    flat = weights.reshape(-1)[routing.row_copy.clamp(min=0)]
+    return torch.where(valid, flat, torch.zeros((), dtype=flat.dtype, device=flat.device))
 
 
 class ExpertParallel(NamedTuple):
@@ -306,4 +323,4 @@ def _regroup(received: Tensor, total: int) -> tuple:
     shift = starts.t().reshape(-1) - (torch.cumsum(lengths, 0) - lengths)
     regroup = torch.repeat_interleave(shift, lengths, output_size=total) \
         + torch.arange(total, device=received.device)
-    return regroup, _inverse(regroup, total)
+    return regroup, _inverse(regroup)

@@ -703,11 +703,13 @@ def test_grouped_fp8_on_gpu(monkeypatch):
     E4M3 = torch.float8_e4m3fn
     w = (torch.randn(4, 96, 64) * torch.tensor([1.0, 16.0, 2.0 ** -5, 0.5]).view(4, 1, 1))
     w = w.to("cuda", torch.bfloat16)
-    for transposed in (False, True):  # the batched Triton cast: PyTorch's bits
-        data, scale_inv = grouped_fp8.cast_grouped_weight(w, E4M3, transposed=transposed)
-        ref, ref_scale_inv = grouped_fp8.cast_grouped_weight(w.cpu(), E4M3,
-                                                             transposed=transposed)
-        assert same_bits(data.cpu(), ref) and same_bits(scale_inv.cpu(), ref_scale_inv)
+    for layouts in ((True, False), (False, True), (True, True)):  # PyTorch's bits
+        got = grouped_fp8.cast_grouped_weight(w, E4M3, rowwise=layouts[0],
+                                              columnwise=layouts[1])
+        want = grouped_fp8.cast_grouped_weight(w.cpu(), E4M3, rowwise=layouts[0],
+                                               columnwise=layouts[1])
+        for a, b in zip(got, want):
+            assert (a is None) == (b is None) and (a is None or same_bits(a.cpu(), b))
     used = []
     real = torch._scaled_grouped_mm
     monkeypatch.setattr(torch, "_scaled_grouped_mm", lambda *a, **k: used.append(1)
@@ -746,6 +748,47 @@ def test_grouped_fp8_on_gpu(monkeypatch):
     torch._dynamo.reset()
     compiled = torch.compile(model, fullgraph=True)
     assert all(same_bits(a, b) for a, b in zip(step(compiled), got))
+
+
+def test_moe_routing_kernels_on_gpu(monkeypatch):
+    """The routing's row moves through their Triton kernels (aligned and with a capacity
+    that drops copies): values and gradients (tokens, router weights) against float64 on
+    the CPU, Inductor bitwise eager."""
+    from fusible import moe
+    from fusible.kernels import moe_rows
+    calls = []
+    for name in ("gather_rows_triton", "combine_rows_triton"):
+        real = getattr(moe_rows, name)
+        monkeypatch.setattr(moe_rows, name, lambda *a, _r=real, _n=name, **k:
+                            calls.append(_n) or _r(*a, **k))
+    torch.manual_seed(0)
+    x = torch.randn(300, 96).bfloat16().double()
+    # distinct, exact logits: the same experts chosen in bf16 and float64
+    logits = torch.stack([torch.randperm(8) for _ in range(300)]).double() / 4
+    scale = torch.linspace(0.5, 2.0, 96)
+
+    def layer(x, logits, **kw):
+        experts, weights = moe.route_top_k(logits, 3)
+        rows, routing = moe.permute_tokens(x, experts, 8, **kw)
+        return moe.unpermute_tokens(rows * scale.to(rows), routing, weights)
+
+    def step(fn, device, dtype, **kw):
+        xx = x.to(device, dtype).requires_grad_()
+        ll = logits.to(device, dtype).requires_grad_()
+        y = fn(xx, ll, **kw)
+        y.backward(torch.ones_like(y))
+        return [y.detach(), xx.grad, ll.grad]
+
+    for kw in ({"align": 16}, {"capacity_factor": 0.5, "align": 16}):
+        calls.clear()
+        got = step(layer, "cuda", torch.bfloat16, **kw)
+        assert set(calls) == {"gather_rows_triton", "combine_rows_triton"}
+        for a, b in zip(got, step(layer, "cpu", torch.float64, **kw)):
+            assert_close(a.float().cpu(), b, torch.bfloat16, scale=4)
+        torch._dynamo.reset()
+        compiled = torch.compile(layer, fullgraph=True)
+        assert all(same_bits(a, b) for a, b in zip(step(compiled, "cuda", torch.bfloat16,
+                                                        **kw), got))
 
 
 def test_scaled_glu_kernels_on_gpu():

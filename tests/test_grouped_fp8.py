@@ -132,6 +132,27 @@ def test_fp8_tensors_handed_between_the_stages():
     assert data.dtype == E4M3 and scale_inv.dim() == 0 and transpose is not None
 
 
+def test_fp8_weight_read_once_per_step(monkeypatch):
+    """Each weight is cast once a step: the forward's cast writes the transposed copy that
+    dgrad reads (not where no dgrad follows: the first layer of an input without a
+    gradient), and the backward casts no weight."""
+    from fusible.ops import grouped_linear
+    casts = []
+    real = grouped_linear.cast_grouped_weight
+    monkeypatch.setattr(grouped_linear, "cast_grouped_weight", lambda w, *a, **k: casts.append(
+        (w.shape[1], k.get("columnwise", False))) or real(w, *a, **k))
+    w13, w2 = _experts(4, [(32, 64), (32, 32)], [1.0] * 4)
+    model = ops.Sequential(w13, ops.SwiGLU(), w2)
+    splits = torch.tensor(SPLITS)
+    for needs_dx, want in ((True, [(64, True), (32, True)]), (False, [(64, False), (32, True)])):
+        casts.clear()
+        with fusible.autocast():
+            y = model(torch.randn(64, 32, requires_grad=needs_dx), splits, splits)
+            assert casts == want
+            y.sum().backward()
+        assert casts == want
+
+
 def test_fp8_weight_gradient_needs_aligned_groups_and_says_how():
     model = ops.Sequential(ops.GroupedLinear(2, 32, 32))
     x = torch.randn(32, 32, requires_grad=True)

@@ -490,16 +490,19 @@ _BATCHED_CAST_SCRIPT = textwrap.dedent("""
         w = torch.randn(3, 20, 36) * torch.tensor([1.0, 64.0, 2.0 ** -7]).view(3, 1, 1)
         w = w.to(dtype)
         amax = grouped_weight_amax(w)
-        data, scale_inv = cast_batched_triton(w, amax, E4M3, 448.0, False, 8, 16)
-        assert data.shape == (3, 20, 36) and data.dtype == E4M3
+        data, none, scale_inv = cast_batched_triton(w, amax, E4M3, 448.0, True, False, 8, 16)
+        assert none is None and data.shape == (3, 20, 36) and data.dtype == E4M3
         for b in range(3):  # each batch as the plain kernel casts it with its amax
             alone = cast_to_fp8_triton(w[b], E4M3, 448.0, False, block_m=8, block_n=16,
                                        amax=amax[b])
             assert torch.equal(data[b].view(torch.uint8), alone[0].view(torch.uint8))
             assert torch.equal(scale_inv[b], alone[1])
-        t, t_scale_inv = cast_batched_triton(w, amax, E4M3, 448.0, True, 8, 16)
-        assert t.shape == (3, 36, 20) and torch.equal(t_scale_inv, scale_inv)
+        none, t, t_scale_inv = cast_batched_triton(w, amax, E4M3, 448.0, False, True, 8, 16)
+        assert none is None and t.shape == (3, 36, 20) and torch.equal(t_scale_inv, scale_inv)
         assert torch.equal(t.view(torch.uint8), data.view(torch.uint8).transpose(-2, -1))
+        both = cast_batched_triton(w, amax, E4M3, 448.0, True, True, 8, 16)
+        assert torch.equal(both[0].view(torch.uint8), data.view(torch.uint8))
+        assert torch.equal(both[1].view(torch.uint8), t.view(torch.uint8))
     print("ok")
 """)
 
@@ -608,8 +611,7 @@ _GROUPED_GEMM_SCRIPT = textwrap.dedent("""
     w = torch.randn(4, 40, 48) * torch.tensor([1.0, 8.0, 0.25, 2.0]).view(4, 1, 1)
     xq, sx, xt = cast_to_fp8(x, E4M3, True)
     dyq, sdy, dyt = cast_to_fp8(dy, E4M3, True)
-    wq, sw = cast_grouped_weight(w, E4M3)
-    wt, _ = cast_grouped_weight(w, E4M3, transposed=True)
+    wq, wt, sw = cast_grouped_weight(w, E4M3, columnwise=True)
     for out_dtype in (torch.float32, torch.float16):
         got = grouped_mm_triton(xq, wq, splits, 16, 16, 16, scales=(sx, sw), out_dtype=out_dtype)
         want = fp8_grouped_mm(xq, sx, wq, sw, splits, out_dtype, fast_accum=False)
@@ -629,3 +631,41 @@ _GROUPED_GEMM_SCRIPT = textwrap.dedent("""
 
 def test_grouped_gemm_triton_matches_a_loop():
     _run_interpreted(_GROUPED_GEMM_SCRIPT)
+
+
+# Small integers times powers of two: every product and sum exact, so the kernels and the
+# PyTorch arithmetic must agree bit for bit; two column blocks (1100 > 1024).
+_MOE_ROWS_SCRIPT = textwrap.dedent("""
+    import torch
+    from fusible.functional.moe_rows import _combine_rows_impl, _gather_rows_impl
+    from fusible.kernels.moe_rows import combine_rows_triton, gather_rows_triton
+    torch.manual_seed(0)
+    tokens, k, h = 5, 3, 1100
+    row_copy = torch.tensor([4, -1, 0, 14, 7, -1, 2, 9, 13, 1, 3, 5, 6, -1, 8, 10, 11, 12])
+    copy_row = torch.full((tokens * k,), -1)
+    kept = row_copy >= 0
+    copy_row[row_copy[kept]] = torch.arange(row_copy.numel())[kept]
+    copy_row[[5, 12]] = -1  # two dropped copies (no row reads them either way)
+    row_copy[row_copy == 5] = -1
+    row_copy[row_copy == 12] = -1
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        x = torch.randint(-8, 8, (tokens, h)).to(dtype)
+        y = torch.randint(-8, 8, (row_copy.numel(), h)).to(dtype)
+        w = (2.0 ** torch.randint(-3, 2, (tokens * k,))).to(dtype)
+        for scales, dots_with in ((None, None), (w, None), (w, y)):
+            got = gather_rows_triton(x, row_copy, k, scales, dots_with)
+            want = _gather_rows_impl(x, row_copy, k, scales, dots_with)
+            assert torch.equal(got[0], want[0]), (dtype, scales is None)
+            assert not got[0][row_copy < 0].any()
+            if dots_with is not None:
+                assert torch.equal(got[1], want[1]) and got[1][[5, 12]].eq(0).all()
+        for weights in (None, w.view(tokens, k)):
+            got = combine_rows_triton(y, copy_row.view(tokens, k), weights)
+            want = _combine_rows_impl(y, copy_row.view(tokens, k), weights)
+            assert got.dtype == dtype and torch.equal(got, want), (dtype, weights is None)
+    print("ok")
+""")
+
+
+def test_moe_row_moves_triton_match_pytorch():
+    _run_interpreted(_MOE_ROWS_SCRIPT)

@@ -76,22 +76,22 @@ def grouped_weight_amax(weight: Tensor) -> Tensor:
 
 
 def cast_grouped_weight(weight: Tensor, fp8_dtype: torch.dtype, amax: Optional[Tensor] = None,
-                        transposed: bool = False) -> tuple:
-    """``(data, scale_inv)``: each group ``g`` of ``weight`` (groups, rows, cols) scaled
-    by ``FP8_MAX / amax[g]`` and saturated to FP8 (:func:`~fusible.quantization.cast.
-    scale_from_amax`'s rules); ``transposed``: the data as (groups, cols, rows) row-major,
-    what dgrad reads. ``amax``: the forward's (the same scales and bits, no second
-    reduction). On CUDA one Triton kernel writes either layout; elsewhere PyTorch ops,
-    the same arithmetic."""
+                        *, rowwise: bool = True, columnwise: bool = False) -> tuple:
+    """``(data, transpose, scale_inv)``: each group ``g`` of ``weight`` (groups, rows,
+    cols) scaled by ``FP8_MAX / amax[g]`` and saturated to FP8 (:func:`~fusible.
+    quantization.cast.scale_from_amax`'s rules), as (groups, rows, cols) where
+    ``rowwise`` (what the forward reads) and as (groups, cols, rows) row-major where
+    ``columnwise`` (what dgrad reads), None where not asked for. ``amax``: given, no
+    reduction. On CUDA one Triton kernel writes both layouts from one read; elsewhere
+    PyTorch ops, the same arithmetic."""
     if amax is None:
         amax = grouped_weight_amax(weight)
     if weight.is_cuda and fp8_cast.triton is not None:
         return fp8_cast.cast_batched_triton(weight, amax, fp8_dtype, FP8_MAX[fp8_dtype],
-                                            transposed)
+                                            rowwise, columnwise)
     data, scale_inv = cast_to_fp8_torch(weight, fp8_dtype, False, amax[:, None, None])
-    if transposed:
-        data = data.transpose(-2, -1).contiguous()
-    return data, scale_inv.reshape(-1)
+    transpose = data.transpose(-2, -1).contiguous() if columnwise else None
+    return data if rowwise else None, transpose, scale_inv.reshape(-1)
 
 
 def fp8_grouped_mm(a: Tensor, a_scale_inv: Tensor, b: Tensor, b_scale_inv: Tensor,

@@ -241,26 +241,32 @@ def cast_to_fp8_triton(x: torch.Tensor, fp8_dtype: torch.dtype, fp8_max: float,
 
 
 def cast_batched_triton(x: torch.Tensor, amax: torch.Tensor, fp8_dtype: torch.dtype,
-                        fp8_max: float, transposed: bool, block_m: int = 64,
-                        block_n: int = 128) -> tuple:
-    """``(data, scale_inv)``: each batch ``b`` of ``x`` (batches, M, N) cast with the scale
-    of ``amax[b]`` (float32, (batches,)), as :func:`cast_to_fp8_triton` casts a tensor;
-    ``transposed``: the data as (batches, N, M) row-major (written by the kernel from
-    bf16, else transposed after it), the data in the other layout never written."""
+                        fp8_max: float, rowwise: bool = True, columnwise: bool = False,
+                        block_m: int = 64, block_n: int = 128) -> tuple:
+    """``(data, transpose, scale_inv)``: each batch ``b`` of ``x`` (batches, M, N) cast
+    with the scale of ``amax[b]`` (float32, (batches,)), as :func:`cast_to_fp8_triton`
+    casts a tensor; ``data`` (batches, M, N) where ``rowwise``, ``transpose`` (batches, N,
+    M) row-major where ``columnwise`` (None where not asked for), both from one read of
+    ``x`` (the copy written by the kernel from 16-bit data, else transposed after it)."""
     require_triton("cast_batched_triton")
+    if not (rowwise or columnwise):
+        raise ValueError("cast_batched_triton: asked for neither the data nor its transpose")
     x = x.contiguous()
     batches, m, n = x.shape
     amax = amax.to(torch.float32).contiguous()
-    in_kernel_t = transposed and transposes_in_kernel(x.dtype)
-    out = torch.empty((batches, n, m) if in_kernel_t else (batches, m, n), device=x.device,
-                      dtype=fp8_dtype)
+    in_kernel_t = columnwise and transposes_in_kernel(x.dtype)
+    has_data = rowwise or not in_kernel_t
+    data = torch.empty((batches, m, n), device=x.device, dtype=fp8_dtype) if has_data else None
+    transpose = torch.empty((batches, n, m), device=x.device, dtype=fp8_dtype) \
+        if in_kernel_t else None
     scale_inv = torch.empty(batches, device=x.device, dtype=torch.float32)
+    first = data if has_data else transpose
     _cast_kernel[(tile_grid(m, n, block_m, block_n)[0], batches)](
-        x, amax, out, out, scale_inv, m, n, fp8_max, HAS_T=in_kernel_t,
-        HAS_DATA=not in_kernel_t, BLOCK_M=block_m, BLOCK_N=block_n)
-    if transposed and not in_kernel_t:
-        out = out.transpose(-2, -1).contiguous()
-    return out, scale_inv
+        x, amax, first, transpose if in_kernel_t else first, scale_inv, m, n, fp8_max,
+        HAS_T=in_kernel_t, HAS_DATA=has_data, BLOCK_M=block_m, BLOCK_N=block_n)
+    if columnwise and not in_kernel_t:
+        transpose = data.transpose(-2, -1).contiguous()
+    return data if rowwise else None, transpose, scale_inv
 
 
 # From here the kernel wins: on an H200 it moves 3.5 TB/s at 16384 x 8192 where PyTorch's

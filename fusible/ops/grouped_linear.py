@@ -16,8 +16,7 @@ from fusible.core.results import BackwardResult, ForwardResult
 from fusible.functional.grouped import (bias_per_token, check_splits, grouped_bias_grad,
                                         grouped_dgrad, grouped_forward, grouped_wgrad)
 from fusible.functional.grouped_fp8 import (cast_grouped_weight, check_aligned_splits,
-                                            fp8_grouped_mm, fp8_grouped_wgrad,
-                                            grouped_weight_amax)
+                                            fp8_grouped_mm, fp8_grouped_wgrad)
 from fusible.functional.linear import as_fp8, handed_in, like_tokens, tokens_2d
 from fusible.module import BasicOperation
 from fusible.quantization.float8_tensor import Float8Tensor, Fp8Able, transposed_only
@@ -33,26 +32,29 @@ _E4M3 = torch.float8_e4m3fn
 @attrs.define
 class GroupedForwardArgs:
     """``input_format``: under FP8 the input's (tensorwise E4M3, with the transposed copy
-    where wgrad needs it); None in high precision."""
+    where wgrad needs it); None in high precision. ``keep_weight_transpose``: under FP8
+    with dgrad to come, the weight's transposed FP8 copy is written by the forward's cast
+    (one read of the weight, not two) and kept for it."""
 
     input: Fp8Able
     splits: Tensor
     weight: Tensor
     bias: Optional[Tensor]
     input_format: Optional[Float8Format] = None
+    keep_weight_transpose: bool = False
 
 
 @attrs.define
 class GroupedSaved:
     """GroupedLinear's saved record: the input for wgrad (under FP8 its transposed copy
-    only), the weight for dgrad (None where not needed), the split sizes; under FP8 the
-    forward's per-group amax of the weight (dgrad quantizes it again with it: the same
-    bits, no second reduction)."""
+    only), the weight for dgrad (None where not needed; under FP8 its transposed FP8 copy
+    and per-group scales instead, from the forward's cast), the split sizes."""
 
     input: Optional[Fp8Able]
     weight: Optional[Tensor]
     splits: Tensor
-    weight_amax: Optional[Tensor] = None
+    weight_transpose: Optional[Tensor] = None
+    weight_scale_inv: Optional[Tensor] = None
 
 
 @attrs.define
@@ -67,7 +69,8 @@ class GroupedBackwardArgs:
     num_groups: int
     has_bias: bool
     grad_format: Optional[Float8Format] = None
-    weight_amax: Optional[Tensor] = None
+    weight_transpose: Optional[Tensor] = None
+    weight_scale_inv: Optional[Tensor] = None
 
 
 class GroupedLinear(BasicOperation):
@@ -189,7 +192,8 @@ class GroupedLinear(BasicOperation):
         if ctxs[0].recipe is not None:
             fmt = Float8Format(_E4M3, ctxs[0].needs.params[0])
         return GroupedForwardArgs(input, extra_inputs[0], params[0],
-                                  params[1] if len(params) > 1 else None, fmt)
+                                  params[1] if len(params) > 1 else None, fmt,
+                                  fmt is not None and ctxs[0].needs.input)
 
     @classmethod
     def forward_compute(cls, args, *, in_custom_op=False):
@@ -212,25 +216,29 @@ class GroupedLinear(BasicOperation):
         fmt = args.input_format
         if fmt is None:
             return ForwardResult(y)
-        w_amax = torch.empty((args.weight.shape[0],), dtype=torch.float32, device=x.device)
-        if handed_in(x, fmt) or not fmt.columnwise:
-            return ForwardResult(y, (), (w_amax,))
-        tokens = x.numel() // x.shape[-1]
-        x_t = torch.empty((x.shape[-1], tokens), dtype=_E4M3, device=x.device)
-        scale_inv = torch.empty((), dtype=torch.float32, device=x.device)
-        return ForwardResult(y, (), (x_t, scale_inv, w_amax))
+        aux = ()
+        if not handed_in(x, fmt) and fmt.columnwise:
+            tokens = x.numel() // x.shape[-1]
+            aux = (torch.empty((x.shape[-1], tokens), dtype=_E4M3, device=x.device),
+                   torch.empty((), dtype=torch.float32, device=x.device))
+        if args.keep_weight_transpose:
+            g, n, k = args.weight.shape
+            aux += (torch.empty((g, k, n), dtype=_E4M3, device=x.device),
+                    torch.empty((g,), dtype=torch.float32, device=x.device))
+        return ForwardResult(y, (), aux)
 
     def save_for_backward(self, args, result, ctxs):
         needs = ctxs[0].needs
         if not needs.any:
             return
-        x, w_amax = (args.input if needs.params[0] else None), None
-        if args.input_format is not None:
-            w_amax = result.aux[-1]
-            if needs.params[0]:
-                x = _saved_fp8_input(args, result.aux)
-        ctxs[0].saved = GroupedSaved(x, args.weight if needs.input else None, args.splits,
-                                     w_amax if needs.input else None)
+        x = args.input if needs.params[0] else None
+        if args.input_format is None:
+            ctxs[0].saved = GroupedSaved(x, args.weight if needs.input else None, args.splits)
+            return
+        input_aux, weight_aux = _split_aux(args, result.aux)
+        if needs.params[0]:
+            x = _saved_fp8_input(args, input_aux)
+        ctxs[0].saved = GroupedSaved(x, None, args.splits, *weight_aux)
 
     def backward_args(self, grad_output, grad_extra_outputs, ctxs):
         needs, saved, recipe = ctxs[0].needs, ctxs[0].saved, ctxs[0].recipe
@@ -238,7 +246,8 @@ class GroupedLinear(BasicOperation):
         return GroupedBackwardArgs(grad_output, saved.input, saved.weight, saved.splits,
                                    needs.input, needs.params[0],
                                    len(needs.params) > 1 and needs.params[1], self.num_groups,
-                                   len(needs.params) > 1, fmt, saved.weight_amax)
+                                   len(needs.params) > 1, fmt, saved.weight_transpose,
+                                   saved.weight_scale_inv)
 
     @classmethod
     def backward_compute(cls, args, *, in_custom_op=False):
@@ -263,7 +272,12 @@ class GroupedLinear(BasicOperation):
 
         def empty(*shape):
             return torch.empty(shape, dtype=dy.dtype, device=dy.device)
-        dx = empty(*dy.shape[:-1], args.weight.shape[-1]) if args.need_grad_input else None
+        if args.need_grad_input:
+            k = (args.weight.shape[-1] if args.weight is not None
+                 else args.weight_transpose.shape[1])
+            dx = empty(*dy.shape[:-1], k)
+        else:
+            dx = None
         k = args.input.shape[-1] if args.need_grad_weight else 0
         dw = empty(g, n, k) if args.need_grad_weight else None
         db = empty(g, n) if args.need_grad_bias else None
@@ -321,23 +335,29 @@ class GroupedLinear(BasicOperation):
 
 
 def _fp8_forward(args: GroupedForwardArgs) -> tuple:
-    """``(y, aux)`` of the FP8 forward: aux as :func:`_saved_fp8_input` reads it, the
-    weight's per-group amax last."""
+    """``(y, aux)`` of the FP8 forward: aux as :func:`_split_aux` splits it."""
     fmt, x = args.input_format, args.input
     mine = not handed_in(x, fmt)  # an input handed over quantized is the caller's to save
     x_q = as_fp8(x, fmt if mine else fmt.rowwise())
-    w_amax = grouped_weight_amax(args.weight)
-    w_data, w_scale_inv = cast_grouped_weight(args.weight, _E4M3, w_amax)
+    w_data, w_t, w_scale_inv = cast_grouped_weight(args.weight, _E4M3,
+                                                   columnwise=args.keep_weight_transpose)
     y = fp8_grouped_mm(x_q._data, x_q._scale_inv, w_data, w_scale_inv, args.splits,
                        x_q.dtype, fast_accum=True)
-    if not (mine and fmt.columnwise):
-        return y, (w_amax,)
-    return y, (x_q._transpose, x_q._scale_inv, w_amax)
+    aux = (x_q._transpose, x_q._scale_inv) if mine and fmt.columnwise else ()
+    return y, aux + ((w_t, w_scale_inv) if args.keep_weight_transpose else ())
+
+
+def _split_aux(args: GroupedForwardArgs, aux: tuple) -> tuple:
+    """``(input part, weight part)`` of the FP8 forward's aux: the input's transposed copy
+    and scale (where the forward made them), the weight's (where dgrad is to come)."""
+    if args.keep_weight_transpose:
+        return aux[:-2], aux[-2:]
+    return aux, ()
 
 
 def _saved_fp8_input(args: GroupedForwardArgs, aux: tuple) -> Float8Tensor:
     """The input as wgrad reads it: its transposed FP8 copy alone."""
-    if len(aux) == 1:  # handed over quantized: its transposed copy made here if missing
+    if not aux:  # handed over quantized: its transposed copy made here if missing
         x_q = as_fp8(args.input, args.input_format)
         return transposed_only(x_q._transpose, x_q._scale_inv, x_q.dtype)
     return transposed_only(aux[0], aux[1], args.input.dtype)
@@ -349,11 +369,8 @@ def _fp8_backward(args: GroupedBackwardArgs) -> tuple:
     dy_q = as_fp8(dy, args.grad_format)
     dx = dw = None
     if args.need_grad_input:
-        w_t, w_scale_inv = cast_grouped_weight(args.weight, _E4M3, args.weight_amax,
-                                               transposed=True)
-        dx = fp8_grouped_mm(dy_q._data, dy_q._scale_inv, w_t, w_scale_inv, args.splits,
-                            dy_q.dtype, fast_accum=False)
-        del w_t  # freed before the weight gradient is allocated
+        dx = fp8_grouped_mm(dy_q._data, dy_q._scale_inv, args.weight_transpose,
+                            args.weight_scale_inv, args.splits, dy_q.dtype, fast_accum=False)
         dx = dx.view(*dy.shape[:-1], dx.shape[-1])
     if args.need_grad_weight:
         check_aligned_splits(args.splits, "GroupedLinear")
