@@ -171,16 +171,24 @@ def main() -> None:
     parser.add_argument("--output", default="benchmarks/results/zoo_moe.json")
     parser.add_argument("--rows", default=",".join(ROWS))
     parser.add_argument("--profile", help="first write kernel profiles of fusible's eager "
-                        "rows of the first config here")
+                        "rows here")
+    parser.add_argument("--configs", default="0,1",
+                        help="which of CONFIGS to measure, by index (empty: none)")
+    parser.add_argument("--profile-configs", default="0",
+                        help="which of CONFIGS --profile profiles, by index")
     args = parser.parse_args()
     rows = args.rows.split(",")
     if args.profile:
-        profile(CONFIGS[0], [r for r in rows if r.startswith("fusible") and "eager" in r],
-                args.profile)
+        for index in _indices(args.profile_configs):
+            profile(CONFIGS[index], [r for r in rows if r.startswith("fusible") and "eager" in r],
+                    args.profile)
     results = {"torch": torch.__version__, "gpu": torch.cuda.get_device_name()}
-    for config in CONFIGS:
-        run_config(config, rows, results, args.output)
+    for index in _indices(args.configs):
+        run_config(CONFIGS[index], rows, results, args.output)
 
+
+def _indices(text: str) -> list:
+    return [int(i) for i in text.split(",") if i]
 
 if __name__ == "__main__":
     main()

@@ -11,7 +11,9 @@
 # the small MLP's CUDA-graph steps (graphs_host.py); zoo: the block zoo,
 # ZOO_CONFIGS of its configs (default all) from index ZOO_FIRST (default 0, which also
 # profiles), ZOO_ROWS its rows (comma-separated, default all); moe: the mixture-of-experts
-# layers (zoo_moe.py, MOE_ROWS its rows, default all); probe: what torch._scaled_grouped_mm
+# layers (zoo_moe.py, MOE_ROWS its rows, default all; MOE_CONFIGS which configs it
+# measures, default 0,1, empty none; MOE_PROFILE which it profiles, default 0); probe: what
+# torch._scaled_grouped_mm
 # takes (diagnostics/scaled_grouped_probe.py); TESTS: which tests,
 # default all, "none" for none; the argument "none" runs no benchmark)
 set -uo pipefail
@@ -94,6 +96,7 @@ if [[ " $benches " == *" probe "* ]]; then
 fi
 if [[ " $benches " == *" moe "* ]]; then
     (cd benchmarks && python3 zoo_moe.py ${MOE_ROWS:+--rows "$MOE_ROWS"} \
+        --configs "${MOE_CONFIGS-0,1}" --profile-configs "${MOE_PROFILE:-0}" \
         --output "$OUT_ABS/zoo_moe.json" --profile "$OUT_ABS/moe_profile.txt") 2>&1 \
         | tee "$OUT/zoo_moe.log"
     bench_rc=$(( bench_rc || PIPESTATUS[0] ))
