@@ -91,7 +91,9 @@ class _CombineCopies(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, y, weights, copy_row, row_copy, k):
-        ctx.save_for_backward(y, weights, row_copy)
+        ctx.need_dw = weights is not None and ctx.needs_input_grad[1]
+        # the rows only for the weights' gradient (the experts' whole output otherwise)
+        ctx.save_for_backward(y if ctx.need_dw else None, weights, row_copy)
         ctx.k = k
         w = None if weights is None else weights.reshape(-1, k)
         return moe_rows.combine_rows(y, copy_row.view(-1, k), w)
@@ -100,9 +102,8 @@ class _CombineCopies(torch.autograd.Function):
     def backward(ctx, grad):
         y, weights, row_copy = ctx.saved_tensors
         flat = None if weights is None else weights.reshape(-1)
-        need_dw = weights is not None and ctx.needs_input_grad[1]
-        dy, dots = moe_rows.gather_rows(grad, row_copy, ctx.k, flat, y if need_dw else None)
-        dw = dots.to(weights.dtype).view_as(weights) if need_dw else None
+        dy, dots = moe_rows.gather_rows(grad, row_copy, ctx.k, flat, y)
+        dw = dots.to(weights.dtype).view_as(weights) if ctx.need_dw else None
         return dy, dw, None, None, None
 
 

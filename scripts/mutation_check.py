@@ -220,8 +220,8 @@ CURATED = [
        "the FP8 weight gradient runs on groups the GPU kernel cannot take (a device assert "
        "there), without the error that says how to align them"),
     _m("combine_gradient_unweighted", "fusible/moe.py",
-       "moe_rows.gather_rows(grad, row_copy, ctx.k, flat, y if need_dw else None)",
-       "moe_rows.gather_rows(grad, row_copy, ctx.k, None, y if need_dw else None)",
+       "moe_rows.gather_rows(grad, row_copy, ctx.k, flat, y)",
+       "moe_rows.gather_rows(grad, row_copy, ctx.k, None, y)",
        "the combine's gradient reaches the experts' rows without the router weights"),
     _m("align_loses_spare_rows", "fusible/moe.py",
        "    spare[-1] = rows - padded.sum()", "    spare[-1] = 0",

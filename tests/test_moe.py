@@ -161,3 +161,20 @@ def test_capacity_below_one_with_drops_back_propagates():
     out = moe.unpermute_tokens(rows * 2, routing, torch.ones(5, 1))
     out.sum().backward()
     assert x.grad[:2].eq(2).all() and not x.grad[2:].any()
+
+
+def test_combine_keeps_the_rows_only_for_the_weights_gradient():
+    """The experts' output is saved for the router weights' gradient alone: not when the
+    weights need none, nor without weights (a scaled unit applied them)."""
+    x = torch.randn(6, 4, requires_grad=True)
+    experts = torch.tensor([[0, 1], [1, 2], [2, 0], [0, 2], [1, 0], [2, 1]])
+    rows, routing = moe.permute_tokens(x, experts, 3)
+    y = rows * 2
+    for weights, kept in ((torch.rand(6, 2, requires_grad=True), True),
+                          (torch.rand(6, 2), False), (None, False)):
+        out = moe.unpermute_tokens(y, routing, weights)
+        assert (out.grad_fn.saved_tensors[0] is not None) == kept
+        out.sum().backward(retain_graph=True)
+        if weights is not None and kept:  # d(sum)/dw[t, j] = sum of copy j's row
+            want = y.detach()[routing.copy_row].sum(-1).view(6, 2)
+            torch.testing.assert_close(weights.grad, want)
