@@ -35,7 +35,7 @@ def quantized_model_init(enabled: bool = True, recipe=None,
     ----------
     enabled : bool
         False creates ordinary weights (to switch it with a flag).
-    recipe : Float8CurrentScaling, optional
+    recipe : Recipe, optional
         Gives the weights' FP8 format; default ``Float8CurrentScaling()``.
     preserve_high_precision_init_val : bool
         Keep each weight's initial high-precision value on the CPU, as

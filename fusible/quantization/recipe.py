@@ -5,10 +5,13 @@ from __future__ import annotations
 import contextlib
 import threading
 
+from typing import ClassVar
+
 import attrs
 import torch
 
 from fusible.quantization.format import Float8Format
+from fusible.quantization.recipe_base import Recipe, is_registered, registered_recipes
 
 _FORMATS = {
     "hybrid": (torch.float8_e4m3fn, torch.float8_e5m2),
@@ -17,8 +20,9 @@ _FORMATS = {
 
 
 @attrs.frozen
-class Float8CurrentScaling:
-    """Per-tensor current scaling: each tensor is scaled by its own amax when it is cast.
+class Float8CurrentScaling(Recipe):
+    """Per-tensor current scaling: each tensor is scaled by its own amax when it is cast
+    (registered as ``"tensorwise"``; presets ``"tensorwise"`` and ``"tensorwise_e4m3"``).
 
     Parameters
     ----------
@@ -31,6 +35,9 @@ class Float8CurrentScaling:
     >>> with fusible.autocast(recipe=fusible.Float8CurrentScaling()):
     ...     y = model(x)
     """
+
+    name: ClassVar[str] = "tensorwise"
+    presets: ClassVar[dict] = {"tensorwise": {}, "tensorwise_e4m3": {"fp8_format": "e4m3"}}
 
     fp8_format: str = attrs.field(default="hybrid")
 
@@ -49,11 +56,6 @@ class Float8CurrentScaling:
     def backward_dtype(self) -> torch.dtype:
         """FP8 dtype of gradients."""
         return _FORMATS[self.fp8_format][1]
-
-    @property
-    def key(self) -> str:
-        """A string that names this recipe in plan conditions (and compiled guards)."""
-        return f"current/{self.fp8_format}"
 
     def input_format(self, columnwise: bool = False) -> Float8Format:
         """The format of a GEMM's input (activations)."""
@@ -85,7 +87,7 @@ def current_key():
 
 
 def recipe_for_key(key):
-    """The recipe named ``key`` (see :attr:`Float8CurrentScaling.key`), or None for None."""
+    """The recipe named ``key`` (see :attr:`Recipe.key`), or None for None."""
     return None if key is None else _KNOWN[key]
 
 
@@ -97,8 +99,9 @@ def autocast(*, enabled: bool = True, recipe=None):
     ----------
     enabled : bool
         False turns FP8 off inside the block (blocks nest).
-    recipe : Float8CurrentScaling, optional
-        Defaults to ``Float8CurrentScaling()``.
+    recipe : Recipe, optional
+        An instance of a registered recipe class (``fusible.recipe_from_name`` gives
+        one by name); defaults to ``Float8CurrentScaling()``.
 
     Notes
     -----
@@ -109,8 +112,10 @@ def autocast(*, enabled: bool = True, recipe=None):
     """
     if not isinstance(enabled, bool):
         raise TypeError(f"autocast: enabled must be a bool, got {enabled!r}")
-    if recipe is not None and not isinstance(recipe, Float8CurrentScaling):
-        raise TypeError(f"autocast: recipe must be a Float8CurrentScaling, got {recipe!r}")
+    if recipe is not None and not is_registered(recipe):
+        raise TypeError(f"autocast: recipe must be an instance of a registered recipe class "
+                        f"({', '.join(sorted(registered_recipes()))}; a new one registers with "
+                        f"fusible.register_recipe), got {recipe!r}")
     previous = fp8_recipe(), current_key()
     active = (recipe or Float8CurrentScaling()) if enabled else None
     if active is not None:
