@@ -883,3 +883,26 @@ def test_grouped_gemm_triton_on_gpu(dtype):
     dw = grouped_wgrad_triton(dy, x, splits, g)
     assert_close(dw, want_dw, dtype, "dw", scale=4)
     assert not dw[1].any() and not dw[4].any()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_rowwise_fp8_cast_on_gpu(dtype):
+    """The row-wise cast's Triton kernel gives PyTorch's bits on the CPU: data, per-row
+    scales, the transposed copy scaled per feature, zero and tiny rows; a NaN stays in its
+    row."""
+    from fusible.quantization.cast import cast_to_fp8_rowwise
+    torch.manual_seed(0)
+    x = torch.randn(300, 1000) * torch.logspace(-6, 6, 300).view(-1, 1)
+    x[5] = 0.0
+    x[9] = 1e-38
+    x = x.to(dtype)
+    for fp8_dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        got = cast_to_fp8_rowwise(x.cuda(), fp8_dtype, True, True)
+        want = cast_to_fp8_rowwise(x, fp8_dtype, True, True)
+        for a, b in zip(got, want):
+            assert same_bits(a.cpu(), b)
+    x[7, 3] = float("nan")  # NaN stays in its row (and its column of the copy)
+    _, scale_inv, _, t_scale_inv = cast_to_fp8_rowwise(x.cuda(), torch.float8_e4m3fn, True,
+                                                       True)
+    assert scale_inv.isnan().nonzero().tolist() == [[7, 0]]
+    assert t_scale_inv.isnan().nonzero().tolist() == [[3, 0]]

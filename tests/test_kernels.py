@@ -669,3 +669,34 @@ _MOE_ROWS_SCRIPT = textwrap.dedent("""
 
 def test_moe_row_moves_triton_match_pytorch():
     _run_interpreted(_MOE_ROWS_SCRIPT)
+
+
+# The interpreter rounds to FP8 differently from GPUs (see _CAST_SCRIPT; it sends
+# -127.03 to -64, not -128, at a binade's top): the per-row scales bit for bit, the data's
+# signs and zeros, its values within that error; tests/test_cuda.py checks the bits on a
+# GPU.
+_ROWWISE_CAST_SCRIPT = textwrap.dedent("""
+    import torch
+    from fusible.kernels.fp8_rowwise import cast_rows_triton
+    from fusible.quantization.cast import _cast_rows
+    torch.manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16):
+        for fp8_dtype, fp8_max in ((torch.float8_e4m3fn, 448.0), (torch.float8_e5m2, 57344.0)):
+            for shape in ((13, 70), (1, 5), (9, 1)):
+                x = torch.randn(shape) * torch.logspace(-3, 3, shape[0]).view(-1, 1)
+                x = (x.sign() * (x.abs() + 1e-3)).to(dtype)  # no value rounds to 0
+                x[0, 0] = 0.0 if shape[1] > 1 else x[0, 0]
+                data, scale_inv = cast_rows_triton(x, fp8_dtype, fp8_max, block_m=4,
+                                                   block_n=32)
+                want, want_scale_inv = _cast_rows(x, fp8_dtype)
+                assert data.shape == shape and scale_inv.shape == (shape[0], 1)
+                assert torch.equal(scale_inv, want_scale_inv), (shape, fp8_dtype)
+                got, ref = data.float(), want.float()
+                assert torch.equal(got.sign(), ref.sign())
+                assert ((got - ref).abs() <= 0.5 * ref.abs()).all()
+    print("ok")
+""")
+
+
+def test_rowwise_fp8_cast_triton_matches_pytorch():
+    _run_interpreted(_ROWWISE_CAST_SCRIPT)

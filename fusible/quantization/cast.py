@@ -7,9 +7,11 @@ elsewhere, PyTorch ops with the same arithmetic.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
-from fusible.kernels import fp8_cast, plain_eager
+from fusible.kernels import fp8_cast, fp8_rowwise, plain_eager
 
 FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
 
@@ -88,6 +90,41 @@ def cast_to_fp8_torch(x: torch.Tensor, fp8_dtype: torch.dtype, columnwise: bool 
     if columnwise:
         out.append(fp8_cast.transposed_copy(data))
     return out
+
+
+def cast_to_fp8_rowwise(x: torch.Tensor, fp8_dtype: torch.dtype, rowwise: bool = True,
+                        columnwise: bool = False) -> list:
+    """``[data, scale_inv, transpose, transpose_scale_inv]`` with one scale per row: ``x``
+    seen as (tokens, features); ``data`` (``x``'s shape) scaled per token, ``scale_inv``
+    (tokens, 1); ``transpose`` the (features, tokens) row-major copy scaled per row of its
+    own layout (per feature), ``transpose_scale_inv`` (features, 1): what a GEMM
+    contracting over the tokens needs. None where not asked for. Each row follows
+    :func:`scale_from_amax`'s rules with its own amax (a NaN stays in its row).
+    On CUDA one Triton kernel per layout (``fusible.kernels.fp8_rowwise``), elsewhere
+    PyTorch ops, the same bits.
+    """
+    if fp8_dtype not in FP8_MAX:
+        raise ValueError(f"cast_to_fp8_rowwise: fp8_dtype must be one of {list(FP8_MAX)}, got "
+                         f"{fp8_dtype}")
+    if not (rowwise or columnwise):
+        raise ValueError("cast_to_fp8_rowwise: asked for neither the data nor its transpose")
+    x2 = x.reshape(math.prod(x.shape[:-1]), x.shape[-1])
+    out = [None] * 4
+    if rowwise:
+        data, out[1] = _cast_rows(x2, fp8_dtype)
+        out[0] = data.view(x.shape)
+    if columnwise:
+        out[2], out[3] = _cast_rows(x2.t(), fp8_dtype)
+    return out
+
+
+def _cast_rows(x2: torch.Tensor, fp8_dtype: torch.dtype) -> tuple:
+    if x2.is_cuda and fp8_cast.triton is not None:
+        return fp8_rowwise.cast_rows_triton(x2, fp8_dtype, FP8_MAX[fp8_dtype])
+    xf = x2.float().contiguous()
+    amax = xf.abs().amax(1, keepdim=True) if xf.shape[1] else xf.new_zeros((xf.shape[0], 1))
+    data, scale_inv = cast_to_fp8_torch(xf, fp8_dtype, False, amax)
+    return data, scale_inv
 
 
 def dequantize_fp8(data: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
