@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from fusible.quantization.cast import cast_to_fp8_rowwise, cast_to_fp8_torch
+from fusible.quantization.float8_tensor import quantize_rowwise
 from fusible.testing import snr_db
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -65,3 +66,64 @@ def test_rows_of_different_magnitudes_keep_their_precision():
     tensor_snr = snr_db(per_tensor[small], x[small])
     assert row_snr > 28 and row_snr > tensor_snr + 12, (row_snr, tensor_snr)
     assert snr_db(per_row, x) > 28
+
+
+def _rowwise_pair(columnwise=True):
+    torch.manual_seed(0)
+    x = torch.randn(24, 64) * (2.0 ** torch.randint(-6, 7, (24, 1))).float()
+    w = torch.randn(40, 64) * (2.0 ** torch.randint(-6, 7, (40, 1))).float()
+    return x, w, quantize_rowwise(x, E4M3, columnwise), quantize_rowwise(w, E4M3, columnwise)
+
+
+def test_rowwise_float8_tensor_dequantizes_views_and_transposes():
+    x, _, xq, _ = _rowwise_pair()
+    assert xq.scale_inv.shape == (24, 1) and xq.transpose_scale_inv.shape == (64, 1)
+    assert not xq.per_tensor and snr_db(xq.dequantize(), x) > 28
+    xt = xq.t()  # the copy, scaled per feature, becomes the data
+    assert xt._data.data_ptr() == xq._transpose.data_ptr() and xt.scale_inv.shape == (64, 1)
+    assert snr_db(xt.dequantize(), x.t()) > 28 and xt.t()._data.data_ptr() == xq._data.data_ptr()
+    bare = quantize_rowwise(x, E4M3).t()  # no copy: the data seen transposed, column scales
+    assert bare.scale_inv.shape == (1, 24)
+    assert torch.equal(bare.dequantize(), quantize_rowwise(x, E4M3).dequantize().t())
+    three = quantize_rowwise(x.view(4, 6, 64), E4M3)
+    assert three.scale_inv.shape == (4, 6, 1)
+    flat = three.view(24, 64)  # the rows' scales follow the rows
+    assert flat.scale_inv.shape == (24, 1) and torch.equal(flat.dequantize(), xq.dequantize())
+    # slices and a new row length dequantize (the scales would need the same indexing)
+    assert torch.equal(xq[3:7], xq.dequantize()[3:7])
+    assert torch.equal(xq.reshape(48, 32), xq.dequantize().reshape(48, 32))
+
+
+def test_rowwise_gemm_runs_scaled_mm_with_row_and_column_scales(monkeypatch):
+    """x @ w.T: x per token, w per output feature (its rows), one torch._scaled_mm with
+    (M, 1) and (1, N) scales; the result that of the dequantized operands. dx = dy @ w
+    reads w's copy (scaled per input feature): also a row-wise GEMM."""
+    from fusible.quantization import float8_tensor
+    calls = []
+    real = torch._scaled_mm
+    monkeypatch.setattr(torch, "_scaled_mm", lambda *a, **k: calls.append(
+        (k["scale_a"].shape, k["scale_b"].shape)) or real(*a, **k))
+    x, w, xq, wq = _rowwise_pair()
+    y = xq @ wq.t()
+    assert calls == [((24, 1), (1, 40))]
+    want = xq.dequantize().double() @ wq.dequantize().double().t()
+    assert snr_db(y, want) > 60  # float32 accumulation of the same operands
+    dy = quantize_rowwise(torch.randn(24, 40), E4M3)
+    dx = dy @ wq.t().t()  # w as (40, 64) read column-major: its per-feature copy
+    assert calls[-1] == ((24, 1), (1, 64))
+    assert snr_db(dx, dy.dequantize().double() @ wq.t().dequantize().double().t()) > 60
+    # a scale along the contraction: no scaled_mm, the dequantized product
+    assert float8_tensor.gemm_operands(xq, quantize_rowwise(w.t().contiguous(), E4M3)) is None
+    calls.clear()
+    z = xq @ quantize_rowwise(w.t().contiguous(), E4M3)
+    assert not calls and z.shape == (24, 40)
+
+
+def test_rowwise_in_place_update_keeps_row_scales():
+    """An optimizer-style update of a row-scaled Float8Tensor quantizes it again per row
+    (and its copy per feature), in place."""
+    x, _, xq, _ = _rowwise_pair()
+    data_ptr = xq._data.data_ptr()
+    xq.mul_(2.0)
+    assert xq._data.data_ptr() == data_ptr and xq.scale_inv.shape == (24, 1)
+    assert snr_db(xq.dequantize(), 2 * x) > 28 and snr_db(xq.t().dequantize(), 2 * x.t()) > 28

@@ -1,4 +1,4 @@
-"""Float8Tensor: FP8 data with its per-tensor scale, posing as a tensor of its original dtype."""
+"""Float8Tensor: FP8 data with its scales, posing as a tensor of its original dtype."""
 
 from __future__ import annotations
 
@@ -13,14 +13,17 @@ aten = torch.ops.aten
 
 
 class Float8Tensor(torch.Tensor):
-    """FP8 data, its inverse scale and the original dtype; optionally a transposed copy.
+    """FP8 data, its inverse scales and the original dtype; optionally a transposed copy.
 
     The tensor has the shape and (outer) dtype of the tensor it quantizes, so it
     can stand where that tensor stood. ``_data`` holds the FP8 values,
-    ``_scale_inv`` (float32, 0-d) the factor that dequantizes them, and
-    ``_transpose`` an optional row-major (features, tokens) copy made in the same
-    pass for the GEMM that needs the other layout (Hopper's FP8 GEMMs need both
-    operands K-major).
+    ``_scale_inv`` (float32) the factors that dequantize them, broadcasting against the
+    data (0-d: one per tensor; ``(..., rows, 1)``: one per row; ``(1, cols)``: one per
+    column, a row-scaled tensor seen transposed), and ``_transpose`` an optional
+    row-major (features, tokens) copy for the GEMM that needs the other layout (Hopper's
+    FP8 GEMMs need both operands K-major), dequantized by ``_transpose_scale_inv``
+    (None: ``_scale_inv``, the per-tensor case; a row-wise copy is scaled per row of its
+    own layout).
 
     GEMMs between Float8Tensors run as ``torch._scaled_mm``; views, transposes,
     detach and clone stay in FP8; any other op dequantizes and runs in the
@@ -32,14 +35,27 @@ class Float8Tensor(torch.Tensor):
     _data: torch.Tensor
     _scale_inv: torch.Tensor
     _transpose: Optional[torch.Tensor]
+    _transpose_scale_inv: Optional[torch.Tensor]
 
     @staticmethod
-    def __new__(cls, data, scale_inv, dtype, transpose=None, requires_grad=False):
+    def __new__(cls, data, scale_inv, dtype, transpose=None, requires_grad=False,
+                transpose_scale_inv=None):
         self = torch.Tensor._make_wrapper_subclass(cls, data.shape, strides=data.stride(),
                                                    dtype=dtype, device=data.device,
                                                    requires_grad=requires_grad)
         self._data, self._scale_inv, self._transpose = data, scale_inv, transpose
+        self._transpose_scale_inv = transpose_scale_inv
         return self
+
+    @property
+    def transpose_scale_inv(self) -> torch.Tensor:
+        """The factors that dequantize the transposed copy."""
+        return self._scale_inv if self._transpose_scale_inv is None else self._transpose_scale_inv
+
+    @property
+    def per_tensor(self) -> bool:
+        """Whether one scale serves the whole tensor (and its transposed copy)."""
+        return self._scale_inv.dim() == 0 and self._transpose_scale_inv is None
 
     @property
     def fp8_dtype(self) -> torch.dtype:
@@ -52,17 +68,21 @@ class Float8Tensor(torch.Tensor):
         return self._scale_inv
 
     def __repr__(self) -> str:
+        scale = (f"{tuple(self._scale_inv.shape)} scales" if self._scale_inv.dim()
+                 else self._scale_inv.item() if not _is_fake(self._scale_inv) else "?")
         return (f"Float8Tensor({self.fp8_dtype}, shape={tuple(self.shape)}, dtype={self.dtype}, "
-                f"scale_inv={self._scale_inv.item() if not _is_fake(self._scale_inv) else '?'}, "
-                f"transpose={self._transpose is not None})")
+                f"scale_inv={scale}, transpose={self._transpose is not None})")
 
     def __tensor_flatten__(self):
         inner = ["_data", "_scale_inv"] + (["_transpose"] if self._transpose is not None else [])
+        if self._transpose_scale_inv is not None:
+            inner.append("_transpose_scale_inv")
         return inner, (self.dtype, self.fp8_dtype, self._transpose is not None)
 
     @staticmethod
     def __tensor_unflatten__(inner, meta, outer_size, outer_stride):
-        return Float8Tensor(inner["_data"], inner["_scale_inv"], meta[0], inner.get("_transpose"))
+        return Float8Tensor(inner["_data"], inner["_scale_inv"], meta[0], inner.get("_transpose"),
+                            transpose_scale_inv=inner.get("_transpose_scale_inv"))
 
     def dequantize(self) -> torch.Tensor:
         """The values in the original dtype; differentiable (its backward quantizes to E5M2)."""
@@ -145,12 +165,18 @@ def _run_in_place(func, args, kwargs, written: list):
 
 
 def _quantize_into(t: "Float8Tensor", values: torch.Tensor) -> None:
-    """Overwrite ``t`` with ``values`` quantized to its FP8 dtype and layout."""
-    parts = cast.cast_to_fp8_any(values.contiguous(), t.fp8_dtype, t._transpose is not None)
+    """Overwrite ``t`` with ``values`` quantized to its FP8 dtype, layout and scaling."""
+    if t.per_tensor:
+        parts = cast.cast_to_fp8_any(values.contiguous(), t.fp8_dtype, t._transpose is not None)
+    else:
+        q = quantize_rowwise(values, t.fp8_dtype, t._transpose is not None)
+        parts = [q._data, q._scale_inv, q._transpose, q._transpose_scale_inv]
     t._data.copy_(parts[0].view(t._data.shape))
-    t._scale_inv.copy_(parts[1])
+    t._scale_inv.copy_(parts[1].view(t._scale_inv.shape))
     if t._transpose is not None:
         t._transpose.copy_(parts[2])
+    if t._transpose_scale_inv is not None:
+        t._transpose_scale_inv.copy_(parts[3])
 
 
 class _Dequantize(torch.autograd.Function):
@@ -199,12 +225,25 @@ def quantize_raw(x: torch.Tensor, fp8_dtype: torch.dtype, columnwise: bool = Fal
     return Float8Tensor(out[0], out[1], dtype or x.dtype, out[2] if columnwise else None)
 
 
+def quantize_rowwise(x: torch.Tensor, fp8_dtype: torch.dtype, columnwise: bool = False,
+                     dtype: Optional[torch.dtype] = None) -> Float8Tensor:
+    """``x`` (..., features) quantized with one scale per row (``scale_inv`` of shape
+    ``x.shape[:-1] + (1,)``); ``columnwise``: with the (features, tokens) copy scaled per
+    row of its own layout (``cast.cast_to_fp8_rowwise``)."""
+    data, scale_inv, transpose, t_scale_inv = cast.cast_to_fp8_rowwise(x, fp8_dtype, True,
+                                                                       columnwise)
+    return Float8Tensor(data, scale_inv.view(*x.shape[:-1], 1), dtype or x.dtype, transpose,
+                        transpose_scale_inv=t_scale_inv)
+
+
 def requantize(t: Float8Tensor, fp8_dtype: torch.dtype, columnwise: bool) -> Float8Tensor:
     """``t`` in ``fp8_dtype`` with (or without) the transposed copy; no work when it matches."""
     if t.fp8_dtype == fp8_dtype and (t._transpose is not None) == columnwise:
         return t
     if t.fp8_dtype == fp8_dtype and not columnwise:
         return Float8Tensor(t._data, t._scale_inv, t.dtype)
+    if not t.per_tensor:
+        return quantize_rowwise(t._dequantize_raw(), fp8_dtype, columnwise, t.dtype)
     return quantize_raw(t._dequantize_raw(), fp8_dtype, columnwise, t.dtype)
 
 
@@ -212,12 +251,15 @@ def requantize(t: Float8Tensor, fp8_dtype: torch.dtype, columnwise: bool) -> Flo
 
 def _same(fn, copy_scale: bool = False):
     """Apply ``fn`` to the data and to the transposed copy alike (detach, clone); a clone
-    copies the scale too, so that it shares no storage with ``t`` (what a custom op's
+    copies the scales too, so that it shares no storage with ``t`` (what a custom op's
     outputs need)."""
     def handler(t, *args, **kwargs):
         transpose = None if t._transpose is None else fn(t._transpose, *args, **kwargs)
-        scale_inv = t._scale_inv.clone() if copy_scale else t._scale_inv
-        return Float8Tensor(fn(t._data, *args, **kwargs), scale_inv, t.dtype, transpose)
+
+        def scale(u):
+            return u.clone() if copy_scale and u is not None else u
+        return Float8Tensor(fn(t._data, *args, **kwargs), scale(t._scale_inv), t.dtype,
+                            transpose, transpose_scale_inv=scale(t._transpose_scale_inv))
     return handler
 
 
@@ -230,14 +272,29 @@ def _marked_view(t: "Float8Tensor") -> "Float8Tensor":
 
 def _view(t, shape, *args):
     data = t._data.view(shape)
-    keep = t._transpose is not None and data.shape[-1] == t._data.shape[-1]
-    return _marked_view(Float8Tensor(data, t._scale_inv, t.dtype, t._transpose if keep else None))
+    same_rows = data.shape[-1] == t._data.shape[-1]
+    scale_inv = t._scale_inv
+    if scale_inv.dim():  # row or column scales follow the rows; a new row length: dequantize
+        if not same_rows or data.dim() < 1:
+            return NotImplemented
+        rows = scale_inv.shape[-1] == 1
+        scale_inv = scale_inv.reshape(*data.shape[:-1], 1) if rows else \
+            scale_inv.reshape(*([1] * (data.dim() - 1)), data.shape[-1])
+    keep = t._transpose is not None and same_rows
+    return _marked_view(Float8Tensor(data, scale_inv, t.dtype, t._transpose if keep else None,
+                                     transpose_scale_inv=t._transpose_scale_inv if keep
+                                     else None))
 
 
 def _t(t):
     if t._transpose is not None and t._data.dim() == 2:  # the copy is the transpose, row-major
-        return _marked_view(Float8Tensor(t._transpose, t._scale_inv, t.dtype, t._data))
-    return _marked_view(Float8Tensor(t._data.t(), t._scale_inv, t.dtype))
+        swapped = None if t._transpose_scale_inv is None else t._scale_inv
+        return _marked_view(Float8Tensor(t._transpose, t.transpose_scale_inv, t.dtype, t._data,
+                                         transpose_scale_inv=swapped))
+    scale_inv = t._scale_inv.t() if t._scale_inv.dim() == 2 else t._scale_inv
+    if t._data.dim() != 2 and t._scale_inv.dim():
+        return NotImplemented
+    return _marked_view(Float8Tensor(t._data.t(), scale_inv, t.dtype))
 
 
 def _transpose(t, dim0, dim1):
@@ -249,30 +306,75 @@ def _transpose(t, dim0, dim1):
 def _subset(fn):
     """Indexing and slicing: one per-tensor scale holds for any subset of the values, so
     the result stays in FP8 (on the bytes: advanced indexing has no FP8 kernel on every
-    device); the transposed copy is dropped (the GEMM that wants one makes it)."""
+    device); the transposed copy is dropped (the GEMM that wants one makes it). Row or
+    column scales: dequantized (they would need the same indexing)."""
     def handler(t, *args, **kwargs):
+        if not t.per_tensor:
+            return NotImplemented
         data = fn(t._data.view(torch.uint8), *args, **kwargs).view(t._data.dtype)
         return _marked_view(Float8Tensor(data, t._scale_inv, t.dtype))
     return handler
 
 
 def scaled_mm(a: Float8Tensor, b: Float8Tensor, bias=None, out_dtype=None) -> torch.Tensor:
-    """``a @ b (+ bias)`` with ``torch._scaled_mm``: ``a`` row-major, ``b`` column-major."""
-    a_data = a._data if a._data.is_contiguous() else a._data.contiguous()
-    b_data = b._data if b._data.t().is_contiguous() else b._data.t().contiguous().t()
-    return torch._scaled_mm(a_data, b_data, scale_a=a._scale_inv, scale_b=b._scale_inv,
+    """``a @ b (+ bias)`` with ``torch._scaled_mm`` (``a`` read row-major, ``b``
+    column-major): one scale each, or one per row of ``a`` and one per column of ``b``
+    (row-wise scaling), each operand in whichever of its layouts has those
+    (:func:`gemm_operands`)."""
+    operands = gemm_operands(a, b)
+    if operands is None:
+        raise ValueError(f"scaled_mm: no layout of a ({tuple(a.shape)}, scales "
+                         f"{tuple(a._scale_inv.shape)}) and b ({tuple(b.shape)}, scales "
+                         f"{tuple(b._scale_inv.shape)}) has one scale each or one per row of "
+                         f"a and per column of b")
+    (a_data, scale_a), (b_data, scale_b) = operands
+    a_data = a_data if a_data.is_contiguous() else a_data.contiguous()
+    b_data = b_data if b_data.t().is_contiguous() else b_data.t().contiguous().t()
+    return torch._scaled_mm(a_data, b_data, scale_a=scale_a, scale_b=scale_b,
                             bias=bias, out_dtype=out_dtype or a.dtype)
 
 
+def gemm_operands(a: Float8Tensor, b: Float8Tensor):
+    """``((a data, scale_a), (b data, scale_b))`` for ``torch._scaled_mm``: both scales
+    0-d, or ``(M, 1)`` and ``(1, N)`` (a 0-d one expanded), each operand's data or its
+    transposed copy (seen transposed), whichever is scaled that way; None if neither is
+    (a scale along the contraction: the product is dequantized instead)."""
+    if a.per_tensor and b.per_tensor:
+        return (a._data, a._scale_inv), (b._data, b._scale_inv)
+    m, n = a.shape[0], b.shape[1]
+    a_side = _layout_scaled(a, (m, 1))
+    b_side = _layout_scaled(b, (1, n))
+    if a_side is None or b_side is None:
+        return None
+    return a_side, b_side
+
+
+def _layout_scaled(t: Float8Tensor, shape: tuple):
+    """``(data, scale expanded to shape)`` of the first layout of the 2-D ``t`` whose scale
+    is 0-d or of ``shape``, or None."""
+    layouts = [(t._data, t._scale_inv)]
+    if t._transpose is not None and t._data.dim() == 2:
+        scale = t.transpose_scale_inv
+        layouts.append((t._transpose.t(), scale.t() if scale.dim() == 2 else scale))
+    for data, scale in layouts:
+        if scale.dim() == 0:
+            return data, scale.expand(shape).contiguous()
+        if tuple(scale.shape) == shape:
+            return data, scale
+    return None
+
+
 def _mm(a, b):
-    if isinstance(a, Float8Tensor) and isinstance(b, Float8Tensor):
+    if (isinstance(a, Float8Tensor) and isinstance(b, Float8Tensor)
+            and gemm_operands(a, b) is not None):
         return scaled_mm(a, b)
     return NotImplemented
 
 
 def _addmm(bias, a, b, beta=1, alpha=1):
     if (isinstance(a, Float8Tensor) and isinstance(b, Float8Tensor) and beta == 1 and alpha == 1
-            and not isinstance(bias, Float8Tensor) and bias.dim() == 1):
+            and not isinstance(bias, Float8Tensor) and bias.dim() == 1
+            and gemm_operands(a, b) is not None):
         return scaled_mm(a, b, bias=bias)
     return NotImplemented
 
@@ -288,7 +390,8 @@ def _to_copy(t, dtype=None, layout=None, device=None, pin_memory=None, non_block
     def copy(u):
         return None if u is None else u.to(device=device or u.device, non_blocking=non_blocking,
                                            copy=True)
-    return Float8Tensor(copy(t._data), copy(t._scale_inv), dtype or t.dtype, copy(t._transpose))
+    return Float8Tensor(copy(t._data), copy(t._scale_inv), dtype or t.dtype, copy(t._transpose),
+                        transpose_scale_inv=copy(t._transpose_scale_inv))
 
 
 _HANDLERS = {
