@@ -21,7 +21,7 @@ import torch
 from fusible.functional import parallel
 from fusible.functional.parallel import TensorParallel
 from fusible.kernels.fp8_cast import transposed_copy
-from fusible.quantization.cast import cast_to_fp8_any, tensor_amax
+from fusible.quantization.cast import cast_to_fp8_any, cast_to_fp8_rowwise, tensor_amax
 from fusible.quantization.float8_tensor import Float8Tensor, Fp8Able, quantize_raw, requantize
 from fusible.quantization.format import Float8Format, to_format
 
@@ -189,7 +189,9 @@ def as_fp8(t: Tensor, fmt: Float8Format) -> Float8Tensor:
 
 def fp8_gemm(a: Tensor, a_scale_inv: Tensor, b: Tensor, b_scale_inv: Tensor,
              bias: Optional[Tensor], out_dtype: torch.dtype, fast_accum: bool = False) -> Tensor:
-    """``(a * sa) @ (b * sb) (+ bias)``: ``a`` row-major FP8, ``b`` column-major FP8.
+    """``(a * sa) @ (b * sb) (+ bias)``: ``a`` row-major FP8, ``b`` column-major FP8;
+    the scales 0-d, or one per row of ``a`` ((M, 1)) and one per column of ``b`` ((1, N);
+    a 0-d one is expanded to match).
 
     ``fast_accum`` lets Hopper accumulate in its faster, less precise FP8 mode; like
     TransformerEngine and torchao we take it for the forward GEMM only (gradients sum
@@ -199,6 +201,9 @@ def fp8_gemm(a: Tensor, a_scale_inv: Tensor, b: Tensor, b_scale_inv: Tensor,
         y = a.new_zeros((a.shape[0], b.shape[1]), dtype=out_dtype)
         return y if bias is None else y + bias
     epilogue = bias is not None and out_dtype in (torch.bfloat16, torch.float16)
+    if a_scale_inv.dim() or b_scale_inv.dim():  # row-wise: (M, 1) and (1, N), both
+        a_scale_inv = a_scale_inv.expand(a.shape[0], 1).contiguous()
+        b_scale_inv = b_scale_inv.expand(1, b.shape[1]).contiguous()
     y = torch._scaled_mm(a, b, scale_a=a_scale_inv, scale_b=b_scale_inv,
                          bias=bias if epilogue else None, out_dtype=out_dtype,
                          use_fast_accum=fast_accum)
@@ -227,20 +232,25 @@ def gemm_forward(gemm: GemmForwardArgs, bias: Optional[Tensor] = None):
         return (_reduce_output(linear_forward(x, weight, bias), tp),
                 x if tp.gathers_input else None)
     if tp.gathers_input:
+        _tensorwise_only(fmt, "a sequence-parallel input gather")
         x_q, lead = gather_fp8(x, tp, fmt), _gathered_lead(x, tp)
     else:
         x_q, lead = as_fp8(x, fmt if not handed_in(x, fmt) else fmt.rowwise()), x.shape[:-1]
-    fp8_dtype = gemm.weight_format.fp8_dtype
+    w_format = gemm.weight_format
     if isinstance(weight, Float8Tensor):  # an FP8 parameter (quantized_model_init): as it is
-        w_q = requantize(weight, fp8_dtype, False)
+        w_q = requantize(weight, w_format.fp8_dtype, False)
         w_data, w_scale_inv = w_q._data, w_q._scale_inv
         w_amax = weight._scale_inv  # unused: the backward reads the FP8 weight itself
+    elif w_format.granularity == "rowwise":  # per output feature; the backward casts again
+        w_amax = None
+        w_data, w_scale_inv = cast_to_fp8_rowwise(weight, w_format.fp8_dtype)[:2]
     else:  # the cast's parts, used once: no Float8Tensor built around them
         w_amax = tensor_amax(weight)
-        w_data, w_scale_inv = cast_to_fp8_any(weight, fp8_dtype, False, w_amax)[:2]
+        w_data, w_scale_inv = cast_to_fp8_any(weight, w_format.fp8_dtype, False, w_amax)[:2]
     # The input's dtype is the compute dtype (under torch.autocast the weight may be the
-    # float32 parameter, quantized directly).
-    y = fp8_gemm(x_q._data, x_q._scale_inv, w_data.t(), w_scale_inv, bias, x_q.dtype,
+    # float32 parameter, quantized directly). Scales follow their data: the weight's
+    # per-row ones become the column scales of its transpose.
+    y = fp8_gemm(x_q._data, x_q._scale_inv, w_data.t(), w_scale_inv.t(), bias, x_q.dtype,
                  fast_accum=True)
     return _reduce_output(y.view(*lead, y.shape[-1]), tp), (x_q, w_amax)
 
@@ -255,6 +265,7 @@ def gather_fp8(x: Tensor, tp: TensorParallel, fmt: Float8Format) -> Float8Tensor
     own scale is dequantized first. The transposed copy (for wgrad) is made from the
     gathered data.
     """
+    _tensorwise_only(fmt, "an FP8 all-gather")
     if isinstance(x, Float8Tensor):
         x = x._dequantize_raw()
     x2 = tokens_2d(x)
@@ -266,6 +277,13 @@ def gather_fp8(x: Tensor, tp: TensorParallel, fmt: Float8Format) -> Float8Tensor
     data = parallel.all_gather(local._data, tp)
     return Float8Tensor(data, local._scale_inv, x.dtype,
                         transposed_copy(data) if fmt.columnwise else None)
+
+
+def _tensorwise_only(fmt: Float8Format, what: str) -> None:
+    if fmt.granularity != "tensorwise":
+        raise NotImplementedError(f"{what} under {fmt.granularity} FP8 scaling is not "
+                                  f"implemented yet (per-tensor scaling only); run tensor "
+                                  f"parallelism with fusible.Float8CurrentScaling")
 
 
 def _gathered_lead(x: Tensor, tp: TensorParallel) -> tuple:
@@ -306,12 +324,17 @@ def _dgrad_weight(args: GemmBackwardArgs) -> tuple:
     if isinstance(w, Float8Tensor):
         if w._transpose is None:
             raise ValueError("gemm_backward: an FP8 weight for dgrad needs its transposed copy")
-        return w._transpose, w._scale_inv
-    if args.weight_format is None:
+        return w._transpose, w.transpose_scale_inv
+    fmt = args.weight_format
+    if fmt is None:
         raise ValueError("gemm_backward: FP8 dgrad of a high-precision weight needs "
                          "weight_format (the FP8 format to quantize it to)")
-    transpose, scale_inv = cast_to_fp8_any(w, args.weight_format.fp8_dtype, True,
-                                           args.weight_amax, rowwise=False)
+    if fmt.granularity == "rowwise":  # per input feature: the copy's own rows
+        _, _, transpose, scale_inv = cast_to_fp8_rowwise(w, fmt.fp8_dtype, rowwise=False,
+                                                         columnwise=True)
+        return transpose, scale_inv
+    transpose, scale_inv = cast_to_fp8_any(w, fmt.fp8_dtype, True, args.weight_amax,
+                                           rowwise=False)
     return transpose, scale_inv
 
 
@@ -343,18 +366,22 @@ def gemm_backward(args: GemmBackwardArgs, accumulate_into: Optional[Tensor] = No
         dy_q, lead = gather_fp8(dy, tp, fmt), _gathered_lead(dy, tp)
     else:
         dy_q, lead = as_fp8(dy, fmt), dy.shape[:-1]
-    dy_scale_inv = dy_q._scale_inv if grad_scale == 1.0 else dy_q._scale_inv * grad_scale
     dx = dw = None
     if need_dgrad:
         w_t, w_scale_inv = _dgrad_weight(args)
-        dx = fp8_gemm(dy_q._data, dy_scale_inv, w_t.t(), w_scale_inv, None,
-                      dy_q.dtype)
+        dx = fp8_gemm(dy_q._data, _times(dy_q._scale_inv, grad_scale), w_t.t(),
+                      w_scale_inv.t(), None, dy_q.dtype)
         del w_t  # freed before the wgrad GEMM allocates the weight gradient
         dx = dx.view(*lead, dx.shape[-1])
         if accumulate_into is not None:
             dx = dx + accumulate_into
     dx = _start_dgrad_reduction(dx, tp)
     if need_wgrad:
-        dw = fp8_gemm(dy_q._transpose, dy_scale_inv, x_saved._transpose.t(),
-                      x_saved._scale_inv, None, args.wgrad_dtype or dy_q.dtype)
+        dw = fp8_gemm(dy_q._transpose, _times(dy_q.transpose_scale_inv, grad_scale),
+                      x_saved._transpose.t(), x_saved.transpose_scale_inv.t(), None,
+                      args.wgrad_dtype or dy_q.dtype)
     return _finish(dx, tp), dw
+
+
+def _times(scale_inv: Tensor, grad_scale: float) -> Tensor:
+    return scale_inv if grad_scale == 1.0 else scale_inv * grad_scale

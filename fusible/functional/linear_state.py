@@ -44,7 +44,7 @@ def forward_aux(gemm: GemmForwardArgs, kept) -> tuple:
     x_q, w_amax = kept
     if _kept_by_caller(gemm):
         return (w_amax,)
-    return (x_q._transpose, x_q._scale_inv, w_amax)
+    return (x_q._transpose, x_q.transpose_scale_inv, w_amax)
 
 
 def _kept_by_caller(gemm: GemmForwardArgs) -> bool:
@@ -69,7 +69,7 @@ def save_linear(ctx, gemm: GemmForwardArgs, aux: tuple) -> None:
         else:
             if _kept_by_caller(gemm):
                 x_q = as_fp8(gemm.input, fmt)
-                x_t, x_scale_inv = x_q._transpose, x_q._scale_inv
+                x_t, x_scale_inv = x_q._transpose, x_q.transpose_scale_inv
             else:
                 x_t, x_scale_inv = aux[:2]
             x = transposed_only(x_t, x_scale_inv, gemm.input.dtype)

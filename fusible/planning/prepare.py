@@ -203,6 +203,6 @@ def _with_output_format(stage: ExecStage, fmt) -> ExecStage:
     if fmt is None:
         return stage
     compute = stage.compute
-    if stage.op.__class__.quantizes_own_output:
-        compute = functools.partial(compute, output_format=fmt)
+    if stage.op.__class__.quantizes_own_output:  # formats its kernels write; else cast after
+        compute = functools.partial(compute, output_format=fmt if fmt.kernel_cast else None)
     return attrs.evolve(stage, output_format=fmt, compute=compute)

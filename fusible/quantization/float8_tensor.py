@@ -210,6 +210,9 @@ def transposed_only(transpose: torch.Tensor, scale_inv: torch.Tensor, dtype: tor
     ``shape``, default 2-D): what the backward GEMMs read of a saved input or weight, at
     half the memory."""
     data = transpose.t()
+    if scale_inv.dim():  # the copy's per-row scales: per column of the data
+        return Float8Tensor(data if shape is None else data.view(shape), scale_inv.t(), dtype,
+                            transpose, transpose_scale_inv=scale_inv)
     return Float8Tensor(data if shape is None else data.view(shape), scale_inv, dtype, transpose)
 
 

@@ -16,9 +16,9 @@ import torch
 from fusible.core.schema import SchemaType, register_schema_type
 from fusible.kernels.fp8_cast import transposed_copy
 from fusible.quantization.cast import FP8_MAX
-from fusible.quantization.float8_tensor import Float8Tensor, quantize_raw
+from fusible.quantization.float8_tensor import Float8Tensor, quantize_raw, quantize_rowwise
 
-GRANULARITIES = ("tensorwise",)
+GRANULARITIES = ("tensorwise", "rowwise")
 
 
 @attrs.frozen
@@ -33,7 +33,8 @@ class Float8Format:
         Also keep the transposed (features, tokens) copy that a GEMM on the other
         operand side needs (wgrad reads the input's and the gradient's).
     granularity : str
-        What one scale covers: ``"tensorwise"`` (per-tensor current scaling).
+        What one scale covers: ``"tensorwise"`` (the whole tensor) or ``"rowwise"`` (one
+        row; the transposed copy scaled per row of its own layout); current scaling.
     """
 
     fp8_dtype: torch.dtype = attrs.field()
@@ -60,6 +61,19 @@ class Float8Format:
         """The same format without the transposed copy."""
         return attrs.evolve(self, columnwise=False) if self.columnwise else self
 
+    @property
+    def kernel_cast(self) -> bool:
+        """Whether the producers' fused casts (norms, activations: one scale per tensor)
+        write this format; otherwise they hand over high precision and the cast follows
+        them in their stage."""
+        return self.granularity == "tensorwise"
+
+    def matches(self, t) -> bool:
+        """Whether the Float8Tensor ``t`` is of this FP8 dtype and scaling (its
+        transposed copy aside)."""
+        return (isinstance(t, Float8Tensor) and t.fp8_dtype == self.fp8_dtype
+                and t.per_tensor == (self.granularity == "tensorwise"))
+
 
 def to_format(t, fmt: Optional[Float8Format]):
     """``t`` in format ``fmt`` (None: unchanged).
@@ -70,9 +84,14 @@ def to_format(t, fmt: Optional[Float8Format]):
     """
     if fmt is None:
         return t
+    if fmt.granularity == "rowwise":
+        if fmt.matches(t) and (t._transpose is not None or not fmt.columnwise):
+            return t
+        values = t._dequantize_raw() if isinstance(t, Float8Tensor) else t
+        return quantize_rowwise(values, fmt.fp8_dtype, fmt.columnwise, values.dtype)
     if not isinstance(t, Float8Tensor):
         return quantize_raw(t, fmt.fp8_dtype, fmt.columnwise)
-    if t.fp8_dtype != fmt.fp8_dtype:
+    if not fmt.matches(t):
         return quantize_raw(t._dequantize_raw(), fmt.fp8_dtype, fmt.columnwise, t.dtype)
     if fmt.columnwise and t._transpose is None:
         return Float8Tensor(t._data, t._scale_inv, t.dtype, transposed_copy(t._data))

@@ -70,6 +70,47 @@ class Float8CurrentScaling(Recipe):
         return Float8Format(self.backward_dtype, columnwise)
 
 
+@attrs.frozen
+class Float8RowwiseScaling(Recipe):
+    """Row-wise current scaling: one scale per row of each GEMM operand (a token of the
+    input and of the gradient, an output feature of the weight), and the transposed
+    copies the backward GEMMs read scaled per row of their own layout (an input feature
+    of the weight, a feature of the input and of the gradient), as the math requires.
+    More accurate than one scale per tensor where rows differ in magnitude (outliers);
+    ``torch._scaled_mm`` with row-wise scales on the GPU. Registered as ``"rowwise"``
+    (presets ``"rowwise"``, E4M3 throughout as torchao's, and ``"rowwise_hybrid"``).
+
+    Not yet: tensor parallelism's FP8 gathers, FP8 parameters (``quantized_model_init``),
+    the producers' fused casts (norms and activations hand over high precision; the cast
+    follows them in their stage).
+
+    Parameters
+    ----------
+    fp8_format : {"e4m3", "hybrid"}
+        ``"e4m3"``: E4M3 for every operand; ``"hybrid"``: E5M2 for gradients.
+    """
+
+    name: ClassVar[str] = "rowwise"
+    presets: ClassVar[dict] = {"rowwise": {}, "rowwise_hybrid": {"fp8_format": "hybrid"}}
+
+    fp8_format: str = attrs.field(default="e4m3")
+
+    @fp8_format.validator
+    def _check_format(self, attribute, value):
+        if value not in _FORMATS:
+            raise ValueError(f"Float8RowwiseScaling: fp8_format must be one of "
+                             f"{sorted(_FORMATS)}, got {value!r}")
+
+    def input_format(self, columnwise: bool = False) -> Float8Format:
+        return Float8Format(_FORMATS[self.fp8_format][0], columnwise, "rowwise")
+
+    def weight_format(self, columnwise: bool = False) -> Float8Format:
+        return Float8Format(_FORMATS[self.fp8_format][0], columnwise, "rowwise")
+
+    def grad_format(self, columnwise: bool = False) -> Float8Format:
+        return Float8Format(_FORMATS[self.fp8_format][1], columnwise, "rowwise")
+
+
 # The recipe in effect, per thread like torch.autocast's state: None when FP8 is off. A
 # compiled model reads the key (a string) in traced code, and dynamo guards on its value.
 _state = threading.local()

@@ -159,7 +159,10 @@ def _kernel(cls, direction: str, op: StageOp, compute, real: bool = True):
     def kernel(*flat):
         build, fmt, quantized, _ = op.prepared(flat[-1])
         args = build(flat)
-        result = bound(args, output_format=fmt) if own_cast else bound(args)
+        if own_cast:  # the formats its kernels write; the others cast after it
+            result = bound(args, output_format=fmt if fmt is None or fmt.kernel_cast else None)
+        else:
+            result = bound(args)
         inputs = [flat[i] for i in slots]
         if list_slots:
             inputs += [t for i in list_slots for t in flat[i]]
