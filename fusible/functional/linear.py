@@ -173,12 +173,13 @@ def bias_grad(grad_output: Tensor) -> Tensor:
 
 
 def handed_in(x, fmt: Optional[Float8Format]) -> bool:
-    """Whether the GEMM input ``x`` arrived already quantized to ``fmt``'s FP8 dtype.
+    """Whether the GEMM input ``x`` arrived already quantized to ``fmt``'s FP8 dtype and
+    scaling.
 
     The stage then shares the caller's FP8 buffers: rather than return them (the
     custom-op boundary would copy them), it lets the caller save ``x`` itself.
     """
-    return isinstance(x, Float8Tensor) and fmt is not None and x.fp8_dtype == fmt.fp8_dtype
+    return fmt is not None and fmt.matches(x)
 
 
 def as_fp8(t: Tensor, fmt: Float8Format) -> Float8Tensor:
