@@ -23,8 +23,8 @@ def _rows(t):
 
 def _outlier_rows(rows, cols, seed):
     gen = torch.Generator().manual_seed(seed)
-    return torch.randn(rows, cols, generator=gen) * 2.0 ** torch.randint(-8, 9, (rows, 1),
-                                                                          generator=gen)
+    magnitudes = 2.0 ** torch.randint(-8, 9, (rows, 1), generator=gen)
+    return torch.randn(rows, cols, generator=gen) * magnitudes
 
 
 def _linear_step(recipe, x, w, dy):
