@@ -57,7 +57,7 @@ CURATED = [
        "del w_t  # freed before", "pass  # freed before",
        "the FP8 weight copy of dgrad kept alive through the wgrad GEMM (peak memory)"),
     _m("view_keeps_stale_transpose", "fusible/quantization/float8_tensor.py",
-       "keep = t._transpose is not None and data.shape[-1] == t._data.shape[-1]",
+       "keep = t._transpose is not None and same_rows",
        "keep = t._transpose is not None",
        "a Float8Tensor view that changes the last dimension keeps its transposed copy"),
     _m("addmm_drops_bias", "fusible/quantization/float8_tensor.py",
@@ -130,10 +130,8 @@ CURATED = [
        "        if True:",
        "activation checkpointing recomputes under the recipe at backward time"),
     _m("wgrad_wrong_scale", "fusible/functional/linear.py",
-       "        dw = fp8_gemm(dy_q._transpose, dy_scale_inv, x_saved._transpose.t(),\n"
-       "                      x_saved._scale_inv, None, args.wgrad_dtype or dy_q.dtype)",
-       "        dw = fp8_gemm(dy_q._transpose, dy_scale_inv, x_saved._transpose.t(),\n"
-       "                      dy_scale_inv, None, args.wgrad_dtype or dy_q.dtype)",
+       "x_saved._transpose.t(), x_saved.transpose_scale_inv.t(), None,",
+       "x_saved._transpose.t(), _times(dy_q.transpose_scale_inv, grad_scale).t(), None,",
        "the FP8 wgrad scaled by the wrong operand's scale"),
     _m("reshape_backward_keeps_shape", "fusible/ops/reshape.py",
        "        return BackwardResult(args.grad_output.reshape(args.input_shape))",
@@ -292,9 +290,9 @@ FRESH = [
        "x.new_empty((x.numel() // x.shape[-1], x.shape[-1]), dtype=fp8_dtype)",
        "the FP8 cast's fake kernel gives the transposed copy the untransposed shape: "
        "compiled FP8 graphs traced with wrong shapes"),
-    _m("recipe_key_ignores_format", "fusible/quantization/recipe.py",
-       'return f"current/{self.fp8_format}"',
-       'return "current"',
+    _m("recipe_key_ignores_format", "fusible/quantization/recipe_base.py",
+       'fields = ", ".join(f"{f.name}={getattr(self, f.name)!r}"',
+       'fields = "".join(""',
        "the recipe key leaves out fp8_format: switching hybrid/e4m3 keeps the first "
        "recipe's plans (and recipe_for_key returns the first recipe)"),
     _m("dequantize_grad_e4m3", "fusible/quantization/float8_tensor.py",

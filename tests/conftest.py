@@ -57,3 +57,25 @@ def registered():
     yield add
     for cls in added:
         unregister_fusion(cls)
+
+
+@pytest.fixture
+def broken_plugin(monkeypatch):
+    """``install(registry_state, wanted, value)``: the entry-point group ``wanted`` advertises
+    one plugin, ``broken = value``, that fails to import, and the registry whose loading
+    state is ``registry_state`` loads its plugins again."""
+    import importlib.metadata
+
+    def install(registry_state: dict, wanted: str, value: str) -> None:
+        class Broken:
+            name = "broken"
+
+            def load(self):
+                raise ImportError("no module named nowhere")
+
+        Broken.value = value
+        monkeypatch.setitem(registry_state, "loaded", False)
+        monkeypatch.setattr(importlib.metadata, "entry_points",
+                            lambda group: [Broken()] if group == wanted else [])
+
+    return install

@@ -176,18 +176,10 @@ def test_wrong_number_of_extra_input_gradients_from_a_plugin():
         unregister_fusion(ForgetfulAdd)
 
 
-def test_failing_entry_point_plugin_is_reported(monkeypatch):
+def test_failing_entry_point_plugin_is_reported(broken_plugin):
     import fusible.planning.registry as registry
 
-    class Broken:
-        name, value = "broken", "nowhere:Fusion"
-
-        def load(self):
-            raise ImportError("no module named nowhere")
-
-    monkeypatch.setitem(registry._state, "loaded", False)
-    monkeypatch.setattr(registry.importlib.metadata, "entry_points",
-                        lambda group: [Broken()] if group == "fusible.fusions" else [])
+    broken_plugin(registry._state, "fusible.fusions", "nowhere:Fusion")
     for _ in range(2):  # and again: nothing is skipped silently later
         with pytest.raises(RuntimeError, match="fusion plugin 'broken'.*failed to load"):
             ops.Sequential(ops.Identity()).plan()

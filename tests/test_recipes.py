@@ -115,17 +115,9 @@ def test_autocast_refuses_an_unregistered_recipe():
             pass
 
 
-def test_a_recipe_plugin_failing_to_load_says_which(monkeypatch):
-    class Broken:
-        name, value = "broken", "nowhere:Recipe"
-
-        def load(self):
-            raise ImportError("no module named nowhere")
-
-    monkeypatch.setitem(recipe_base._state, "loaded", False)
-    monkeypatch.setattr(recipe_base.importlib.metadata, "entry_points",
-                        lambda group: [Broken()] if group == "fusible.recipes" else [])
+def test_a_recipe_plugin_failing_to_load_says_which(broken_plugin):
+    broken_plugin(recipe_base._state, "fusible.recipes", "nowhere:Recipe")
     for _ in range(2):  # and again: nothing is skipped silently later
-        with pytest.raises(RuntimeError, match=r"recipe plugin broken = nowhere:Recipe of "
+        with pytest.raises(RuntimeError, match=r"recipe plugin 'broken' \(nowhere:Recipe\) of "
                                                r"entry-point group 'fusible.recipes' failed"):
             fusible.recipe_from_name("tensorwise")

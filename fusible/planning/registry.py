@@ -17,6 +17,7 @@ import inspect
 import attrs
 
 from fusible.core import epoch
+from fusible.core.plugins import EntryPointGroup
 from fusible.core.fused import FusedOperation
 from fusible.core.pattern import Pattern
 from fusible.core.stage import check_stage_class
@@ -24,7 +25,6 @@ from fusible.core.stage import check_stage_class
 ENTRY_POINT_GROUP = "fusible.fusions"
 _DIRECTIONS = ("forward", "backward", "both")
 _fusions: list = []
-_state = {"loaded": False, "loading": False}
 
 
 def register_fusion(cls: type) -> type:
@@ -82,17 +82,7 @@ def load_plugins() -> None:
     skipped silently. So does a fusible that is not installed (its built-ins are entry
     points of its distribution).
     """
-    if _state["loaded"] or _state["loading"]:
-        return
-    _state["loading"] = True
-    try:
-        _require_installed()
-        for ep in sorted(importlib.metadata.entry_points(group=ENTRY_POINT_GROUP),
-                         key=lambda e: e.name):
-            _register_loaded(_describe(ep), _load_entry_point(ep))
-        _state["loaded"] = True
-    finally:
-        _state["loading"] = False
+    _PLUGINS.load()
 
 
 def _require_installed() -> None:
@@ -102,28 +92,6 @@ def _require_installed() -> None:
         raise RuntimeError("fusible is imported from a source tree that is not installed: its "
                            "built-in fusions are entry points of the installed distribution "
                            "(run `pip install -e .` in the checkout)") from None
-
-
-def _describe(ep) -> str:
-    return f"{ep.name!r} ({getattr(ep, 'value', '?')})"
-
-
-def _load_entry_point(ep):
-    try:
-        return ep.load()
-    except Exception as error:
-        raise RuntimeError(f"fusion plugin {_describe(ep)} of entry-point group "
-                           f"{ENTRY_POINT_GROUP!r} failed to load: {error}") from error
-
-
-def _register_loaded(what: str, loaded) -> None:
-    # A spec may name a fusion class, or a module whose classes registered themselves.
-    if not inspect.isclass(loaded):
-        return
-    try:
-        register_fusion(loaded)
-    except (TypeError, ValueError) as error:
-        raise RuntimeError(f"fusion plugin {what} is not a valid fusion: {error}") from error
 
 
 def validate_fusion(cls) -> None:
@@ -143,3 +111,10 @@ def validate_fusion(cls) -> None:
                                         and attrs.has(cls.saved_type)):
         raise TypeError(f"joint fusion {name} must set saved_type to the attrs class of the "
                         f"record its forward saves, got {cls.saved_type!r}")
+
+
+# Loaded at the first planning or registration; its built-ins need the installed
+# distribution (a source tree on the path alone says so).
+_PLUGINS = EntryPointGroup(ENTRY_POINT_GROUP, "fusion", register_fusion,
+                           before=_require_installed)
+_state = _PLUGINS.state

@@ -12,15 +12,15 @@ with named ``presets`` (:func:`recipe_from_name`, as torchao's
 
 from __future__ import annotations
 
-import importlib.metadata
 from typing import ClassVar
 
 import attrs
 
+from fusible.core.plugins import EntryPointGroup
+
 ENTRY_POINT_GROUP = "fusible.recipes"
 
 _recipes: dict = {}  # name -> class
-_state = {"loaded": False, "loading": False}
 
 
 @attrs.frozen
@@ -144,29 +144,7 @@ def _where(cls: type) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
-def _load_plugins() -> None:
-    """Register the recipes of the entry-point group (once); one that fails to load
-    raises, naming it, at every use until it loads."""
-    if _state["loaded"] or _state["loading"]:
-        return
-    _state["loading"] = True
-    try:
-        for ep in sorted(importlib.metadata.entry_points(group=ENTRY_POINT_GROUP),
-                         key=lambda e: e.name):
-            try:
-                cls = ep.load()
-            except Exception as error:
-                raise RuntimeError(f"recipe plugin {ep.name} = {ep.value} of entry-point group "
-                                   f"{ENTRY_POINT_GROUP!r} failed to load: {error}") from error
-            _register_loaded(ep, cls)
-        _state["loaded"] = True
-    finally:
-        _state["loading"] = False
-
-
-def _register_loaded(ep, cls) -> None:
-    try:
-        register_recipe(cls)
-    except (TypeError, ValueError) as error:
-        raise RuntimeError(f"recipe plugin {ep.name} = {ep.value} is not a valid recipe: "
-                           f"{error}") from error
+# Loaded at the first registration or lookup.
+_PLUGINS = EntryPointGroup(ENTRY_POINT_GROUP, "recipe", register_recipe)
+_state = _PLUGINS.state
+_load_plugins = _PLUGINS.load
