@@ -19,8 +19,45 @@ _FORMATS = {
 }
 
 
+def _check_fp8_format(recipe, attribute, value) -> None:
+    if value not in _FORMATS:
+        raise ValueError(f"{type(recipe).__name__}: fp8_format must be one of "
+                         f"{sorted(_FORMATS)}, got {value!r}")
+
+
 @attrs.frozen
-class Float8CurrentScaling(Recipe):
+class _CurrentScaling(Recipe):
+    """Current scaling (each tensor cast by its own amax when it is cast) at the
+    ``granularity`` of the subclass, E4M3 forward and ``fp8_format``'s gradients."""
+
+    granularity: ClassVar[str] = ""
+    fp8_format: str = attrs.field(default="hybrid", validator=_check_fp8_format)
+
+    @property
+    def forward_dtype(self) -> torch.dtype:
+        """FP8 dtype of inputs and weights."""
+        return _FORMATS[self.fp8_format][0]
+
+    @property
+    def backward_dtype(self) -> torch.dtype:
+        """FP8 dtype of gradients."""
+        return _FORMATS[self.fp8_format][1]
+
+    def input_format(self, columnwise: bool = False) -> Float8Format:
+        """The format of a GEMM's input (activations)."""
+        return Float8Format(self.forward_dtype, columnwise, self.granularity)
+
+    def weight_format(self, columnwise: bool = False) -> Float8Format:
+        """The format of a GEMM's weight."""
+        return Float8Format(self.forward_dtype, columnwise, self.granularity)
+
+    def grad_format(self, columnwise: bool = False) -> Float8Format:
+        """The format of a gradient a GEMM reads (dgrad and wgrad's ``dy``)."""
+        return Float8Format(self.backward_dtype, columnwise, self.granularity)
+
+
+@attrs.frozen
+class Float8CurrentScaling(_CurrentScaling):
     """Per-tensor current scaling: each tensor is scaled by its own amax when it is cast
     (registered as ``"tensorwise"``; presets ``"tensorwise"`` and ``"tensorwise_e4m3"``).
 
@@ -38,40 +75,11 @@ class Float8CurrentScaling(Recipe):
 
     name: ClassVar[str] = "tensorwise"
     presets: ClassVar[dict] = {"tensorwise": {}, "tensorwise_e4m3": {"fp8_format": "e4m3"}}
-
-    fp8_format: str = attrs.field(default="hybrid")
-
-    @fp8_format.validator
-    def _check_format(self, attribute, value):
-        if value not in _FORMATS:
-            raise ValueError(f"Float8CurrentScaling: fp8_format must be one of "
-                             f"{sorted(_FORMATS)}, got {value!r}")
-
-    @property
-    def forward_dtype(self) -> torch.dtype:
-        """FP8 dtype of inputs and weights."""
-        return _FORMATS[self.fp8_format][0]
-
-    @property
-    def backward_dtype(self) -> torch.dtype:
-        """FP8 dtype of gradients."""
-        return _FORMATS[self.fp8_format][1]
-
-    def input_format(self, columnwise: bool = False) -> Float8Format:
-        """The format of a GEMM's input (activations)."""
-        return Float8Format(self.forward_dtype, columnwise)
-
-    def weight_format(self, columnwise: bool = False) -> Float8Format:
-        """The format of a GEMM's weight."""
-        return Float8Format(self.forward_dtype, columnwise)
-
-    def grad_format(self, columnwise: bool = False) -> Float8Format:
-        """The format of a gradient a GEMM reads (dgrad and wgrad's ``dy``)."""
-        return Float8Format(self.backward_dtype, columnwise)
+    granularity: ClassVar[str] = "tensorwise"
 
 
 @attrs.frozen
-class Float8RowwiseScaling(Recipe):
+class Float8RowwiseScaling(_CurrentScaling):
     """Row-wise current scaling: one scale per row of each GEMM operand (a token of the
     input and of the gradient, an output feature of the weight), and the transposed
     copies the backward GEMMs read scaled per row of their own layout (an input feature
@@ -92,23 +100,9 @@ class Float8RowwiseScaling(Recipe):
 
     name: ClassVar[str] = "rowwise"
     presets: ClassVar[dict] = {"rowwise": {}, "rowwise_hybrid": {"fp8_format": "hybrid"}}
+    granularity: ClassVar[str] = "rowwise"
 
-    fp8_format: str = attrs.field(default="e4m3")
-
-    @fp8_format.validator
-    def _check_format(self, attribute, value):
-        if value not in _FORMATS:
-            raise ValueError(f"Float8RowwiseScaling: fp8_format must be one of "
-                             f"{sorted(_FORMATS)}, got {value!r}")
-
-    def input_format(self, columnwise: bool = False) -> Float8Format:
-        return Float8Format(_FORMATS[self.fp8_format][0], columnwise, "rowwise")
-
-    def weight_format(self, columnwise: bool = False) -> Float8Format:
-        return Float8Format(_FORMATS[self.fp8_format][0], columnwise, "rowwise")
-
-    def grad_format(self, columnwise: bool = False) -> Float8Format:
-        return Float8Format(_FORMATS[self.fp8_format][1], columnwise, "rowwise")
+    fp8_format: str = attrs.field(default="e4m3", validator=_check_fp8_format)
 
 
 # The recipe in effect, per thread like torch.autocast's state: None when FP8 is off. A
