@@ -310,7 +310,7 @@ def expert_parallel(splits: Tensor, process_group=None, *, capacity: int = 0
         return ExpertParallel(None, regroup, received.sum(0), ungroup, None)
     group = parallel.group_config("expert_parallel", "", False, process_group)
     sent = splits.reshape(ranks, local).contiguous()
-    received = parallel.exchange_counts(sent, group)  # [source rank, local expert]
+    received = parallel.all_to_all_equal(sent, group)  # [source rank, local expert]
     regroup, ungroup = _regroup(received, int(received.sum()))
     return ExpertParallel(sent.sum(1), regroup, received.sum(0), ungroup, received.sum(1))
 

@@ -165,14 +165,12 @@ def all_to_all(x: Tensor, send_sizes: list, recv_sizes: list, tp: TensorParallel
     return out.view(fp8) if fp8 is not None else out
 
 
-def exchange_counts(counts: Tensor, tp: TensorParallel) -> Tensor:
-    """``counts`` (world size, ...) of integers: row ``r`` goes to rank ``r``; the rows
-    every rank sent this one, in rank order (an all-to-all of equal parts)."""
-    if not tp.active:
-        return counts
-    part = counts.numel() // tp.world_size
-    flat = all_to_all(counts.reshape(-1), [part] * tp.world_size, [part] * tp.world_size, tp)
-    return flat.view(counts.shape)
+def all_to_all_equal(x: Tensor, tp: TensorParallel) -> Tensor:
+    """An equal share of ``x``'s rows to every rank (the first ``rows / world size`` to
+    rank 0, ...); the shares every rank sent this one, in rank order (the ranks' counts
+    exchanged as ``(world size, ...)`` rows: row ``r`` to rank ``r``)."""
+    share = [x.shape[0] // tp.world_size] * tp.world_size
+    return all_to_all(x, share, share, tp)
 
 
 def reduce_scatter(x: Tensor, tp: TensorParallel, wait: bool = True) -> Tensor:

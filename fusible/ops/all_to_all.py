@@ -92,7 +92,7 @@ class AllToAll(Collective):
         if sum(send) != args.input.shape[0] or min(send) < 0:
             raise ValueError(f"AllToAll: the send counts {send} must be non-negative and add "
                              f"up to the input's {args.input.shape[0]} rows")
-        recv_counts = parallel.exchange_counts(args.send_counts, args.group)
+        recv_counts = parallel.all_to_all_equal(args.send_counts, args.group)
         y = parallel.all_to_all(args.input, send, recv_counts.tolist(), args.group)
         return ForwardResult(y, (), (recv_counts,))
 
@@ -151,15 +151,11 @@ class AllToAllEqual(Collective):
 
     @classmethod
     def forward_compute(cls, args, *, in_custom_op=False):
-        return ForwardResult(_exchange_equal(args.input, args.group))
+        return ForwardResult(parallel.all_to_all_equal(args.input, args.group))
 
     @classmethod
     def backward_compute(cls, args, *, in_custom_op=False):
         if not args.need_grad_input:
             return BackwardResult(None)
-        return BackwardResult(_exchange_equal(args.grad_output, args.group))
+        return BackwardResult(parallel.all_to_all_equal(args.grad_output, args.group))
 
-
-def _exchange_equal(x: Tensor, group: TensorParallel) -> Tensor:
-    share = [x.shape[0] // group.world_size] * group.world_size
-    return parallel.all_to_all(x, share, share, group)
