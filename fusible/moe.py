@@ -154,7 +154,7 @@ def permute_tokens(x: Tensor, experts: Tensor, num_experts: int, *,
     if capacity_factor is None and align == 1:
         slot, capacity, rows = None, 0, tokens * k
         row_copy = order
-        copy_row = _inverse(order)
+        copy_row = moe_rows.inverse_permutation(order)
     else:
         sorted_experts = flat[order]
         if capacity_factor is not None:
@@ -171,13 +171,6 @@ def permute_tokens(x: Tensor, experts: Tensor, num_experts: int, *,
         row_copy, copy_row = _row_maps(order, slot, rows)
     routing = Routing(order, splits, k, copy_row, row_copy, slot, capacity, rows)
     return _DispatchTokens.apply(x, row_copy, copy_row, k), routing
-
-
-def _inverse(permutation: Tensor) -> Tensor:
-    """The inverse of a permutation of ``0..n-1``."""
-    inverse = torch.empty_like(permutation)
-    inverse[permutation] = torch.arange(permutation.numel(), device=permutation.device)
-    return inverse
 
 
 def _row_maps(order: Tensor, slot: Tensor, rows: int) -> tuple:
@@ -199,12 +192,17 @@ def _starts(splits: Tensor) -> Tensor:
     return torch.cumsum(splits, 0) - splits
 
 
+def _places(sorted_experts: Tensor, splits: Tensor) -> Tensor:
+    """Each sorted copy's place among its expert's copies."""
+    return torch.arange(sorted_experts.numel(), device=splits.device) \
+        - _starts(splits)[sorted_experts]
+
+
 def _capacity_slots(sorted_experts: Tensor, splits: Tensor, capacity: int,
                     num_experts: int) -> Tensor:
     """Each sorted copy's row ``expert * capacity + its place among the expert's copies``,
     or ``num_experts * capacity`` past the capacity."""
-    place = torch.arange(sorted_experts.numel(), device=splits.device) \
-        - _starts(splits)[sorted_experts]
+    place = _places(sorted_experts, splits)
     return torch.where(place < capacity, sorted_experts * capacity + place,
                        num_experts * capacity)
 
@@ -213,9 +211,7 @@ def _aligned_slots(sorted_experts: Tensor, splits: Tensor, align: int, rows: int
     """``(slot, padded splits)``: each expert's run padded to a multiple of ``align``,
     the last expert also taking the rows up to ``rows`` (a multiple of ``align``)."""
     padded = (splits + align - 1) // align * align
-    place = torch.arange(sorted_experts.numel(), device=splits.device) \
-        - _starts(splits)[sorted_experts]
-    slot = _starts(padded)[sorted_experts] + place
+    slot = _starts(padded)[sorted_experts] + _places(sorted_experts, splits)
     spare = torch.zeros_like(padded)
     spare[-1] = rows - padded.sum()
     return slot, padded + spare
@@ -324,4 +320,4 @@ def _regroup(received: Tensor, total: int) -> tuple:
     shift = starts.t().reshape(-1) - (torch.cumsum(lengths, 0) - lengths)
     regroup = torch.repeat_interleave(shift, lengths, output_size=total) \
         + torch.arange(total, device=received.device)
-    return regroup, _inverse(regroup)
+    return regroup, moe_rows.inverse_permutation(regroup)

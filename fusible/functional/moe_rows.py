@@ -43,6 +43,13 @@ def combine_rows(src: Tensor, copy_row: Tensor, weights: Optional[Tensor] = None
     return torch.ops.fusible.combine_rows(src, copy_row, weights)
 
 
+def inverse_permutation(index: Tensor) -> Tensor:
+    """The inverse of ``index``, a permutation of ``0..n-1`` (in its dtype)."""
+    inverse = torch.empty_like(index)
+    inverse[index] = torch.arange(index.numel(), device=index.device, dtype=index.dtype)
+    return inverse
+
+
 def _gather_rows_impl(src, row_copy, k, copy_scales, dots_with):
     if triton_can_run(src, *[t for t in (copy_scales, dots_with) if t is not None]):
         return moe_rows.gather_rows_triton(src, row_copy, k, copy_scales, dots_with)

@@ -9,6 +9,7 @@ import torch
 
 from fusible.core.example import Example
 from fusible.core.results import BackwardResult, ForwardResult
+from fusible.functional.moe_rows import inverse_permutation
 from fusible.module import BasicOperation
 
 Tensor = torch.Tensor
@@ -85,9 +86,7 @@ class PermuteRows(BasicOperation):
     def backward_compute(cls, args, *, in_custom_op=False):
         if not args.need_grad_input:
             return BackwardResult(None, (), (None,))
-        inverse = torch.empty_like(args.index)
-        inverse[args.index] = torch.arange(args.index.numel(), device=args.index.device,
-                                           dtype=args.index.dtype)
+        inverse = inverse_permutation(args.index)
         return BackwardResult(args.grad_output.index_select(0, inverse), (), (None,))
 
     def reference(self, x, extra_inputs, params):
