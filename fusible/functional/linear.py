@@ -22,7 +22,8 @@ from fusible.functional import parallel
 from fusible.functional.parallel import TensorParallel
 from fusible.kernels.fp8_cast import transposed_copy
 from fusible.quantization.cast import cast_to_fp8_any, cast_to_fp8_rowwise, tensor_amax
-from fusible.quantization.float8_tensor import Float8Tensor, Fp8Able, quantize_raw, requantize
+from fusible.quantization.float8_tensor import (Float8Tensor, Fp8Able, quantize_raw, requantize,
+                                                scaled_mm_scales)
 from fusible.quantization.format import Float8Format, to_format
 
 Tensor = torch.Tensor
@@ -202,9 +203,8 @@ def fp8_gemm(a: Tensor, a_scale_inv: Tensor, b: Tensor, b_scale_inv: Tensor,
         y = a.new_zeros((a.shape[0], b.shape[1]), dtype=out_dtype)
         return y if bias is None else y + bias
     epilogue = bias is not None and out_dtype in (torch.bfloat16, torch.float16)
-    if a_scale_inv.dim() or b_scale_inv.dim():  # row-wise: (M, 1) and (1, N), both
-        a_scale_inv = a_scale_inv.expand(a.shape[0], 1).contiguous()
-        b_scale_inv = b_scale_inv.expand(1, b.shape[1]).contiguous()
+    a_scale_inv, b_scale_inv = scaled_mm_scales(a_scale_inv, b_scale_inv, a.shape[0],
+                                                b.shape[1])
     y = torch._scaled_mm(a, b, scale_a=a_scale_inv, scale_b=b_scale_inv,
                          bias=bias if epilogue else None, out_dtype=out_dtype,
                          use_fast_accum=fast_accum)

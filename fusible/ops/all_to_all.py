@@ -158,4 +158,3 @@ class AllToAllEqual(Collective):
         if not args.need_grad_input:
             return BackwardResult(None)
         return BackwardResult(parallel.all_to_all_equal(args.grad_output, args.group))
-

@@ -338,33 +338,36 @@ def scaled_mm(a: Float8Tensor, b: Float8Tensor, bias=None, out_dtype=None) -> to
 
 
 def gemm_operands(a: Float8Tensor, b: Float8Tensor):
-    """``((a data, scale_a), (b data, scale_b))`` for ``torch._scaled_mm``: both scales
-    0-d, or ``(M, 1)`` and ``(1, N)`` (a 0-d one expanded), each operand's data or its
-    transposed copy (seen transposed), whichever is scaled that way; None if neither is
-    (a scale along the contraction: the product is dequantized instead)."""
-    if a.per_tensor and b.per_tensor:
-        return (a._data, a._scale_inv), (b._data, b._scale_inv)
+    """``((a data, scale_a), (b data, scale_b))`` for ``torch._scaled_mm``: each operand's
+    data or its transposed copy (seen transposed), whichever is scaled per tensor or (``a``)
+    per row / (``b``) per column, the scales as :func:`scaled_mm_scales` gives them; None if
+    neither is (a scale along the contraction: the product is dequantized instead)."""
     m, n = a.shape[0], b.shape[1]
-    a_side = _layout_scaled(a, (m, 1))
-    b_side = _layout_scaled(b, (1, n))
+    a_side, b_side = _layout_scaled(a, (m, 1)), _layout_scaled(b, (1, n))
     if a_side is None or b_side is None:
         return None
-    return a_side, b_side
+    scale_a, scale_b = scaled_mm_scales(a_side[1], b_side[1], m, n)
+    return (a_side[0], scale_a), (b_side[0], scale_b)
+
+
+def scaled_mm_scales(scale_a: torch.Tensor, scale_b: torch.Tensor, m: int, n: int) -> tuple:
+    """The scales ``torch._scaled_mm`` takes for an ``(m, k) @ (k, n)`` product: both 0-d,
+    or one per row of ``a`` ``(m, 1)`` and one per column of ``b`` ``(1, n)``, a 0-d one
+    expanded to match."""
+    if scale_a.dim() == 0 and scale_b.dim() == 0:
+        return scale_a, scale_b
+    return scale_a.expand(m, 1).contiguous(), scale_b.expand(1, n).contiguous()
 
 
 def _layout_scaled(t: Float8Tensor, shape: tuple):
-    """``(data, scale expanded to shape)`` of the first layout of the 2-D ``t`` whose scale
-    is 0-d or of ``shape``, or None."""
+    """``(data, scale)`` of the first layout of the 2-D ``t`` whose scale is 0-d or of
+    ``shape``, or None."""
     layouts = [(t._data, t._scale_inv)]
     if t._transpose is not None and t._data.dim() == 2:
         scale = t.transpose_scale_inv
         layouts.append((t._transpose.t(), scale.t() if scale.dim() == 2 else scale))
-    for data, scale in layouts:
-        if scale.dim() == 0:
-            return data, scale.expand(shape).contiguous()
-        if tuple(scale.shape) == shape:
-            return data, scale
-    return None
+    return next(((data, scale) for data, scale in layouts
+                 if scale.dim() == 0 or tuple(scale.shape) == shape), None)
 
 
 def _mm(a, b):
