@@ -179,18 +179,14 @@ class GroupedLinear(BasicOperation):
         return recipe is not None
 
     def input_format(self, recipe, needs):
-        return None if recipe is None else Float8Format(_E4M3, needs[0].params[0])
+        return _tokens_format(recipe, needs[0])
 
     def grad_format(self, recipe, needs):
         # With a bias, dy arrives in high precision: the bias gradient sums it unrounded.
-        if recipe is None or self.bias is not None:
-            return None
-        return Float8Format(_E4M3, needs[0].params[0])
+        return None if self.bias is not None else _tokens_format(recipe, needs[0])
 
     def forward_args(self, input, params, extra_inputs, ctxs):
-        fmt = None
-        if ctxs[0].recipe is not None:
-            fmt = Float8Format(_E4M3, ctxs[0].needs.params[0])
+        fmt = _tokens_format(ctxs[0].recipe, ctxs[0].needs)
         return GroupedForwardArgs(input, extra_inputs[0], params[0],
                                   params[1] if len(params) > 1 else None, fmt,
                                   fmt is not None and ctxs[0].needs.input)
@@ -242,7 +238,7 @@ class GroupedLinear(BasicOperation):
 
     def backward_args(self, grad_output, grad_extra_outputs, ctxs):
         needs, saved, recipe = ctxs[0].needs, ctxs[0].saved, ctxs[0].recipe
-        fmt = None if recipe is None else Float8Format(_E4M3, needs.params[0])
+        fmt = _tokens_format(recipe, needs)
         return GroupedBackwardArgs(grad_output, saved.input, saved.weight, saved.splits,
                                    needs.input, needs.params[0],
                                    len(needs.params) > 1 and needs.params[1], self.num_groups,
@@ -332,6 +328,12 @@ class GroupedLinear(BasicOperation):
     def extra_repr(self) -> str:
         return (f"num_groups={self.num_groups}, in_features={self.in_features}, "
                 f"out_features={self.out_features}, bias={self.bias is not None}")
+
+
+def _tokens_format(recipe, needs) -> Optional[Float8Format]:
+    """The tokens' FP8 format (input, output gradient) under ``recipe`` (None: none): E4M3
+    per tensor whatever the recipe, with the transposed copy where wgrad follows."""
+    return None if recipe is None else Float8Format(_E4M3, needs.params[0])
 
 
 def _fp8_forward(args: GroupedForwardArgs) -> tuple:
