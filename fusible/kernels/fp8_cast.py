@@ -33,9 +33,14 @@ def _amax_kernel(x_ptr, amax_ptr, n, per_program, BLOCK: tl.constexpr):
 
 @jit
 def scale_from_amax(amax_ptr, FP8_MAX):
-    """The current scale from the amax on the device: ``FP8_MAX / amax``, at most the
-    largest float32 (tiny tensors stay finite), 1 for 0, NaN for a NaN amax."""
-    amax = tl.load(amax_ptr)
+    """The current scale from the amax on the device (:func:`scale_of_amax`)."""
+    return scale_of_amax(tl.load(amax_ptr), FP8_MAX)
+
+
+@jit
+def scale_of_amax(amax, FP8_MAX):
+    """``FP8_MAX / amax`` (elementwise), at most the largest float32 (tiny tensors stay
+    finite), 1 for 0, NaN for a NaN amax."""
     scale = tl.minimum(tl.math.div_rn(FP8_MAX, amax), 3.4028234663852886e38,
                        propagate_nan=tl.PropagateNan.ALL)
     return tl.where(amax == 0.0, 1.0, scale)
@@ -67,7 +72,13 @@ def quantize_tile(x, scale, scale_inv_ptr, FP8_MAX):
     rounded to FP8; the first program stores ``1 / scale``."""
     if tl.program_id(0) == 0:  # 1-D grids (tile_grid)
         tl.store(scale_inv_ptr, tl.math.div_rn(1.0, scale))
-    v = tl.maximum(x * scale, -FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
+    return saturate(x * scale, FP8_MAX)
+
+
+@jit
+def saturate(v, FP8_MAX):
+    """``v`` clamped to +-FP8_MAX, NaN kept."""
+    v = tl.maximum(v, -FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
     return tl.minimum(v, FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
 
 

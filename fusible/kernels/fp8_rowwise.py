@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from fusible.kernels import jit, require_triton, tl
-from fusible.kernels.fp8_cast import max_keep_nan
+from fusible.kernels.fp8_cast import max_keep_nan, saturate, scale_of_amax
 
 
 @jit
@@ -28,16 +28,13 @@ def _row_cast_kernel(x_ptr, data_ptr, scale_inv_ptr, M, N, FP8_MAX,
         x = tl.load(x_ptr + base + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         amax = tl.maximum(amax, tl.reduce(tl.abs(x), 1, max_keep_nan),
                           propagate_nan=tl.PropagateNan.ALL)
-    scale = tl.minimum(tl.math.div_rn(FP8_MAX, amax), 3.4028234663852886e38,
-                       propagate_nan=tl.PropagateNan.ALL)
-    scale = tl.where(amax == 0.0, 1.0, scale)
+    scale = scale_of_amax(amax, FP8_MAX)
     tl.store(scale_inv_ptr + rows, tl.math.div_rn(1.0, scale), mask=row_ok)
     for start in range(0, N, BLOCK_N):
         cols = start + tl.arange(0, BLOCK_N)
         mask = row_ok[:, None] & (cols[None, :] < N)
         x = tl.load(x_ptr + base + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        v = tl.maximum(x * scale[:, None], -FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
-        v = tl.minimum(v, FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
+        v = saturate(x * scale[:, None], FP8_MAX)
         tl.store(data_ptr + base + cols[None, :],
                  v.to(data_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=mask)
 
