@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from fusible.kernels import jit, require_triton, tl
+from fusible.kernels import jit, require_triton, tl, triton
 
 _BLOCK = 1024  # columns per step: 2 KiB of bf16 per load, 4 warps
 
@@ -76,7 +76,7 @@ def gather_rows_triton(src: torch.Tensor, row_copy: torch.Tensor, k: int,
             src, row_copy, copy_scales if copy_scales is not None else src,
             dots_with if dots_with is not None else src, out,
             dots if dots is not None else out, h, k, HAS_SCALE=copy_scales is not None,
-            HAS_DOTS=dots_with is not None, BLOCK=min(_BLOCK, _pow2(h)), num_warps=4)
+            HAS_DOTS=dots_with is not None, BLOCK=_block(h), num_warps=4)
     return out, dots
 
 
@@ -88,10 +88,10 @@ def combine_rows_triton(src: torch.Tensor, copy_row: torch.Tensor, weights=None)
     if tokens:
         _combine_rows_kernel[(tokens,)](
             src, copy_row, weights if weights is not None else src, out, src.shape[1],
-            K=k, HAS_WEIGHTS=weights is not None, BLOCK=min(_BLOCK, _pow2(src.shape[1])),
+            K=k, HAS_WEIGHTS=weights is not None, BLOCK=_block(src.shape[1]),
             num_warps=4)
     return out
 
 
-def _pow2(n: int) -> int:
-    return 1 << max(n - 1, 0).bit_length()
+def _block(columns: int) -> int:
+    return min(_BLOCK, triton.next_power_of_2(max(columns, 1)))
