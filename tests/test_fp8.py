@@ -370,10 +370,10 @@ def test_compile_report_says_which_gemms_ran_in_fp8():
     plain = fusible.compile_report(model, x)
     linear_calls = lambda report: [(c.op.split("::")[1], c.gemm)  # noqa: E731
                                    for g in report.graphs for c in g.fusible_ops if c.gemm]
-    assert {g for _, g in linear_calls(fp8)} == {"fp8"}
+    assert {g for _, g in linear_calls(fp8)} == {"fp8 tensorwise"}
     assert {g for _, g in linear_calls(plain)} == {"high precision"}
     assert len(linear_calls(fp8)) == len(linear_calls(plain)) >= 4  # 2 GEMM stages each way
-    assert "fp8 GEMM" in str(fp8) and "fp8 GEMM" not in str(plain)
+    assert "fp8 tensorwise GEMM" in str(fp8) and "fp8" not in str(plain)
 
 
 def test_compile_report_gives_a_cast_between_stages_no_provenance():

@@ -42,8 +42,11 @@ def test_the_built_in_recipe_is_an_entry_point_with_presets():
     assert fusible.recipe_from_name("tensorwise") == fusible.Float8CurrentScaling()
     assert fusible.recipe_from_name("tensorwise_e4m3") == fusible.Float8CurrentScaling("e4m3")
     assert fusible.registered_recipes()["rowwise"] is fusible.Float8RowwiseScaling
+    assert fusible.registered_recipes()["blockwise"] is fusible.Float8BlockScaling
+    assert fusible.recipe_from_name("mxfp8_hybrid") == fusible.MXFP8BlockScaling("hybrid")
     with pytest.raises(ValueError, match=r"no recipe or preset named 'rowwize'; known: "
-                                         r"rowwise, rowwise_hybrid, tensorwise, tensorwise_e4m3"):
+                                         r"blockwise, mxfp8, mxfp8_hybrid, rowwise, "
+                                         r"rowwise_hybrid, tensorwise, tensorwise_e4m3"):
         fusible.recipe_from_name("rowwize")
 
 
@@ -109,7 +112,8 @@ def test_registration_errors_name_the_classes(plugin):
 
 def test_autocast_refuses_an_unregistered_recipe():
     """Keys map back to recipes: an unregistered class could share a name and a key."""
-    with pytest.raises(TypeError, match=r"registered recipe class \(rowwise, tensorwise; a new "
+    with pytest.raises(TypeError, match=r"registered recipe class \(blockwise, mxfp8, rowwise, "
+                                        r"tensorwise; a new "
                                         r"one registers with fusible.register_recipe\)"):
         with fusible.autocast(recipe=AllE4M3()):
             pass

@@ -21,10 +21,10 @@ import torch
 from fusible.functional import parallel
 from fusible.functional.parallel import TensorParallel
 from fusible.kernels.fp8_cast import transposed_copy
-from fusible.quantization.cast import cast_to_fp8_any, cast_to_fp8_rowwise, tensor_amax
-from fusible.quantization.float8_tensor import (Float8Tensor, Fp8Able, quantize_raw, requantize,
-                                                scaled_mm_scales)
+from fusible.quantization.cast import cast_to_fp8_any, tensor_amax
+from fusible.quantization.float8_tensor import Float8Tensor, Fp8Able, quantize_raw, requantize
 from fusible.quantization.format import Float8Format, to_format
+from fusible.quantization.gemm import scaled_gemm
 
 Tensor = torch.Tensor
 
@@ -192,25 +192,15 @@ def as_fp8(t: Tensor, fmt: Float8Format) -> Float8Tensor:
 def fp8_gemm(a: Tensor, a_scale_inv: Tensor, b: Tensor, b_scale_inv: Tensor,
              bias: Optional[Tensor], out_dtype: torch.dtype, fast_accum: bool = False) -> Tensor:
     """``(a * sa) @ (b * sb) (+ bias)``: ``a`` row-major FP8, ``b`` column-major FP8;
-    the scales 0-d, or one per row of ``a`` ((M, 1)) and one per column of ``b`` ((1, N);
-    a 0-d one is expanded to match).
+    the scales 0-d, one per row of ``a`` ((M, 1)) and one per column of ``b`` ((1, N);
+    a 0-d one is expanded to match), or per block
+    (:func:`fusible.quantization.gemm.scaled_gemm`).
 
     ``fast_accum`` lets Hopper accumulate in its faster, less precise FP8 mode; like
     TransformerEngine and torchao we take it for the forward GEMM only (gradients sum
     over many more products).
     """
-    if not (a.shape[0] and a.shape[1] and b.shape[1]):  # zero tokens or features
-        y = a.new_zeros((a.shape[0], b.shape[1]), dtype=out_dtype)
-        return y if bias is None else y + bias
-    epilogue = bias is not None and out_dtype in (torch.bfloat16, torch.float16)
-    a_scale_inv, b_scale_inv = scaled_mm_scales(a_scale_inv, b_scale_inv, a.shape[0],
-                                                b.shape[1])
-    y = torch._scaled_mm(a, b, scale_a=a_scale_inv, scale_b=b_scale_inv,
-                         bias=bias if epilogue else None, out_dtype=out_dtype,
-                         use_fast_accum=fast_accum)
-    if bias is not None and not epilogue:  # no bias epilogue for float32 outputs
-        y = y + bias
-    return y
+    return scaled_gemm(a, a_scale_inv, b, b_scale_inv, bias, out_dtype, fast_accum)
 
 
 def gemm_forward(gemm: GemmForwardArgs, bias: Optional[Tensor] = None):
@@ -242,9 +232,9 @@ def gemm_forward(gemm: GemmForwardArgs, bias: Optional[Tensor] = None):
         w_q = requantize(weight, w_format.fp8_dtype, False)
         w_data, w_scale_inv = w_q._data, w_q._scale_inv
         w_amax = weight._scale_inv  # unused: the backward reads the FP8 weight itself
-    elif w_format.granularity == "rowwise":  # per output feature; the backward casts again
+    elif not w_format.per_tensor:  # its scaling's blocks; the backward casts again
         w_amax = None
-        w_data, w_scale_inv = cast_to_fp8_rowwise(weight, w_format.fp8_dtype)[:2]
+        w_data, w_scale_inv = w_format.scaling.cast(weight, w_format.fp8_dtype)[:2]
     else:  # the cast's parts, used once: no Float8Tensor built around them
         w_amax = tensor_amax(weight)
         w_data, w_scale_inv = cast_to_fp8_any(weight, w_format.fp8_dtype, False, w_amax)[:2]
@@ -281,7 +271,7 @@ def gather_fp8(x: Tensor, tp: TensorParallel, fmt: Float8Format) -> Float8Tensor
 
 
 def _tensorwise_only(fmt: Float8Format, what: str) -> None:
-    if fmt.granularity != "tensorwise":
+    if not fmt.per_tensor:
         raise NotImplementedError(f"{what} under {fmt.granularity} FP8 scaling is not "
                                   f"implemented yet (per-tensor scaling only); run tensor "
                                   f"parallelism with fusible.Float8CurrentScaling")
@@ -330,9 +320,8 @@ def _dgrad_weight(args: GemmBackwardArgs) -> tuple:
     if fmt is None:
         raise ValueError("gemm_backward: FP8 dgrad of a high-precision weight needs "
                          "weight_format (the FP8 format to quantize it to)")
-    if fmt.granularity == "rowwise":  # per input feature: the copy's own rows
-        _, _, transpose, scale_inv = cast_to_fp8_rowwise(w, fmt.fp8_dtype, rowwise=False,
-                                                         columnwise=True)
+    if not fmt.per_tensor:  # the copy scaled per block of its own layout
+        _, _, transpose, scale_inv = fmt.scaling.cast(w, fmt.fp8_dtype, False, True)
         return transpose, scale_inv
     transpose, scale_inv = cast_to_fp8_any(w, fmt.fp8_dtype, True, args.weight_amax,
                                            rowwise=False)

@@ -108,6 +108,14 @@ def cast_to_fp8_rowwise(x: torch.Tensor, fp8_dtype: torch.dtype, rowwise: bool =
                          f"{fp8_dtype}")
     if not (rowwise or columnwise):
         raise ValueError("cast_to_fp8_rowwise: asked for neither the data nor its transpose")
+    if not plain_eager(x):  # traced: the op (its fake gives the shapes, no kernel launch)
+        flat = list(cast_to_fp8_rowwise_op(x, fp8_dtype, rowwise, columnwise))
+        return (flat[:2] if rowwise else [None, None]) + (flat[-2:] if columnwise
+                                                          else [None, None])
+    return _cast_rowwise(x, fp8_dtype, rowwise, columnwise)
+
+
+def _cast_rowwise(x, fp8_dtype, rowwise, columnwise) -> list:
     x2 = x.reshape(math.prod(x.shape[:-1]), x.shape[-1])
     out = [None] * 4
     if rowwise:
@@ -128,8 +136,33 @@ def _cast_rows(x2: torch.Tensor, fp8_dtype: torch.dtype) -> tuple:
 
 
 def dequantize_fp8(data: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``data * scale_inv`` in ``dtype``."""
-    return (data.float() * scale_inv).to(dtype).contiguous()
+    """``data * scale_inv`` in ``dtype``, each scale over its block (:func:`expand_scales`)."""
+    return (data.float() * expand_scales(scale_inv.float(), data.shape)).to(dtype).contiguous()
+
+
+def scale_blocks(scale_shape, shape) -> tuple:
+    """The block one scale covers along each dimension of a tensor of ``shape`` with scales
+    of ``scale_shape`` (as many dimensions, or none: one scale): the whole dimension
+    where there is one scale, else the power of two that tiles it into that many blocks
+    (blocks are powers of two, the last one possibly partial, so the shapes say which)."""
+    if len(scale_shape) == 0:
+        return tuple(shape)
+    if len(scale_shape) != len(shape):
+        raise ValueError(f"scales of shape {tuple(scale_shape)} do not block a tensor of "
+                         f"shape {tuple(shape)}")
+    return tuple(n if s == 1 else 1 << max(0, -(-n // s) - 1).bit_length()
+                 for s, n in zip(scale_shape, shape))
+
+
+def expand_scales(scale_inv: torch.Tensor, shape) -> torch.Tensor:
+    """``scale_inv`` repeated over its blocks so that it broadcasts against ``shape``."""
+    if scale_inv.dim() == 0:
+        return scale_inv
+    for dim, (s, n) in enumerate(zip(scale_inv.shape, shape)):
+        if s not in (1, n):
+            block = scale_blocks(scale_inv.shape, shape)[dim]
+            scale_inv = scale_inv.repeat_interleave(block, dim).narrow(dim, 0, n)
+    return scale_inv
 
 
 def cast_to_fp8_any(x: torch.Tensor, fp8_dtype: torch.dtype, columnwise: bool,
@@ -155,6 +188,11 @@ _LIB = torch.library.Library("fusible", "FRAGMENT")
 _LIB.define("cast_to_fp8(Tensor x, ScalarType fp8_dtype, bool columnwise, Tensor? amax=None, "
             "bool rowwise=True) -> Tensor[]")
 _LIB.define("dequantize(Tensor data, Tensor scale_inv, ScalarType dtype) -> Tensor")
+_LIB.define("cast_to_fp8_rowwise(Tensor x, ScalarType fp8_dtype, bool rowwise, bool columnwise) "
+            "-> Tensor[]")
+_LIB.impl("cast_to_fp8_rowwise",
+          lambda *args: [t for t in _cast_rowwise(*args) if t is not None],
+          "CompositeExplicitAutograd")
 _LIB.impl("cast_to_fp8", fp8_cast.fresh_zeros_inside(lambda *args: cast_to_fp8(*args)),
           "CompositeExplicitAutograd")
 _LIB.impl("dequantize", lambda *args: dequantize_fp8(*args), "CompositeExplicitAutograd")
@@ -172,6 +210,19 @@ def _(x, fp8_dtype, columnwise, amax=None, rowwise=True):
     return [x.new_empty(x.shape, dtype=fp8_dtype), scale_inv, transpose]
 
 
+@torch.library.register_fake("fusible::cast_to_fp8_rowwise", lib=_LIB)
+def _(x, fp8_dtype, rowwise, columnwise):
+    rows, cols = math.prod(x.shape[:-1]), x.shape[-1]
+    out = []
+    if rowwise:
+        out += [x.new_empty(x.shape, dtype=fp8_dtype),
+                x.new_empty((rows, 1), dtype=torch.float32)]
+    if columnwise:
+        out += [x.new_empty((cols, rows), dtype=fp8_dtype),
+                x.new_empty((cols, 1), dtype=torch.float32)]
+    return out
+
+
 @torch.library.register_fake("fusible::dequantize", lib=_LIB)
 def _(data, scale_inv, dtype):
     return data.new_empty(data.shape, dtype=dtype)
@@ -179,3 +230,4 @@ def _(data, scale_inv, dtype):
 
 cast_to_fp8_op = torch.ops.fusible.cast_to_fp8.default
 dequantize_op = torch.ops.fusible.dequantize.default
+cast_to_fp8_rowwise_op = torch.ops.fusible.cast_to_fp8_rowwise.default

@@ -8,6 +8,8 @@ import torch
 import torch.utils._pytree as pytree
 
 from fusible.quantization import cast
+from fusible.quantization.gemm import scaled_gemm, whole_contraction
+from fusible.quantization.scaling import Scaling, scaling_named, scaling_of
 
 aten = torch.ops.aten
 
@@ -169,7 +171,8 @@ def _quantize_into(t: "Float8Tensor", values: torch.Tensor) -> None:
     if t.per_tensor:
         parts = cast.cast_to_fp8_any(values.contiguous(), t.fp8_dtype, t._transpose is not None)
     else:
-        q = quantize_rowwise(values, t.fp8_dtype, t._transpose is not None)
+        q = quantize_scaled(values, scaling_of(t._data, t._scale_inv), t.fp8_dtype,
+                            t._transpose is not None)
         parts = [q._data, q._scale_inv, q._transpose, q._transpose_scale_inv]
     t._data.copy_(parts[0].view(t._data.shape))
     t._scale_inv.copy_(parts[1].view(t._scale_inv.shape))
@@ -210,9 +213,13 @@ def transposed_only(transpose: torch.Tensor, scale_inv: torch.Tensor, dtype: tor
     ``shape``, default 2-D): what the backward GEMMs read of a saved input or weight, at
     half the memory."""
     data = transpose.t()
-    if scale_inv.dim():  # the copy's per-row scales: per column of the data
-        return Float8Tensor(data if shape is None else data.view(shape), scale_inv.t(), dtype,
-                            transpose, transpose_scale_inv=scale_inv)
+    if scale_inv.dim():  # the copy's own scales: seen transposed, the data's
+        if shape is not None and len(shape) != 2 and tuple(scale_inv.shape) != (data.shape[1], 1):
+            raise NotImplementedError(f"a {len(shape)}-D FP8 tensor held by a transposed copy "
+                                      f"with block scales {tuple(scale_inv.shape)}")
+        return Float8Tensor(data if shape is None else data.view(shape),
+                            _scale_view(scale_inv.t(), shape), dtype, transpose,
+                            transpose_scale_inv=scale_inv)
     return Float8Tensor(data if shape is None else data.view(shape), scale_inv, dtype, transpose)
 
 
@@ -228,15 +235,30 @@ def quantize_raw(x: torch.Tensor, fp8_dtype: torch.dtype, columnwise: bool = Fal
     return Float8Tensor(out[0], out[1], dtype or x.dtype, out[2] if columnwise else None)
 
 
+def quantize_scaled(x: torch.Tensor, scaling: Scaling, fp8_dtype: torch.dtype,
+                    columnwise: bool = False, dtype: Optional[torch.dtype] = None) -> Float8Tensor:
+    """``x`` (..., features) quantized with ``scaling`` (seen as (tokens, features));
+    ``columnwise``: with the (features, tokens) copy scaled per block of its own layout.
+    Row scales keep ``x``'s leading dimensions (``(..., rows, 1)``)."""
+    x2 = x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x
+    data, scale_inv, transpose, t_scale_inv = scaling.cast(x2, fp8_dtype, True, columnwise)
+    if x.dim() != 2 and scale_inv.dim():
+        if tuple(scale_inv.shape) != (x2.shape[0], 1):
+            raise NotImplementedError(f"{scaling.name} FP8 scaling of a {x.dim()}-D tensor: "
+                                      f"quantize it as (tokens, features)")
+        scale_inv = scale_inv.view(*x.shape[:-1], 1)
+    if t_scale_inv is not None and transpose is not None and t_scale_inv.dim() == 0:
+        t_scale_inv = None  # the per-tensor copy shares the data's scale
+    return Float8Tensor(data.view(x.shape), scale_inv, dtype or x.dtype, transpose,
+                        transpose_scale_inv=t_scale_inv)
+
+
 def quantize_rowwise(x: torch.Tensor, fp8_dtype: torch.dtype, columnwise: bool = False,
                      dtype: Optional[torch.dtype] = None) -> Float8Tensor:
     """``x`` (..., features) quantized with one scale per row (``scale_inv`` of shape
     ``x.shape[:-1] + (1,)``); ``columnwise``: with the (features, tokens) copy scaled per
     row of its own layout (``cast.cast_to_fp8_rowwise``)."""
-    data, scale_inv, transpose, t_scale_inv = cast.cast_to_fp8_rowwise(x, fp8_dtype, True,
-                                                                       columnwise)
-    return Float8Tensor(data, scale_inv.view(*x.shape[:-1], 1), dtype or x.dtype, transpose,
-                        transpose_scale_inv=t_scale_inv)
+    return quantize_scaled(x, scaling_named("rowwise"), fp8_dtype, columnwise, dtype)
 
 
 def requantize(t: Float8Tensor, fp8_dtype: torch.dtype, columnwise: bool) -> Float8Tensor:
@@ -246,7 +268,8 @@ def requantize(t: Float8Tensor, fp8_dtype: torch.dtype, columnwise: bool) -> Flo
     if t.fp8_dtype == fp8_dtype and not columnwise:
         return Float8Tensor(t._data, t._scale_inv, t.dtype)
     if not t.per_tensor:
-        return quantize_rowwise(t._dequantize_raw(), fp8_dtype, columnwise, t.dtype)
+        return quantize_scaled(t._dequantize_raw(), scaling_of(t._data, t._scale_inv),
+                               fp8_dtype, columnwise, t.dtype)
     return quantize_raw(t._dequantize_raw(), fp8_dtype, columnwise, t.dtype)
 
 
@@ -277,16 +300,35 @@ def _view(t, shape, *args):
     data = t._data.view(shape)
     same_rows = data.shape[-1] == t._data.shape[-1]
     scale_inv = t._scale_inv
-    if scale_inv.dim():  # row or column scales follow the rows; a new row length: dequantize
+    if scale_inv.dim():  # scales follow their rows' blocks; anything else dequantizes
         if not same_rows or data.dim() < 1:
             return NotImplemented
-        rows = scale_inv.shape[-1] == 1
-        scale_inv = scale_inv.reshape(*data.shape[:-1], 1) if rows else \
-            scale_inv.reshape(*([1] * (data.dim() - 1)), data.shape[-1])
+        scale_inv = _reshaped_scales(t, data.shape)
+        if scale_inv is None:
+            return NotImplemented
     keep = t._transpose is not None and same_rows
     return _marked_view(Float8Tensor(data, scale_inv, t.dtype, t._transpose if keep else None,
                                      transpose_scale_inv=t._transpose_scale_inv if keep
                                      else None))
+
+
+def _reshaped_scales(t, shape):
+    """``t``'s scales for its data viewed as ``shape`` (the same last dimension): scales
+    per row (or per tiles of a row) regroup with the rows; scales per column keep their
+    columns; None for blocks of several rows."""
+    scale_inv, old = t._scale_inv, t._data.shape
+    if tuple(scale_inv.shape[:-1]) == tuple(old[:-1]):
+        return scale_inv.reshape(*shape[:-1], scale_inv.shape[-1])
+    if all(s == 1 for s in scale_inv.shape[:-1]) and scale_inv.shape[-1] == old[-1]:
+        return scale_inv.reshape(*([1] * (len(shape) - 1)), shape[-1])
+    return None
+
+
+def _scale_view(scale_inv, shape):
+    """Per-column scales ``(1, cols)`` for data viewed as ``shape``."""
+    if shape is None or len(shape) == 2 or scale_inv.dim() == 0:
+        return scale_inv
+    return scale_inv.reshape(*([1] * (len(shape) - 1)), shape[-1])
 
 
 def _t(t):
@@ -320,43 +362,36 @@ def _subset(fn):
 
 
 def scaled_mm(a: Float8Tensor, b: Float8Tensor, bias=None, out_dtype=None) -> torch.Tensor:
-    """``a @ b (+ bias)`` with ``torch._scaled_mm`` (``a`` read row-major, ``b``
-    column-major): one scale each, or one per row of ``a`` and one per column of ``b``
-    (row-wise scaling), each operand in whichever of its layouts has those
-    (:func:`gemm_operands`)."""
+    """``a @ b (+ bias)`` in FP8 (``a`` read row-major, ``b`` column-major): one scale
+    each, one per row of ``a`` and per column of ``b`` (row-wise scaling), or scales per
+    block (:func:`fusible.quantization.gemm.scaled_gemm`), each operand in whichever of
+    its layouts has those (:func:`gemm_operands`)."""
     operands = gemm_operands(a, b)
     if operands is None:
         raise ValueError(f"scaled_mm: no layout of a ({tuple(a.shape)}, scales "
                          f"{tuple(a._scale_inv.shape)}) and b ({tuple(b.shape)}, scales "
-                         f"{tuple(b._scale_inv.shape)}) has one scale each or one per row of "
-                         f"a and per column of b")
+                         f"{tuple(b._scale_inv.shape)}) has one scale each, one per row of "
+                         f"a and per column of b, or scales per block")
     (a_data, scale_a), (b_data, scale_b) = operands
-    a_data = a_data if a_data.is_contiguous() else a_data.contiguous()
-    b_data = b_data if b_data.t().is_contiguous() else b_data.t().contiguous().t()
-    return torch._scaled_mm(a_data, b_data, scale_a=scale_a, scale_b=scale_b,
-                            bias=bias, out_dtype=out_dtype or a.dtype)
+    return scaled_gemm(a_data, scale_a, b_data, scale_b, bias, out_dtype or a.dtype)
 
 
 def gemm_operands(a: Float8Tensor, b: Float8Tensor):
-    """``((a data, scale_a), (b data, scale_b))`` for ``torch._scaled_mm``: each operand's
-    data or its transposed copy (seen transposed), whichever is scaled per tensor or (``a``)
-    per row / (``b``) per column, the scales as :func:`scaled_mm_scales` gives them; None if
-    neither is (a scale along the contraction: the product is dequantized instead)."""
+    """``((a data, scale_a), (b data, scale_b))`` for :func:`scaled_gemm`: each operand's
+    data or its transposed copy (seen transposed), whichever is scaled per tensor or
+    (``a``) per row / (``b``) per column; else, for scales per block along the
+    contraction, the data as it is; None otherwise (a scale per element of the
+    contraction: the product is dequantized instead)."""
     m, n = a.shape[0], b.shape[1]
     a_side, b_side = _layout_scaled(a, (m, 1)), _layout_scaled(b, (1, n))
-    if a_side is None or b_side is None:
+    if a_side is not None and b_side is not None:
+        return a_side, b_side
+    a_side, b_side = (a._data, a._scale_inv), (b._data, b._scale_inv)
+    if a._data.dim() != 2 or b._data.dim() != 2 or whole_contraction(a_side[1], b_side[1], m, n):
         return None
-    scale_a, scale_b = scaled_mm_scales(a_side[1], b_side[1], m, n)
-    return (a_side[0], scale_a), (b_side[0], scale_b)
-
-
-def scaled_mm_scales(scale_a: torch.Tensor, scale_b: torch.Tensor, m: int, n: int) -> tuple:
-    """The scales ``torch._scaled_mm`` takes for an ``(m, k) @ (k, n)`` product: both 0-d,
-    or one per row of ``a`` ``(m, 1)`` and one per column of ``b`` ``(1, n)``, a 0-d one
-    expanded to match."""
-    if scale_a.dim() == 0 and scale_b.dim() == 0:
-        return scale_a, scale_b
-    return scale_a.expand(m, 1).contiguous(), scale_b.expand(1, n).contiguous()
+    blocks_a = cast.scale_blocks(a_side[1].shape, a_side[0].shape)
+    blocks_b = cast.scale_blocks(b_side[1].shape, b_side[0].shape)
+    return (a_side, b_side) if blocks_a[1] > 1 and blocks_b[0] > 1 else None
 
 
 def _layout_scaled(t: Float8Tensor, shape: tuple):

@@ -16,9 +16,8 @@ import torch
 from fusible.core.schema import SchemaType, register_schema_type
 from fusible.kernels.fp8_cast import transposed_copy
 from fusible.quantization.cast import FP8_MAX
-from fusible.quantization.float8_tensor import Float8Tensor, quantize_raw, quantize_rowwise
-
-GRANULARITIES = ("tensorwise", "rowwise")
+from fusible.quantization.float8_tensor import Float8Tensor, quantize_raw, quantize_scaled
+from fusible.quantization.scaling import Scaling, registered_scalings, scaling_named
 
 
 @attrs.frozen
@@ -33,8 +32,9 @@ class Float8Format:
         Also keep the transposed (features, tokens) copy that a GEMM on the other
         operand side needs (wgrad reads the input's and the gradient's).
     granularity : str
-        What one scale covers: ``"tensorwise"`` (the whole tensor) or ``"rowwise"`` (one
-        row; the transposed copy scaled per row of its own layout); current scaling.
+        What one scale covers: the name of a registered
+        :class:`~fusible.quantization.scaling.Scaling` (``"tensorwise"``, ``"rowwise"``,
+        ``"blockwise_1x128"``, ``"blockwise_128x128"``, ``"mx_1x32"``, or a plugin's).
     """
 
     fp8_dtype: torch.dtype = attrs.field()
@@ -49,9 +49,19 @@ class Float8Format:
 
     @granularity.validator
     def _check_granularity(self, attribute, value):
-        if value not in GRANULARITIES:
-            raise ValueError(f"Float8Format: granularity must be one of {GRANULARITIES}, "
-                             f"got {value!r}")
+        if value not in registered_scalings():
+            raise ValueError(f"Float8Format: granularity must be a registered scaling "
+                             f"({', '.join(registered_scalings())}), got {value!r}")
+
+    @property
+    def scaling(self) -> Scaling:
+        """The registered scaling this format's granularity names."""
+        return scaling_named(self.granularity)
+
+    @property
+    def per_tensor(self) -> bool:
+        """Whether one scale covers the whole tensor."""
+        return self.granularity == "tensorwise"
 
     def cast_args(self) -> tuple:
         """``(fp8_dtype, its largest value, columnwise)``: what the fused cast kernels take."""
@@ -66,13 +76,15 @@ class Float8Format:
         """Whether the producers' fused casts (norms, activations: one scale per tensor)
         write this format; otherwise they hand over high precision and the cast follows
         them in their stage."""
-        return self.granularity == "tensorwise"
+        return self.scaling.kernel_cast
 
     def matches(self, t) -> bool:
         """Whether the Float8Tensor ``t`` is of this FP8 dtype and scaling (its
         transposed copy aside)."""
         return (isinstance(t, Float8Tensor) and t.fp8_dtype == self.fp8_dtype
-                and t.per_tensor == (self.granularity == "tensorwise"))
+                and self.scaling.describes(t._data if t._data.dim() == 2 or self.per_tensor
+                                           else t._data.reshape(-1, t.shape[-1]),
+                                           _scales_2d(t)))
 
 
 def to_format(t, fmt: Optional[Float8Format]):
@@ -84,11 +96,11 @@ def to_format(t, fmt: Optional[Float8Format]):
     """
     if fmt is None:
         return t
-    if fmt.granularity == "rowwise":
+    if not fmt.per_tensor:
         if fmt.matches(t) and (t._transpose is not None or not fmt.columnwise):
             return t
         values = t._dequantize_raw() if isinstance(t, Float8Tensor) else t
-        return quantize_rowwise(values, fmt.fp8_dtype, fmt.columnwise, values.dtype)
+        return quantize_scaled(values, fmt.scaling, fmt.fp8_dtype, fmt.columnwise, values.dtype)
     if not isinstance(t, Float8Tensor):
         return quantize_raw(t, fmt.fp8_dtype, fmt.columnwise)
     if not fmt.matches(t):
@@ -96,6 +108,15 @@ def to_format(t, fmt: Optional[Float8Format]):
     if fmt.columnwise and t._transpose is None:
         return Float8Tensor(t._data, t._scale_inv, t.dtype, transposed_copy(t._data))
     return t
+
+
+def _scales_2d(t: Float8Tensor):
+    """``t``'s scales as for its data seen as (tokens, features): row scales of leading
+    dimensions flattened."""
+    scale_inv = t._scale_inv
+    if scale_inv.dim() > 2 and scale_inv.shape[-1] == 1:
+        return scale_inv.reshape(-1, 1)
+    return scale_inv
 
 
 def _flatten(fmt: Optional[Float8Format]) -> list:

@@ -28,9 +28,11 @@ def _check_fp8_format(recipe, attribute, value) -> None:
 @attrs.frozen
 class _CurrentScaling(Recipe):
     """Current scaling (each tensor cast by its own amax when it is cast) at the
-    ``granularity`` of the subclass, E4M3 forward and ``fp8_format``'s gradients."""
+    ``granularity`` of the subclass (``weight_granularity`` for weights, if set), E4M3
+    forward and ``fp8_format``'s gradients."""
 
     granularity: ClassVar[str] = ""
+    weight_granularity: ClassVar[str] = ""
     fp8_format: str = attrs.field(default="hybrid", validator=_check_fp8_format)
 
     @property
@@ -49,7 +51,8 @@ class _CurrentScaling(Recipe):
 
     def weight_format(self, columnwise: bool = False) -> Float8Format:
         """The format of a GEMM's weight."""
-        return Float8Format(self.forward_dtype, columnwise, self.granularity)
+        return Float8Format(self.forward_dtype, columnwise,
+                            self.weight_granularity or self.granularity)
 
     def grad_format(self, columnwise: bool = False) -> Float8Format:
         """The format of a gradient a GEMM reads (dgrad and wgrad's ``dy``)."""

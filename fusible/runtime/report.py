@@ -26,8 +26,10 @@ class OpCall:
     provenance : str
         The stage it runs: fusion or op name, pipeline indices, the basic ops.
     gemm : str
-        ``"fp8"`` or ``"high precision"`` for a stage with a linear layer's GEMMs (read
-        from the formats in its GEMM records), else ``""``.
+        ``"fp8 <granularity>"`` (``"fp8 tensorwise"``, ...; ``" (emulated)"`` added where
+        the device has no native GEMM for that scaling) or ``"high precision"`` for a
+        stage with a linear layer's GEMMs (read from the formats in its GEMM records),
+        else ``""``.
     """
 
     op: str
@@ -77,7 +79,7 @@ class CompileReport:
         lines += [f"  graph break: {reason}" for reason in self.graph_breaks]
         for g in self.graphs:
             lines.append(f"  {g.kind} graph (frame {g.frame}): {len(g.fusible_ops)} fusible op(s)")
-            lines += [f"    {c.op:<42} {(c.gemm + ' GEMM') if c.gemm else '':<20} {c.provenance}"
+            lines += [f"    {c.op:<42} {(c.gemm + ' GEMM') if c.gemm else '':<36} {c.provenance}"
                       for c in g.fusible_ops]
             if g.other_ops:
                 other = collections.Counter(g.other_ops)
@@ -100,36 +102,53 @@ def _graph_report(kind: str, frame: str, gm: torch.fx.GraphModule) -> GraphRepor
             # an op that is no stage (an FP8 cast between stages) has no provenance
             fusible.append(OpCall("fusible::" + name.split(".")[1],
                                   str(values[-1]) if values else "",
-                                  _gemm_precision(op, values)))
+                                  _gemm_precision(op, values, _device_of(node))))
         elif name not in _IGNORED:
             other.append(name)
     return GraphReport(kind, frame, tuple(fusible), tuple(other))
 
 
-def _gemm_precision(op, values) -> str:
+def _device_of(node):
+    """The device of the first tensor argument of an FX node (its fake value), or None."""
+    for arg in node.all_input_nodes:
+        val = arg.meta.get("val")
+        if isinstance(val, torch.Tensor):
+            return val.device
+    return None
+
+
+def _gemm_precision(op, values, device=None) -> str:
     """From a stage op's values: its GEMMs' precision, read from the formats of the
     linear-layer GEMM records among its args (found by type; only the formats, which are
-    constants in the graph, are read)."""
+    constants in the graph, are read): ``"fp8 <granularity>"``, ``" (emulated)"`` where
+    ``device`` has no native GEMM for it."""
     if op is None:
         return ""
-    return " + ".join(sorted(set(_gemm_precisions(op.args_type, op.fields, values))))
+    return " + ".join(sorted(set(_gemm_precisions(op.args_type, op.fields, values, device))))
 
 
 _GEMM_FORMATS = {GemmForwardArgs: "input_format", GemmBackwardArgs: "grad_format"}
 
 
-def _gemm_precisions(record_type, fields, flat) -> list:
-    """``"fp8"`` or ``"high precision"`` per GEMM record in ``record_type``'s flat args."""
+def _gemm_precisions(record_type, fields, flat, device=None) -> list:
+    """``"fp8 <granularity>"`` or ``"high precision"`` per GEMM record in
+    ``record_type``'s flat args."""
     out, pos = [], 0
     for name, st in fields:
         n = len(st.parts)
         if name == _GEMM_FORMATS.get(record_type):
-            out.append("high precision" if st.unflatten(flat[pos:pos + n]) is None else "fp8")
+            fmt = st.unflatten(flat[pos:pos + n])
+            out.append("high precision" if fmt is None else _fp8_precision(fmt, device))
         elif st.record_type is not None:
             out += _gemm_precisions(st.record_type, record_fields(st.record_type),
-                                    flat[pos:pos + n])
+                                    flat[pos:pos + n], device)
         pos += n
     return out
+
+
+def _fp8_precision(fmt, device) -> str:
+    emulated = device is not None and fmt.scaling.emulated_on(device)
+    return f"fp8 {fmt.granularity}" + (" (emulated)" if emulated else "")
 
 
 def compile_report(fn, *args, **kwargs) -> CompileReport:

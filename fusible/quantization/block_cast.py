@@ -1,0 +1,150 @@
+"""FP8 casts with one scale per block of a 2-D tensor: ``1 x G`` tiles along the rows
+(DeepSeek-V3's 1x128 activations, MXFP8's 1x32) or ``G x G`` blocks (its 128x128
+weights), each block scaled by its own absolute maximum (current scaling) or by the
+power of two at or above it (MX: E8M0 scales).
+
+A block's scale follows :func:`fusible.quantization.cast.scale_from_amax`'s rules; a
+power-of-two one is ``2^ceil(log2(amax / FP8_MAX))`` (the OCP MX scale rounded up, so
+that no value saturates), 1 for an all-zero block, NaN where the block holds a NaN or
+an inf. Ragged edges are partial blocks. On CUDA one Triton kernel writes the data and
+the transposed copy from one read of ``x`` (:mod:`fusible.kernels.fp8_blocks`);
+elsewhere PyTorch ops with the same arithmetic, the same bits. Under tracing the cast
+is the custom op ``fusible::cast_to_fp8_blocks``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from fusible.kernels import fp8_blocks, fp8_cast, plain_eager
+from fusible.quantization.cast import FP8_MAX, scale_from_amax
+
+E8M0 = torch.float8_e8m0fnu
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def power2_scale_inv(amax: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
+    """``2^ceil(log2(amax / FP8_MAX))`` in float32, from the bits of the quotient (exact,
+    as the kernel computes it): 1 for 0, ``2^-127`` at least, NaN for a NaN or inf amax."""
+    v = amax.float() / amax.new_full((), FP8_MAX[fp8_dtype], dtype=torch.float32)
+    bits = v.view(torch.int32)
+    biased = (bits >> 23) & 0xFF
+    e = biased - 127 + ((bits & 0x7FFFFF) != 0).to(torch.int32)
+    e = torch.where(biased == 0, torch.full_like(e, -127), e).clamp(-127, 127)
+    scale_inv = torch.ldexp(torch.ones_like(v), e)
+    scale_inv = torch.where(amax == 0, torch.ones_like(v), scale_inv)
+    return torch.where(torch.isfinite(amax), scale_inv, torch.full_like(v, float("nan")))
+
+
+def block_scales(amax: torch.Tensor, fp8_dtype: torch.dtype, power2: bool) -> tuple:
+    """``(scale, scale_inv)`` of blocks with absolute maxima ``amax`` (float32)."""
+    if power2:
+        scale_inv = power2_scale_inv(amax, fp8_dtype)
+        return torch.ones_like(scale_inv) / scale_inv, scale_inv
+    scale = scale_from_amax(amax, fp8_dtype)
+    return scale, torch.ones_like(scale) / scale
+
+
+def cast_blocks_torch(x2: torch.Tensor, fp8_dtype: torch.dtype, block: tuple,
+                      power2: bool = False) -> tuple:
+    """``(data, scale_inv)``: the 2-D ``x2`` (R, C) cast with one scale per ``block``
+    ``(rows, cols)``; ``scale_inv`` (ceil(R / rows), ceil(C / cols)), float32 (E8M0 with
+    ``power2``)."""
+    rows, cols = x2.shape
+    br, bc = block
+    nr, nc = _cdiv(rows, br), _cdiv(cols, bc)
+    xf = F.pad(x2.float(), (0, nc * bc - cols, 0, nr * br - rows))
+    tiles = xf.view(nr, br, nc, bc)
+    if tiles.numel():
+        amax = tiles.abs().amax(dim=(1, 3))
+    else:
+        amax = xf.new_zeros((nr, nc))
+    scale, scale_inv = block_scales(amax, fp8_dtype, power2)
+    limit = FP8_MAX[fp8_dtype]
+    data = (tiles * scale[:, None, :, None]).clamp_(-limit, limit).to(fp8_dtype)
+    data = data.view(nr * br, nc * bc)[:rows, :cols].contiguous()
+    return data, scale_inv.to(E8M0) if power2 else scale_inv
+
+
+def cast_to_fp8_blocks(x2: torch.Tensor, fp8_dtype: torch.dtype, group: int, square: bool,
+                       power2: bool, rowwise: bool = True, columnwise: bool = False) -> list:
+    """``[data, scale_inv, transpose, transpose_scale_inv]`` of the 2-D ``x2`` (R, C), None
+    where not asked for.
+
+    ``square``: ``group x group`` blocks; the transposed copy is the data transposed, its
+    scales the same transposed. Otherwise ``1 x group`` tiles along the rows; the
+    transposed (C, R) copy tiled along its own rows (``group`` rows of ``x2``), as a GEMM
+    contracting over the rows needs.
+    """
+    if fp8_dtype not in FP8_MAX:
+        raise ValueError(f"cast_to_fp8_blocks: fp8_dtype must be one of {list(FP8_MAX)}, got "
+                         f"{fp8_dtype}")
+    if not (rowwise or columnwise):
+        raise ValueError("cast_to_fp8_blocks: asked for neither the data nor its transpose")
+    if x2.dim() != 2:
+        raise ValueError(f"cast_to_fp8_blocks: takes a 2-D tensor, got shape {tuple(x2.shape)}")
+    if not plain_eager(x2):
+        out = cast_to_fp8_blocks_op(x2, fp8_dtype, group, square, power2, rowwise, columnwise)
+        return _unpack(out, rowwise, columnwise)
+    return _cast(x2, fp8_dtype, group, square, power2, rowwise, columnwise)
+
+
+def _cast(x2, fp8_dtype, group, square, power2, rowwise, columnwise) -> list:
+    if x2.is_cuda and fp8_cast.triton is not None and x2.numel():
+        return fp8_blocks.cast_blocks_triton(x2, fp8_dtype, FP8_MAX[fp8_dtype], group, square,
+                                             power2, rowwise, columnwise)
+    return _cast_torch(x2, fp8_dtype, group, square, power2, rowwise, columnwise)
+
+
+def _cast_torch(x2, fp8_dtype, group, square, power2, rowwise, columnwise) -> list:
+    out = [None] * 4
+    block = (group, group) if square else (1, group)
+    if rowwise or square:
+        out[0], out[1] = cast_blocks_torch(x2, fp8_dtype, block, power2)
+    if columnwise and square:
+        out[2], out[3] = fp8_cast.transposed_copy(out[0]), out[1].t().contiguous()
+    elif columnwise:
+        out[2], out[3] = cast_blocks_torch(x2.t(), fp8_dtype, block, power2)
+    if not rowwise:
+        out[0] = out[1] = None
+    return out
+
+
+def _pack(out: list) -> list:
+    return [t for t in out if t is not None]
+
+
+def _unpack(flat: list, rowwise: bool, columnwise: bool) -> list:
+    flat = list(flat)
+    return ((flat[:2] if rowwise else [None, None])
+            + (flat[-2:] if columnwise else [None, None]))
+
+
+_LIB = torch.library.Library("fusible", "FRAGMENT")
+_LIB.define("cast_to_fp8_blocks(Tensor x, ScalarType fp8_dtype, int group, bool square, "
+            "bool power2, bool rowwise, bool columnwise) -> Tensor[]")
+_LIB.impl("cast_to_fp8_blocks",
+          lambda x, *args: _pack(_cast(x.contiguous(), *args)), "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("fusible::cast_to_fp8_blocks", lib=_LIB)
+def _(x, fp8_dtype, group, square, power2, rowwise, columnwise):
+    rows, cols = x.shape
+    nr = _cdiv(rows, group) if square else rows
+    scale_dtype = E8M0 if power2 else torch.float32
+    out = []
+    if rowwise:
+        out += [x.new_empty((rows, cols), dtype=fp8_dtype),
+                x.new_empty((nr, _cdiv(cols, group)), dtype=scale_dtype)]
+    if columnwise:
+        t_rows = _cdiv(cols, group) if square else cols
+        out += [x.new_empty((cols, rows), dtype=fp8_dtype),
+                x.new_empty((t_rows, _cdiv(rows, group)), dtype=scale_dtype)]
+    return out
+
+
+cast_to_fp8_blocks_op = torch.ops.fusible.cast_to_fp8_blocks.default

@@ -1,0 +1,177 @@
+"""Scalings: what one FP8 scale covers, the plugin point behind a format's ``granularity``.
+
+A :class:`Scaling` casts a 2-D (rows, features) tensor into FP8 data with its scales
+and, where a GEMM contracting over the rows needs it, the transposed copy with the
+copy's own scales; it says whether the producers' fused casts write it
+(``kernel_cast``: per-tensor scales only) and whether the GEMMs it feeds run natively
+on a device or emulated. Scales are stored so that the shapes say which block each
+covers (:func:`fusible.quantization.cast.scale_blocks`): a Float8Tensor dequantizes,
+views and transposes whatever its scaling. A recipe picks scalings by name in its
+formats; a new one registers with :func:`register_scaling`.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import ClassVar
+
+import attrs
+import torch
+
+from fusible.quantization import block_cast, cast
+
+_scalings: dict = {}  # name -> Scaling
+
+
+@attrs.frozen
+class Scaling:
+    """Base of scalings (a subclass registers an instance with :func:`register_scaling`).
+
+    Attributes
+    ----------
+    name : str
+        The registry's name, what ``Float8Format.granularity`` holds.
+    kernel_cast : bool
+        Whether the norm and activation kernels' fused casts (one scale per tensor)
+        write this scaling; otherwise those stages hand over high precision and the
+        cast follows them in the same stage.
+    """
+
+    name: ClassVar[str] = ""
+    kernel_cast: ClassVar[bool] = False
+
+    def cast(self, x2: torch.Tensor, fp8_dtype: torch.dtype, rowwise: bool = True,
+             columnwise: bool = False) -> list:
+        """``[data, scale_inv, transpose, transpose_scale_inv]`` of the 2-D ``x2``, None
+        where not asked for; ``transpose`` is the row-major (features, rows) copy."""
+        raise NotImplementedError(f"{type(self).__name__}.cast")
+
+    def describes(self, data: torch.Tensor, scale_inv: torch.Tensor) -> bool:
+        """Whether ``scale_inv`` has the shape (and dtype) this scaling gives ``data``."""
+        raise NotImplementedError(f"{type(self).__name__}.describes")
+
+    def emulated_on(self, device: torch.device) -> bool:
+        """Whether the GEMMs of this scaling run emulated on ``device`` (dequantized
+        operands, a float32 GEMM) for want of a native kernel."""
+        return False
+
+
+def register_scaling(scaling: Scaling) -> Scaling:
+    """Make ``scaling`` (an instance of a :class:`Scaling` subclass) a granularity that
+    formats may name. Raises ValueError if another scaling holds its name."""
+    if not (isinstance(scaling, Scaling) and scaling.name):
+        raise TypeError(f"register_scaling: takes an instance of a named Scaling subclass, "
+                        f"got {scaling!r}")
+    known = _scalings.get(scaling.name)
+    if known is not None and known != scaling:
+        raise ValueError(f"register_scaling: the name {scaling.name!r} is taken by {known!r}")
+    _scalings[scaling.name] = scaling
+    return scaling
+
+
+def scaling_named(name: str) -> Scaling:
+    """The registered scaling ``name``; ValueError listing the known ones otherwise."""
+    found = _scalings.get(name)
+    if found is None:
+        raise ValueError(f"no FP8 scaling named {name!r}; known: {', '.join(_scalings)}")
+    return found
+
+
+def registered_scalings() -> dict:
+    """``{name: Scaling}``, in registration order."""
+    return dict(_scalings)
+
+
+def scaling_of(data: torch.Tensor, scale_inv: torch.Tensor) -> Scaling:
+    """The first registered scaling that describes these scales (ValueError if none)."""
+    found = next((s for s in _scalings.values() if s.describes(data, scale_inv)), None)
+    if found is None:
+        raise ValueError(f"no registered FP8 scaling gives data of shape {tuple(data.shape)} "
+                         f"scales of shape {tuple(scale_inv.shape)} ({scale_inv.dtype})")
+    return found
+
+
+def _rows(data: torch.Tensor) -> int:
+    return math.prod(data.shape[:-1])
+
+
+@attrs.frozen
+class TensorScaling(Scaling):
+    """One scale per tensor (and its transposed copy)."""
+
+    name: ClassVar[str] = "tensorwise"
+    kernel_cast: ClassVar[bool] = True
+
+    def cast(self, x2, fp8_dtype, rowwise=True, columnwise=False):
+        out = cast.cast_to_fp8_any(x2, fp8_dtype, columnwise, rowwise=rowwise)
+        if not rowwise:
+            return [None, None, out[0], out[1]]
+        return [out[0], out[1], out[2] if columnwise else None, None]
+
+    def describes(self, data, scale_inv):
+        return scale_inv.dim() == 0
+
+
+@attrs.frozen
+class RowScaling(Scaling):
+    """One scale per row; the transposed copy one per row of its own layout."""
+
+    name: ClassVar[str] = "rowwise"
+
+    def cast(self, x2, fp8_dtype, rowwise=True, columnwise=False):
+        return cast.cast_to_fp8_rowwise(x2, fp8_dtype, rowwise, columnwise)
+
+    def describes(self, data, scale_inv):
+        return (scale_inv.dtype == torch.float32 and scale_inv.dim() == data.dim()
+                and scale_inv.shape[:-1] == data.shape[:-1] and scale_inv.shape[-1] == 1)
+
+
+@attrs.frozen
+class BlockScaling(Scaling):
+    """One scale per ``1 x group`` tile of each row (``square``: per ``group x group``
+    block), the transposed copy tiled along its own rows (square: the same blocks);
+    ``power2``: E8M0 scales, powers of two (MX)."""
+
+    group: int = 128
+    square: bool = False
+    power2: bool = False
+
+    def cast(self, x2, fp8_dtype, rowwise=True, columnwise=False):
+        return block_cast.cast_to_fp8_blocks(x2, fp8_dtype, self.group, self.square,
+                                             self.power2, rowwise, columnwise)
+
+    def describes(self, data, scale_inv):
+        if data.dim() != 2 or scale_inv.dim() != 2:
+            return False
+        if (scale_inv.dtype == block_cast.E8M0) != self.power2:
+            return False
+        rows, cols = data.shape
+        want_rows = -(-rows // self.group) if self.square else rows
+        return tuple(scale_inv.shape) == (want_rows, -(-cols // self.group))
+
+    def emulated_on(self, device):
+        from fusible.quantization.gemm import native_blockwise_gemm
+        return not (self.group == 128 and not self.power2 and native_blockwise_gemm(device))
+
+
+@attrs.frozen
+class Tile1x128Scaling(BlockScaling):
+    name: ClassVar[str] = "blockwise_1x128"
+
+
+@attrs.frozen
+class Block128x128Scaling(BlockScaling):
+    name: ClassVar[str] = "blockwise_128x128"
+    square: bool = True
+
+
+@attrs.frozen
+class MX1x32Scaling(BlockScaling):
+    name: ClassVar[str] = "mx_1x32"
+    group: int = 32
+    power2: bool = True
+
+
+for _scaling in (TensorScaling(), RowScaling(), Tile1x128Scaling(), Block128x128Scaling(),
+                 MX1x32Scaling()):
+    register_scaling(_scaling)
