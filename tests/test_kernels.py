@@ -677,7 +677,7 @@ def test_moe_row_moves_triton_match_pytorch():
 # GPU.
 _ROWWISE_CAST_SCRIPT = textwrap.dedent("""
     import torch
-    from fusible.kernels.fp8_rowwise import cast_rows_triton
+    from fusible.kernels.fp8_rowwise import cast_rows_and_columns_triton, cast_rows_triton
     from fusible.quantization.cast import _cast_rows
     torch.manual_seed(0)
     for dtype in (torch.float32, torch.bfloat16):
@@ -694,9 +694,65 @@ _ROWWISE_CAST_SCRIPT = textwrap.dedent("""
                 got, ref = data.float(), want.float()
                 assert torch.equal(got.sign(), ref.sign())
                 assert ((got - ref).abs() <= 0.5 * ref.abs()).all()
+                # both layouts from the row and column maxima (two kernels, atomic maxima)
+                for rowwise in (True, False):
+                    parts = cast_rows_and_columns_triton(x, fp8_dtype, fp8_max, rowwise,
+                                                         block_m=8, block_n=32)
+                    wanted = [want, want_scale_inv, *_cast_rows(x.t(), fp8_dtype)]
+                    for k, (g, w) in enumerate(zip(parts, wanted)):
+                        if not rowwise and k < 2:
+                            assert g is None
+                        elif k % 2:  # the scales
+                            assert torch.equal(g, w), (shape, fp8_dtype, k)
+                        else:  # subnormals (small rows in a column's scale) may round to 0
+                            tiny = torch.finfo(fp8_dtype).smallest_normal
+                            a, b = g.float(), w.float()
+                            assert g.shape == w.shape
+                            assert ((a - b).abs() <= 0.5 * b.abs() + tiny).all()
     print("ok")
 """)
 
 
 def test_rowwise_fp8_cast_triton_matches_pytorch():
     _run_interpreted(_ROWWISE_CAST_SCRIPT)
+
+
+# The block casts (1x128 tiles, 128x128 blocks, MX 1x32 with power-of-two scales), data
+# and transposed copy from one read: the scales bit for bit, the data within the
+# interpreter's FP8 rounding error (as above), on ragged shapes.
+_BLOCK_CAST_SCRIPT = textwrap.dedent("""
+    import itertools
+    import torch
+    from fusible.kernels.fp8_blocks import cast_blocks_triton
+    from fusible.quantization.block_cast import _cast_torch
+    torch.manual_seed(0)
+    sources = ((torch.bfloat16, torch.float8_e4m3fn, 448.0),
+               (torch.float32, torch.float8_e5m2, 57344.0))
+    blocks = ((128, False, False), (128, True, False), (32, False, True))
+    for (dtype, fp8_dtype, fp8_max), (group, square, power2), (rowwise, columnwise) in \\
+            itertools.product(sources, blocks, ((True, True), (False, True))):
+        x = torch.randn(130, 200) * torch.logspace(-3, 3, 130).view(-1, 1)
+        x = (x.sign() * (x.abs() + 1e-3)).to(dtype)
+        x[7, :] = 0.0
+        got = cast_blocks_triton(x, fp8_dtype, fp8_max, group, square, power2, rowwise,
+                                 columnwise)
+        want = _cast_torch(x, fp8_dtype, group, square, power2, rowwise, columnwise)
+        for g, w in zip(got, want):
+            assert (g is None) == (w is None)
+            if g is None:
+                continue
+            assert g.shape == w.shape and g.dtype == w.dtype
+            if g.dtype != fp8_dtype:  # the scales
+                assert torch.equal(g.float(), w.float()), (group, square)
+                continue
+            a, b = g.float(), w.float()
+            tiny = torch.finfo(fp8_dtype).smallest_normal
+            normal = b.abs() >= tiny  # subnormals may round to 0 there
+            assert torch.equal(a.sign()[normal], b.sign()[normal])
+            assert ((a - b).abs() <= 0.5 * b.abs() + tiny).all()
+    print("ok")
+""")
+
+
+def test_block_fp8_cast_triton_matches_pytorch():
+    _run_interpreted(_BLOCK_CAST_SCRIPT)

@@ -34,8 +34,8 @@ def _scale_pair(amax, FP8_MAX, POWER2: tl.constexpr):
         e = biased - 127 + ((bits & 0x7FFFFF) != 0).to(tl.int32)
         e = tl.where(biased == 0, -127, e)
         e = tl.minimum(tl.maximum(e, -127), 127)
-        scale_inv = tl.where(e >= -126, (e + 127) << 23, 0x00400000).to(tl.float32,
-                                                                          bitcast=True)
+        bits = tl.where(e >= -126, (e + 127) << 23, 0x00400000)  # 2^-127: a subnormal
+        scale_inv = bits.to(tl.float32, bitcast=True)
         scale_inv = tl.where(amax == 0.0, 1.0, scale_inv)
         scale_inv = tl.where(amax < float("inf"), scale_inv, float("nan"))
         return tl.math.div_rn(1.0, scale_inv), scale_inv

@@ -60,7 +60,8 @@ class FusionPlan:
         """A readable account of the stages and of every fusion that matched."""
         lines = [f"FusionPlan: {len(self.ops)} ops on {self.device_type}, {self.dtype}, "
                  f"grad {'enabled' if self.grad_enabled else 'disabled'}"
-                 + (f", recipe {self.recipe}" if self.recipe is not None else "")]
+                 + (f", recipe {self.recipe}" if self.recipe is not None else "")
+                 + self.emulation_note()]
         for title, stages in (("forward", self.forward), ("backward", self.backward)):
             lines.append(f"{title} ({len(stages)} stages, in execution order):")
             for s in stages:
@@ -79,6 +80,14 @@ class FusionPlan:
         if not self.candidates:
             lines.append("  (none)")
         return "\n".join(lines)
+
+    def emulation_note(self) -> str:
+        """``", FP8 GEMMs emulated (...)"`` naming the recipe's scalings that have no
+        native GEMM on this plan's device, or ``""``."""
+        if self.recipe is None:
+            return ""
+        emulated = self.recipe.emulated_scalings(torch.device(self.device_type))
+        return f", FP8 GEMMs emulated ({', '.join(emulated)})" if emulated else ""
 
     def communication(self, stage: Stage, direction: str) -> list:
         """``["Op: what (where)", ...]``: the collectives a stage runs."""

@@ -41,7 +41,9 @@ def _node(lane: str, index: int) -> str:
 def plan_to_dot(plan) -> str:
     """Graphviz DOT source for ``plan``."""
     title = (f"FusionPlan  |  {plan.device_type}, {str(plan.dtype).replace('torch.', '')}, "
-             f"grad {'enabled' if plan.grad_enabled else 'disabled'}")
+             f"grad {'enabled' if plan.grad_enabled else 'disabled'}"
+             + (f", {plan.recipe.name} FP8" if plan.recipe is not None else "")
+             + plan.emulation_note())
     lines = ["digraph FusionPlan {",
              "  rankdir=LR; newrank=true; nodesep=0.35; ranksep=0.45;",
              f"  label={_quote(title)}; labelloc=t; fontname=Helvetica; fontsize=16;",

@@ -117,6 +117,12 @@ def cast_to_fp8_rowwise(x: torch.Tensor, fp8_dtype: torch.dtype, rowwise: bool =
 
 def _cast_rowwise(x, fp8_dtype, rowwise, columnwise) -> list:
     x2 = x.reshape(math.prod(x.shape[:-1]), x.shape[-1])
+    if columnwise and x.is_cuda and fp8_cast.triton is not None:  # both layouts, two reads
+        out = fp8_rowwise.cast_rows_and_columns_triton(x2, fp8_dtype, FP8_MAX[fp8_dtype],
+                                                       rowwise)
+        if rowwise:
+            out[0] = out[0].view(x.shape)
+        return out
     out = [None] * 4
     if rowwise:
         data, out[1] = _cast_rows(x2, fp8_dtype)

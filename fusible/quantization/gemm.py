@@ -28,8 +28,11 @@ def scaled_mm_scales(scale_a: torch.Tensor, scale_b: torch.Tensor, m: int, n: in
 
 
 def whole_contraction(scale_a: torch.Tensor, scale_b: torch.Tensor, m: int, n: int) -> bool:
-    """Whether each scale holds along the whole contraction (per tensor, per row of
-    ``a``, per column of ``b``): what ``torch._scaled_mm`` takes."""
+    """Whether each scale (float32) holds along the whole contraction (per tensor, per
+    row of ``a``, per column of ``b``): what ``torch._scaled_mm`` takes (E8M0 scales
+    there would mean MX blocks)."""
+    if scale_a.dtype != torch.float32 or scale_b.dtype != torch.float32:
+        return False
     return ((scale_a.dim() == 0 or tuple(scale_a.shape) == (m, 1))
             and (scale_b.dim() == 0 or tuple(scale_b.shape) == (1, n)))
 

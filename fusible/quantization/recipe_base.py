@@ -56,6 +56,12 @@ class Recipe:
         """The Float8Format of the gradient a GEMM's backward reads (dgrad and wgrad)."""
         raise NotImplementedError(f"{type(self).__name__}.grad_format")
 
+    def emulated_scalings(self, device) -> tuple:
+        """The granularities of this recipe's formats whose GEMMs run emulated on
+        ``device`` (no native kernel there), sorted."""
+        formats = (self.input_format(), self.weight_format(), self.grad_format())
+        return tuple(sorted({f.granularity for f in formats if f.scaling.emulated_on(device)}))
+
     @property
     def key(self) -> str:
         """The string that names this recipe in plan conditions and compiled guards: the

@@ -1,0 +1,180 @@
+"""Block scalings (1x128 tiles, 128x128 blocks, MX's 1x32 power-of-two scales): the casts
+block by block against the per-tensor cast and FP64, the scales' special values, the
+Float8Tensor of block-scaled data (dequantized, viewed, transposed, multiplied) and the
+FP8 GEMM dispatch (emulated here: the CPU has no blockwise GEMM)."""
+
+import math
+
+import pytest
+import torch
+
+from fusible.quantization import block_cast
+from fusible.quantization.cast import FP8_MAX, cast_to_fp8_torch, expand_scales, scale_blocks
+from fusible.quantization.float8_tensor import Float8Tensor, quantize_scaled
+from fusible.quantization.gemm import scaled_gemm
+from fusible.quantization.scaling import registered_scalings, scaling_named, scaling_of
+from fusible.testing import snr_db
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+BLOCKED = ("blockwise_1x128", "blockwise_128x128", "mx_1x32")
+
+
+def _outlier_rows(rows, cols, seed):
+    gen = torch.Generator().manual_seed(seed)
+    magnitudes = 2.0 ** torch.randint(-8, 9, (rows, 1), generator=gen)
+    return torch.randn(rows, cols, generator=gen) * magnitudes
+
+
+def _block_views(x, block):
+    """``[((i, j), x's block)]`` for a (rows, cols) block shape, ragged edges included."""
+    br, bc = block
+    return [((i, j), x[i * br:(i + 1) * br, j * bc:(j + 1) * bc])
+            for i in range(math.ceil(x.shape[0] / br)) for j in range(math.ceil(x.shape[1] / bc))]
+
+
+@pytest.mark.parametrize("fp8_dtype", [E4M3, E5M2])
+@pytest.mark.parametrize("block", [(1, 128), (128, 128)])
+def test_each_block_is_the_per_tensor_cast_of_that_block(block, fp8_dtype):
+    x = _outlier_rows(200, 300, 0)  # ragged in both dimensions
+    data, scale_inv = block_cast.cast_blocks_torch(x, fp8_dtype, block)
+    assert scale_inv.shape == (math.ceil(200 / block[0]), math.ceil(300 / block[1]))
+    for (i, j), part in _block_views(x, block):
+        want_data, want_scale_inv = cast_to_fp8_torch(part, fp8_dtype)
+        got = dict(_block_views(data, block))[(i, j)]
+        assert torch.equal(got.view(torch.uint8), want_data.view(torch.uint8))
+        assert torch.equal(scale_inv[i, j], want_scale_inv)
+
+
+def test_mx_scales_are_the_power_of_two_at_or_above_the_block_amax():
+    """OCP MX with the scale rounded up: ``2^ceil(log2(amax / 448))`` as E8M0, so that the
+    block's largest value lands in [224, 448] and nothing saturates; the data is the values
+    divided by that power of two (exact), rounded once."""
+    x = _outlier_rows(64, 96, 1)
+    data, scale_inv = block_cast.cast_blocks_torch(x, E4M3, (1, 32), power2=True)
+    assert scale_inv.dtype == torch.float8_e8m0fnu and scale_inv.shape == (64, 3)
+    amax = x.abs().view(64, 3, 32).amax(2).double()
+    s = scale_inv.double()
+    assert torch.equal(s, torch.exp2(torch.ceil(torch.log2(amax / 448))))
+    want = (x.double() / expand_scales(s, x.shape)).to(E4M3)
+    assert torch.equal(data.view(torch.uint8), want.view(torch.uint8))
+    assert (data.float().abs().view(64, 3, 32).amax(2) >= 224).all()
+
+
+@pytest.mark.parametrize("power2", [False, True])
+def test_special_blocks_stay_in_their_block(power2):
+    """An all-zero block gets scale 1; a NaN or an inf makes its own block NaN (loudly),
+    and no other."""
+    x = torch.randn(4, 256)
+    x[0, :128] = 0.0
+    x[1, 5] = float("nan")
+    x[2, 130] = float("inf")
+    data, scale_inv = block_cast.cast_blocks_torch(x, E4M3, (1, 128), power2)
+    s = scale_inv.float()
+    assert s[0, 0] == 1.0 and (data[0, :128].float() == 0).all()
+    assert s[1, 0].isnan() and data[1, :128].float().isnan().all() and s[1, 1].isfinite()
+    deq = data.float() * expand_scales(s, x.shape)
+    assert deq[2, 128:].isnan().all() and deq[2, :128].isfinite().all()
+    assert deq[3].isfinite().all()
+
+
+def test_tiny_blocks_stay_finite():
+    x = torch.full((2, 128), 1e-40)
+    for power2 in (False, True):
+        data, scale_inv = block_cast.cast_blocks_torch(x, E4M3, (1, 128), power2)
+        deq = data.float() * scale_inv.float()
+        assert deq.isfinite().all() and (deq > 0).all(), power2
+
+
+@pytest.mark.parametrize("name", BLOCKED)
+def test_transposed_copy_is_scaled_along_its_own_rows(name):
+    """Tiles: the copy is the cast of ``x.T`` (its tiles run along the tokens, as wgrad
+    contracts); square blocks: the same data and scales, transposed."""
+    scaling = scaling_named(name)
+    x = _outlier_rows(160, 96, 2)
+    data, scale_inv, t, t_scale_inv = scaling.cast(x, E4M3, True, True)
+    if name == "blockwise_128x128":
+        assert torch.equal(t.view(torch.uint8), data.t().contiguous().view(torch.uint8))
+        assert torch.equal(t_scale_inv, scale_inv.t())
+    else:
+        want = scaling.cast(x.t().contiguous(), E4M3)
+        assert torch.equal(t.view(torch.uint8), want[0].view(torch.uint8))
+        assert torch.equal(t_scale_inv.float(), want[1].float())
+    only_t = scaling.cast(x, E4M3, False, True)
+    assert only_t[0] is None and torch.equal(only_t[2].view(torch.uint8), t.view(torch.uint8))
+
+
+def test_the_shapes_say_which_block_a_scale_covers():
+    assert scale_blocks((130, 2), (130, 200)) == (1, 128)
+    assert scale_blocks((2, 2), (200, 130)) == (128, 128)
+    assert scale_blocks((64, 3), (64, 96)) == (1, 32)
+    assert scale_blocks((64, 1), (64, 96)) == (1, 96)
+    assert scale_blocks((), (5, 7)) == (5, 7)
+    with pytest.raises(ValueError, match="do not block a tensor"):
+        scale_blocks((3,), (3, 4))
+    x = torch.randn(256, 384)  # a row of several tiles (one tile is one scale per row)
+    for name, scaling in registered_scalings().items():
+        data, scale_inv = scaling.cast(x, E4M3)[:2]
+        assert scaling_of(data, scale_inv) is scaling, name
+
+
+@pytest.mark.parametrize("name", BLOCKED)
+def test_block_scaled_float8_tensor_dequantizes_views_and_transposes(name):
+    """Without the transposed copy, ``.t()`` is the data seen transposed; with it, the
+    copy (scaled along its own rows for tiles, so close, not equal)."""
+    x = _outlier_rows(256, 128, 3)
+    scaling = scaling_named(name)
+    q = quantize_scaled(x, scaling, E4M3)
+    values = q.dequantize()
+    assert torch.equal(q.t().dequantize(), values.t())
+    assert torch.equal(q.t().t().dequantize(), values)
+    assert torch.equal(q.clone().dequantize(), values)
+    assert torch.equal(q.view(2, 128, 128).dequantize(), values.view(2, 128, 128))
+    assert torch.equal(q[3:7].dequantize(), values[3:7])  # dequantized, then sliced
+    assert snr_db(values, x) > 25
+    with_copy = quantize_scaled(x, scaling, E4M3, columnwise=True)
+    t, t_scale_inv = scaling.cast(x, E4M3, False, True)[2:]
+    copy_values = t.float() * expand_scales(t_scale_inv.float(), t.shape)
+    assert torch.equal(with_copy.t().dequantize(), copy_values)
+
+
+@pytest.mark.parametrize("name", BLOCKED)
+def test_block_scaled_gemm_is_the_product_of_the_dequantized_operands(name):
+    """Emulated (no blockwise GEMM on the CPU): float32 products of the dequantized
+    operands, exact on these operands up to float32 accumulation."""
+    scaling = scaling_named(name)
+    a = scaling.cast(_outlier_rows(48, 256, 4), E4M3)
+    w = scaling.cast(_outlier_rows(64, 256, 5), E4M3)
+    bias = torch.randn(64, dtype=torch.bfloat16)
+    y = scaled_gemm(a[0], a[1], w[0].t(), w[1].t(), bias, torch.bfloat16)
+    want = ((a[0].double() * expand_scales(a[1].double(), a[0].shape))
+            @ (w[0].double() * expand_scales(w[1].double(), w[0].shape)).t() + bias.double())
+    assert y.dtype == torch.bfloat16
+    assert torch.equal(y, want.to(torch.bfloat16)) or (y.double() - want).abs().max() <= \
+        want.abs().max() * 2 ** -7
+    qa = Float8Tensor(a[0], a[1], torch.bfloat16)
+    qw = Float8Tensor(w[0], w[1], torch.bfloat16)
+    assert torch.equal(qa @ qw.t(), scaled_gemm(a[0], a[1], w[0].t(), w[1].t(), None,
+                                                torch.bfloat16))
+
+
+def test_the_fake_cast_has_the_real_shapes():
+    """The custom op's fake (what a compiled graph is traced with) against the real op."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    x = torch.randn(200, 300)
+    for group, square, power2 in ((128, False, False), (128, True, False), (32, False, True)):
+        real = block_cast.cast_to_fp8_blocks_op(x, E4M3, group, square, power2, True, True)
+        with FakeTensorMode() as mode:
+            fake = block_cast.cast_to_fp8_blocks_op(mode.from_tensor(x), E4M3, group, square,
+                                                    power2, True, True)
+        assert [(t.shape, t.dtype, t.stride()) for t in real] == \
+            [(t.shape, t.dtype, t.stride()) for t in fake]
+
+
+def test_bad_block_casts_say_what():
+    with pytest.raises(ValueError, match="fp8_dtype must be one of"):
+        block_cast.cast_to_fp8_blocks(torch.randn(4, 4), torch.float16, 128, False, False)
+    with pytest.raises(ValueError, match="neither the data nor its transpose"):
+        block_cast.cast_to_fp8_blocks(torch.randn(4, 4), E4M3, 128, False, False, False, False)
+    with pytest.raises(ValueError, match="takes a 2-D tensor"):
+        block_cast.cast_to_fp8_blocks(torch.randn(2, 4, 4), E4M3, 128, False, False)
+    assert FP8_MAX[E4M3] == 448.0
