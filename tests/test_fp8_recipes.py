@@ -150,23 +150,28 @@ def test_what_the_recipes_do_not_take_yet_says_so(recipe):
 
 
 def test_emulated_gemms_are_marked_in_plans_and_compile_reports():
-    """The CPU has no blockwise or MX GEMM: the plan's first line, its diagram's title and
-    the compile report's GEMM column say so; per-tensor and row-wise GEMMs are native."""
+    """The CPU has no blockwise or MX GEMM (nor, before PyTorch 2.13, a row-wise one): the
+    plan's first line, its diagram's title and the compile report's GEMM column say so."""
+    cpu = torch.device("cpu")
+    assert fusible.MXFP8BlockScaling().emulated_scalings(cpu) == ("mx_1x32",)
+    assert fusible.Float8BlockScaling().emulated_scalings(cpu) == ("blockwise_128x128",
+                                                                   "blockwise_1x128")
+    assert fusible.Float8CurrentScaling().emulated_scalings(cpu) == ()
     model = ops.Sequential(ops.Linear(128, 128))
     x = torch.randn(32, 128, requires_grad=True)
-    for recipe, note in ((fusible.MXFP8BlockScaling(), "FP8 GEMMs emulated (mx_1x32)"),
-                         (fusible.Float8BlockScaling(), "FP8 GEMMs emulated "
-                          "(blockwise_128x128, blockwise_1x128)"), (ROWWISE, None)):
+    for recipe in RECIPES:
         with fusible.autocast(recipe=recipe):
             plan = model.plan(x)
             report = str(fusible.compile_report(model, x))
-        first = plan.explain().splitlines()[0]
-        if note is None:
+        first, emulated = plan.explain().splitlines()[0], recipe.emulated_scalings(cpu)
+        gemm = f"fp8 {recipe.input_format().granularity}"
+        if not emulated:
             assert "emulated" not in first and "emulated" not in report
-            assert f"fp8 {recipe.input_format().granularity} GEMM" in report
+            assert f"{gemm} GEMM" in report
         else:
+            note = f"FP8 GEMMs emulated ({', '.join(emulated)})"
             assert note in first and note in plan.to_dot()
-            assert f"fp8 {recipe.input_format().granularity} (emulated) GEMM" in report
+            assert f"{gemm} (emulated) GEMM" in report
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=IDS)

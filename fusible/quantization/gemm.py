@@ -2,7 +2,7 @@
 scales per tensor or per row / column, PyTorch's blockwise GEMM (``F.scaled_mm``,
 DeepSeek-V3's 1x128 and 128x128 blocks) on the GPUs that have one, and an emulation
 (the operands dequantized, a float32 GEMM) for everything else: the CPU's blockwise
-GEMMs and MX GEMMs on GPUs before Blackwell. ``Scaling.emulated_on`` says which, and
+GEMMs (and row-wise ones before PyTorch 2.13) and MX GEMMs on GPUs before Blackwell. ``Scaling.emulated_on`` says which, and
 plans show it.
 """
 
@@ -38,6 +38,22 @@ def whole_contraction(scale_a: torch.Tensor, scale_b: torch.Tensor, m: int, n: i
 
 
 @functools.lru_cache(maxsize=None)
+def native_rowwise_gemm(device_type: str) -> bool:
+    """Whether ``torch._scaled_mm`` takes row-wise scales on this device type: CUDA's does;
+    the CPU's since PyTorch 2.13 (2.11's takes one scale per tensor only), so it is asked,
+    once, with a tiny product."""
+    if device_type != "cpu":
+        return True
+    a = torch.ones((16, 16), dtype=torch.float8_e4m3fn)
+    try:
+        torch._scaled_mm(a, a.t(), scale_a=torch.ones((16, 1)), scale_b=torch.ones((1, 16)),
+                         out_dtype=torch.float32)
+    except RuntimeError:
+        return False
+    return True
+
+
+@functools.lru_cache(maxsize=None)
 def native_blockwise_gemm(device: torch.device) -> bool:
     """Whether ``device`` runs 1x128 / 128x128 blockwise FP8 GEMMs natively: PyTorch's
     cuBLAS path, on Hopper (compute capability 9.x) with CUDA 12.9 or later."""
@@ -58,7 +74,8 @@ def scaled_gemm(a: torch.Tensor, scale_a: torch.Tensor, b: torch.Tensor, scale_b
     if not (m and a.shape[1] and n):  # zero tokens or features
         y = a.new_zeros((m, n), dtype=out_dtype)
         return y if bias is None else y + bias
-    if whole_contraction(scale_a, scale_b, m, n):
+    if whole_contraction(scale_a, scale_b, m, n) and (
+            scale_a.dim() == scale_b.dim() == 0 or native_rowwise_gemm(a.device.type)):
         return _scaled_mm(a, scale_a, b, scale_b, bias, out_dtype, fast_accum)
     kinds = _block_kinds(a, scale_a, b, scale_b)
     if kinds is not None and native_blockwise_gemm(a.device):

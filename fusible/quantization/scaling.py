@@ -125,6 +125,10 @@ class RowScaling(Scaling):
         return (scale_inv.dtype == torch.float32 and scale_inv.dim() == data.dim()
                 and scale_inv.shape[:-1] == data.shape[:-1] and scale_inv.shape[-1] == 1)
 
+    def emulated_on(self, device):
+        from fusible.quantization.gemm import native_rowwise_gemm
+        return not native_rowwise_gemm(torch.device(device).type)
+
 
 @attrs.frozen
 class BlockScaling(Scaling):
