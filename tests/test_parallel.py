@@ -12,6 +12,7 @@ from torch.multiprocessing import ProcessRaisedException
 
 from fusible.testing.distributed import NOT_RUN, failure_report, run_cases, run_distributed
 from parallel_layers import (DEVICE, _check_dgrad_reduction_overlaps_wgrad, _check_fp8_gather,
+                             _check_fp8_gather_scaled, _check_linear_recipe,
                              _check_fp8_gathered_tokens, _check_linear, _check_linear_fp8,
                              _check_mlp)
 from parallel_ops import (_check_all_gather_then_column, _check_collectives,
@@ -32,6 +33,10 @@ def parallel_cases(rank, ws, device="cpu"):
              "plan": lambda: _check_plan(rank, ws),
              "size errors": lambda: _check_size_errors(rank, ws),
              "fp8 gather": lambda: _check_fp8_gather(rank, ws),
+             **{f"fp8 gather {g}": (lambda g=g: _check_fp8_gather_scaled(rank, ws, g))
+                for g in ("rowwise", "blockwise_1x128", "mx_1x32")},
+             **{f"linear {m} sp {r}": (lambda m=m, r=r: _check_linear_recipe(rank, ws, m, r))
+                for m in ("column", "row") for r in ("rowwise", "blockwise")},
              "init": lambda: _check_init(rank, ws),
              "state dict from torch": lambda: _check_state_dict_from_torch(rank, ws),
              "norm sp": lambda: _check_norm_sp(rank, ws),
@@ -86,7 +91,7 @@ def test_tensor_parallel_nccl():
 def _report(results):
     report = failure_report(results)
     assert not report, report
-    assert [len(outcomes) for outcomes in results] == [55] * len(results)
+    assert [len(outcomes) for outcomes in results] == [62] * len(results)
 
 
 def test_a_rank_that_fails_alone_stops_every_rank_at_once():

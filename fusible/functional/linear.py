@@ -20,9 +20,8 @@ import torch
 
 from fusible.functional import parallel
 from fusible.functional.parallel import TensorParallel
-from fusible.kernels.fp8_cast import transposed_copy
 from fusible.quantization.cast import cast_to_fp8_any, tensor_amax
-from fusible.quantization.float8_tensor import Float8Tensor, Fp8Able, quantize_raw, requantize
+from fusible.quantization.float8_tensor import Float8Tensor, Fp8Able, requantize
 from fusible.quantization.format import Float8Format, to_format
 from fusible.quantization.gemm import scaled_gemm
 
@@ -223,7 +222,6 @@ def gemm_forward(gemm: GemmForwardArgs, bias: Optional[Tensor] = None):
         return (_reduce_output(linear_forward(x, weight, bias), tp),
                 x if tp.gathers_input else None)
     if tp.gathers_input:
-        _tensorwise_only(fmt, "a sequence-parallel input gather")
         x_q, lead = gather_fp8(x, tp, fmt), _gathered_lead(x, tp)
     else:
         x_q, lead = as_fp8(x, fmt if not handed_in(x, fmt) else fmt.rowwise()), x.shape[:-1]
@@ -250,31 +248,21 @@ def gather_fp8(x: Tensor, tp: TensorParallel, fmt: Float8Format) -> Float8Tensor
     """All-gather ``x`` along dim 0 in FP8 (``fmt``), as a 2-D Float8Tensor (tokens,
     features).
 
-    One scale for the whole group: the absolute maxima are all-reduced first, each rank
-    casts its own part with it, and the FP8 bytes are gathered (half of bf16's). The
-    same bits as gathering in high precision and then quantizing. An FP8 ``x`` with its
-    own scale is dequantized first. The transposed copy (for wgrad) is made from the
-    gathered data.
+    Each rank casts its own tokens and the FP8 bytes are gathered (half of bf16's) with
+    their scales, the bits of gathering in high precision and then quantizing: one scale
+    per tensor is the group's (the absolute maxima all-reduced first); scales per token
+    (or per tile of a token) are each rank's own; the transposed copy's scales per
+    feature span the group's tokens, their maxima all-reduced first
+    (:meth:`~fusible.quantization.scaling.Scaling.cast_gathered`). An FP8 ``x`` with its
+    own scale is dequantized first.
     """
-    _tensorwise_only(fmt, "an FP8 all-gather")
     if isinstance(x, Float8Tensor):
         x = x._dequantize_raw()
-    x2 = tokens_2d(x)
-    # One reduction kernel, no |x| temporary; NaN propagates as in the cast's own amax.
-    local_amax = (torch.linalg.vector_norm(x2, float("inf"), dtype=torch.float32)
-                  if x2.numel() else x2.new_zeros((), dtype=torch.float32))
-    amax = parallel.all_reduce(local_amax, tp, "max")
-    local = quantize_raw(x2, fmt.fp8_dtype, False, amax=amax)
-    data = parallel.all_gather(local._data, tp)
-    return Float8Tensor(data, local._scale_inv, x.dtype,
-                        transposed_copy(data) if fmt.columnwise else None)
-
-
-def _tensorwise_only(fmt: Float8Format, what: str) -> None:
-    if not fmt.per_tensor:
-        raise NotImplementedError(f"{what} under {fmt.granularity} FP8 scaling is not "
-                                  f"implemented yet (per-tensor scaling only); run tensor "
-                                  f"parallelism with fusible.Float8CurrentScaling")
+    parts = fmt.scaling.cast_gathered(tokens_2d(x), fmt.fp8_dtype, fmt.columnwise,
+                                      lambda t: parallel.all_gather(t, tp),
+                                      lambda t: parallel.all_reduce(t, tp, "max"))
+    data, scale_inv, transpose, t_scale_inv = parts
+    return Float8Tensor(data, scale_inv, x.dtype, transpose, transpose_scale_inv=t_scale_inv)
 
 
 def _gathered_lead(x: Tensor, tp: TensorParallel) -> tuple:

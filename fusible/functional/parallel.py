@@ -139,7 +139,7 @@ def shard_size(op_name: str, what: str, size: int, tp: TensorParallel) -> int:
 
 def _as_bytes(x: Tensor):
     """FP8 crosses collectives as bytes (not every backend knows FP8 types)."""
-    if x.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+    if x.dtype in (torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e8m0fnu):
         return x.view(torch.uint8), x.dtype
     return x, None
 

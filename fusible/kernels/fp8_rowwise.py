@@ -97,16 +97,19 @@ def _row_col_cast_kernel(x_ptr, row_amax_ptr, col_amax_ptr, data_ptr, scale_inv_
 
 
 def cast_rows_and_columns_triton(x: torch.Tensor, fp8_dtype: torch.dtype, fp8_max: float,
-                                 rowwise: bool = True, block_m: int = 64,
-                                 block_n: int = 64) -> list:
+                                 rowwise: bool = True, block_m: int = 64, block_n: int = 64,
+                                 column_amax=None) -> list:
     """``[data, scale_inv, transpose, transpose_scale_inv]`` of the 2-D ``x`` (M, N): the
     data scaled per row (None without ``rowwise``), the (N, M) copy per row of its own
     layout (per column of ``x``); the scales float32 (M, 1) and (N, 1). Two kernels, two
-    reads of ``x``."""
+    reads of ``x``. ``column_amax`` (N) replaces the columns' maxima where it is larger
+    (a group's maxima, which are)."""
     require_triton("cast_rows_and_columns_triton")
     x = x.contiguous()
     m, n = x.shape
     amax = torch.zeros(m + n, device=x.device, dtype=torch.float32)
+    if column_amax is not None:
+        amax[m:].copy_(column_amax)
     new = x.new_empty
     data = new((m, n), dtype=fp8_dtype) if rowwise else None
     scale_inv = new((m, 1), dtype=torch.float32) if rowwise else None

@@ -20,9 +20,10 @@ class Float8BlockScaling(_CurrentScaling):
     CUDA 12.9 or later; emulated elsewhere (the operands dequantized, a float32 GEMM;
     plans and compile reports say so). Registered as ``"blockwise"``.
 
-    Not yet: tensor parallelism's FP8 gathers, FP8 parameters (``quantized_model_init``),
-    the producers' fused casts (norms and activations hand over high precision; the cast
-    follows them in their stage).
+    Tensor parallelism gathers the tokens in FP8 with their tile scales where every rank
+    holds whole 128-token tiles (the transposed copy's tiles run along the tokens). Not
+    yet: FP8 parameters (``quantized_model_init``), the producers' fused casts (norms and
+    activations hand over high precision; the cast follows them in their stage).
     """
 
     name: ClassVar[str] = "blockwise"

@@ -93,33 +93,37 @@ def cast_to_fp8_torch(x: torch.Tensor, fp8_dtype: torch.dtype, columnwise: bool 
 
 
 def cast_to_fp8_rowwise(x: torch.Tensor, fp8_dtype: torch.dtype, rowwise: bool = True,
-                        columnwise: bool = False) -> list:
+                        columnwise: bool = False,
+                        column_amax: torch.Tensor | None = None) -> list:
     """``[data, scale_inv, transpose, transpose_scale_inv]`` with one scale per row: ``x``
     seen as (tokens, features); ``data`` (``x``'s shape) scaled per token, ``scale_inv``
     (tokens, 1); ``transpose`` the (features, tokens) row-major copy scaled per row of its
     own layout (per feature), ``transpose_scale_inv`` (features, 1): what a GEMM
     contracting over the tokens needs. None where not asked for. Each row follows
     :func:`scale_from_amax`'s rules with its own amax (a NaN stays in its row).
-    On CUDA one Triton kernel per layout (``fusible.kernels.fp8_rowwise``), elsewhere
-    PyTorch ops, the same bits.
+    ``column_amax`` (float32, features) replaces the copy's own maxima: the maxima over a
+    process group, so that every rank casts its tokens with the group's scales.
+    On CUDA Triton kernels (``fusible.kernels.fp8_rowwise``: the data alone in one, both
+    layouts in two), elsewhere PyTorch ops, the same bits.
     """
     if fp8_dtype not in FP8_MAX:
         raise ValueError(f"cast_to_fp8_rowwise: fp8_dtype must be one of {list(FP8_MAX)}, got "
                          f"{fp8_dtype}")
     if not (rowwise or columnwise):
         raise ValueError("cast_to_fp8_rowwise: asked for neither the data nor its transpose")
-    if not plain_eager(x):  # traced: the op (its fake gives the shapes, no kernel launch)
-        flat = list(cast_to_fp8_rowwise_op(x, fp8_dtype, rowwise, columnwise))
+    if not plain_eager(x) or (column_amax is not None and not plain_eager(column_amax)):
+        # traced: the op (its fake gives the shapes, no kernel launch)
+        flat = list(cast_to_fp8_rowwise_op(x, fp8_dtype, rowwise, columnwise, column_amax))
         return (flat[:2] if rowwise else [None, None]) + (flat[-2:] if columnwise
                                                           else [None, None])
-    return _cast_rowwise(x, fp8_dtype, rowwise, columnwise)
+    return _cast_rowwise(x, fp8_dtype, rowwise, columnwise, column_amax)
 
 
-def _cast_rowwise(x, fp8_dtype, rowwise, columnwise) -> list:
+def _cast_rowwise(x, fp8_dtype, rowwise, columnwise, column_amax=None) -> list:
     x2 = x.reshape(math.prod(x.shape[:-1]), x.shape[-1])
     if columnwise and x.is_cuda and fp8_cast.triton is not None:  # both layouts, two reads
         out = fp8_rowwise.cast_rows_and_columns_triton(x2, fp8_dtype, FP8_MAX[fp8_dtype],
-                                                       rowwise)
+                                                       rowwise, column_amax=column_amax)
         if rowwise:
             out[0] = out[0].view(x.shape)
         return out
@@ -128,15 +132,18 @@ def _cast_rowwise(x, fp8_dtype, rowwise, columnwise) -> list:
         data, out[1] = _cast_rows(x2, fp8_dtype)
         out[0] = data.view(x.shape)
     if columnwise:
-        out[2], out[3] = _cast_rows(x2.t(), fp8_dtype)
+        out[2], out[3] = _cast_rows(x2.t(), fp8_dtype,
+                                    None if column_amax is None else column_amax.view(-1, 1))
     return out
 
 
-def _cast_rows(x2: torch.Tensor, fp8_dtype: torch.dtype) -> tuple:
-    if x2.is_cuda and fp8_cast.triton is not None:
+def _cast_rows(x2: torch.Tensor, fp8_dtype: torch.dtype, amax=None) -> tuple:
+    """The rows of ``x2`` cast by their own maxima (or by ``amax``, (rows, 1))."""
+    if x2.is_cuda and fp8_cast.triton is not None and amax is None:
         return fp8_rowwise.cast_rows_triton(x2, fp8_dtype, FP8_MAX[fp8_dtype])
     xf = x2.float().contiguous()
-    amax = xf.abs().amax(1, keepdim=True) if xf.shape[1] else xf.new_zeros((xf.shape[0], 1))
+    if amax is None:
+        amax = xf.abs().amax(1, keepdim=True) if xf.shape[1] else xf.new_zeros((xf.shape[0], 1))
     data, scale_inv = cast_to_fp8_torch(xf, fp8_dtype, False, amax)
     return data, scale_inv
 
@@ -194,8 +201,8 @@ _LIB = torch.library.Library("fusible", "FRAGMENT")
 _LIB.define("cast_to_fp8(Tensor x, ScalarType fp8_dtype, bool columnwise, Tensor? amax=None, "
             "bool rowwise=True) -> Tensor[]")
 _LIB.define("dequantize(Tensor data, Tensor scale_inv, ScalarType dtype) -> Tensor")
-_LIB.define("cast_to_fp8_rowwise(Tensor x, ScalarType fp8_dtype, bool rowwise, bool columnwise) "
-            "-> Tensor[]")
+_LIB.define("cast_to_fp8_rowwise(Tensor x, ScalarType fp8_dtype, bool rowwise, bool columnwise, "
+            "Tensor? column_amax=None) -> Tensor[]")
 _LIB.impl("cast_to_fp8_rowwise",
           lambda *args: [t for t in _cast_rowwise(*args) if t is not None],
           "CompositeExplicitAutograd")
@@ -217,7 +224,7 @@ def _(x, fp8_dtype, columnwise, amax=None, rowwise=True):
 
 
 @torch.library.register_fake("fusible::cast_to_fp8_rowwise", lib=_LIB)
-def _(x, fp8_dtype, rowwise, columnwise):
+def _(x, fp8_dtype, rowwise, columnwise, column_amax=None):
     rows, cols = math.prod(x.shape[:-1]), x.shape[-1]
     out = []
     if rowwise:

@@ -91,9 +91,10 @@ class Float8RowwiseScaling(_CurrentScaling):
     ``torch._scaled_mm`` with row-wise scales on the GPU. Registered as ``"rowwise"``
     (presets ``"rowwise"``, E4M3 throughout as torchao's, and ``"rowwise_hybrid"``).
 
-    Not yet: tensor parallelism's FP8 gathers, FP8 parameters (``quantized_model_init``),
-    the producers' fused casts (norms and activations hand over high precision; the cast
-    follows them in their stage).
+    Tensor parallelism gathers the tokens in FP8 with their scales (each rank casts its
+    own; the transposed copy's per-feature scales from the group's maxima). Not yet: FP8
+    parameters (``quantized_model_init``), the producers' fused casts (norms and
+    activations hand over high precision; the cast follows them in their stage).
 
     Parameters
     ----------

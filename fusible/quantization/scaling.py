@@ -12,12 +12,12 @@ formats; a new one registers with :func:`register_scaling`.
 
 from __future__ import annotations
 
-import math
 from typing import ClassVar
 
 import attrs
 import torch
 
+from fusible.kernels import fp8_cast
 from fusible.quantization import block_cast, cast
 
 _scalings: dict = {}  # name -> Scaling
@@ -55,6 +55,16 @@ class Scaling:
         operands, a float32 GEMM) for want of a native kernel."""
         return False
 
+    def cast_gathered(self, x2: torch.Tensor, fp8_dtype: torch.dtype, columnwise: bool,
+                      gather, max_over_group) -> list:
+        """``[data, scale_inv, transpose, transpose_scale_inv]`` of the rows of every rank
+        concatenated (``gather(t)``: every rank's ``t`` along dim 0), each rank casting
+        its own rows: the bits of casting the gathered tensor. ``max_over_group(t)``: the
+        elementwise maximum over the ranks. Scalings whose scales span rows of several
+        ranks raise NotImplementedError."""
+        raise NotImplementedError(f"an FP8 all-gather under {self.name} scaling is not "
+                                  f"implemented")
+
 
 def register_scaling(scaling: Scaling) -> Scaling:
     """Make ``scaling`` (an instance of a :class:`Scaling` subclass) a granularity that
@@ -91,8 +101,12 @@ def scaling_of(data: torch.Tensor, scale_inv: torch.Tensor) -> Scaling:
     return found
 
 
-def _rows(data: torch.Tensor) -> int:
-    return math.prod(data.shape[:-1])
+def _gather_columns(t: torch.Tensor, gather) -> torch.Tensor:
+    """Every rank's (rows, columns) ``t`` concatenated along the columns (a gather along
+    dim 0, then the ranks' blocks side by side)."""
+    stacked = gather(t.contiguous())
+    ranks = stacked.shape[0] // t.shape[0] if t.shape[0] else 1
+    return stacked.view(ranks, *t.shape).permute(1, 0, 2).reshape(t.shape[0], -1)
 
 
 @attrs.frozen
@@ -111,6 +125,14 @@ class TensorScaling(Scaling):
     def describes(self, data, scale_inv):
         return scale_inv.dim() == 0
 
+    def cast_gathered(self, x2, fp8_dtype, columnwise, gather, max_over_group):
+        # One scale for the group: the maxima over the ranks, then each rank's cast with it
+        local = cast.tensor_amax(x2) if x2.numel() else x2.new_zeros((), dtype=torch.float32)
+        data, scale_inv = cast.cast_to_fp8_any(x2, fp8_dtype, False, max_over_group(local))[:2]
+        data = gather(data)
+        copy = fp8_cast.transposed_copy(data) if columnwise else None
+        return [data, scale_inv, copy, None]
+
 
 @attrs.frozen
 class RowScaling(Scaling):
@@ -128,6 +150,19 @@ class RowScaling(Scaling):
     def emulated_on(self, device):
         from fusible.quantization.gemm import native_rowwise_gemm
         return not native_rowwise_gemm(torch.device(device).type)
+
+    def cast_gathered(self, x2, fp8_dtype, columnwise, gather, max_over_group):
+        # Rows: each rank's own. The copy's rows (features) span every rank's tokens: their
+        # maxima over the group first, each rank casts its columns, the copies concatenate.
+        column_amax = None
+        if columnwise:
+            local = (x2.abs().amax(0).float() if x2.shape[0]
+                     else x2.new_zeros(x2.shape[1], dtype=torch.float32))
+            column_amax = max_over_group(local)
+        data, scale_inv, t, t_scale_inv = cast.cast_to_fp8_rowwise(
+            x2, fp8_dtype, True, columnwise, column_amax=column_amax)
+        return [gather(data), gather(scale_inv),
+                _gather_columns(t, gather) if columnwise else None, t_scale_inv]
 
 
 @attrs.frozen
@@ -152,6 +187,19 @@ class BlockScaling(Scaling):
         rows, cols = data.shape
         want_rows = -(-rows // self.group) if self.square else rows
         return tuple(scale_inv.shape) == (want_rows, -(-cols // self.group))
+
+    def cast_gathered(self, x2, fp8_dtype, columnwise, gather, max_over_group):
+        # Tiles along the rows are each rank's own; the copy's tiles (``group`` tokens) too
+        # where every rank holds whole tiles of tokens.
+        if self.square or (columnwise and x2.shape[0] % self.group):
+            raise NotImplementedError(
+                f"an FP8 all-gather under {self.name} scaling needs every rank's tokens in "
+                f"whole {self.group}-token tiles (the transposed copy's), got "
+                f"{x2.shape[0]} tokens on this rank" if not self.square else
+                f"an FP8 all-gather of {self.name} blocks is not implemented")
+        data, scale_inv, t, t_scale_inv = self.cast(x2, fp8_dtype, True, columnwise)
+        return [gather(data), gather(scale_inv), _gather_columns(t, gather) if columnwise
+                else None, _gather_columns(t_scale_inv, gather) if columnwise else None]
 
     def emulated_on(self, device):
         from fusible.quantization.gemm import native_blockwise_gemm
