@@ -391,10 +391,12 @@ def test_compile_report_gives_a_cast_between_stages_no_provenance():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need CUDA")
-def test_fp8_cuda_graphs_same_bits_as_eager(cuda_graph_recordings):
-    """Inductor with CUDA graphs (reduce-overhead) over optimizer steps, FP8 all the way;
-    the forward and the backward recorded once each, never again."""
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "blockwise", "mxfp8"])
+def test_fp8_cuda_graphs_same_bits_as_eager(cuda_graph_recordings, recipe):
+    """Inductor with CUDA graphs (reduce-overhead) over optimizer steps, FP8 all the way,
+    under each recipe; the forward and the backward recorded once each, never again."""
     torch._dynamo.reset()
+    recipe = fusible.recipe_from_name(recipe)
     torch.manual_seed(0)
     model = ops.Sequential(ops.LayerNorm(256), ops.Linear(256, 1024), ops.GELU(approximate="tanh"),
                            ops.Linear(1024, 256), ops.AddExtraInput()).to("cuda", torch.bfloat16)
@@ -403,7 +405,7 @@ def test_fp8_cuda_graphs_same_bits_as_eager(cuda_graph_recordings):
     opt, twin_opt = (torch.optim.SGD(m.parameters(), lr=0.01) for m in (model, twin))
     for step in range(3):
         x, dy = (torch.randn(512, 256, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-        with fusible.autocast():
+        with fusible.autocast(recipe=recipe):
             y = model(x, x)
             torch.compiler.cudagraph_mark_step_begin()
             y2 = compiled(x, x)

@@ -178,3 +178,25 @@ def test_bad_block_casts_say_what():
     with pytest.raises(ValueError, match="takes a 2-D tensor"):
         block_cast.cast_to_fp8_blocks(torch.randn(2, 4, 4), E4M3, 128, False, False)
     assert FP8_MAX[E4M3] == 448.0
+
+
+MANTISSA_BITS = {E4M3: 3, E5M2: 2}
+
+
+@pytest.mark.parametrize("fp8_dtype", [E4M3, E5M2])
+@pytest.mark.parametrize("name", list(registered_scalings()))
+def test_quantization_snr_floor_follows_from_the_format(name, fp8_dtype):
+    """Rounding to ``m`` mantissa bits errs by at most 2^-(m+1) of each value in the
+    normal range, so the SNR of a cast is at least 6.02 (m + 1) dB (24.1 dB for E4M3, 18.1
+    for E5M2) wherever the scales keep values off the subnormals. On rows 2^-8 to 2^8
+    apart, scales per row or per tile of a row do; one scale over many rows (per tensor,
+    128x128 blocks) leaves E4M3's small rows to its subnormals (E5M2's range holds them),
+    the reason for the others."""
+    x = _outlier_rows(256, 512, 7)
+    q = quantize_scaled(x, scaling_named(name), fp8_dtype).dequantize()
+    floor = 6.02 * (MANTISSA_BITS[fp8_dtype] + 1)
+    small = x.abs().amax(1) < 2.0 ** -5
+    if name in ("tensorwise", "blockwise_128x128") and fp8_dtype == E4M3:
+        assert snr_db(q[small], x[small]) < floor - 3
+    else:
+        assert snr_db(q, x) > floor and snr_db(q[small], x[small]) > floor

@@ -2,8 +2,8 @@
 scales per tensor or per row / column, PyTorch's blockwise GEMM (``F.scaled_mm``,
 DeepSeek-V3's 1x128 and 128x128 blocks) on the GPUs that have one, and an emulation
 (the operands dequantized, a float32 GEMM) for everything else: the CPU's blockwise
-GEMMs (and row-wise ones before PyTorch 2.13) and MX GEMMs on GPUs before Blackwell. ``Scaling.emulated_on`` says which, and
-plans show it.
+GEMMs (and row-wise ones before PyTorch 2.13) and MX GEMMs on GPUs before Blackwell.
+``Scaling.emulated_on`` says which, and plans show it.
 """
 
 from __future__ import annotations
