@@ -362,4 +362,5 @@ def gemm_backward(args: GemmBackwardArgs, accumulate_into: Optional[Tensor] = No
 
 
 def _times(scale_inv: Tensor, grad_scale: float) -> Tensor:
-    return scale_inv if grad_scale == 1.0 else scale_inv * grad_scale
+    """The scales times ``grad_scale`` (float32: E8M0 scales have no products)."""
+    return scale_inv if grad_scale == 1.0 else scale_inv.float() * grad_scale

@@ -19,6 +19,7 @@ import torch
 
 from fusible.kernels import fp8_cast
 from fusible.quantization import block_cast, cast
+from fusible.quantization.gemm import native_blockwise_gemm, native_rowwise_gemm
 
 _scalings: dict = {}  # name -> Scaling
 
@@ -148,7 +149,6 @@ class RowScaling(Scaling):
                 and scale_inv.shape[:-1] == data.shape[:-1] and scale_inv.shape[-1] == 1)
 
     def emulated_on(self, device):
-        from fusible.quantization.gemm import native_rowwise_gemm
         return not native_rowwise_gemm(torch.device(device).type)
 
     def cast_gathered(self, x2, fp8_dtype, columnwise, gather, max_over_group):
@@ -202,7 +202,6 @@ class BlockScaling(Scaling):
                 else None, _gather_columns(t_scale_inv, gather) if columnwise else None]
 
     def emulated_on(self, device):
-        from fusible.quantization.gemm import native_blockwise_gemm
         return not (self.group == 128 and not self.power2 and native_blockwise_gemm(device))
 
 
