@@ -17,9 +17,9 @@ from fusible.core import (Check, Example, FusedOperation, Op, OperationContext, 
 from fusible.planning import (Candidate, FusionPlan, PlanEnvironment, Stage, register_fusion,
                               registered_fusions, unregister_fusion)
 from fusible.quantization import (Float8BlockScaling, Float8CurrentScaling, Float8Format,
-                                  Float8RowwiseScaling, Float8Tensor, MXFP8BlockScaling, Recipe, autocast, quantize, quantized_model_init,
-                                  recipe_from_name, register_recipe, registered_recipes,
-                                  unregister_recipe)
+                                  Float8RowwiseScaling, Float8Tensor, MXFP8BlockScaling, Recipe,
+                                  autocast, quantize, quantized_model_init, recipe_from_name,
+                                  register_recipe, registered_recipes, unregister_recipe)
 from fusible.runtime import CompileReport, compile_report, make_graphed_callables
 
 __version__ = "0.1.0"
@@ -27,7 +27,7 @@ __version__ = "0.1.0"
 __all__ = [
     "Candidate", "Check", "CompileReport", "Example", "Float8BlockScaling",
     "Float8CurrentScaling", "Float8Format", "Float8RowwiseScaling", "Float8Tensor",
-    "FusedOperation", "MXFP8BlockScaling", "FusionPlan", "Op", "OperationContext", "Pattern",
+    "FusedOperation", "FusionPlan", "MXFP8BlockScaling", "Op", "OperationContext", "Pattern",
     "PlanConditions", "PlanEnvironment", "Recipe", "Stage", "autocast", "compile_report",
     "deinterleave_glu_rows", "interleave_glu_rows", "make_graphed_callables", "ops",
     "quantize", "quantized_model_init", "recipe_from_name", "register_fusion",

@@ -935,14 +935,15 @@ def test_block_fp8_casts_on_gpu(dtype):
 
 def test_blockwise_gemm_on_gpu_matches_the_emulation():
     """PyTorch's blockwise GEMM (cuBLAS; 1x128 x 128x128 forward and dgrad, 1x128 x 1x128
-    wgrad, a ragged contraction padded) against the float32 emulation on the same
-    operands; where this GPU has none, the emulation runs and says so."""
-    from fusible.quantization.gemm import _emulated, native_blockwise_gemm, scaled_gemm
+    wgrad, a ragged contraction padded: 1008 features) against the float32 emulation on
+    the same operands; on a GPU that has it, each of the three takes the native path."""
+    from fusible.quantization.gemm import (_block_kinds, _emulated, native_blockwise_gemm,
+                                           scaled_gemm)
     from fusible.quantization.scaling import scaling_named
     torch.manual_seed(0)
     tiles, blocks = scaling_named("blockwise_1x128"), scaling_named("blockwise_128x128")
-    x = torch.randn(512, 1000, device="cuda", dtype=torch.bfloat16)
-    w = torch.randn(768, 1000, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(512, 1008, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(768, 1008, device="cuda", dtype=torch.bfloat16)
     dy = torch.randn(512, 768, device="cuda", dtype=torch.bfloat16)
     e4m3 = torch.float8_e4m3fn
     xq, wq, dyq = (tiles.cast(x, e4m3, True, True), blocks.cast(w, e4m3, True, True),
@@ -950,11 +951,12 @@ def test_blockwise_gemm_on_gpu_matches_the_emulation():
     gemms = [(xq[0], xq[1], wq[0].t(), wq[1].t()),  # forward
              (dyq[0], dyq[1], wq[2].t(), wq[3].t()),  # dgrad
              (dyq[2], dyq[3], xq[2].t(), xq[3].t())]  # wgrad (512 tokens)
+    native = native_blockwise_gemm(x.device)
     for a, sa, b, sb in gemms:
+        assert not native or _block_kinds(a, sa, b, sb) is not None, (a.shape, b.shape)
         got = scaled_gemm(a, sa, b, sb, None, torch.float32)
         want = _emulated(a, sa, b, sb)
         assert snr_db(got, want) > 60, (tuple(a.shape), tuple(b.shape))
-    print("native blockwise GEMM:", native_blockwise_gemm(x.device))
 
 
 @pytest.mark.parametrize("recipe", ["rowwise", "blockwise", "mxfp8"])

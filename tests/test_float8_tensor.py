@@ -285,6 +285,11 @@ _CASES = {
         "3d to 2d": (lambda x, op=op: op(x, [16, 32]), True, _fp8(2, 8, 32)),
         "of t()": (lambda x, op=op: op(aten.t.default(x), [2, 16, 16]), True, _fp8(16, 32)),
     } for op in (aten.view.default, aten._unsafe_view.default)},
+    aten.reshape.default: {  # reaches the subclass whole under tracing
+        **{name: (lambda x, s=shape: aten.reshape.default(x, s), True, _fp8(16, 32))
+           for name, shape in _VIEW_SHAPES.items()},
+        "3d to 2d": (lambda x: aten.reshape.default(x, [16, 32]), True, _fp8(2, 8, 32)),
+    },
     aten._to_copy.default: {  # another floating dtype: what it dequantizes to
         "to bfloat16": (lambda x: aten._to_copy.default(x, dtype=torch.bfloat16), True,
                         _fp8(16, 32)),

@@ -200,3 +200,32 @@ def test_quantization_snr_floor_follows_from_the_format(name, fp8_dtype):
         assert snr_db(q[small], x[small]) < floor - 3
     else:
         assert snr_db(q, x) > floor and snr_db(q[small], x[small]) > floor
+
+
+def test_mx_scales_of_subnormal_quotients_do_not_saturate():
+    """``amax / 448`` below 2^-126 (float32's subnormals): the scale is still the power of
+    two at or above it (2^-126 for 1.5 * 2^-127; E8M0's least, 2^-127, below that)."""
+    amax = torch.tensor([448 * 1.5 * 2.0 ** -127, 448 * 2.0 ** -127, 448 * 2.0 ** -130])
+    assert block_cast.power2_scale_inv(amax, E4M3).tolist() == [2.0 ** -126, 2.0 ** -127,
+                                                                2.0 ** -127]
+    x = torch.full((1, 32), 448 * 1.5 * 2.0 ** -127)
+    data, scale_inv = block_cast.cast_blocks_torch(x, E4M3, (1, 32), power2=True)
+    assert (data.float() < 448).all()
+
+
+def test_the_blockwise_gemm_takes_partial_blocks():
+    """Which products PyTorch's blockwise GEMM can take (where the device has it): 1x128
+    tiles against 128x128 blocks or 1x128 tiles, one scale over a dimension of at most 128
+    being a partial block; not M or N off multiples of 16, nor MX's E8M0 scales."""
+    from fusible.quantization.gemm import _block_kinds
+    tiles, blocks = scaling_named("blockwise_1x128"), scaling_named("blockwise_128x128")
+    x, w = torch.randn(64, 96), torch.randn(256, 96)  # K of one partial block
+    xq, wq = tiles.cast(x, E4M3), blocks.cast(w, E4M3)
+    assert _block_kinds(xq[0], xq[1], wq[0].t(), wq[1].t()) == ((1, 128), (128, 128))
+    x2 = torch.randn(512, 300)
+    xq2, wq2 = tiles.cast(x2, E4M3, True, True), tiles.cast(torch.randn(64, 512), E4M3)
+    assert _block_kinds(xq2[2], xq2[3], wq2[0].t(), wq2[1].t()) is None  # 300 rows
+    assert _block_kinds(wq2[0], wq2[1], xq2[0][:, :256].contiguous(),
+                        tiles.cast(x2[:, :256].contiguous(), E4M3)[1]) is None  # b's tiles along N
+    mx = scaling_named("mx_1x32").cast(x, E4M3)
+    assert _block_kinds(mx[0], mx[1], wq[0].t(), wq[1].t()) is None

@@ -238,3 +238,30 @@ def test_each_recipe_trains_like_high_precision():
     for recipe in [fusible.Float8CurrentScaling(), *RECIPES]:
         start_r, final_r = _train(recipe)
         assert final_r < TRAINING_MARGIN * final, (recipe.name, start_r, final_r, final)
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=IDS)
+def test_three_d_inputs_hand_over_and_compile_bit_for_bit(recipe):
+    """(batch, sequence, hidden) inputs: the norm's (or Quantize's) FP8 output keeps its
+    per-row or per-tile scales with the leading dimensions, the next stage views it as
+    (tokens, features) in FP8 (a reshape under tracing too: no requantization), eager and
+    compiled alike."""
+    torch.manual_seed(0)
+    for model in (ops.Sequential(ops.RMSNorm(256), ops.Linear(256, 128)),
+                  ops.Sequential(ops.Quantize(), ops.Linear(256, 128))):
+        x = _outlier_rows(208, 256, 8).view(2, 104, 256)
+
+        def step(m):
+            xx = x.clone().requires_grad_()
+            with fusible.autocast(recipe=recipe):
+                y = m(xx)
+            y.backward(torch.linspace(-1, 1, y.numel()).view_as(y))
+            out = [y.detach(), xx.grad] + [p.grad.clone() for p in model.parameters()]
+            model.zero_grad(set_to_none=True)
+            return out
+
+        eager = step(model)
+        compiled = step(torch.compile(model, fullgraph=True, backend="aot_eager"))
+        assert all(torch.equal(a, b) for a, b in zip(eager, compiled)), type(model[0])
+        with torch.no_grad():
+            assert snr_db(eager[0], model(x)) > 20

@@ -31,8 +31,9 @@ def _scale_pair(amax, FP8_MAX, POWER2: tl.constexpr):
         v = tl.math.div_rn(amax, FP8_MAX)
         bits = v.to(tl.int32, bitcast=True)
         biased = (bits >> 23) & 0xFF
-        e = biased - 127 + ((bits & 0x7FFFFF) != 0).to(tl.int32)
-        e = tl.where(biased == 0, -127, e)
+        mantissa = bits & 0x7FFFFF
+        e = biased - 127 + (mantissa != 0).to(tl.int32)
+        e = tl.where(biased == 0, tl.where(mantissa > 0x400000, -126, -127), e)
         e = tl.minimum(tl.maximum(e, -127), 127)
         bits = tl.where(e >= -126, (e + 127) << 23, 0x00400000)  # 2^-127: a subnormal
         scale_inv = bits.to(tl.float32, bitcast=True)

@@ -33,8 +33,11 @@ def power2_scale_inv(amax: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor
     v = amax.float() / amax.new_full((), FP8_MAX[fp8_dtype], dtype=torch.float32)
     bits = v.view(torch.int32)
     biased = (bits >> 23) & 0xFF
-    e = biased - 127 + ((bits & 0x7FFFFF) != 0).to(torch.int32)
-    e = torch.where(biased == 0, torch.full_like(e, -127), e).clamp(-127, 127)
+    mantissa = bits & 0x7FFFFF
+    e = biased - 127 + (mantissa != 0).to(torch.int32)
+    # a subnormal quotient: 2^-126 above 2^-127, else 2^-127 (E8M0's least)
+    subnormal = torch.where(mantissa > 0x400000, torch.full_like(e, -126), torch.full_like(e, -127))
+    e = torch.where(biased == 0, subnormal, e).clamp(-127, 127)
     scale_inv = torch.ldexp(torch.ones_like(v), e)
     scale_inv = torch.where(amax == 0, torch.ones_like(v), scale_inv)
     return torch.where(torch.isfinite(amax), scale_inv, torch.full_like(v, float("nan")))

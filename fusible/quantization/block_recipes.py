@@ -38,9 +38,10 @@ class Float8BlockScaling(_CurrentScaling):
 class MXFP8BlockScaling(_CurrentScaling):
     """MXFP8: E4M3 data with one power-of-two (E8M0) scale per 32 consecutive values of a
     row, for every operand, the transposed copies scaled along their own rows (OCP MX;
-    the scale rounded up, so that no value saturates). Native on Blackwell; emulated on
-    Hopper and the CPU (the operands dequantized, a float32 GEMM; plans and compile
-    reports say so). Registered as ``"mxfp8"``.
+    the scale rounded up, so that no value saturates). Its GEMMs are emulated on every
+    device for now (the operands dequantized, a float32 GEMM; plans and compile reports
+    say so): fusible has no path to Blackwell's native MX GEMM yet. Registered as
+    ``"mxfp8"``.
 
     Parameters
     ----------

@@ -8,7 +8,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from fusible.quantization import cast
-from fusible.quantization.gemm import scaled_gemm, whole_contraction
+from fusible.quantization.gemm import scaled_gemm
 from fusible.quantization.scaling import Scaling, scaling_named, scaling_of
 
 aten = torch.ops.aten
@@ -18,20 +18,21 @@ class Float8Tensor(torch.Tensor):
     """FP8 data, its inverse scales and the original dtype; optionally a transposed copy.
 
     The tensor has the shape and (outer) dtype of the tensor it quantizes, so it
-    can stand where that tensor stood. ``_data`` holds the FP8 values,
-    ``_scale_inv`` (float32) the factors that dequantize them, broadcasting against the
-    data (0-d: one per tensor; ``(..., rows, 1)``: one per row; ``(1, cols)``: one per
-    column, a row-scaled tensor seen transposed), and ``_transpose`` an optional
-    row-major (features, tokens) copy for the GEMM that needs the other layout (Hopper's
-    FP8 GEMMs need both operands K-major), dequantized by ``_transpose_scale_inv``
-    (None: ``_scale_inv``, the per-tensor case; a row-wise copy is scaled per row of its
-    own layout).
+    can stand where that tensor stood. ``_data`` holds the FP8 values, ``_scale_inv`` the
+    factors that dequantize them (float32, or E8M0 for MX): 0-d, one per tensor; or as
+    many dimensions as the data, one per block, the shapes saying which block each covers
+    (``cast.scale_blocks``: ``(..., rows, 1)`` per row, ``(1, cols)`` per column of a
+    row-scaled tensor seen transposed, ``(rows, ceil(cols / 128))`` per 1x128 tile, ...).
+    ``_transpose`` is an optional row-major (features, tokens) copy for the GEMM that needs
+    the other layout (Hopper's FP8 GEMMs need both operands K-major), dequantized by
+    ``_transpose_scale_inv`` (None: ``_scale_inv``, the per-tensor case; a copy scaled
+    per row or tile of its own layout has its own).
 
-    GEMMs between Float8Tensors run as ``torch._scaled_mm``; views, transposes,
-    detach and clone stay in FP8; any other op dequantizes and runs in the
-    original dtype. :meth:`dequantize` is differentiable, and its backward sends
-    an E5M2 Float8Tensor, so that the gradient of a Float8Tensor is always one
-    (see ``shared/DESIGN.md``).
+    GEMMs between Float8Tensors run as FP8 GEMMs (``quantization.gemm.scaled_gemm``);
+    views, transposes, detach and clone stay in FP8; any other op dequantizes and runs in
+    the original dtype. :meth:`dequantize` is differentiable, and its backward sends an
+    E5M2 Float8Tensor, so that the gradient of a Float8Tensor is always one (see
+    ``shared/DESIGN.md``).
     """
 
     _data: torch.Tensor
@@ -66,7 +67,7 @@ class Float8Tensor(torch.Tensor):
 
     @property
     def scale_inv(self) -> torch.Tensor:
-        """The float32 factor that dequantizes the data."""
+        """The factors that dequantize the data (0-d, or one per block)."""
         return self._scale_inv
 
     def __repr__(self) -> str:
@@ -239,16 +240,16 @@ def quantize_scaled(x: torch.Tensor, scaling: Scaling, fp8_dtype: torch.dtype,
                     columnwise: bool = False, dtype: Optional[torch.dtype] = None) -> Float8Tensor:
     """``x`` (..., features) quantized with ``scaling`` (seen as (tokens, features));
     ``columnwise``: with the (features, tokens) copy scaled per block of its own layout.
-    Row scales keep ``x``'s leading dimensions (``(..., rows, 1)``)."""
+    Scales per row (or per tile of a row) keep ``x``'s leading dimensions (``(..., rows,
+    1)``, ``(..., rows, tiles)``); blocks of several rows need a 2-D ``x``."""
     x2 = x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x
     data, scale_inv, transpose, t_scale_inv = scaling.cast(x2, fp8_dtype, True, columnwise)
     if x.dim() != 2 and scale_inv.dim():
-        if tuple(scale_inv.shape) != (x2.shape[0], 1):
-            raise NotImplementedError(f"{scaling.name} FP8 scaling of a {x.dim()}-D tensor: "
-                                      f"quantize it as (tokens, features)")
-        scale_inv = scale_inv.view(*x.shape[:-1], 1)
-    if t_scale_inv is not None and transpose is not None and t_scale_inv.dim() == 0:
-        t_scale_inv = None  # the per-tensor copy shares the data's scale
+        if scale_inv.shape[0] != x2.shape[0]:
+            raise NotImplementedError(f"{scaling.name} FP8 scaling of a {x.dim()}-D tensor of "
+                                      f"shape {tuple(x.shape)}: its blocks span rows; quantize "
+                                      f"it as (tokens, features)")
+        scale_inv = scale_inv.view(*x.shape[:-1], scale_inv.shape[-1])
     return Float8Tensor(data.view(x.shape), scale_inv, dtype or x.dtype, transpose,
                         transpose_scale_inv=t_scale_inv)
 
@@ -310,6 +311,12 @@ def _view(t, shape, *args):
     return _marked_view(Float8Tensor(data, scale_inv, t.dtype, t._transpose if keep else None,
                                      transpose_scale_inv=t._transpose_scale_inv if keep
                                      else None))
+
+
+def _reshape(t, shape):
+    """``reshape`` (which reaches the subclass whole under tracing): a view where the
+    bytes allow one, else dequantized."""
+    return _view(t, shape) if t._data.is_contiguous() else NotImplemented
 
 
 def _reshaped_scales(t, shape):
@@ -387,7 +394,7 @@ def gemm_operands(a: Float8Tensor, b: Float8Tensor):
     if a_side is not None and b_side is not None:
         return a_side, b_side
     a_side, b_side = (a._data, a._scale_inv), (b._data, b._scale_inv)
-    if a._data.dim() != 2 or b._data.dim() != 2 or whole_contraction(a_side[1], b_side[1], m, n):
+    if a._data.dim() != 2 or b._data.dim() != 2 or not (a_side[1].dim() and b_side[1].dim()):
         return None
     blocks_a = cast.scale_blocks(a_side[1].shape, a_side[0].shape)
     blocks_b = cast.scale_blocks(b_side[1].shape, b_side[0].shape)
@@ -440,6 +447,7 @@ _HANDLERS = {
     aten.clone.default: _same(lambda t, **kw: t.clone(**kw), copy_scale=True),
     aten.view.default: _view,
     aten._unsafe_view.default: _view,
+    aten.reshape.default: _reshape,
     aten.t.default: _t,
     aten.transpose.int: _transpose,
     aten.select.int: _subset(aten.select.int),

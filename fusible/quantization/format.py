@@ -111,11 +111,11 @@ def to_format(t, fmt: Optional[Float8Format]):
 
 
 def _scales_2d(t: Float8Tensor):
-    """``t``'s scales as for its data seen as (tokens, features): row scales of leading
-    dimensions flattened."""
+    """``t``'s scales as for its data seen as (tokens, features): scales per row (or per
+    tile of a row) with the data's leading dimensions flattened like them."""
     scale_inv = t._scale_inv
-    if scale_inv.dim() > 2 and scale_inv.shape[-1] == 1:
-        return scale_inv.reshape(-1, 1)
+    if scale_inv.dim() > 2 and scale_inv.shape[:-1] == t._data.shape[:-1]:
+        return scale_inv.reshape(-1, scale_inv.shape[-1])
     return scale_inv
 
 

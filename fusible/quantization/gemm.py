@@ -2,7 +2,7 @@
 scales per tensor or per row / column, PyTorch's blockwise GEMM (``F.scaled_mm``,
 DeepSeek-V3's 1x128 and 128x128 blocks) on the GPUs that have one, and an emulation
 (the operands dequantized, a float32 GEMM) for everything else: the CPU's blockwise
-GEMMs (and row-wise ones before PyTorch 2.13) and MX GEMMs on GPUs before Blackwell.
+GEMMs (and row-wise ones before PyTorch 2.13) and MX GEMMs (no native MX path yet).
 ``Scaling.emulated_on`` says which, and plans show it.
 """
 
@@ -12,6 +12,8 @@ import functools
 
 import torch
 import torch.nn.functional as F
+from torch._subclasses.fake_tensor import unset_fake_temporarily
+from torch.utils._python_dispatch import _disable_current_modes
 
 from fusible.quantization.cast import expand_scales, scale_blocks
 
@@ -44,12 +46,14 @@ def native_rowwise_gemm(device_type: str) -> bool:
     once, with a tiny product."""
     if device_type != "cpu":
         return True
-    a = torch.ones((16, 16), dtype=torch.float8_e4m3fn)
-    try:
-        torch._scaled_mm(a, a.t(), scale_a=torch.ones((16, 1)), scale_b=torch.ones((1, 16)),
-                         out_dtype=torch.float32)
-    except RuntimeError:
-        return False
+    # Real tensors even when first asked while tracing (a fake product always "works")
+    with unset_fake_temporarily(), _disable_current_modes():
+        a = torch.ones((16, 16), dtype=torch.float8_e4m3fn)
+        try:
+            torch._scaled_mm(a, a.t(), scale_a=torch.ones((16, 1)), scale_b=torch.ones((1, 16)),
+                             out_dtype=torch.float32)
+        except RuntimeError:
+            return False
     return True
 
 
@@ -107,12 +111,17 @@ def _block_kinds(a, scale_a, b, scale_b):
         return None
     if scale_a.dim() != 2 or scale_b.dim() != 2 or a.shape[0] % 16 or b.shape[1] % 16:
         return None
-    block_a = scale_blocks(scale_a.shape, a.shape)
-    block_b = scale_blocks(scale_b.t().shape, b.t().shape)
+    block_a = _gemm_block(scale_blocks(scale_a.shape, a.shape), a.shape)
+    block_b = _gemm_block(scale_blocks(scale_b.t().shape, b.t().shape), b.t().shape)
     kinds = ((1, BLOCK), (BLOCK, BLOCK))
     if block_a not in kinds or block_b not in kinds or block_a == block_b == kinds[1]:
         return None
     return block_a, block_b
+
+
+def _gemm_block(block: tuple, shape: tuple) -> tuple:
+    """One scale over a whole dimension of at most 128 is a 128 block (a partial one)."""
+    return tuple(BLOCK if b == n and 1 < n <= BLOCK else b for b, n in zip(block, shape))
 
 
 def _blockwise(a, scale_a, b, scale_b, kinds, out_dtype):
