@@ -242,7 +242,7 @@ CURATED = [
        "da, db = _swiglu_grads(dy * s[:, None], a, b,", "da, db = _swiglu_grads(dy, a, b,",
        "the scaled unit's Triton backward forgets the router weight in the input gradient"),
     _m("mx_scale_rounded_down", "fusible/quantization/block_cast.py",
-       "    e = biased - 127 + ((bits & 0x7FFFFF) != 0).to(torch.int32)\n",
+       "    e = biased - 127 + (mantissa != 0).to(torch.int32)\n",
        "    e = biased - 127\n",
        "MX scales rounded down (OCP's floor): a block's largest values saturate"),
     _m("tile_copy_reuses_data_scales", "fusible/quantization/block_cast.py",
