@@ -299,8 +299,9 @@ FRESH = [
        "BackwardActivationBias's PyTorch path sums dy, not the activation gradient, "
        "into dbias"),
     _m("dequantize_in_outer_dtype", "fusible/quantization/cast.py",
-       "return (data.float() * scale_inv).to(dtype).contiguous()",
-       "return (data.to(dtype) * scale_inv.to(dtype)).contiguous()",
+       "return (data.float() * expand_scales(scale_inv.float(), data.shape)).to(dtype)"
+       ".contiguous()",
+       "return (data.to(dtype) * expand_scales(scale_inv.to(dtype), data.shape)).contiguous()",
        "FP8 dequantization multiplies in the outer dtype (bf16 scale, bf16 product) "
        "instead of float32"),
     _m("cast_fake_transpose_shape", "fusible/quantization/cast.py",
