@@ -11,8 +11,8 @@ optimizer; the method of ``gpu_mlp.measure``) side by side in one run, as rows:
 - ``fusible_rowwise_eager`` / ``_compile``: the same under
   ``fusible.autocast(recipe=fusible.Float8RowwiseScaling())`` (torchao_rowwise's twin),
   ``fusible_blockwise_*`` under ``Float8BlockScaling()`` (DeepSeek-V3's blocks); on
-  request ``fusible_mxfp8_*`` under ``MXFP8BlockScaling()`` (emulated GEMMs before
-  Blackwell: what the emulation costs, not a speed);
+  request ``fusible_mxfp8_*`` under ``MXFP8BlockScaling()`` (emulated GEMMs: what the
+  emulation costs, not a speed);
 - on request (``--rows``), ``fusible_{bf16,fp8}_recompute_{eager,compile}``: the same with
   the norms' ``recompute_output=True`` (the joint fusion RecomputeNormLinear).
 
