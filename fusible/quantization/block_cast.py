@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from fusible.kernels import fp8_blocks, fp8_cast, plain_eager
-from fusible.quantization.cast import FP8_MAX, scale_from_amax
+from fusible.quantization.cast import FP8_MAX, pack_parts, scale_from_amax, unpack_parts
 
 E8M0 = torch.float8_e8m0fnu
 
@@ -92,7 +92,7 @@ def cast_to_fp8_blocks(x2: torch.Tensor, fp8_dtype: torch.dtype, group: int, squ
         raise ValueError(f"cast_to_fp8_blocks: takes a 2-D tensor, got shape {tuple(x2.shape)}")
     if not plain_eager(x2):
         out = cast_to_fp8_blocks_op(x2, fp8_dtype, group, square, power2, rowwise, columnwise)
-        return _unpack(out, rowwise, columnwise)
+        return unpack_parts(out, rowwise, columnwise)
     return _cast(x2, fp8_dtype, group, square, power2, rowwise, columnwise)
 
 
@@ -117,21 +117,11 @@ def _cast_torch(x2, fp8_dtype, group, square, power2, rowwise, columnwise) -> li
     return out
 
 
-def _pack(out: list) -> list:
-    return [t for t in out if t is not None]
-
-
-def _unpack(flat: list, rowwise: bool, columnwise: bool) -> list:
-    flat = list(flat)
-    return ((flat[:2] if rowwise else [None, None])
-            + (flat[-2:] if columnwise else [None, None]))
-
-
 _LIB = torch.library.Library("fusible", "FRAGMENT")
 _LIB.define("cast_to_fp8_blocks(Tensor x, ScalarType fp8_dtype, int group, bool square, "
             "bool power2, bool rowwise, bool columnwise) -> Tensor[]")
 _LIB.impl("cast_to_fp8_blocks",
-          lambda x, *args: _pack(_cast(x.contiguous(), *args)), "CompositeExplicitAutograd")
+          lambda x, *args: pack_parts(_cast(x.contiguous(), *args)), "CompositeExplicitAutograd")
 
 
 @torch.library.register_fake("fusible::cast_to_fp8_blocks", lib=_LIB)

@@ -113,10 +113,23 @@ def cast_to_fp8_rowwise(x: torch.Tensor, fp8_dtype: torch.dtype, rowwise: bool =
         raise ValueError("cast_to_fp8_rowwise: asked for neither the data nor its transpose")
     if not plain_eager(x) or (column_amax is not None and not plain_eager(column_amax)):
         # traced: the op (its fake gives the shapes, no kernel launch)
-        flat = list(cast_to_fp8_rowwise_op(x, fp8_dtype, rowwise, columnwise, column_amax))
-        return (flat[:2] if rowwise else [None, None]) + (flat[-2:] if columnwise
-                                                          else [None, None])
+        flat = cast_to_fp8_rowwise_op(x, fp8_dtype, rowwise, columnwise, column_amax)
+        return unpack_parts(flat, rowwise, columnwise)
     return _cast_rowwise(x, fp8_dtype, rowwise, columnwise, column_amax)
+
+
+def pack_parts(parts: list) -> list:
+    """``[data, scale_inv, transpose, transpose_scale_inv]`` without its Nones: what a
+    cast op returns (a ``Tensor[]`` holds no None)."""
+    return [t for t in parts if t is not None]
+
+
+def unpack_parts(flat, rowwise: bool, columnwise: bool) -> list:
+    """Undo :func:`pack_parts` for a cast that kept the data (``rowwise``) and / or the
+    transposed copy (``columnwise``), each with its scales."""
+    flat = list(flat)
+    return ((flat[:2] if rowwise else [None, None])
+            + (flat[-2:] if columnwise else [None, None]))
 
 
 def _cast_rowwise(x, fp8_dtype, rowwise, columnwise, column_amax=None) -> list:
@@ -203,8 +216,7 @@ _LIB.define("cast_to_fp8(Tensor x, ScalarType fp8_dtype, bool columnwise, Tensor
 _LIB.define("dequantize(Tensor data, Tensor scale_inv, ScalarType dtype) -> Tensor")
 _LIB.define("cast_to_fp8_rowwise(Tensor x, ScalarType fp8_dtype, bool rowwise, bool columnwise, "
             "Tensor? column_amax=None) -> Tensor[]")
-_LIB.impl("cast_to_fp8_rowwise",
-          lambda *args: [t for t in _cast_rowwise(*args) if t is not None],
+_LIB.impl("cast_to_fp8_rowwise", lambda *args: pack_parts(_cast_rowwise(*args)),
           "CompositeExplicitAutograd")
 _LIB.impl("cast_to_fp8", fp8_cast.fresh_zeros_inside(lambda *args: cast_to_fp8(*args)),
           "CompositeExplicitAutograd")

@@ -218,9 +218,10 @@ def transposed_only(transpose: torch.Tensor, scale_inv: torch.Tensor, dtype: tor
         if shape is not None and len(shape) != 2 and tuple(scale_inv.shape) != (data.shape[1], 1):
             raise NotImplementedError(f"a {len(shape)}-D FP8 tensor held by a transposed copy "
                                       f"with block scales {tuple(scale_inv.shape)}")
-        return Float8Tensor(data if shape is None else data.view(shape),
-                            _scale_view(scale_inv.t(), shape), dtype, transpose,
-                            transpose_scale_inv=scale_inv)
+        scales = scale_inv.t() if shape is None or len(shape) == 2 else \
+            _per_column(scale_inv.t(), shape)  # per-row copy scales: per column, N-D
+        return Float8Tensor(data if shape is None else data.view(shape), scales, dtype,
+                            transpose, transpose_scale_inv=scale_inv)
     return Float8Tensor(data if shape is None else data.view(shape), scale_inv, dtype, transpose)
 
 
@@ -327,14 +328,12 @@ def _reshaped_scales(t, shape):
     if tuple(scale_inv.shape[:-1]) == tuple(old[:-1]):
         return scale_inv.reshape(*shape[:-1], scale_inv.shape[-1])
     if all(s == 1 for s in scale_inv.shape[:-1]) and scale_inv.shape[-1] == old[-1]:
-        return scale_inv.reshape(*([1] * (len(shape) - 1)), shape[-1])
+        return _per_column(scale_inv, shape)
     return None
 
 
-def _scale_view(scale_inv, shape):
-    """Per-column scales ``(1, cols)`` for data viewed as ``shape``."""
-    if shape is None or len(shape) == 2 or scale_inv.dim() == 0:
-        return scale_inv
+def _per_column(scale_inv, shape):
+    """Per-column scales (``(1, ..., cols)``) for data viewed as ``shape``."""
     return scale_inv.reshape(*([1] * (len(shape) - 1)), shape[-1])
 
 

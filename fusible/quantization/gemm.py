@@ -90,9 +90,14 @@ def scaled_gemm(a: torch.Tensor, scale_a: torch.Tensor, b: torch.Tensor, scale_b
     return y.to(out_dtype)
 
 
+def _k_major(a, b) -> tuple:
+    """``a`` row-major and ``b`` column-major, the layouts Hopper's FP8 GEMMs read."""
+    return (a if a.is_contiguous() else a.contiguous(),
+            b if b.t().is_contiguous() else b.t().contiguous().t())
+
+
 def _scaled_mm(a, scale_a, b, scale_b, bias, out_dtype, fast_accum):
-    a = a if a.is_contiguous() else a.contiguous()
-    b = b if b.t().is_contiguous() else b.t().contiguous().t()
+    a, b = _k_major(a, b)
     epilogue = bias is not None and out_dtype in (torch.bfloat16, torch.float16)
     scale_a, scale_b = scaled_mm_scales(scale_a, scale_b, a.shape[0], b.shape[1])
     y = torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b,
@@ -133,8 +138,7 @@ def _blockwise(a, scale_a, b, scale_b, kinds, out_dtype):
     if kp != k:  # zeros contribute nothing; the scales already cover the partial block
         a = torch.cat([a.contiguous(), a.new_zeros((a.shape[0], kp - k))], 1)
         b = torch.cat([b.t().contiguous(), b.new_zeros((b.shape[1], kp - k))], 1).t()
-    a = a if a.is_contiguous() else a.contiguous()
-    b = b if b.t().is_contiguous() else b.t().contiguous().t()
+    a, b = _k_major(a, b)
     sa, ra = _v2_scale(scale_a, kinds[0])
     sb, rb = _v2_scale(scale_b.t(), kinds[1])
     return F.scaled_mm(a, b, sa, ra, sb, rb, output_dtype=out_dtype, use_fast_accum=False)

@@ -128,8 +128,8 @@ class TensorScaling(Scaling):
 
     def cast_gathered(self, x2, fp8_dtype, columnwise, gather, max_over_group):
         # One scale for the group: the maxima over the ranks, then each rank's cast with it
-        local = cast.tensor_amax(x2) if x2.numel() else x2.new_zeros((), dtype=torch.float32)
-        data, scale_inv = cast.cast_to_fp8_any(x2, fp8_dtype, False, max_over_group(local))[:2]
+        amax = max_over_group(cast.tensor_amax(x2))  # 0 for no tokens
+        data, scale_inv = cast.cast_to_fp8_any(x2, fp8_dtype, False, amax)[:2]
         data = gather(data)
         copy = fp8_cast.transposed_copy(data) if columnwise else None
         return [data, scale_inv, copy, None]
@@ -191,12 +191,14 @@ class BlockScaling(Scaling):
     def cast_gathered(self, x2, fp8_dtype, columnwise, gather, max_over_group):
         # Tiles along the rows are each rank's own; the copy's tiles (``group`` tokens) too
         # where every rank holds whole tiles of tokens.
-        if self.square or (columnwise and x2.shape[0] % self.group):
+        if self.square:
+            raise NotImplementedError(f"an FP8 all-gather of {self.name} blocks is not "
+                                      f"implemented")
+        if columnwise and x2.shape[0] % self.group:
             raise NotImplementedError(
                 f"an FP8 all-gather under {self.name} scaling needs every rank's tokens in "
                 f"whole {self.group}-token tiles (the transposed copy's), got "
-                f"{x2.shape[0]} tokens on this rank" if not self.square else
-                f"an FP8 all-gather of {self.name} blocks is not implemented")
+                f"{x2.shape[0]} tokens on this rank")
         data, scale_inv, t, t_scale_inv = self.cast(x2, fp8_dtype, True, columnwise)
         return [gather(data), gather(scale_inv), _gather_columns(t, gather) if columnwise
                 else None, _gather_columns(t_scale_inv, gather) if columnwise else None]
