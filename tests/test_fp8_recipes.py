@@ -29,6 +29,23 @@ def _outlier_rows(rows, cols, seed):
     return torch.randn(rows, cols, generator=gen) * magnitudes
 
 
+def _ramp(y):
+    return torch.linspace(-1, 1, y.numel()).view_as(y)
+
+
+def _step(model, run, x, recipe, grad=_ramp):
+    """One forward and backward of ``run`` (``model`` or its compiled self) under
+    ``recipe``: the output, the input's gradient and ``model``'s parameters' (then
+    cleared)."""
+    xx = x.clone().requires_grad_()
+    with fusible.autocast(recipe=recipe):
+        y = run(xx)
+    y.backward(grad(y))
+    out = [y.detach(), xx.grad] + [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    return out
+
+
 def _linear_step(recipe, x, w, dy):
     layer = ops.Sequential(ops.BasicLinear(w.shape[1], w.shape[0]))
     with torch.no_grad():
@@ -82,18 +99,9 @@ def test_mlp_compiles_bit_for_bit(recipe):
     model = ops.Sequential(ops.RMSNorm(256), ops.Linear(256, 384), ops.GELU(),
                            ops.Linear(384, 256))
     x = _outlier_rows(208, 256, 5)
-
-    def step(m):
-        xx = x.clone().requires_grad_()
-        with fusible.autocast(recipe=recipe):
-            y = m(xx)
-        y.backward(torch.linspace(-1, 1, y.numel()).view_as(y))
-        out = [y.detach(), xx.grad] + [p.grad.clone() for p in model.parameters()]
-        model.zero_grad(set_to_none=True)
-        return out
-
-    eager = step(model)
-    compiled = step(torch.compile(model, fullgraph=True, backend="aot_eager"))
+    eager = _step(model, model, x, recipe)
+    compiled = _step(model, torch.compile(model, fullgraph=True, backend="aot_eager"), x,
+                     recipe)
     assert all(torch.equal(a, b) for a, b in zip(eager, compiled))
     with torch.no_grad():
         ref = model(x)
@@ -105,19 +113,10 @@ def test_blockwise_mlp_compiles_bit_for_bit_with_inductor():
     torch.manual_seed(0)
     model = ops.Sequential(ops.Linear(128, 256), ops.SwiGLU(), ops.Linear(128, 128))
     x = _outlier_rows(144, 128, 6)
-
-    def step(m):
-        xx = x.clone().requires_grad_()
-        with fusible.autocast(recipe=fusible.Float8BlockScaling()):
-            y = m(xx)
-        y.backward(torch.ones_like(y))
-        out = [y.detach(), xx.grad] + [p.grad.clone() for p in model.parameters()]
-        model.zero_grad(set_to_none=True)
-        return out
-
-    eager = step(model)
-    assert all(torch.equal(a, b) for a, b in zip(eager, step(torch.compile(model,
-                                                                           fullgraph=True))))
+    recipe = fusible.Float8BlockScaling()
+    eager = _step(model, model, x, recipe, torch.ones_like)
+    compiled = _step(model, torch.compile(model, fullgraph=True), x, recipe, torch.ones_like)
+    assert all(torch.equal(a, b) for a, b in zip(eager, compiled))
 
 
 def test_recipe_presets_and_formats():
@@ -187,19 +186,11 @@ def test_an_input_handed_over_quantized_is_used_as_it_is(recipe):
         handed[1].weight.copy_(plain[0].weight)
         handed[1].bias.copy_(plain[0].bias)
     x = _outlier_rows(160, 256, 6)
-
-    def step(m):
-        xx = x.clone().requires_grad_()
-        with fusible.autocast(recipe=recipe):
-            y = m(xx)
-        y.backward(torch.ones_like(y))
-        out = [y.detach(), xx.grad] + [p.grad.clone() for p in m.parameters()]
-        m.zero_grad(set_to_none=True)
-        return out
-
-    want, got = step(plain), step(handed)
+    want = _step(plain, plain, x, recipe, torch.ones_like)
+    got = _step(handed, handed, x, recipe, torch.ones_like)
     assert snr_db(got[0], want[0]) > 120 and snr_db(got[2], want[2]) > 20
-    compiled = step(torch.compile(handed, fullgraph=True, backend="aot_eager"))
+    compiled = _step(handed, torch.compile(handed, fullgraph=True, backend="aot_eager"), x,
+                     recipe, torch.ones_like)
     assert all(torch.equal(a, b) for a, b in zip(compiled, got))
 
 
@@ -250,18 +241,9 @@ def test_three_d_inputs_hand_over_and_compile_bit_for_bit(recipe):
     for model in (ops.Sequential(ops.RMSNorm(256), ops.Linear(256, 128)),
                   ops.Sequential(ops.Quantize(), ops.Linear(256, 128))):
         x = _outlier_rows(208, 256, 8).view(2, 104, 256)
-
-        def step(m):
-            xx = x.clone().requires_grad_()
-            with fusible.autocast(recipe=recipe):
-                y = m(xx)
-            y.backward(torch.linspace(-1, 1, y.numel()).view_as(y))
-            out = [y.detach(), xx.grad] + [p.grad.clone() for p in model.parameters()]
-            model.zero_grad(set_to_none=True)
-            return out
-
-        eager = step(model)
-        compiled = step(torch.compile(model, fullgraph=True, backend="aot_eager"))
+        eager = _step(model, model, x, recipe)
+        compiled = _step(model, torch.compile(model, fullgraph=True, backend="aot_eager"), x,
+                         recipe)
         assert all(torch.equal(a, b) for a, b in zip(eager, compiled)), type(model[0])
         with torch.no_grad():
             assert snr_db(eager[0], model(x)) > 20
