@@ -16,7 +16,7 @@ from fusible.core import (Check, Example, FusedOperation, Op, OperationContext, 
                           PlanConditions, register_schema_type)
 from fusible.planning import (Candidate, FusionPlan, PlanEnvironment, Stage, register_fusion,
                               registered_fusions, unregister_fusion)
-from fusible.quantization import (Float8BlockScaling, Float8CurrentScaling, Float8Format,
+from fusible.quantization import (DelayedScaling, Float8BlockScaling, Float8CurrentScaling, Float8Format,
                                   Float8RowwiseScaling, Float8Tensor, MXFP8BlockScaling, Recipe,
                                   autocast, quantize, quantized_model_init, recipe_from_name,
                                   register_recipe, registered_recipes, unregister_recipe)
@@ -25,7 +25,7 @@ from fusible.runtime import CompileReport, compile_report, make_graphed_callable
 __version__ = "0.1.0"
 
 __all__ = [
-    "Candidate", "Check", "CompileReport", "Example", "Float8BlockScaling",
+    "Candidate", "Check", "CompileReport", "DelayedScaling", "Example", "Float8BlockScaling",
     "Float8CurrentScaling", "Float8Format", "Float8RowwiseScaling", "Float8Tensor",
     "FusedOperation", "FusionPlan", "MXFP8BlockScaling", "Op", "OperationContext", "Pattern",
     "PlanConditions", "PlanEnvironment", "Recipe", "Stage", "autocast", "compile_report",

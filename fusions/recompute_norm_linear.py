@@ -15,7 +15,7 @@ from fusible.functional.norms import (effective_gamma, layer_norm_backward, norm
                                       rms_norm_backward)
 from fusible.functional.parallel import TensorParallel
 from fusible.ops import BackwardResult, BasicLinear, Bias, ForwardResult, LayerNorm, RMSNorm
-from fusible.quantization.format import Float8Format
+from fusible.quantization.format import Float8Format, bound_format
 
 Tensor = torch.Tensor
 
@@ -126,8 +126,10 @@ class RecomputeNormLinear(FusedOperation):
         recipe = ctxs[1].recipe
         return NormLinearForwardArgs(
             input, params[0], norm_bias, params[k], bias, list(norm.normalized_shape),
-            norm.eps, norm.zero_centered_gamma, gemm_input_format(recipe, ctxs[1].needs),
-            None if recipe is None else recipe.weight_format(), self.match["linear"].tp)
+            norm.eps, norm.zero_centered_gamma,
+            bound_format(gemm_input_format(recipe, ctxs[1].needs), ctxs[1], "input"),
+            None if recipe is None else bound_format(recipe.weight_format(), ctxs[1], "weight"),
+            self.match["linear"].tp)
 
     @classmethod
     def forward_compute(cls, args, *, in_custom_op=False):
@@ -169,8 +171,8 @@ class RecomputeNormLinear(FusedOperation):
             norm.zero_centered_gamma, [ctxs[0].needs.input, *ctxs[0].needs.params],
             [needs.input, needs.params[0], *(c.needs.params[0] for c in ctxs[2:])],
             linear.wgrad_dtype, gemm_input_format(recipe, needs),
-            gemm_grad_format(recipe, needs), None if recipe is None else recipe.weight_format(),
-            linear.tp)
+            bound_format(gemm_grad_format(recipe, needs), ctxs[1], "grad"),
+            None if recipe is None else recipe.weight_format(), linear.tp)
 
     @classmethod
     def backward_compute(cls, args, *, in_custom_op=False):

@@ -20,13 +20,18 @@ class OperationContext:
         What the op's backward needs: an instance of the op's ``saved_type``, set by
         whichever forward stage covered the op (None: nothing saved). The fuser drops it
         as soon as the backward stage covering the op has run.
+    states : dict
+        Under a recipe with stateful formats (delayed scaling), the op's state tensor of
+        each of its ``scaling_state_roles`` (role -> Tensor), set by the fuser for the
+        call; empty otherwise.
     """
 
-    __slots__ = ("needs", "recipe", "saved", "versions", "outputs")
+    __slots__ = ("needs", "recipe", "saved", "versions", "outputs", "states")
 
     def __init__(self, needs: OpGradNeeds, recipe: Any = None):
         self.needs = needs
         self.recipe = recipe
+        self.states: dict = {}
         self.saved: Any = None
         self.versions = ()  # (field, version) of saved intermediates, set by the fuser
         self.outputs = ()   # fields holding outputs kept by autograd, set by the fuser

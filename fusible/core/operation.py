@@ -99,9 +99,16 @@ class BasicOperationSpec(FusibleSpec, StageSpec):
         Megatron-style float32 buffer) instead of going to autograd; the stages covering
         the op return those gradients in float32. Usually an instance property
         (``BasicLinear(accumulate_into_main_grad=True)``).
+    scaling_state_roles : tuple of str
+        The FP8 tensor roles (``"input"``, ``"weight"``, ``"grad"``) this op casts in:
+        under a recipe whose formats keep state (delayed scaling), the op keeps one state
+        buffer per role (:meth:`scaling_state`), ``ctx.states[role]`` in its stages, and
+        a stage that hands this op its input (gradient) in FP8 casts it with the op's
+        ``"input"`` (``"grad"``) state.
     """
 
     param_names: ClassVar[tuple] = ()
+    scaling_state_roles: ClassVar[tuple] = ()
     quantized_params: ClassVar[tuple] = ()
     main_grad_params: tuple = ()
     # Each output feature (last dimension) comes from the same input feature alone (a bias,
@@ -134,6 +141,17 @@ class BasicOperationSpec(FusibleSpec, StageSpec):
             return found
         owner = self.__dict__.get("_fusible_owner")  # the composite holding the parameter
         return getattr(owner() if owner is not None else self, name)
+
+    def scaling_state(self, role: str, size: int, device) -> Tensor:
+        """The op's state of FP8 tensor ``role`` (a persistent float32 buffer of ``size``
+        values named ``fp8_state_<role>``), made zero where missing or of another size
+        (another history length); on ``device`` where made."""
+        name = f"fp8_state_{role}"
+        state = self._buffers.get(name)
+        if state is None or state.shape != (size,):
+            state = torch.zeros(size, device=device, dtype=torch.float32)
+            self.register_buffer(name, state)
+        return state
 
     def diagram_label(self) -> str:
         """Sizes and settings shown under the op's name in plan diagrams."""

@@ -32,12 +32,17 @@ class SchemaType:
         ``list -> value``, the inverse.
     record_type : type or None
         The attrs class, for a nested record.
+    states : tuple of int
+        The parts (``"Tensor?"``) that are state the op updates: a custom op may not
+        write into its arguments, so its kernel updates a copy and returns it, and the
+        caller writes that back (``fusible.runtime.custom_ops``).
     """
 
     parts: tuple
     flatten: Callable
     unflatten: Callable
     record_type: Optional[type] = None
+    states: tuple = ()
 
 
 _ADAPTERS: dict = {}
@@ -190,8 +195,19 @@ def _builder_expr(record_type, sources: list, namespace: dict) -> str:
     return f"{_bind(namespace, record_type)}({', '.join(args)})"
 
 
+def state_parts(fields: tuple) -> tuple:
+    """The positions of the state parts (:attr:`SchemaType.states`) among the flattened
+    parts of ``fields`` (``(name, SchemaType)`` pairs)."""
+    found, pos = [], 0
+    for _, st in fields:
+        found += [pos + i for i in st.states]
+        pos += len(st.parts)
+    return tuple(found)
+
+
 def _record_type(record_type) -> SchemaType:
     fields = record_fields(record_type)
     return SchemaType(tuple(p for _, st in fields for p in st.parts),
                       lambda v: flatten_record(fields, v),
-                      lambda vals: unflatten_record(record_type, fields, vals), record_type)
+                      lambda vals: unflatten_record(record_type, fields, vals), record_type,
+                      states=state_parts(fields))

@@ -230,6 +230,10 @@ def gemm_forward(gemm: GemmForwardArgs, bias: Optional[Tensor] = None):
         w_q = requantize(weight, w_format.fp8_dtype, False)
         w_data, w_scale_inv = w_q._data, w_q._scale_inv
         w_amax = weight._scale_inv  # unused: the backward reads the FP8 weight itself
+    elif w_format.stateful:  # the state's scale; the backward casts again with its amax
+        w_amax = w_format.state[0].clone()
+        w_data, w_scale_inv = w_format.scaling.cast(weight, w_format.fp8_dtype,
+                                                    state=w_format.state)[:2]
     elif not w_format.per_tensor:  # its scaling's blocks; the backward casts again
         w_amax = None
         w_data, w_scale_inv = w_format.scaling.cast(weight, w_format.fp8_dtype)[:2]
@@ -260,7 +264,8 @@ def gather_fp8(x: Tensor, tp: TensorParallel, fmt: Float8Format) -> Float8Tensor
         x = x._dequantize_raw()
     parts = fmt.scaling.cast_gathered(tokens_2d(x), fmt.fp8_dtype, fmt.columnwise,
                                       lambda t: parallel.all_gather(t, tp),
-                                      lambda t: parallel.all_reduce(t, tp, "max"))
+                                      lambda t: parallel.all_reduce(t, tp, "max"),
+                                      state=fmt.state)
     data, scale_inv, transpose, t_scale_inv = parts
     return Float8Tensor(data, scale_inv, x.dtype, transpose, transpose_scale_inv=t_scale_inv)
 

@@ -10,7 +10,7 @@ from fusible.functional.linear import (GemmBackwardArgs, GemmForwardArgs, Linear
                                        handed_in)
 from fusible.functional.parallel import TensorParallel
 from fusible.quantization.float8_tensor import transposed_only
-from fusible.quantization.format import Float8Format
+from fusible.quantization.format import Float8Format, bound_format
 
 
 def gemm_input_format(recipe, needs) -> Optional[Float8Format]:
@@ -29,8 +29,9 @@ def gemm_forward_args(input, weight, tp: TensorParallel, ctx) -> GemmForwardArgs
     recipe = ctx.recipe
     if recipe is None:
         return GemmForwardArgs(input, weight, None, None, tp)
-    return GemmForwardArgs(input, weight, gemm_input_format(recipe, ctx.needs),
-                           recipe.weight_format(), tp)
+    return GemmForwardArgs(input, weight,
+                           bound_format(gemm_input_format(recipe, ctx.needs), ctx, "input"),
+                           bound_format(recipe.weight_format(), ctx, "weight"), tp)
 
 
 def forward_aux(gemm: GemmForwardArgs, kept) -> tuple:
@@ -103,7 +104,9 @@ def gemm_backward_args(ctx, grad_output, tp: TensorParallel,
     if recipe is None:
         return GemmBackwardArgs(grad_output, saved.input, saved.weight, None, needs.input,
                                 needs.params[0], tp, wgrad_dtype=wgrad_dtype)
+    # The weight's format unbound: dgrad casts it with the forward's amax, recording nothing
     return GemmBackwardArgs(grad_output, saved.input, saved.weight,
-                            gemm_grad_format(recipe, needs), needs.input, needs.params[0], tp,
+                            bound_format(gemm_grad_format(recipe, needs), ctx, "grad"),
+                            needs.input, needs.params[0], tp,
                             weight_format=recipe.weight_format(), weight_amax=saved.weight_amax,
                             wgrad_dtype=wgrad_dtype)

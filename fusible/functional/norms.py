@@ -12,7 +12,7 @@ from fusible.kernels import triton_can_run
 from fusible.quantization.cast import FP8_MAX, cast_to_fp8_any, tensor_amax
 from fusible.quantization.float8_tensor import (Float8Tensor, from_cast_parts, quantize_raw,
                                                 transposed_only)
-from fusible.quantization.format import Float8Format
+from fusible.quantization.format import Float8Format, to_format
 
 Tensor = torch.Tensor
 
@@ -163,7 +163,15 @@ def norm_forward_fp8_keeping_amax(x: Tensor, weight: Tensor, bias: Optional[Tens
                                   fmt: Float8Format) -> tuple:
     """``(Float8Tensor y, mean, rstd, amax)``: the norm with ``y`` in ``fmt``, the same bits
     as the norm op's FP8 forward (or its output quantized after it), and ``y``'s absolute
-    maximum in a tensor of its own, which :func:`norm_output_fp8_again` takes."""
+    maximum in a tensor of its own, which :func:`norm_output_fp8_again` takes (a stateful
+    format's: the amax its state scales this cast by)."""
+    if fmt.stateful:
+        amax = fmt.state[0].clone()
+        if center:
+            y, mean, rstd = layer_norm_forward(x, weight, bias, normalized_shape, eps, fmt)
+        else:
+            (y, rstd), mean = rms_norm_forward(x, weight, normalized_shape, eps, fmt), None
+        return to_format(y, fmt), mean, rstd, amax
     kernels = (x, weight) if bias is None else (x, weight, bias)
     if triton_can_run(*kernels) and x.numel():
         amax = torch.zeros((), device=x.device, dtype=torch.float32)

@@ -74,6 +74,7 @@ class BasicLinear(BasicOperation):
 
     param_names = ("weight",)
     quantized_params = ("weight",)
+    scaling_state_roles = ("input", "weight", "grad")
     attribute_checks = {"in_features": checks.positive_int("in_features"),
                         "out_features": checks.positive_int("out_features"),
                         "sequence_parallel": checks.boolean("sequence_parallel"),

@@ -78,6 +78,7 @@ class Linear(FusibleOperation):
     def _link_ops(self) -> None:
         for op in self._ops:
             object.__setattr__(op, "_parameters", self._parameters)
+            object.__setattr__(op, "_buffers", self._buffers)  # FP8 scaling states
             object.__setattr__(op, "_fusible_owner", weakref.ref(self))  # see param()
 
     def __setstate__(self, state):

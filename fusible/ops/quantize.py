@@ -11,7 +11,7 @@ from fusible.core.example import Example
 from fusible.core.results import BackwardResult, ForwardResult
 from fusible.module import BasicOperation
 from fusible.quantization.float8_tensor import Fp8Able
-from fusible.quantization.format import Float8Format, to_format
+from fusible.quantization.format import Float8Format, bound_format, to_format
 
 
 @attrs.define
@@ -50,6 +50,7 @@ class Quantize(BasicOperation):
     """
 
     keeps_features = True
+    scaling_state_roles = ("input", "grad")  # its output's (a GEMM input's) and gradient's
 
     fwd_args_type = QuantizeForwardArgs
     bwd_args_type = QuantizeBackwardArgs
@@ -67,7 +68,7 @@ class Quantize(BasicOperation):
     def forward_args(self, input, params, extra_inputs, ctxs):
         recipe = ctxs[0].recipe
         fmt = recipe.input_format() if recipe is not None and self.forward_fp8 else None
-        return QuantizeForwardArgs(input, fmt)
+        return QuantizeForwardArgs(input, bound_format(fmt, ctxs[0], "input"))
 
     @classmethod
     def forward_compute(cls, args, *, in_custom_op=False):
@@ -79,7 +80,8 @@ class Quantize(BasicOperation):
     def backward_args(self, grad_output, grad_extra_outputs, ctxs):
         recipe = ctxs[0].recipe
         fmt = recipe.grad_format() if recipe is not None and self.backward_fp8 else None
-        return QuantizeBackwardArgs(grad_output, fmt, ctxs[0].needs.input)
+        return QuantizeBackwardArgs(grad_output, bound_format(fmt, ctxs[0], "grad"),
+                                    ctxs[0].needs.input)
 
     @classmethod
     def backward_compute(cls, args, *, in_custom_op=False):

@@ -6,6 +6,7 @@ import functools
 from typing import Any, Optional
 
 import attrs
+import torch
 
 from fusible.core.conditions import PlanConditions
 from fusible.core.context import OperationContext
@@ -23,7 +24,9 @@ class ExecStage:
     ``output_format`` is the ``Float8Format`` in which the stage hands its output
     (forward) or its input gradient (backward) to the next stage; None for a plain
     tensor. ``compute`` is the op's compute classmethod, given that format when the op
-    quantizes its own output.
+    quantizes its own output. A stateful format (delayed scaling) is bound at each call
+    to the state of the op that takes the tensor: ``output_state`` is ``(that op's
+    index in the group, its role)``, and ``compute`` is left without the format.
     """
 
     op: object
@@ -37,6 +40,7 @@ class ExecStage:
     provenance: str     # names the stage in compiled graphs
     grad_mask: tuple = ()  # backward: (input, params, extra inputs) gradients needed
     output_format: Optional[Any] = None
+    output_state: Optional[tuple] = None
     grad_sync: tuple = ()  # backward: (parameter index in the stage, group) to all-reduce
     num_extra_in: int = attrs.field(init=False)
     num_extra_out: int = attrs.field(init=False)
@@ -76,6 +80,9 @@ class ExecPlan:
     channels: Optional[Channels] = None  # named channels between the ops, if any
     # Per op: (op, who reads its saved record, the record's type), see stash_saved
     saved_readers: tuple = ()
+    # Under a recipe with stateful formats: (op index, role) of every state the group's
+    # stages read, in the order the runner passes the states (op.scaling_state_roles)
+    state_slots: tuple = ()
 
     @property
     def conditions(self) -> PlanConditions:
@@ -108,8 +115,11 @@ def prepare_group(ops: tuple, start: int, conditions: PlanConditions) -> ExecPla
     if channels.any:
         _check_channel_stages(forward + backward_exec)
     fwd_formats, bwd_formats = hand_off_formats(forward, backward_exec, needs, recipe)
-    forward = [_with_output_format(st, f) for st, f in zip(forward, fwd_formats)]
-    backward_exec = [_with_output_format(st, f) for st, f in zip(backward_exec, bwd_formats)]
+    forward = [_with_output_format(st, f, nxt, "input")
+               for st, f, nxt in zip(forward, fwd_formats, forward[1:] + [None])]
+    backward_exec = [_with_output_format(st, f, nxt, "grad") for st, f, nxt
+                     in zip(backward_exec, bwd_formats, backward_exec[1:] + [None])]
+    slots = scaling_states(ops, recipe, conditions.device_type)
     idle = tuple(OperationContext(idle_needs(op), recipe) for op in ops)
     producers = [i for i, op in enumerate(ops) for _ in range(op.num_extra_outputs)]
     producers = [producers[slot] for slot in channels.caller_out]  # of the caller's
@@ -127,7 +137,30 @@ def prepare_group(ops: tuple, start: int, conditions: PlanConditions) -> ExecPla
                     in_place_extra_inputs=tuple(j for j, _ in in_place),
                     in_place_ops=tuple(op for _, op in in_place),
                     channels=channels if channels.any else None,
-                    saved_readers=_saved_readers(ops, start, group.forward))
+                    saved_readers=_saved_readers(ops, start, group.forward),
+                    state_slots=slots)
+
+
+def state_owners(ops, recipe) -> tuple:
+    """``(op index, role)`` of every FP8 state the ops keep under ``recipe`` (none unless
+    its formats are stateful), in the order the runner passes them."""
+    if recipe is None or not recipe.stateful:
+        return ()
+    return tuple((i, role) for i, op in enumerate(ops) for role in op.scaling_state_roles)
+
+
+def scaling_states(ops, recipe, device_type: str) -> tuple:
+    """:func:`state_owners`, each state made where missing: on its op's parameters'
+    device, else the group's, else the device type's current device."""
+    slots = state_owners(ops, recipe)
+    if slots:
+        params = [p for op in ops for p in op.parameters()]
+        for i, role in slots:
+            own = next(iter(ops[i].parameters()), None)
+            device = (own if own is not None else params[0]).device if params else \
+                torch.device(device_type)
+            ops[i].scaling_state(role, recipe.role_format(role).scaling.state_size, device)
+    return slots
 
 
 def _saved_readers(ops, start, forward) -> tuple:
@@ -173,6 +206,19 @@ def _in_place_extra_inputs(ops) -> list:
     return found
 
 
+def _state_owner(consumer: ExecStage, role: str) -> tuple:
+    """``(index, role)`` of the one op of ``consumer`` that keeps state ``role``: the
+    stage asking for its input (gradient) in a stateful format casts with it."""
+    owners = [consumer.lo + j for j, op in enumerate(consumer.ops)
+              if role in op.scaling_state_roles]
+    if len(owners) != 1:
+        raise ValueError(f"the stage {consumer.provenance} asks for its "
+                         f"{'input' if role == 'input' else 'gradient'} in a stateful FP8 "
+                         f"format, which needs the one op it covers that keeps {role!r} "
+                         f"state (scaling_state_roles); it covers {len(owners)}")
+    return owners[0], role
+
+
 def _exec_stage(ops, start, stage, backward: bool, op_needs: tuple) -> ExecStage:
     lo, hi = stage.indices[0] - start, stage.indices[-1] + 1 - start
 
@@ -199,9 +245,12 @@ def _exec_stage(ops, start, stage, backward: bool, op_needs: tuple) -> ExecStage
                      compute, provenance, mask, grad_sync=tuple(sync))
 
 
-def _with_output_format(stage: ExecStage, fmt) -> ExecStage:
+def _with_output_format(stage: ExecStage, fmt, consumer, role: str) -> ExecStage:
     if fmt is None:
         return stage
+    if fmt.stateful:  # bound to the consumer's state at each call (executor)
+        return attrs.evolve(stage, output_format=fmt,
+                            output_state=_state_owner(consumer, role))
     compute = stage.compute
     if stage.op.__class__.quantizes_own_output:  # formats its kernels write; else cast after
         compute = functools.partial(compute, output_format=fmt if fmt.kernel_cast else None)

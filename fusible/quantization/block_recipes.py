@@ -8,11 +8,11 @@ from typing import ClassVar
 
 import attrs
 
-from fusible.quantization.recipe import _CurrentScaling, _check_fp8_format
+from fusible.quantization.recipe import GranularityRecipe, check_fp8_format
 
 
 @attrs.frozen
-class Float8BlockScaling(_CurrentScaling):
+class Float8BlockScaling(GranularityRecipe):
     """Blockwise current scaling as DeepSeek-V3 trained with it: one scale per 1x128 tile
     of each row of the activations and gradients (their transposed copies tiled along
     their own rows, 128 tokens), one per 128x128 block of the weights (the transposed
@@ -35,7 +35,7 @@ class Float8BlockScaling(_CurrentScaling):
 
 
 @attrs.frozen
-class MXFP8BlockScaling(_CurrentScaling):
+class MXFP8BlockScaling(GranularityRecipe):
     """MXFP8: E4M3 data with one power-of-two (E8M0) scale per 32 consecutive values of a
     row, for every operand, the transposed copies scaled along their own rows (OCP MX;
     the scale rounded up, so that no value saturates). Its GEMMs are emulated on every
@@ -53,4 +53,4 @@ class MXFP8BlockScaling(_CurrentScaling):
     presets: ClassVar[dict] = {"mxfp8": {}, "mxfp8_hybrid": {"fp8_format": "hybrid"}}
     granularity: ClassVar[str] = "mx_1x32"
 
-    fp8_format: str = attrs.field(default="e4m3", validator=_check_fp8_format)
+    fp8_format: str = attrs.field(default="e4m3", validator=check_fp8_format)

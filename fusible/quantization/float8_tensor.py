@@ -238,13 +238,16 @@ def quantize_raw(x: torch.Tensor, fp8_dtype: torch.dtype, columnwise: bool = Fal
 
 
 def quantize_scaled(x: torch.Tensor, scaling: Scaling, fp8_dtype: torch.dtype,
-                    columnwise: bool = False, dtype: Optional[torch.dtype] = None) -> Float8Tensor:
+                    columnwise: bool = False, dtype: Optional[torch.dtype] = None,
+                    state: Optional[torch.Tensor] = None) -> Float8Tensor:
     """``x`` (..., features) quantized with ``scaling`` (seen as (tokens, features));
     ``columnwise``: with the (features, tokens) copy scaled per block of its own layout.
     Scales per row (or per tile of a row) keep ``x``'s leading dimensions (``(..., rows,
-    1)``, ``(..., rows, tiles)``); blocks of several rows need a 2-D ``x``."""
+    1)``, ``(..., rows, tiles)``); blocks of several rows need a 2-D ``x``. ``state``: a
+    stateful scaling's (updated by the cast)."""
     x2 = x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x
-    data, scale_inv, transpose, t_scale_inv = scaling.cast(x2, fp8_dtype, True, columnwise)
+    data, scale_inv, transpose, t_scale_inv = scaling.cast(x2, fp8_dtype, True, columnwise,
+                                                           state=state)
     if x.dim() != 2 and scale_inv.dim():
         if scale_inv.shape[0] != x2.shape[0]:
             raise NotImplementedError(f"{scaling.name} FP8 scaling of a {x.dim()}-D tensor of "

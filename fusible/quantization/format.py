@@ -34,12 +34,18 @@ class Float8Format:
     granularity : str
         What one scale covers: the name of a registered
         :class:`~fusible.quantization.scaling.Scaling` (``"tensorwise"``, ``"rowwise"``,
-        ``"blockwise_1x128"``, ``"blockwise_128x128"``, ``"mx_1x32"``, or a plugin's).
+        ``"blockwise_1x128"``, ``"blockwise_128x128"``, ``"mx_1x32"``, a delayed
+        scaling's, or a plugin's).
+    state : Tensor or None
+        For a stateful scaling (delayed scaling's amax history), the state of the op and
+        tensor role this cast belongs to (:meth:`bound`), updated by the cast; not part
+        of the format's value (equality, hashing).
     """
 
     fp8_dtype: torch.dtype = attrs.field()
     columnwise: bool = False
     granularity: str = attrs.field(default="tensorwise")
+    state: Optional[torch.Tensor] = attrs.field(default=None, eq=False, repr=False)
 
     @fp8_dtype.validator
     def _check_dtype(self, attribute, value):
@@ -61,10 +67,24 @@ class Float8Format:
     @property
     def per_tensor(self) -> bool:
         """Whether one scale covers the whole tensor."""
-        return self.granularity == "tensorwise"
+        return self.scaling.per_tensor
+
+    @property
+    def stateful(self) -> bool:
+        """Whether its casts read and update a state (:attr:`state`)."""
+        return self.scaling.stateful
+
+    def bound(self, state: Optional[torch.Tensor]) -> "Float8Format":
+        """This format casting with ``state`` (a stateful scaling's; None: unbound)."""
+        return attrs.evolve(self, state=state)
 
     def cast_args(self) -> tuple:
-        """``(fp8_dtype, its largest value, columnwise)``: what the fused cast kernels take."""
+        """``(fp8_dtype, its largest value, columnwise)``: what the fused cast kernels
+        take; a stateful format adds the kernels' view of its state
+        (:class:`~fusible.kernels.fp8_delayed.DelayedCast`)."""
+        if self.stateful:
+            return (self.fp8_dtype, FP8_MAX[self.fp8_dtype], self.columnwise,
+                    self.scaling.delayed(self.state))
         return self.fp8_dtype, FP8_MAX[self.fp8_dtype], self.columnwise
 
     def rowwise(self) -> "Float8Format":
@@ -90,24 +110,34 @@ class Float8Format:
 def to_format(t, fmt: Optional[Float8Format]):
     """``t`` in format ``fmt`` (None: unchanged).
 
-    A plain tensor is quantized with current scaling; a Float8Tensor of the format
-    passes; one with another FP8 dtype is requantized; a missing transposed copy is
-    made from the FP8 data (no requantization).
+    A Float8Tensor of the format passes (a missing transposed copy of per-tensor data is
+    made from the FP8 data, no requantization); anything else is quantized in ``fmt``
+    (a Float8Tensor dequantized first): current scaling, or a stateful format's cast.
     """
     if fmt is None:
         return t
-    if not fmt.per_tensor:
-        if fmt.matches(t) and (t._transpose is not None or not fmt.columnwise):
+    if fmt.matches(t):
+        if not fmt.columnwise or t._transpose is not None:
             return t
-        values = t._dequantize_raw() if isinstance(t, Float8Tensor) else t
-        return quantize_scaled(values, fmt.scaling, fmt.fp8_dtype, fmt.columnwise, values.dtype)
-    if not isinstance(t, Float8Tensor):
-        return quantize_raw(t, fmt.fp8_dtype, fmt.columnwise)
-    if not fmt.matches(t):
-        return quantize_raw(t._dequantize_raw(), fmt.fp8_dtype, fmt.columnwise, t.dtype)
-    if fmt.columnwise and t._transpose is None:
-        return Float8Tensor(t._data, t._scale_inv, t.dtype, transposed_copy(t._data))
-    return t
+        if fmt.per_tensor:
+            return Float8Tensor(t._data, t._scale_inv, t.dtype, transposed_copy(t._data))
+    values = t._dequantize_raw() if isinstance(t, Float8Tensor) else t
+    if fmt.per_tensor and not fmt.stateful:
+        return quantize_raw(values, fmt.fp8_dtype, fmt.columnwise, t.dtype)
+    return quantize_scaled(values, fmt.scaling, fmt.fp8_dtype, fmt.columnwise, values.dtype,
+                           state=fmt.state)
+
+
+def bound_format(fmt: Optional[Float8Format], ctx, role: str) -> Optional[Float8Format]:
+    """``fmt`` bound to the op context ``ctx``'s state of tensor ``role`` where it is
+    stateful (an op's own casts under delayed scaling); else ``fmt`` itself."""
+    if fmt is None or not fmt.stateful:
+        return fmt
+    state = ctx.states.get(role)
+    if state is None:
+        raise RuntimeError(f"an FP8 cast in {fmt.granularity} scaling needs the op's {role!r} "
+                           f"state, which this op does not keep (its scaling_state_roles)")
+    return fmt.bound(state)
 
 
 def _scales_2d(t: Float8Tensor):
@@ -121,13 +151,16 @@ def _scales_2d(t: Float8Tensor):
 
 def _flatten(fmt: Optional[Float8Format]) -> list:
     if fmt is None:
-        return [None, False, ""]
-    return [fmt.fp8_dtype, fmt.columnwise, fmt.granularity]
+        return [None, False, "", None]
+    return [fmt.fp8_dtype, fmt.columnwise, fmt.granularity, fmt.state]
 
 
 def _unflatten(values) -> Optional[Float8Format]:
-    fp8_dtype, columnwise, granularity = values
-    return None if fp8_dtype is None else _format(fp8_dtype, columnwise, granularity)
+    fp8_dtype, columnwise, granularity, state = values
+    if fp8_dtype is None:
+        return None
+    fmt = _format(fp8_dtype, columnwise, granularity)
+    return fmt if state is None else fmt.bound(state)
 
 
 @functools.lru_cache(maxsize=None)
@@ -136,6 +169,9 @@ def _format(fp8_dtype, columnwise: bool, granularity: str) -> Float8Format:
     return Float8Format(fp8_dtype, columnwise, granularity)
 
 
-_FORMAT_SCHEMA = SchemaType(("ScalarType?", "bool", "str"), _flatten, _unflatten)
+# The state crosses as a tensor the op's kernel updates (a copy, returned: see
+# fusible.runtime.custom_ops); the rest are constants of the graph.
+_FORMAT_SCHEMA = SchemaType(("ScalarType?", "bool", "str", "Tensor?"), _flatten, _unflatten,
+                            states=(3,))
 register_schema_type(Float8Format, _FORMAT_SCHEMA)
 register_schema_type(Optional[Float8Format], _FORMAT_SCHEMA)

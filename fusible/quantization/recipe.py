@@ -19,21 +19,21 @@ _FORMATS = {
 }
 
 
-def _check_fp8_format(recipe, attribute, value) -> None:
+def check_fp8_format(recipe, attribute, value) -> None:
     if value not in _FORMATS:
         raise ValueError(f"{type(recipe).__name__}: fp8_format must be one of "
                          f"{sorted(_FORMATS)}, got {value!r}")
 
 
 @attrs.frozen
-class _CurrentScaling(Recipe):
-    """Current scaling (each tensor cast by its own amax when it is cast) at the
-    ``granularity`` of the subclass (``weight_granularity`` for weights, if set), E4M3
-    forward and ``fp8_format``'s gradients."""
+class GranularityRecipe(Recipe):
+    """Every role's format at the ``granularity`` (a registered scaling's name) of the
+    subclass (``weight_granularity`` for weights, if set), E4M3 forward and
+    ``fp8_format``'s gradients: the base of the built-in recipes."""
 
     granularity: ClassVar[str] = ""
     weight_granularity: ClassVar[str] = ""
-    fp8_format: str = attrs.field(default="hybrid", validator=_check_fp8_format)
+    fp8_format: str = attrs.field(default="hybrid", validator=check_fp8_format)
 
     @property
     def forward_dtype(self) -> torch.dtype:
@@ -60,7 +60,7 @@ class _CurrentScaling(Recipe):
 
 
 @attrs.frozen
-class Float8CurrentScaling(_CurrentScaling):
+class Float8CurrentScaling(GranularityRecipe):
     """Per-tensor current scaling: each tensor is scaled by its own amax when it is cast
     (registered as ``"tensorwise"``; presets ``"tensorwise"`` and ``"tensorwise_e4m3"``).
 
@@ -82,7 +82,7 @@ class Float8CurrentScaling(_CurrentScaling):
 
 
 @attrs.frozen
-class Float8RowwiseScaling(_CurrentScaling):
+class Float8RowwiseScaling(GranularityRecipe):
     """Row-wise current scaling: one scale per row of each GEMM operand (a token of the
     input and of the gradient, an output feature of the weight), and the transposed
     copies the backward GEMMs read scaled per row of their own layout (an input feature
@@ -106,7 +106,7 @@ class Float8RowwiseScaling(_CurrentScaling):
     presets: ClassVar[dict] = {"rowwise": {}, "rowwise_hybrid": {"fp8_format": "hybrid"}}
     granularity: ClassVar[str] = "rowwise"
 
-    fp8_format: str = attrs.field(default="e4m3", validator=_check_fp8_format)
+    fp8_format: str = attrs.field(default="e4m3", validator=check_fp8_format)
 
 
 # The recipe in effect, per thread like torch.autocast's state: None when FP8 is off. A

@@ -19,6 +19,7 @@ import attrs
 from fusible.core.plugins import EntryPointGroup
 
 ENTRY_POINT_GROUP = "fusible.recipes"
+ROLES = ("input", "weight", "grad")  # the tensor roles of a GEMM's operands
 
 _recipes: dict = {}  # name -> class
 
@@ -55,6 +56,21 @@ class Recipe:
     def grad_format(self, columnwise: bool = False):
         """The Float8Format of the gradient a GEMM's backward reads (dgrad and wgrad)."""
         raise NotImplementedError(f"{type(self).__name__}.grad_format")
+
+    def role_format(self, role: str):
+        """The format of tensor role ``"input"``, ``"weight"`` or ``"grad"`` (without
+        transposed copies)."""
+        formats = {"input": self.input_format, "weight": self.weight_format,
+                   "grad": self.grad_format}
+        if role not in formats:
+            raise ValueError(f"{type(self).__name__}: no tensor role {role!r}; the roles are "
+                             f"{sorted(formats)}")
+        return formats[role]()
+
+    @property
+    def stateful(self) -> bool:
+        """Whether some role's format keeps state per op (delayed scaling)."""
+        return any(self.role_format(role).stateful for role in ROLES)
 
     def emulated_scalings(self, device) -> tuple:
         """The granularities of this recipe's formats whose GEMMs run emulated on

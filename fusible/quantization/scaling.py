@@ -36,15 +36,29 @@ class Scaling:
         Whether the norm and activation kernels' fused casts (one scale per tensor)
         write this scaling; otherwise those stages hand over high precision and the
         cast follows them in the same stage.
+    per_tensor : bool
+        One scale per tensor (0-d scales).
+    stateful : bool
+        The casts read and update a state tensor of their tensor role (one per op and
+        role, kept by the op: ``state_size`` float32 values, zeros at first) that the
+        format carries (``Float8Format.state``): delayed scaling's amax history.
     """
 
     name: ClassVar[str] = ""
     kernel_cast: ClassVar[bool] = False
+    per_tensor: ClassVar[bool] = False
+    stateful: ClassVar[bool] = False
+
+    @property
+    def state_size(self) -> int:
+        """The number of float32 values of a role's state (0: stateless)."""
+        return 0
 
     def cast(self, x2: torch.Tensor, fp8_dtype: torch.dtype, rowwise: bool = True,
-             columnwise: bool = False) -> list:
+             columnwise: bool = False, state=None) -> list:
         """``[data, scale_inv, transpose, transpose_scale_inv]`` of the 2-D ``x2``, None
-        where not asked for; ``transpose`` is the row-major (features, rows) copy."""
+        where not asked for; ``transpose`` is the row-major (features, rows) copy.
+        ``state``: the role's state tensor of a stateful scaling (updated), else None."""
         raise NotImplementedError(f"{type(self).__name__}.cast")
 
     def describes(self, data: torch.Tensor, scale_inv: torch.Tensor) -> bool:
@@ -57,12 +71,12 @@ class Scaling:
         return False
 
     def cast_gathered(self, x2: torch.Tensor, fp8_dtype: torch.dtype, columnwise: bool,
-                      gather, max_over_group) -> list:
+                      gather, max_over_group, state=None) -> list:
         """``[data, scale_inv, transpose, transpose_scale_inv]`` of the rows of every rank
         concatenated (``gather(t)``: every rank's ``t`` along dim 0), each rank casting
         its own rows: the bits of casting the gathered tensor. ``max_over_group(t)``: the
-        elementwise maximum over the ranks. Scalings whose scales span rows of several
-        ranks raise NotImplementedError."""
+        elementwise maximum over the ranks; ``state`` as in :meth:`cast`. Scalings whose
+        scales span rows of several ranks raise NotImplementedError."""
         raise NotImplementedError(f"an FP8 all-gather under {self.name} scaling is not "
                                   f"implemented")
 
@@ -116,8 +130,9 @@ class TensorScaling(Scaling):
 
     name: ClassVar[str] = "tensorwise"
     kernel_cast: ClassVar[bool] = True
+    per_tensor: ClassVar[bool] = True
 
-    def cast(self, x2, fp8_dtype, rowwise=True, columnwise=False):
+    def cast(self, x2, fp8_dtype, rowwise=True, columnwise=False, state=None):
         out = cast.cast_to_fp8_any(x2, fp8_dtype, columnwise, rowwise=rowwise)
         if not rowwise:
             return [None, None, out[0], out[1]]
@@ -126,7 +141,7 @@ class TensorScaling(Scaling):
     def describes(self, data, scale_inv):
         return scale_inv.dim() == 0
 
-    def cast_gathered(self, x2, fp8_dtype, columnwise, gather, max_over_group):
+    def cast_gathered(self, x2, fp8_dtype, columnwise, gather, max_over_group, state=None):
         # One scale for the group: the maxima over the ranks, then each rank's cast with it
         amax = max_over_group(cast.tensor_amax(x2))  # 0 for no tokens
         data, scale_inv = cast.cast_to_fp8_any(x2, fp8_dtype, False, amax)[:2]
@@ -141,7 +156,7 @@ class RowScaling(Scaling):
 
     name: ClassVar[str] = "rowwise"
 
-    def cast(self, x2, fp8_dtype, rowwise=True, columnwise=False):
+    def cast(self, x2, fp8_dtype, rowwise=True, columnwise=False, state=None):
         return cast.cast_to_fp8_rowwise(x2, fp8_dtype, rowwise, columnwise)
 
     def describes(self, data, scale_inv):
@@ -151,7 +166,7 @@ class RowScaling(Scaling):
     def emulated_on(self, device):
         return not native_rowwise_gemm(torch.device(device).type)
 
-    def cast_gathered(self, x2, fp8_dtype, columnwise, gather, max_over_group):
+    def cast_gathered(self, x2, fp8_dtype, columnwise, gather, max_over_group, state=None):
         # Rows: each rank's own. The copy's rows (features) span every rank's tokens: their
         # maxima over the group first, each rank casts its columns, the copies concatenate.
         column_amax = None
@@ -175,7 +190,7 @@ class BlockScaling(Scaling):
     square: bool = False
     power2: bool = False
 
-    def cast(self, x2, fp8_dtype, rowwise=True, columnwise=False):
+    def cast(self, x2, fp8_dtype, rowwise=True, columnwise=False, state=None):
         return block_cast.cast_to_fp8_blocks(x2, fp8_dtype, self.group, self.square,
                                              self.power2, rowwise, columnwise)
 
@@ -188,7 +203,7 @@ class BlockScaling(Scaling):
         want_rows = -(-rows // self.group) if self.square else rows
         return tuple(scale_inv.shape) == (want_rows, -(-cols // self.group))
 
-    def cast_gathered(self, x2, fp8_dtype, columnwise, gather, max_over_group):
+    def cast_gathered(self, x2, fp8_dtype, columnwise, gather, max_over_group, state=None):
         # Tiles along the rows are each rank's own; the copy's tiles (``group`` tokens) too
         # where every rank holds whole tiles of tokens.
         if self.square:

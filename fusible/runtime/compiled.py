@@ -41,7 +41,9 @@ _warned: set = set()
 
 @torch._dynamo.assume_constant_result
 def _prepare(module_token: int, epoch_now: int, conditions: tuple):
-    """Build the layout and plans (eagerly, at trace time); why it cannot compile, or None.
+    """Build the layout and plans (eagerly, at trace time, which also makes the FP8
+    scaling states the plans read); ``(why it cannot compile or None, whether the
+    groups read scaling states)``.
 
     ``conditions`` leaves the parameters' requires-grad pattern out (None): it is read
     here, from the parameters dynamo guards on.
@@ -51,6 +53,12 @@ def _prepare(module_token: int, epoch_now: int, conditions: tuple):
     grad = conditions[2]
     params_rg = tuple(grad and p.requires_grad for p in layout.params())
     plan = layout.plan(PlanConditions(*conditions)._replace(params_requires_grad=params_rg))
+    stateful = plan.recipe is not None and plan.recipe.stateful
+    return _compile_refusal(module, module_token, epoch_now, conditions, plan), stateful
+
+
+def _compile_refusal(module, module_token, epoch_now, conditions, plan):
+    """Why a stage of ``plan`` cannot compile (warned once), or None."""
     for stage in plan.forward + plan.backward:
         reason = stage.compile_reason
         if reason is not None:
@@ -65,16 +73,19 @@ def _prepare(module_token: int, epoch_now: int, conditions: tuple):
 
 
 @torch.compiler.allow_in_graph
-def fusible_group(runner_token: int, num_extra: int, training: bool, modes: tuple, x,
-                  *tensors):
+def fusible_group(runner_token: int, num_extra: int, num_states: int, training: bool,
+                  modes: tuple, x, *tensors):
     """One group of fusible ops, run through its stages' custom ops (``modes``: the ops'
     training flags, which the compiled graph depends on); ``tensors``: the extra inputs,
-    the parameters, then the main_grad buffers."""
+    the parameters, the main_grad buffers, then the ``num_states`` FP8 scaling states
+    (which the stages update: the graph writes them back)."""
     runner = tokens.lookup(runner_token)
     params_end = num_extra + runner.num_params
+    states_start = len(tensors) - num_states
     y, extra_outputs = runner.run(x, tensors[:num_extra], training,
                                   params=tensors[num_extra:params_end],
-                                  main_grads=tensors[params_end:], traced=True)
+                                  main_grads=tensors[params_end:states_start], traced=True,
+                                  states=tensors[states_start:])
     return (y, *extra_outputs)
 
 
@@ -95,7 +106,8 @@ def compiled_forward(module, x, extra_inputs: tuple):
     training = module.training
     conditions = conditions_key(x, x.device.type, None, extra_inputs, recipe.current_key(),
                                 training)
-    reason = _prepare(id(module), epoch.current(), conditions)  # dynamo guards on the epoch
+    # dynamo guards on the epoch
+    reason, stateful = _prepare(id(module), epoch.current(), conditions)
     if reason is not None:
         _graph_break(reason)
         return _run_eagerly(module, x, extra_inputs)
@@ -109,10 +121,11 @@ def compiled_forward(module, x, extra_inputs: tuple):
         ops = lone or runner.ops
         modes = tuple(op.training for op in ops)
         params = runner.params(ops)
-        # main_grad buffers become graph inputs here (dynamo reads the attributes), so
-        # the backward graph can add into them
-        out = fusible_group(id(runner), len(extras), training, modes, y, *extras, *params,
-                            *runner.main_grads(params, traced=True))
+        # main_grad buffers and scaling states become graph inputs here (dynamo reads the
+        # attributes), so the graphs can write into them
+        states = runner.states(ops) if stateful else ()
+        out = fusible_group(id(runner), len(extras), len(states), training, modes, y, *extras,
+                            *params, *runner.main_grads(params, traced=True), *states)
         return out[0], out[1:]
 
     return layout.run(x, extra_inputs, run_group)

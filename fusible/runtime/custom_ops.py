@@ -21,6 +21,13 @@ Results cross flattened: forward ``[output, *extra_outputs, *aux]``; backward
 ``[grad_input, *grad_params, *grad_extra_inputs]`` with an empty placeholder where a
 gradient is not needed (schemas have no optional returns); the caller restores the
 structure from the stage's static counts.
+
+State a stage updates (a stateful format's, ``SchemaType.states``: delayed scaling's amax
+histories) crosses as a tensor argument, but a custom op may not write into its
+arguments (PyTorch's functionalization does not take mutable ops returning lists): the
+kernel updates a copy, returns it after the results, and the caller writes it back
+into the state, an in-place copy that the compiled graph keeps as a mutation of its
+input. Eagerly the compute updates the state itself.
 """
 
 from __future__ import annotations
@@ -34,7 +41,8 @@ import attrs
 import torch
 
 from fusible.core.results import BackwardResult, ForwardResult
-from fusible.core.schema import flatten_record, record_builder, record_fields, schema_type
+from fusible.core.schema import (flatten_record, record_builder, record_fields, schema_type,
+                                 state_parts)
 from fusible.kernels.fp8_cast import fresh_zeros_inside
 from fusible.quantization.boundary import decode_results, encode_results
 from fusible.quantization.format import Float8Format, to_format
@@ -53,6 +61,7 @@ _DECODED: dict = {}   # (op name, static values' JSON string) -> every value of 
 _PREPARED: dict = {}  # (op name, that string) -> StageOp.prepared
 _DYNAMIC = {"Tensor", "Tensor?", "Tensor[]", "Tensor?[]", "SymInt", "SymInt?", "SymInt[]"}
 _storage_id = torch._C._storage_id  # a tensor's StorageImpl, as an int (no Python object)
+_UNSET = object()
 
 
 @attrs.frozen
@@ -62,7 +71,8 @@ class StageOp:
     ``parts`` are ``(name, schema type)`` of every value a call carries: the args
     record's, then the tail (output format, quantized results, provenance); ``dynamic``
     the positions among them that are schema arguments, ``static`` the rest, which
-    travel as one JSON string.
+    travel as one JSON string; ``states`` the schema arguments that are state the kernel
+    updates (a copy of), ``tail_state`` the output format's among them.
     """
 
     name: str
@@ -71,6 +81,8 @@ class StageOp:
     parts: tuple
     dynamic: tuple
     static: tuple
+    states: tuple = ()
+    tail_state: int = -1
     overload: Any = None
 
     def flatten_call(self, args, output_format, quantized: bool, provenance: str) -> list:
@@ -158,6 +170,11 @@ def _kernel(cls, direction: str, op: StageOp, compute, real: bool = True):
 
     def kernel(*flat):
         build, fmt, quantized, _ = op.prepared(flat[-1])
+        updated = []
+        if op.states:
+            flat, updated = _copied_states(flat, op.states)
+            if fmt is not None and fmt.stateful:
+                fmt = fmt.bound(flat[op.tail_state])
         args = build(flat)
         if own_cast:  # the formats its kernels write; the others cast after it
             result = bound(args, output_format=fmt if fmt is None or fmt.kernel_cast else None)
@@ -169,9 +186,31 @@ def _kernel(cls, direction: str, op: StageOp, compute, real: bool = True):
         if check_recompute:
             recompute.note_forward(cls, inputs, quantized)
         like = next(t for t in inputs if t is not None)
-        return _unaliased(_flatten_result(result, direction, like, quantized, fmt), inputs)
+        return _unaliased(_flatten_result(result, direction, like, quantized, fmt),
+                          inputs) + updated
 
     return kernel
+
+
+def _copied_states(flat, states: tuple) -> tuple:
+    """``(flat with a copy in place of each given state, those copies)``."""
+    flat = list(flat)
+    copies = []
+    for i in states:
+        if flat[i] is not None:
+            flat[i] = flat[i].clone()
+            copies.append(flat[i])
+    return flat, copies
+
+
+def _write_back(out: list, flat: list, states: tuple) -> list:
+    """The results without the updated states at their end, which go into the states."""
+    given = [flat[i] for i in states if flat[i] is not None]
+    if not given:
+        return out
+    for state, new in zip(given, out[len(out) - len(given):]):
+        state.copy_(new)
+    return out[:len(out) - len(given)]
 
 
 def _flatten_result(result, direction: str, like, quantized: bool,
@@ -213,7 +252,10 @@ def _register(cls, direction: str) -> StageOp:
     static = tuple(i for i in range(len(parts)) if i not in dynamic)
     params = [f"{parts[i][1]} {parts[i][0]}" for i in dynamic] + ["str static"]
     _LIB.define(f"{name}({', '.join(params)}) -> Tensor[]")
-    op = StageOp(name, args_type, fields, parts, dynamic, static)
+    tail_state = len(parts) - len(_TAIL) + _FORMAT.states[0]
+    states = tuple(dynamic.index(i) for i in (*state_parts(fields), tail_state))
+    op = StageOp(name, args_type, fields, parts, dynamic, static, states,
+                 dynamic.index(tail_state))
     compute = getattr(cls, f"{direction}_compute")
     fake = getattr(cls, f"{direction}_fake", None) or compute
     _LIB.impl(name, fresh_zeros_inside(_kernel(cls, direction, op, compute)),
@@ -254,29 +296,35 @@ def unsupported_reason(cls, direction: str) -> Optional[str]:
     return _REASONS.get(key)
 
 
-def _call(stage, direction: str, args, quantized: bool, outer_dtype):
+def _call(stage, direction: str, args, quantized: bool, outer_dtype, output_format):
     op = stage_op(stage.op.__class__, direction)
-    flat = op.flatten_call(args, stage.output_format, quantized, stage.provenance)
+    flat = op.flatten_call(args, output_format, quantized, stage.provenance)
     if recorder is not None:
         recorder.append((op.overload, tuple(flat)))
-    out = op.overload(*flat)
+    out = _write_back(op.overload(*flat), flat, op.states)
     return op, decode_results(out, quantized, outer_dtype)
 
 
-def call_forward(stage, args, quantized: bool = False, outer_dtype=None) -> ForwardResult:
+def call_forward(stage, args, quantized: bool = False, outer_dtype=None,
+                 output_format=_UNSET) -> ForwardResult:
     """Run a forward stage through its custom op.
 
     ``quantized``: results may be Float8Tensors (an FP8 recipe is in effect), which
-    dequantize to ``outer_dtype``, the pipeline's dtype.
+    dequantize to ``outer_dtype``, the pipeline's dtype. ``output_format``: the stage's
+    (bound to the next op's state, where stateful); default ``stage.output_format``.
     """
-    _, out = _call(stage, "forward", args, quantized, outer_dtype)
+    fmt = stage.output_format if output_format is _UNSET else output_format
+    _, out = _call(stage, "forward", args, quantized, outer_dtype, fmt)
     k = stage.num_extra_out
     return ForwardResult(out[0], tuple(out[1:1 + k]), tuple(out[1 + k:]))
 
 
-def call_backward(stage, args, quantized: bool = False, outer_dtype=None) -> BackwardResult:
-    """Run a backward stage through its custom op; placeholders become None."""
-    op, out = _call(stage, "backward", args, quantized, outer_dtype)
+def call_backward(stage, args, quantized: bool = False, outer_dtype=None,
+                  output_format=_UNSET) -> BackwardResult:
+    """Run a backward stage through its custom op; placeholders become None
+    (``output_format`` as in :func:`call_forward`)."""
+    fmt = stage.output_format if output_format is _UNSET else output_format
+    op, out = _call(stage, "backward", args, quantized, outer_dtype, fmt)
     input_needed, params_needed, extras_needed = stage.grad_mask
     expected = 1 + len(params_needed) + len(extras_needed)
     if len(out) != expected:

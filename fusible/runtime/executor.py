@@ -51,12 +51,15 @@ def run_forward(plan: ExecPlan, x, params, extra_inputs, ctxs, *, save: bool,
             _take(extra_inputs, ch.in_names, st, store, required=True)
         args = op.forward_args(x, params[st.params],
                                extra_inputs[st.extra_in] if st.num_extra_in else (), op_ctxs)
+        fmt = st.output_format if st.output_state is None else bound_output_format(st, ctxs)
         if traced and not op.inline_when_compiled("forward"):
-            result = custom_ops.call_forward(st, args, plan.quantized_results, plan.outer_dtype)
+            result = custom_ops.call_forward(st, args, plan.quantized_results, plan.outer_dtype,
+                                             fmt)
         else:
-            result = st.compute(args)
-            if st.output_format is not None:  # what the custom op does inside, when compiled
-                result.output = to_format(result.output, st.output_format)
+            result = st.compute(args) if st.output_state is None else \
+                _compute_into(st, args, fmt)
+            if fmt is not None:  # what the custom op does inside, when compiled
+                result.output = to_format(result.output, fmt)
         if save:
             op.save_for_backward(args, result, op_ctxs)
         if len(result.extra_outputs) != st.num_extra_out:
@@ -71,6 +74,38 @@ def run_forward(plan: ExecPlan, x, params, extra_inputs, ctxs, *, save: bool,
     if ch is not None:
         extra_outputs = [extra_outputs[j] for j in ch.caller_out]
     return x, tuple(extra_outputs)
+
+
+def bound_output_format(st, ctxs):
+    """The stage's stateful output format bound to the state of the op that takes the
+    tensor (``st.output_state``)."""
+    index, role = st.output_state
+    return st.output_format.bound(ctxs[index].states[role])
+
+
+def _compute_into(st, args, fmt):
+    """A stage's compute handed its bound output format, where its kernels write it."""
+    if st.op.__class__.quantizes_own_output:
+        return st.compute(args, output_format=fmt if fmt.kernel_cast else None)
+    return st.compute(args)
+
+
+def assign_states(plan: ExecPlan, ctxs, states) -> None:
+    """Give each op's context its FP8 scaling states for the call."""
+    for (index, role), state in zip(plan.state_slots, states):
+        ctxs[index].states[role] = state
+
+
+def check_states(plan: ExecPlan, states, x) -> None:
+    """The states the plan reads: as many as it has slots, on the input's device."""
+    if len(states) != len(plan.state_slots):
+        raise RuntimeError(f"{len(states)} FP8 scaling states for a plan reading "
+                           f"{len(plan.state_slots)}")
+    for (index, role), state in zip(plan.state_slots, states):
+        if state.device != x.device:
+            raise RuntimeError(f"{plan.ops[index].describe()} keeps its FP8 {role} scaling "
+                               f"state (buffer fp8_state_{role}) on {state.device} but got "
+                               f"input on {x.device}: move the model with .to({x.device})")
 
 
 def _spread(values, slots: tuple, n: int) -> list:
@@ -154,12 +189,15 @@ def run_backward(plan: ExecPlan, grad_output, grad_extra_outputs, ctxs, traced: 
             _take(grad_extra_outputs, ch.out_names, st, sums, required=False)
         args = op.backward_args(dy, grad_extra_outputs[st.extra_out] if st.num_extra_out else (),
                                 op_ctxs)
+        fmt = st.output_format if st.output_state is None else bound_output_format(st, ctxs)
         if traced and not st.op.inline_when_compiled("backward"):
-            result = custom_ops.call_backward(st, args, plan.quantized_results, plan.outer_dtype)
+            result = custom_ops.call_backward(st, args, plan.quantized_results, plan.outer_dtype,
+                                              fmt)
         else:
-            result = st.compute(args)
-            if st.output_format is not None and result.grad_input is not None:
-                result.grad_input = to_format(result.grad_input, st.output_format)
+            result = st.compute(args) if st.output_state is None else \
+                _compute_into(st, args, fmt)
+            if fmt is not None and result.grad_input is not None:
+                result.grad_input = to_format(result.grad_input, fmt)
         if len(result.grad_params) != st.num_params:
             raise RuntimeError(f"{type(op).__name__} returned {len(result.grad_params)} "
                                f"parameter gradients for ops {[type(o).__name__ for o in st.ops]}")
@@ -204,9 +242,12 @@ class _PipelineFunction(torch.autograd.Function):
         params_end = extras_end + plan.num_params
         extra_inputs, params = tensors[:extras_end], tensors[extras_end:params_end]
         # main_grad buffers: held as they are (no version check: other groups add into
-        # them between this forward and its backward, e.g. microbatches)
-        main_grads = tensors[params_end:]
+        # them between this forward and its backward, e.g. microbatches); FP8 scaling
+        # states, which the stages update
+        main_end = params_end + len(plan.main_grad_params)
+        main_grads, states = tensors[params_end:main_end], tensors[main_end:]
         ctxs = [OperationContext(n, plan.recipe) for n in plan.needs]
+        assign_states(plan, ctxs, states)
         y, extra_outputs = run_forward(plan, x, params, extra_inputs, ctxs, save=True,
                                        traced=traced)
         if plan.in_place_extra_inputs:  # written in place, and the output itself
@@ -221,10 +262,11 @@ class _PipelineFunction(torch.autograd.Function):
         # after the module is gone (dynamo's fake propagation never runs its backward), and
         # the compiled graph does not use the node at run time.
         shapes = [p.shape for p in params]  # what each parameter gradient must match
+        held = shapes, main_grads, len(states)
         if traced:
-            fctx.fusible = weakref.ref(plan), ctxs, traced, (), shapes, main_grads
+            fctx.fusible = weakref.ref(plan), ctxs, traced, (), held
         else:
-            fctx.fusible = plan, ctxs, traced, _anchors(plan), shapes, main_grads
+            fctx.fusible = plan, ctxs, traced, _anchors(plan), held
         if plan.constant_extra_outputs:
             fctx.mark_non_differentiable(*(extra_outputs[j] for j in plan.constant_extra_outputs))
         return (y, *extra_outputs) if extra_outputs else y
@@ -239,7 +281,7 @@ class _PipelineFunction(torch.autograd.Function):
             raise RuntimeError("fusible frees saved intermediates during the backward pass: "
                                "backward through the same graph twice (retain_graph=True) is "
                                "not supported; run the forward again")
-        plan, ctxs, traced, _, shapes, main_grads = fctx.fusible
+        plan, ctxs, traced, _, (shapes, main_grads, num_states) = fctx.fusible
         plan = plan() if traced else plan
         # Consumed: backward runs once, and the node (which traces may keep) holds nothing.
         fctx.fusible = None
@@ -251,7 +293,8 @@ class _PipelineFunction(torch.autograd.Function):
                 _wrong_grad_shape(plan, grad_params, shapes)
         if main_grads:
             _into_main_grads(plan, grad_params, main_grads, traced)
-        return (None, None, dx, *grad_extras, *grad_params, *(None,) * len(main_grads))
+        return (None, None, dx, *grad_extras, *grad_params,
+                *(None,) * (len(main_grads) + num_states))
 
 
 def _into_main_grads(plan, grad_params: list, main_grads: tuple, traced: bool) -> None:
@@ -311,7 +354,7 @@ if type(_cpp_apply) is not type(torch.ones):  # not the C++ method: keep the pub
 
 def apply_pipeline(plan, traced, *tensors):
     """Run a group that needs a backward as one autograd node; ``tensors`` are the input,
-    the extra inputs and the parameters."""
+    the extra inputs, the parameters, the main_grad buffers and the scaling states."""
     # Traced runs come from the compiled path (dynamo, AOTAutograd); eager runs are never
     # reached while dynamo traces (it traces fusible.runtime.compiled instead).
     if traced or torch._C._are_functorch_transforms_active():

@@ -14,7 +14,7 @@ from fusible.planning.channels import caller_counts
 from fusible.planning.prepare import ExecPlan, prepare_group
 from fusible.quantization import recipe
 from fusible.runtime import custom_ops
-from fusible.runtime.executor import apply_pipeline, run_forward
+from fusible.runtime.executor import apply_pipeline, assign_states, check_states, run_forward
 
 
 _UNSET = object()
@@ -46,6 +46,9 @@ class PipelineRunner:
             (op, name) for op in self.ops for name in op.param_names)
             if name in op.quantized_params}
         self._forward_key = _UNSET  # the FP8 recipe key of the latest forward
+        # Under a stateful recipe, the states the plans read (planning.prepare.state_owners)
+        self._state_names = [(k, f"fp8_state_{role}") for k, op in enumerate(self.ops)
+                             for role in op.scaling_state_roles]
 
     def _recipe_key(self, traced: bool):
         """The FP8 recipe key to run under: the one in effect, except for a forward run
@@ -73,13 +76,19 @@ class PipelineRunner:
         return [_main_grad_of(op, name, params[k], traced)
                 for k, op, name in self._main_grad_slots if params[k].requires_grad]
 
+    def states(self, ops: "tuple | None" = None) -> list:
+        """The ops' FP8 scaling states (every role of every op that keeps some), made by
+        the planning of a stateful recipe; ``ops`` as in :meth:`params`."""
+        ops = self.ops if ops is None else ops
+        return [ops[k]._buffers[name] for k, name in self._state_names]
+
     def run(self, x, extra_inputs: tuple, training: bool, params=None, traced: bool = False,
-            main_grads=None):
+            main_grads=None, states=None):
         """Run the group; returns (output, tuple of extra outputs).
 
         ``traced`` runs the stages' custom ops (the compiled path) on the given
-        ``params`` and ``main_grads``, the tensors the compiled graph passes for
-        ``self.params()`` and ``self.main_grads(...)``.
+        ``params``, ``main_grads`` and ``states``, the tensors the compiled graph passes
+        for ``self.params()``, ``self.main_grads(...)`` and ``self.states()``.
         """
         if type(x) is not torch.Tensor or len(extra_inputs) != self.num_extra_inputs \
                 or extra_inputs:
@@ -93,24 +102,30 @@ class PipelineRunner:
             main_grads = self.main_grads(params)
         if _autocast_available(device_type) and torch.is_autocast_enabled(device_type):
             return self._run_autocast(x, extra_inputs, training, params, traced, device_type,
-                                      main_grads)
+                                      main_grads, states)
         key = conditions_key(x, device_type, params, extra_inputs, self._recipe_key(traced),
                              training)
         plan = self._plans.get(key) or self.lookup(PlanConditions(*key))
+        if plan.state_slots:
+            states = self.states() if states is None else states
+            check_states(plan, states, x)
+        else:
+            states = ()
         if not plan.needs_backward:
+            assign_states(plan, plan.idle_ctxs, states)
             return run_forward(plan, x, params, extra_inputs, plan.idle_ctxs, save=False,
                                traced=traced)
         if len(main_grads) != len(plan.main_grad_params):
             raise RuntimeError(f"{self._name()}: {len(main_grads)} main_grad buffers for "
                                f"{len(plan.main_grad_params)} parameters that accumulate "
                                f"into one")
-        outputs = apply_pipeline(plan, traced, x, *extra_inputs, *params, *main_grads)
+        outputs = apply_pipeline(plan, traced, x, *extra_inputs, *params, *main_grads, *states)
         if self.num_extra_outputs == 0:
             return outputs, ()
         return outputs[0], tuple(outputs[1:])
 
     def _run_autocast(self, x, extra_inputs, training, params, traced, device_type,
-                      main_grads):
+                      main_grads, states):
         """Under torch.autocast: compute in the autocast dtype, from parameters cast to it
         (differentiably: their gradients come back in their own dtype), like nn.Linear.
         Under an FP8 recipe the weights GEMMs quantize are passed as they are."""
@@ -128,7 +143,7 @@ class PipelineRunner:
         CASTING.active = True
         try:
             with torch.autocast(device_type, enabled=False):
-                return self.run(x, extra_inputs, training, params, traced, main_grads)
+                return self.run(x, extra_inputs, training, params, traced, main_grads, states)
         finally:
             CASTING.active = False
 
