@@ -92,7 +92,9 @@ def test_schema_of_every_field_type():
     schema = str(op.overload._schema)
     assert schema == ("fusible::EveryType_fwd(Tensor input, Tensor? maybe, Tensor[] tensors, "
                       "SymInt count, SymInt[] sizes, SymInt[] dims, Tensor pair_0, "
-                      "Tensor pair_1, Tensor? inner_1, str static) -> Tensor[]"), schema
+                      "Tensor pair_1, Tensor? inner_1, Tensor? output_format_3, str static) "
+                      "-> Tensor[]"), schema
+    assert op.states == (op.tail_state,) == (9,)  # the output format's state: updated
     static = [name for name, _ in (op.parts[i] for i in op.static)]
     assert static == ["factor", "flag", "label", "dtype", "mode", "inner_0", "output_format_0",
                       "output_format_1", "output_format_2", "quantized_results", "provenance"]
@@ -106,8 +108,8 @@ def test_schema_of_every_field_type():
     rebuilt = unflatten_record(EveryTypeArgs, op.fields, values)
     assert rebuilt.factor == float("inf") and rebuilt.dtype is torch.float32
     assert rebuilt.mode is Mode.MUL and rebuilt.inner == Inner(2.0, None)
-    assert values[-5:] == custom_ops._FORMAT.flatten(fmt) + [True, "here"]
-    assert values[-5] is torch.float8_e5m2
+    assert values[-6:] == custom_ops._FORMAT.flatten(fmt) + [True, "here"]
+    assert values[-6] is torch.float8_e5m2
 
 
 def test_a_value_that_is_not_a_constant_is_named():

@@ -54,6 +54,24 @@ class FusibleSpec(nn.Module):
         super().register_parameter(name, param)
         epoch.bump_if_planned(self)  # parametrizations and pruning swap parameters so
 
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                              unexpected_keys, error_msgs):
+        # FP8 scaling states (delayed scaling's histories) are made at the first plan that
+        # reads them: a checkpoint's are taken where this op has none yet, and one without
+        # them (torch.nn's, or saved before any FP8 step) leaves the op's as they are.
+        names = [f"fp8_state_{role}" for op in self.basic_ops() for role in
+                 op.scaling_state_roles]
+        for name in names:
+            saved = state_dict.get(prefix + name)
+            if saved is not None and name not in self._buffers:
+                device = next((p.device for p in self.parameters()), saved.device)
+                self.register_buffer(name, torch.zeros(saved.shape, device=device,
+                                                       dtype=torch.float32))
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
+                                      unexpected_keys, error_msgs)
+        optional = {prefix + name for name in names}
+        missing_keys[:] = [k for k in missing_keys if k not in optional]
+
     def __delattr__(self, name: str) -> None:
         super().__delattr__(name)
         epoch.bump_if_planned(self)

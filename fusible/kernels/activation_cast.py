@@ -1,14 +1,17 @@
-"""A pointwise activation writing its result in FP8 directly (current per-tensor scaling).
+"""A pointwise activation writing its result in FP8 directly (one scale per tensor).
 
 The next linear layer reads the activation's output in FP8. Instead of writing the
 output in high precision and casting it (write, read for the amax, read for the cast),
 a first pass computes the activation for its absolute maximum only, a second computes
 it again and writes the FP8 data and its transposed copy: two reads of the input, one
 write of FP8. The values are rounded to the input dtype before the amax and the cast,
-as a high-precision output would be.
+as a high-precision output would be. Under delayed scaling the scale is known before
+the values: one pass, which records their amax.
 """
 
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 
@@ -16,6 +19,7 @@ from fusible.kernels import jit, require_triton, tl
 from fusible.kernels.fp8_cast import (atomic_amax_of_tile, fp8_buffers, fp8_results,
                                       scale_from_amax, store_fp8_tile, tile_coords, tile_grid,
                                       zeroed_amax)
+from fusible.kernels.fp8_delayed import DelayedCast, finish, kernel_args, record_delayed
 
 # The activations whose backward reads their input (ReLU's reads its output, which
 # must then stay in high precision: it keeps the unfused path).
@@ -59,12 +63,18 @@ def _activation_kernel(x_ptr, y_ptr, amax_ptr, M, N, KIND: tl.constexpr,
 
 @jit
 def _activation_cast_kernel(x_ptr, amax_ptr, data_ptr, t_ptr, scale_inv_ptr, M, N,
-                            FP8_MAX, KIND: tl.constexpr, HAS_T: tl.constexpr,
+                            FP8_MAX, state_ptr, ticket_ptr, MARGIN_FACTOR,
+                            KIND: tl.constexpr, HAS_T: tl.constexpr, DELAYED: tl.constexpr,
+                            ROLL: tl.constexpr, MOST_RECENT: tl.constexpr,
+                            HISTORY: tl.constexpr, BLOCK_H: tl.constexpr,
                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     scale = scale_from_amax(amax_ptr, FP8_MAX)
     y, rows, cols, mask = _activation_tile(x_ptr, M, N, KIND, BLOCK_M, BLOCK_N)
     store_fp8_tile(y, scale, rows, cols, mask, data_ptr, t_ptr, scale_inv_ptr, M, N,
                    FP8_MAX, HAS_T)
+    if DELAYED:
+        record_delayed(y, mask, state_ptr, ticket_ptr, MARGIN_FACTOR, ROLL, MOST_RECENT,
+                       HISTORY, BLOCK_H)
 
 
 def _rows_cols(name: str, kind: str, x: torch.Tensor) -> tuple:
@@ -90,20 +100,26 @@ def activation_triton(kind: str, x: torch.Tensor, block_m: int = 64,
 
 
 def activation_fp8_triton(kind: str, x: torch.Tensor, fp8_dtype: torch.dtype, fp8_max: float,
-                          columnwise: bool, block_m: int = 32, block_n: int = 128) -> list:
+                          columnwise: bool, delayed: Optional[DelayedCast] = None,
+                          block_m: int = 32, block_n: int = 128) -> list:
     """``[data, scale_inv]`` (+ the transposed copy when ``columnwise``): the activation
     ``kind`` of ``x`` (a key of :data:`KINDS`) rounded to ``x``'s dtype, then cast to
-    ``fp8_dtype`` (largest value ``fp8_max``) with a current per-tensor scale."""
+    ``fp8_dtype`` (largest value ``fp8_max``) with a current per-tensor scale (two
+    passes), or with ``delayed``'s, its amax recorded (one pass)."""
     m, n = _rows_cols("activation_fp8_triton", kind, x)
     if not m * n:
         raise ValueError(f"activation_fp8_triton: empty input {tuple(x.shape)}")
     x = x.contiguous()
-    amax = zeroed_amax(x.device)
     grid = tile_grid(m, n, block_m, block_n)
-    _activation_kernel[grid](x, amax, amax, m, n, KIND=KINDS[kind], AMAX_ONLY=True,
-                             BLOCK_M=block_m, BLOCK_N=block_n)
+    if delayed is None:
+        amax = zeroed_amax(x.device)
+        _activation_kernel[grid](x, amax, amax, m, n, KIND=KINDS[kind], AMAX_ONLY=True,
+                                 BLOCK_M=block_m, BLOCK_N=block_n)
+    else:
+        amax = delayed.state
     data, transpose, scale_inv, in_kernel_t = fp8_buffers(x, fp8_dtype, columnwise)
     _activation_cast_kernel[grid](x, amax, data, transpose, scale_inv, m, n, fp8_max,
-                                  KIND=KINDS[kind], HAS_T=in_kernel_t, BLOCK_M=block_m,
-                                  BLOCK_N=block_n)
+                                  **kernel_args(delayed, amax), KIND=KINDS[kind],
+                                  HAS_T=in_kernel_t, BLOCK_M=block_m, BLOCK_N=block_n)
+    finish(delayed)
     return fp8_results(data, scale_inv, transpose, columnwise, in_kernel_t)

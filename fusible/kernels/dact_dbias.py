@@ -14,11 +14,14 @@ transposed copy. Same bits as the Triton ``dact`` followed by the FP8 cast.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from fusible.kernels import jit, require_triton, tl, triton
 from fusible.kernels.fp8_cast import (fp8_buffers, fp8_results, max_keep_nan, scale_from_amax,
                                       store_fp8_tile, tile_coords, tile_grid, zeroed_amax)
+from fusible.kernels.fp8_delayed import DelayedCast, finish, kernel_args, record_delayed
 
 KINDS = {"gelu": 0, "gelu_tanh": 1, "relu": 2, "silu": 3}
 
@@ -84,7 +87,9 @@ def _dact_dbias_kernel(dy_ptr, s_ptr, dact_ptr, partial_ptr, amax_ptr, M, N,
 
 @jit
 def _dact_cast_kernel(dy_ptr, s_ptr, amax_ptr, data_ptr, t_ptr, scale_inv_ptr, M, N,
-                      FP8_MAX, KIND: tl.constexpr, HAS_T: tl.constexpr,
+                      FP8_MAX, state_ptr, ticket_ptr, MARGIN_FACTOR, KIND: tl.constexpr,
+                      HAS_T: tl.constexpr, DELAYED: tl.constexpr, ROLL: tl.constexpr,
+                      MOST_RECENT: tl.constexpr, HISTORY: tl.constexpr, BLOCK_H: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     scale = scale_from_amax(amax_ptr, FP8_MAX)
     rows, cols, mask = tile_coords(M, N, BLOCK_M, BLOCK_N)
@@ -94,6 +99,9 @@ def _dact_cast_kernel(dy_ptr, s_ptr, amax_ptr, data_ptr, t_ptr, scale_inv_ptr, M
     d = _activation_grad(dy, s, KIND).to(dy_ptr.dtype.element_ty).to(tl.float32)
     store_fp8_tile(d, scale, rows, cols, mask, data_ptr, t_ptr, scale_inv_ptr, M, N,
                    FP8_MAX, HAS_T)
+    if DELAYED:
+        record_delayed(d, mask, state_ptr, ticket_ptr, MARGIN_FACTOR, ROLL, MOST_RECENT,
+                       HISTORY, BLOCK_H)
 
 
 def dact_dbias_triton(kind: str, grad_output: torch.Tensor, saved: torch.Tensor,
@@ -121,11 +129,13 @@ def dact_dbias_triton(kind: str, grad_output: torch.Tensor, saved: torch.Tensor,
 
 def dact_dbias_fp8_triton(kind: str, grad_output: torch.Tensor, saved: torch.Tensor,
                           fp8_dtype: torch.dtype, fp8_max: float, columnwise: bool,
-                          rows_per_program: int = 256, block_m: int = 16, block_n: int = 128,
-                          cast_block_m: int = 32, cast_block_n: int = 128):
+                          delayed: Optional[DelayedCast] = None, rows_per_program: int = 256,
+                          block_m: int = 16, block_n: int = 128, cast_block_m: int = 32,
+                          cast_block_n: int = 128):
     """``(data, scale_inv, transposed copy or None, dbias)``: :func:`dact_dbias_triton`
     followed by the FP8 cast of ``dact`` to ``fp8_dtype`` (largest value ``fp8_max``),
-    without writing ``dact`` in high precision."""
+    without writing ``dact`` in high precision; scaled by ``delayed``'s state where
+    given (its amax recorded by the cast)."""
     require_triton("dact_dbias_fp8_triton")
     if grad_output.shape != saved.shape or grad_output.numel() == 0:
         raise ValueError(f"dact_dbias_fp8: grad_output {tuple(grad_output.shape)} and saved "
@@ -140,8 +150,11 @@ def dact_dbias_fp8_triton(kind: str, grad_output: torch.Tensor, saved: torch.Ten
         dy, s, partial, partial, amax, m, n, KIND=KINDS[kind], KEEP_AMAX=True,
         ROWS_PER_PROGRAM=rows_per_program, BLOCK_M=block_m, BLOCK_N=block_n)
     data, transpose, scale_inv, in_kernel_t = fp8_buffers(dy, fp8_dtype, columnwise)
+    if delayed is not None:  # the first pass still sums dbias
+        amax = delayed.state
     _dact_cast_kernel[tile_grid(m, n, cast_block_m, cast_block_n)](
-        dy, s, amax, data, transpose, scale_inv, m, n, fp8_max, KIND=KINDS[kind],
-        HAS_T=in_kernel_t, BLOCK_M=cast_block_m, BLOCK_N=cast_block_n)
+        dy, s, amax, data, transpose, scale_inv, m, n, fp8_max, **kernel_args(delayed, amax),
+        KIND=KINDS[kind], HAS_T=in_kernel_t, BLOCK_M=cast_block_m, BLOCK_N=cast_block_n)
+    finish(delayed)
     data, scale_inv, *transpose = fp8_results(data, scale_inv, transpose, columnwise, in_kernel_t)
     return data, scale_inv, (transpose[0] if transpose else None), partial.sum(0).to(dy.dtype)

@@ -126,10 +126,11 @@ def roll_torch(state: torch.Tensor, amax: torch.Tensor, most_recent: bool, margi
     state[0] = derived
 
 
-def finish(delayed: DelayedCast) -> None:
+def finish(delayed: Optional[DelayedCast]) -> None:
     """After a cast kernel ran with :func:`kernel_args` of ``delayed``: where the amax
-    is reduced over a group first, reduce ``state[1]`` and roll (else the kernel rolled)."""
-    if delayed.reduce is None:
+    is reduced over a group first, reduce ``state[1]`` and roll (else the kernel rolled;
+    current scaling, None: nothing)."""
+    if delayed is None or delayed.reduce is None:
         return
     state = delayed.state
     state[1:2] = delayed.reduce(state[1:2])

@@ -24,6 +24,7 @@ from fusible.kernels.fp8_cast import (fp8_buffers, fp8_results, max_keep_nan, qu
                                       scale_from_amax, store_fp8_tile, store_transposed_tile,
                                       tile_coords, tile_grid, transposes_in_kernel,
                                       zeroed_amax)
+from fusible.kernels.fp8_delayed import DelayedCast, finish, kernel_args, record_delayed
 
 
 @jit
@@ -90,11 +91,14 @@ def _norm_fwd_kernel(x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, amax_ptr, M
 
 @jit
 def _norm_fwd_cast_kernel(x_ptr, w_ptr, b_ptr, mean_ptr, rstd_ptr, amax_ptr, data_ptr,
-                          t_ptr, scale_inv_ptr, M, N, FP8_MAX, CENTER: tl.constexpr,
-                          HAS_T: tl.constexpr, HAS_DATA: tl.constexpr, BLOCK_M: tl.constexpr,
-                          BLOCK_N: tl.constexpr):
+                          t_ptr, scale_inv_ptr, M, N, FP8_MAX, state_ptr, ticket_ptr,
+                          MARGIN_FACTOR, CENTER: tl.constexpr, HAS_T: tl.constexpr,
+                          HAS_DATA: tl.constexpr, DELAYED: tl.constexpr, ROLL: tl.constexpr,
+                          MOST_RECENT: tl.constexpr, HISTORY: tl.constexpr,
+                          BLOCK_H: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """The second FP8 pass, over 2-D tiles (the transposed copy's stores stay coalesced);
-    without ``HAS_DATA`` only the transposed copy is written."""
+    without ``HAS_DATA`` only the transposed copy is written; ``DELAYED``: ``y``'s amax
+    recorded in the state."""
     scale = scale_from_amax(amax_ptr, FP8_MAX)
     rows, cols, _ = tile_coords(M, N, BLOCK_M, BLOCK_N)
     rstd = tl.load(rstd_ptr + rows, mask=rows < M, other=0.0)
@@ -108,6 +112,9 @@ def _norm_fwd_cast_kernel(x_ptr, w_ptr, b_ptr, mean_ptr, rstd_ptr, amax_ptr, dat
     else:
         store_transposed_tile(quantize_tile(y, scale, scale_inv_ptr, FP8_MAX), rows, cols,
                               mask, t_ptr, M)
+    if DELAYED:
+        record_delayed(y, mask, state_ptr, ticket_ptr, MARGIN_FACTOR, ROLL, MOST_RECENT,
+                       HISTORY, BLOCK_H)
 
 
 @jit
@@ -259,13 +266,14 @@ def norm_forward_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
 
 def norm_forward_fp8_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                             eps: float, center: bool, fp8_dtype: torch.dtype, fp8_max: float,
-                            columnwise: bool, block_n: int | None = None,
-                            cast_block: tuple | None = None,
+                            columnwise: bool, delayed: DelayedCast | None = None,
+                            block_n: int | None = None, cast_block: tuple | None = None,
                             amax: torch.Tensor | None = None) -> tuple:
     """``([data, scale_inv] (+ transposed copy), mean, rstd)``: :func:`norm_forward_triton`
-    with ``y`` in ``fp8_dtype`` (current per-tensor scale), as the FP8 cast of its ``y``
-    would give, never written in ``x``'s dtype. ``amax``: a zeroed float32 0-d tensor to
-    accumulate ``y``'s absolute maximum in, which the caller keeps (by default a slot of
+    with ``y`` in ``fp8_dtype`` (current per-tensor scale, or ``delayed``'s, which records
+    ``y``'s amax), as the FP8 cast of its ``y`` would give, never written in ``x``'s dtype.
+    ``amax``: a zeroed float32 0-d tensor to accumulate ``y``'s absolute maximum in,
+    which the caller keeps (by default a slot of
     :func:`~fusible.kernels.fp8_cast.zeroed_amax`, reused later)."""
     require_triton("norm_forward_fp8_triton")
     x, w, n = x.contiguous(), weight.contiguous(), weight.numel()
@@ -280,8 +288,9 @@ def norm_forward_fp8_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.T
     _norm_fwd_kernel[(triton.cdiv(m, block_m),)](  # y_ptr: unused in this pass
         x, w, b, x, mean_or_rstd, rstd, amax, m, n, eps, CENTER=center, AMAX_ONLY=True,
         BLOCK_M=block_m, BLOCK_N=block_n)
-    parts = norm_cast_fp8_triton(x, w, b, mean, rstd, amax, center, fp8_dtype, fp8_max,
-                                 columnwise, cast_block)
+    parts = norm_cast_fp8_triton(x, w, b, mean, rstd, amax if delayed is None else delayed.state,
+                                 center, fp8_dtype, fp8_max, columnwise, cast_block,
+                                 delayed=delayed)
     return parts, mean, rstd
 
 
@@ -289,12 +298,12 @@ def norm_cast_fp8_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
                          mean: torch.Tensor | None, rstd: torch.Tensor, amax: torch.Tensor,
                          center: bool, fp8_dtype: torch.dtype, fp8_max: float,
                          columnwise: bool, cast_block: tuple | None = None,
-                         rowwise: bool = True) -> list:
+                         rowwise: bool = True, delayed: DelayedCast | None = None) -> list:
     """``[data, scale_inv]`` (+ transposed copy): the norm's output from its statistics,
     quantized by the scale of ``amax``: :func:`norm_forward_fp8_triton`'s second pass, also
     what recomputes that output bit for bit in a backward. Without ``rowwise`` (with
     ``columnwise``): ``[transposed copy, scale_inv]``, the data not written where the
-    kernel writes the copy itself."""
+    kernel writes the copy itself. ``delayed`` (``amax`` its state): the amax recorded."""
     require_triton("norm_cast_fp8_triton")
     if not (rowwise or columnwise):
         raise ValueError("norm_cast_fp8_triton: asked for neither the data nor its transpose")
@@ -309,8 +318,9 @@ def norm_cast_fp8_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     cast_m, cast_n = cast_block or _CAST_BLOCK
     _norm_fwd_cast_kernel[tile_grid(m, n, cast_m, cast_n)](
         x, w, b, rstd if mean is None else mean, rstd, amax, data, transpose, scale_inv, m, n,
-        fp8_max, CENTER=center, HAS_T=in_kernel_t, HAS_DATA=has_data, BLOCK_M=cast_m,
-        BLOCK_N=cast_n)
+        fp8_max, **kernel_args(delayed, amax), CENTER=center, HAS_T=in_kernel_t,
+        HAS_DATA=has_data, BLOCK_M=cast_m, BLOCK_N=cast_n)
+    finish(delayed)
     out = fp8_results(data, scale_inv, transpose, columnwise, in_kernel_t)
     return out if rowwise else [out[2], scale_inv]
 

@@ -17,6 +17,7 @@ import torch
 from fusible.kernels import jit, require_triton, tl, triton
 from fusible.kernels.fp8_cast import (atomic_amax_of_tile, fp8_buffers, fp8_results,
                                       scale_from_amax, store_fp8_tile, tile_grid, zeroed_amax)
+from fusible.kernels.fp8_delayed import finish, kernel_args, record_delayed
 from fusible.kernels.swiglu import (CLAMP_DEFAULTS, _gated_tile, _half_cols, _layout,
                                     _rows_and_half, _swiglu_grads, _swiglu_tile,
                                     _swiglu_values)
@@ -39,9 +40,12 @@ def _scaled_fwd_kernel(x_ptr, s_ptr, y_ptr, amax_ptr, M, N, S, LIMIT, ALPHA, OFF
 
 @jit
 def _scaled_fwd_cast_kernel(x_ptr, s_ptr, amax_ptr, data_ptr, t_ptr, scale_inv_ptr, M, N, S,
-                            LIMIT, ALPHA, OFFSET, FP8_MAX, KIND: tl.constexpr,
-                            INTERLEAVED: tl.constexpr, HAS_T: tl.constexpr,
-                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                            LIMIT, ALPHA, OFFSET, FP8_MAX, state_ptr, ticket_ptr,
+                            MARGIN_FACTOR, KIND: tl.constexpr, INTERLEAVED: tl.constexpr,
+                            HAS_T: tl.constexpr, DELAYED: tl.constexpr, ROLL: tl.constexpr,
+                            MOST_RECENT: tl.constexpr, HISTORY: tl.constexpr,
+                            BLOCK_H: tl.constexpr, BLOCK_M: tl.constexpr,
+                            BLOCK_N: tl.constexpr):
     scale = scale_from_amax(amax_ptr, FP8_MAX)
     rows, cols, mask, _, _, a, b = _gated_tile(x_ptr, M, N, S, INTERLEAVED, BLOCK_M, BLOCK_N)
     s = tl.load(s_ptr + rows, mask=rows < M, other=0.0).to(tl.float32)
@@ -49,23 +53,29 @@ def _scaled_fwd_cast_kernel(x_ptr, s_ptr, amax_ptr, data_ptr, t_ptr, scale_inv_p
         x_ptr.dtype.element_ty)
     store_fp8_tile(y.to(tl.float32), scale, rows, cols, mask, data_ptr, t_ptr,
                    scale_inv_ptr, M, N, FP8_MAX, HAS_T)
+    if DELAYED:
+        record_delayed(y.to(tl.float32), mask, state_ptr, ticket_ptr, MARGIN_FACTOR, ROLL,
+                       MOST_RECENT, HISTORY, BLOCK_H)
 
 
 @jit
 def _scaled_bwd_kernel(dy_ptr, x_ptr, s_ptr, dx_ptr, ds_ptr, amax_ptr, data_ptr, t_ptr,
-                       scale_inv_ptr, M, N, S, LIMIT, ALPHA, OFFSET, FP8_MAX,
-                       KIND: tl.constexpr, INTERLEAVED: tl.constexpr, NEED_DX: tl.constexpr,
-                       NEED_DS: tl.constexpr, MODE: tl.constexpr, HAS_T: tl.constexpr,
+                       scale_inv_ptr, M, N, S, LIMIT, ALPHA, OFFSET, FP8_MAX, state_ptr,
+                       ticket_ptr, MARGIN_FACTOR, KIND: tl.constexpr, INTERLEAVED: tl.constexpr,
+                       NEED_DX: tl.constexpr, NEED_DS: tl.constexpr, MODE: tl.constexpr,
+                       HAS_T: tl.constexpr, DELAYED: tl.constexpr, ROLL: tl.constexpr,
+                       MOST_RECENT: tl.constexpr, HISTORY: tl.constexpr, BLOCK_H: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Whole rows per program. ``MODE`` 0: write ``dx``; 1: only fold ``dx``'s absolute
-    maximum into ``amax``; 2: cast ``dx`` to FP8 by that maximum. ``ds`` (where needed) is
-    written by modes 0 and 1."""
+    maximum into ``amax``; 2: cast ``dx`` to FP8 by that maximum (``DELAYED``: by the
+    state's, recording ``dx``'s). ``ds`` (where needed) is written by modes 0 and 1."""
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < M
     s = tl.load(s_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
     if MODE == 2:
         scale = scale_from_amax(amax_ptr, FP8_MAX)
     acc = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    seen = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # DELAYED: dx's amax so far
     for start in range(0, N, BLOCK_N):
         cols = start + tl.arange(0, BLOCK_N)
         mask = row_ok[:, None] & (cols[None, :] < N)
@@ -92,6 +102,14 @@ def _scaled_bwd_kernel(dy_ptr, x_ptr, s_ptr, dx_ptr, ds_ptr, amax_ptr, data_ptr,
                                scale_inv_ptr, M, 2 * N, FP8_MAX, HAS_T)
                 store_fp8_tile(db.to(tl.float32), scale, rows, b_cols, mask, data_ptr, t_ptr,
                                scale_inv_ptr, M, 2 * N, FP8_MAX, HAS_T)
+                if DELAYED:
+                    both = tl.maximum(tl.abs(da.to(tl.float32)), tl.abs(db.to(tl.float32)),
+                                      propagate_nan=tl.PropagateNan.ALL)
+                    seen = tl.maximum(seen, tl.where(mask, both, 0.0),
+                                      propagate_nan=tl.PropagateNan.ALL)
+    if DELAYED and MODE == 2:
+        record_delayed(seen, row_ok[:, None], state_ptr, ticket_ptr,
+                       MARGIN_FACTOR, ROLL, MOST_RECENT, HISTORY, BLOCK_H)
     if NEED_DS and MODE != 2:
         tl.store(ds_ptr + rows, acc.to(ds_ptr.dtype.element_ty), mask=row_ok)
 
@@ -100,9 +118,9 @@ def scaled_glu_forward_triton(x: torch.Tensor, scales: torch.Tensor, output_form
                               block_m: int = 32, block_n: int = 128, kind: str = "swiglu",
                               interleave: int = 0, clamp: tuple = CLAMP_DEFAULTS):
     """``glu(x) * scales[..., None]`` in ``x``'s dtype, rounded once; with
-    ``output_format`` (``(fp8_dtype, fp8_max, columnwise)``, a format's ``cast_args()``)
-    its FP8 cast parts ``[data, scale_inv]`` (+ transposed copy) instead, the result never
-    written in high precision."""
+    ``output_format`` (``(fp8_dtype, fp8_max, columnwise[, delayed])``, a format's
+    ``cast_args()``) its FP8 cast parts ``[data, scale_inv]`` (+ transposed copy) instead,
+    the result never written in high precision."""
     require_triton("scaled_glu_forward_triton")
     x, s = x.contiguous(), scales.contiguous()
     m, n = _rows_and_half(x, kind, interleave)
@@ -115,16 +133,25 @@ def scaled_glu_forward_triton(x: torch.Tensor, scales: torch.Tensor, output_form
         return y
     if not m * n:
         raise ValueError(f"scaled_glu_forward_triton: empty input {tuple(x.shape)}")
-    fp8_dtype, fp8_max, columnwise = output_format
-    amax = zeroed_amax(x.device)
-    _scaled_fwd_kernel[grid](x, s, amax, amax, m, n, **layout, AMAX_ONLY=True,
-                             BLOCK_M=block_m, BLOCK_N=block_n)
+    fp8_dtype, fp8_max, columnwise, delayed = _cast_args(output_format)
+    if delayed is None:
+        amax = zeroed_amax(x.device)
+        _scaled_fwd_kernel[grid](x, s, amax, amax, m, n, **layout, AMAX_ONLY=True,
+                                 BLOCK_M=block_m, BLOCK_N=block_n)
+    else:
+        amax = delayed.state
     like = x.new_empty(()).expand(*x.shape[:-1], n)  # the result's shape, no memory
     data, transpose, scale_inv, in_kernel_t = fp8_buffers(like, fp8_dtype, columnwise)
     _scaled_fwd_cast_kernel[grid](x, s, amax, data, transpose, scale_inv, m, n, **layout,
-                                  FP8_MAX=fp8_max, HAS_T=in_kernel_t, BLOCK_M=block_m,
-                                  BLOCK_N=block_n)
+                                  FP8_MAX=fp8_max, **kernel_args(delayed, amax),
+                                  HAS_T=in_kernel_t, BLOCK_M=block_m, BLOCK_N=block_n)
+    finish(delayed)
     return fp8_results(data, scale_inv, transpose, columnwise, in_kernel_t)
+
+
+def _cast_args(output_format: tuple) -> tuple:
+    """``(fp8_dtype, fp8_max, columnwise, delayed or None)`` of a format's cast_args()."""
+    return (*output_format, None) if len(output_format) == 3 else tuple(output_format)
 
 
 def scaled_glu_backward_triton(grad_output: torch.Tensor, x: torch.Tensor,
@@ -147,18 +174,23 @@ def scaled_glu_backward_triton(grad_output: torch.Tensor, x: torch.Tensor,
         raise ValueError(f"scaled_glu_backward_triton: empty input {tuple(x.shape)}")
     if not m * n:
         return dx, ds.zero_() if ds is not None else None
+    fp8_dtype, fp8_max, columnwise, delayed = _cast_args(output_format) if fp8 else \
+        (None, 1.0, False, None)
     amax = zeroed_amax(x.device) if fp8 else dy
     spare = dx if dx is not None else dy  # an unused pointer
     kwargs = dict(**layout, NEED_DX=need_dx, BLOCK_M=block_m, BLOCK_N=block_n)
-    _scaled_bwd_kernel[grid](dy, x, s, spare, ds if need_ds else spare, amax, spare, spare,
-                             spare, m, n, FP8_MAX=1.0, NEED_DS=need_ds, MODE=1 if fp8 else 0,
-                             HAS_T=False, **kwargs)
+    if not (fp8 and delayed is not None and not need_ds):  # delayed: the first pass for ds
+        _scaled_bwd_kernel[grid](dy, x, s, spare, ds if need_ds else spare, amax, spare,
+                                 spare, spare, m, n, FP8_MAX=1.0, NEED_DS=need_ds,
+                                 MODE=1 if fp8 else 0, HAS_T=False, **kernel_args(None, amax),
+                                 **kwargs)
     if not fp8:
         return dx, ds
-    fp8_dtype, fp8_max, columnwise = output_format
+    amax = amax if delayed is None else delayed.state
     like = dy.new_empty(()).expand(x.shape)
     data, transpose, scale_inv, in_kernel_t = fp8_buffers(like, fp8_dtype, columnwise)
     _scaled_bwd_kernel[grid](dy, x, s, spare, spare, amax, data, transpose, scale_inv, m, n,
                              FP8_MAX=fp8_max, NEED_DS=False, MODE=2, HAS_T=in_kernel_t,
-                             **kwargs)
+                             **kernel_args(delayed, amax), **kwargs)
+    finish(delayed)
     return fp8_results(data, scale_inv, transpose, columnwise, in_kernel_t), ds

@@ -23,6 +23,7 @@ from fusible.kernels import jit, require_triton, tl
 from fusible.kernels.fp8_cast import (atomic_amax_of_tile, fp8_buffers, fp8_results,
                                       scale_from_amax, store_fp8_tile, tile_coords, tile_grid,
                                       zeroed_amax)
+from fusible.kernels.fp8_delayed import DelayedCast, finish, kernel_args, record_delayed
 
 
 @jit
@@ -170,14 +171,20 @@ def _swiglu_fwd_kernel(x_ptr, y_ptr, amax_ptr, M, N, S, LIMIT, ALPHA, OFFSET,
 
 @jit
 def _swiglu_fwd_cast_kernel(x_ptr, amax_ptr, data_ptr, t_ptr, scale_inv_ptr, M, N, S,
-                            LIMIT, ALPHA, OFFSET, FP8_MAX, KIND: tl.constexpr,
-                            INTERLEAVED: tl.constexpr, HAS_T: tl.constexpr,
-                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                            LIMIT, ALPHA, OFFSET, FP8_MAX, state_ptr, ticket_ptr,
+                            MARGIN_FACTOR, KIND: tl.constexpr, INTERLEAVED: tl.constexpr,
+                            HAS_T: tl.constexpr, DELAYED: tl.constexpr, ROLL: tl.constexpr,
+                            MOST_RECENT: tl.constexpr, HISTORY: tl.constexpr,
+                            BLOCK_H: tl.constexpr, BLOCK_M: tl.constexpr,
+                            BLOCK_N: tl.constexpr):
     scale = scale_from_amax(amax_ptr, FP8_MAX)
     rows, cols, mask, _, _, a, b = _gated_tile(x_ptr, M, N, S, INTERLEAVED, BLOCK_M, BLOCK_N)
     y = _swiglu_values(a, b, LIMIT, ALPHA, OFFSET, KIND).to(x_ptr.dtype.element_ty)
     store_fp8_tile(y.to(tl.float32), scale, rows, cols, mask, data_ptr, t_ptr,
                    scale_inv_ptr, M, N, FP8_MAX, HAS_T)
+    if DELAYED:
+        record_delayed(y.to(tl.float32), mask, state_ptr, ticket_ptr, MARGIN_FACTOR, ROLL,
+                       MOST_RECENT, HISTORY, BLOCK_H)
 
 
 @jit
@@ -212,9 +219,12 @@ def _swiglu_bwd_kernel(dy_ptr, x_ptr, dx_ptr, amax_ptr, M, N, S, LIMIT, ALPHA, O
 
 @jit
 def _swiglu_bwd_cast_kernel(dy_ptr, x_ptr, amax_ptr, data_ptr, t_ptr, scale_inv_ptr,
-                            M, N, S, LIMIT, ALPHA, OFFSET, FP8_MAX, KIND: tl.constexpr,
-                            INTERLEAVED: tl.constexpr, HAS_T: tl.constexpr,
-                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                            M, N, S, LIMIT, ALPHA, OFFSET, FP8_MAX, state_ptr, ticket_ptr,
+                            MARGIN_FACTOR, KIND: tl.constexpr, INTERLEAVED: tl.constexpr,
+                            HAS_T: tl.constexpr, DELAYED: tl.constexpr, ROLL: tl.constexpr,
+                            MOST_RECENT: tl.constexpr, HISTORY: tl.constexpr,
+                            BLOCK_H: tl.constexpr, BLOCK_M: tl.constexpr,
+                            BLOCK_N: tl.constexpr):
     scale = scale_from_amax(amax_ptr, FP8_MAX)
     rows, mask, a_cols, b_cols, da, db = _gated_grads(
         dy_ptr, x_ptr, M, N, S, LIMIT, ALPHA, OFFSET, KIND, INTERLEAVED, BLOCK_M, BLOCK_N)
@@ -223,6 +233,11 @@ def _swiglu_bwd_cast_kernel(dy_ptr, x_ptr, amax_ptr, data_ptr, t_ptr, scale_inv_
                    scale_inv_ptr, M, 2 * N, FP8_MAX, HAS_T)
     store_fp8_tile(db.to(tl.float32), scale, rows, b_cols, mask, data_ptr, t_ptr,
                    scale_inv_ptr, M, 2 * N, FP8_MAX, HAS_T)
+    if DELAYED:
+        both = tl.maximum(tl.abs(da.to(tl.float32)), tl.abs(db.to(tl.float32)),
+                          propagate_nan=tl.PropagateNan.ALL)
+        record_delayed(both, mask, state_ptr, ticket_ptr, MARGIN_FACTOR, ROLL, MOST_RECENT,
+                       HISTORY, BLOCK_H)
 
 
 # GPT-OSS's clamped SwiGLU: (limit, alpha, linear offset), TransformerEngine's defaults
@@ -271,27 +286,32 @@ def swiglu_forward_triton(x: torch.Tensor, block_m: int = 32, block_n: int = 128
 
 
 def swiglu_forward_fp8_triton(x: torch.Tensor, fp8_dtype: torch.dtype, fp8_max: float,
-                              columnwise: bool, block_m: int = 32, block_n: int = 128,
-                              kind: str = "swiglu", interleave: int = 0,
-                              clamp: tuple = CLAMP_DEFAULTS):
+                              columnwise: bool, delayed: Optional[DelayedCast] = None,
+                              block_m: int = 32, block_n: int = 128, kind: str = "swiglu",
+                              interleave: int = 0, clamp: tuple = CLAMP_DEFAULTS):
     """``[data, scale_inv]`` (+ the transposed copy when ``columnwise``) of the forward's
-    result in ``fp8_dtype`` with a current per-tensor scale, as the FP8 cast of
-    :func:`swiglu_forward_triton`'s result would give."""
+    result in ``fp8_dtype`` with a current per-tensor scale (two passes), or ``delayed``'s
+    (one, recording the amax), as the FP8 cast of :func:`swiglu_forward_triton`'s result
+    would give."""
     require_triton("swiglu_forward_fp8_triton")
     x = x.contiguous()
     m, n = _rows_and_half(x, kind, interleave)
     if not m * n:
         raise ValueError(f"swiglu_forward_fp8_triton: empty input {tuple(x.shape)}")
-    amax = zeroed_amax(x.device)
     grid = tile_grid(m, n, block_m, block_n)
     layout = _layout(kind, interleave, clamp)
-    _swiglu_fwd_kernel[grid](x, amax, amax, m, n, **layout, AMAX_ONLY=True,
-                             BLOCK_M=block_m, BLOCK_N=block_n)
+    if delayed is None:
+        amax = zeroed_amax(x.device)
+        _swiglu_fwd_kernel[grid](x, amax, amax, m, n, **layout, AMAX_ONLY=True,
+                                 BLOCK_M=block_m, BLOCK_N=block_n)
+    else:
+        amax = delayed.state
     like = x.new_empty(()).expand(*x.shape[:-1], n)  # the result's shape, no memory
     data, transpose, scale_inv, in_kernel_t = fp8_buffers(like, fp8_dtype, columnwise)
     _swiglu_fwd_cast_kernel[grid](x, amax, data, transpose, scale_inv, m, n,
-                                  **layout, FP8_MAX=fp8_max, HAS_T=in_kernel_t,
-                                  BLOCK_M=block_m, BLOCK_N=block_n)
+                                  **layout, FP8_MAX=fp8_max, **kernel_args(delayed, amax),
+                                  HAS_T=in_kernel_t, BLOCK_M=block_m, BLOCK_N=block_n)
+    finish(delayed)
     return fp8_results(data, scale_inv, transpose, columnwise, in_kernel_t)
 
 
@@ -312,8 +332,9 @@ def swiglu_backward_triton(grad_output: torch.Tensor, x: torch.Tensor, block_m: 
 
 def swiglu_backward_fp8_triton(grad_output: torch.Tensor, x: torch.Tensor,
                                fp8_dtype: torch.dtype, fp8_max: float, columnwise: bool,
-                               block_m: int = 32, block_n: int = 128, kind: str = "swiglu",
-                               interleave: int = 0, clamp: tuple = CLAMP_DEFAULTS):
+                               delayed: Optional[DelayedCast] = None, block_m: int = 32,
+                               block_n: int = 128, kind: str = "swiglu", interleave: int = 0,
+                               clamp: tuple = CLAMP_DEFAULTS):
     """:func:`swiglu_backward_triton`'s result as :func:`swiglu_forward_fp8_triton` gives
     the forward's."""
     require_triton("swiglu_backward_fp8_triton")
@@ -321,14 +342,18 @@ def swiglu_backward_fp8_triton(grad_output: torch.Tensor, x: torch.Tensor,
     m, n = _rows_and_half(x, kind, interleave)
     if not m * n:
         raise ValueError(f"swiglu_backward_fp8_triton: empty input {tuple(x.shape)}")
-    amax = zeroed_amax(x.device)
     grid = tile_grid(m, n, block_m, block_n)
     layout = _layout(kind, interleave, clamp)
-    _swiglu_bwd_kernel[grid](dy, x, amax, amax, m, n, **layout, AMAX_ONLY=True,
-                             BLOCK_M=block_m, BLOCK_N=block_n)
+    if delayed is None:
+        amax = zeroed_amax(x.device)
+        _swiglu_bwd_kernel[grid](dy, x, amax, amax, m, n, **layout, AMAX_ONLY=True,
+                                 BLOCK_M=block_m, BLOCK_N=block_n)
+    else:
+        amax = delayed.state
     like = dy.new_empty(()).expand(x.shape)
     data, transpose, scale_inv, in_kernel_t = fp8_buffers(like, fp8_dtype, columnwise)
     _swiglu_bwd_cast_kernel[grid](dy, x, amax, data, transpose, scale_inv, m, n,
-                                  **layout, FP8_MAX=fp8_max, HAS_T=in_kernel_t,
-                                  BLOCK_M=block_m, BLOCK_N=block_n)
+                                  **layout, FP8_MAX=fp8_max, **kernel_args(delayed, amax),
+                                  HAS_T=in_kernel_t, BLOCK_M=block_m, BLOCK_N=block_n)
+    finish(delayed)
     return fp8_results(data, scale_inv, transpose, columnwise, in_kernel_t)
