@@ -44,8 +44,8 @@ def quantized_model_init(enabled: bool = True, recipe=None,
     """
     if recipe is not None and recipe.weight_format().granularity != "tensorwise":
         raise NotImplementedError(f"quantized_model_init: FP8 parameters hold one scale per "
-                                  f"tensor so far; {recipe!r} scales the weights "
-                                  f"{recipe.weight_format().granularity}")
+                                  f"tensor, by current scaling, so far; {recipe!r} scales the "
+                                  f"weights {recipe.weight_format().granularity}")
     previous = getattr(_STATE, "active", None)
     _STATE.active = ((recipe or Float8CurrentScaling(), preserve_high_precision_init_val)
                      if enabled else None)

@@ -1,0 +1,312 @@
+"""Delayed scaling: every role of every op casts with the scale its amax history gives,
+records its own amax in the same pass and rolls the history, eagerly and compiled (bit
+for bit, the states too), through the producers' fused casts and custom ops, and into
+checkpoints."""
+
+import copy
+import math
+import textwrap
+
+import pytest
+import torch
+
+import fusible
+from fusible import ops
+from fusible.kernels import fp8_delayed
+from fusible.quantization.cast import FP8_MAX, cast_to_fp8_torch
+from fusible.testing import snr_db
+from test_kernels import _run_interpreted as run_interpreted
+
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+INF = float("inf")
+
+
+class History:
+    """TransformerEngine's rule written out: the newest amax first, the scale's amax the
+    window's maximum (or newest), ``2 ** margin`` more, kept while that is 0 or not
+    finite."""
+
+    def __init__(self, length, most_recent=False, margin=0):
+        self.values, self.amax = [0.0] * length, 0.0
+        self.most_recent, self.margin = most_recent, margin
+
+    def record(self, amax: float) -> None:
+        self.values = [amax] + self.values[:-1]
+        window = self.values[:1] if self.most_recent else self.values
+        newest = math.nan if any(math.isnan(v) for v in window) else max(window)
+        if 0 < newest < INF:
+            self.amax = newest * 2.0 ** self.margin
+
+    def state(self) -> torch.Tensor:
+        return torch.tensor([self.amax, 0.0, *self.values])
+
+
+def _same(a, b) -> bool:
+    return torch.equal(a.nan_to_num(123.0), b.nan_to_num(123.0)) and \
+        torch.equal(a.isnan(), b.isnan())
+
+
+@pytest.mark.parametrize("length,most_recent,margin", [(1, False, 0), (3, False, 2),
+                                                        (4, True, 0)])
+def test_the_history_rolls_by_the_rule(length, most_recent, margin):
+    state, want = torch.zeros(2 + length), History(length, most_recent, margin)
+    for amax in (0.0, 3.0, 1.5, 0.0, math.nan, 7.0, INF, 0.25, 0.5, 0.125):
+        fp8_delayed.roll_torch(state, torch.tensor(amax), most_recent, margin)
+        want.record(amax)
+        assert _same(state, want.state()), (amax, state, want.state())
+
+
+def _linear(w):
+    layer = ops.Sequential(ops.BasicLinear(w.shape[1], w.shape[0]))
+    with torch.no_grad():
+        layer[0].weight.copy_(w)
+    return layer
+
+
+def _dequantized(t, amax, fp8_dtype):
+    """``t`` cast with the scale of ``amax`` (current scaling's cast), in float64."""
+    data, scale_inv = cast_to_fp8_torch(t, fp8_dtype, False, torch.tensor(amax))[:2]
+    return data.double() * scale_inv.double()
+
+
+def test_a_linear_layer_scales_each_role_by_its_history():
+    """Four steps with inputs growing 4x a step: each GEMM reads its operands cast with the
+    scales of the amaxes recorded before (scale 1 at first), the weight's copy for dgrad
+    the forward's; the states hold exactly the amaxes seen."""
+    recipe = fusible.DelayedScaling(amax_history_len=2)
+    w = torch.randn(48, 64) / 8
+    layer = _linear(w)
+    history = {role: History(2) for role in ("input", "weight", "grad")}
+    for step in range(4):
+        x = (torch.randn(32, 64) * 4.0 ** step).requires_grad_()
+        dy = torch.randn(32, 48) * 2.0 ** -step
+        amaxes = {role: h.amax for role, h in history.items()}
+        with fusible.autocast(recipe=recipe):
+            y = layer(x)
+        y.backward(dy)
+        qx, qw = _dequantized(x.detach(), amaxes["input"], E4M3), \
+            _dequantized(w, amaxes["weight"], E4M3)
+        qdy = _dequantized(dy, amaxes["grad"], E5M2)
+        assert snr_db(y, qx @ qw.t()) > 60
+        assert snr_db(x.grad, qdy @ qw) > 60
+        assert snr_db(layer[0].weight.grad, qdy.t() @ qx) > 60
+        layer.zero_grad()
+        for role, seen in (("input", x), ("weight", w), ("grad", dy)):
+            history[role].record(seen.detach().abs().max().item())
+            assert torch.equal(layer[0].get_buffer(f"fp8_state_{role}"),
+                               history[role].state()), (step, role)
+
+
+def test_the_first_step_casts_with_scale_one():
+    recipe = fusible.DelayedScaling(amax_history_len=4)
+    model = ops.Sequential(ops.Quantize())
+    x = torch.randn(16, 32) * 300
+    with fusible.autocast(recipe=recipe):
+        first, second = model(x), model(x)
+    assert first.scale_inv.item() == 1.0  # the largest values saturate at 448
+    assert first.dequantize().abs().max().item() == FP8_MAX[E4M3]
+    assert second.scale_inv.item() == pytest.approx(x.abs().max().item() / FP8_MAX[E4M3])
+    assert snr_db(second.dequantize(), x) > 25
+
+
+def _llama_ffn(recipe_norm=False):
+    return ops.Sequential(ops.RMSNorm(64, recompute_output=recipe_norm),
+                          ops.Linear(64, 256, bias=False), ops.SwiGLU(),
+                          ops.Linear(128, 64, bias=False)).to(torch.bfloat16)
+
+
+def _steps(model, run, recipe, steps=3, seed=1):
+    """``steps`` forward and backward passes: every output, input and parameter gradient."""
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for step in range(steps):
+        x = (torch.randn(48, 64, generator=gen) * (step + 1)).to(torch.bfloat16)
+        x.requires_grad_()
+        with fusible.autocast(recipe=recipe):
+            y = run(x)
+        y.backward(torch.randn(y.shape, generator=gen).to(y.dtype))
+        out += [y.detach(), x.grad] + [p.grad.clone() for p in model.parameters()]
+        model.zero_grad(set_to_none=True)
+    return out
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_compiled_bit_for_bit_over_steps(backend):
+    """The compiled graphs update the states as the eager run does (the stage ops return
+    the updated copies, the graph writes them back): the same bits every step."""
+    recipe = fusible.DelayedScaling(amax_history_len=2)
+    eager = _llama_ffn()
+    compiled = copy.deepcopy(eager)
+    want = _steps(eager, eager, recipe)
+    got = _steps(compiled, torch.compile(compiled, fullgraph=True, backend=backend), recipe)
+    assert all(torch.equal(a, b) for a, b in zip(want, got))
+    states = {n: b for n, b in eager.named_buffers()}
+    assert len(states) == 6 and all(b[0] > 0 for b in states.values())
+    assert all(torch.equal(b, states[n]) for n, b in compiled.named_buffers())
+
+
+def test_recomputing_the_norm_casts_with_the_forwards_scale():
+    """RecomputeNormLinear recasts the norm's output for wgrad with the scale the forward
+    used (not the history rolled since), recording nothing: the ops' own bits."""
+    recipe = fusible.DelayedScaling(amax_history_len=2)
+    plain = _llama_ffn()
+    fused = _llama_ffn(recipe_norm=True)
+    fused.load_state_dict(plain.state_dict())
+    with fusible.autocast(recipe=recipe):
+        names = [s.name for s in fused.plan().forward]
+    assert names[0] == "RecomputeNormLinear", names
+    want, got = _steps(plain, plain, recipe), _steps(fused, fused, recipe)
+    assert all(torch.equal(a, b) for a, b in zip(want, got))
+    assert all(torch.equal(a, b) for a, b in zip(plain.buffers(), fused.buffers()))
+
+
+def test_quantize_casts_with_its_own_states():
+    """Quantize's FP8 output and gradient follow its own histories; the linear layer after
+    it takes the handed-over tensor as it is."""
+    recipe = fusible.DelayedScaling(amax_history_len=3)
+    model = ops.Sequential(ops.Linear(32, 32), ops.Quantize(forward=True, backward=True),
+                           ops.Linear(32, 16))
+    for step in range(3):
+        x = torch.randn(16, 32, requires_grad=True)
+        with fusible.autocast(recipe=recipe):
+            out = model(x)
+        out.sum().backward()
+    state = model[1].get_buffer("fp8_state_input")
+    assert state[2:].gt(0).all() and state[0] == state[2:].max()
+    assert model[1].get_buffer("fp8_state_grad")[2:].gt(0).all()
+    assert model[2].get_buffer("fp8_state_input").eq(0).all()  # always handed in FP8
+
+
+def test_checkpoints_carry_the_histories():
+    """A checkpoint saved after two steps resumes bit for bit in a fresh model (its states
+    made from the checkpoint); a checkpoint without states (torch.nn's) loads strictly."""
+    recipe = fusible.DelayedScaling(amax_history_len=4)
+    model = _llama_ffn()
+    _steps(model, model, recipe, steps=2)
+    saved = model.state_dict()
+    assert {k for k in saved if "fp8_state" in k} == {
+        f"{i}.fp8_state_{role}" for i in (1, 3) for role in ("input", "weight", "grad")}
+    resumed = _llama_ffn()
+    resumed.load_state_dict(saved)
+    assert all(torch.equal(a, b) for a, b in zip(model.buffers(), resumed.buffers()))
+    assert all(torch.equal(a, b) for a, b in zip(_steps(model, model, recipe, 1, seed=5),
+                                                 _steps(resumed, resumed, recipe, 1, seed=5)))
+    plain = {k: v for k, v in saved.items() if "fp8_state" not in k}
+    result = resumed.load_state_dict(plain)  # strict: the states are optional
+    assert not result.missing_keys and not result.unexpected_keys
+
+
+def test_a_new_history_length_starts_a_new_history():
+    model = _llama_ffn()
+    _steps(model, model, fusible.DelayedScaling(amax_history_len=2), steps=1)
+    _steps(model, model, fusible.DelayedScaling(amax_history_len=5), steps=1)
+    state = model[1].get_buffer("fp8_state_input")
+    assert state.shape == (7,) and state[3:].eq(0).all() and state[2] > 0
+
+
+def test_the_recipe_checks_its_configuration():
+    recipe = fusible.recipe_from_name("delayed")
+    assert recipe == fusible.DelayedScaling() and recipe.amax_history_len == 1024
+    assert fusible.recipe_from_name("delayed_e4m3").grad_format().fp8_dtype == E4M3
+    assert recipe.input_format().granularity == "delayed_max1024"
+    assert fusible.DelayedScaling(amax_history_len=8, amax_compute_algo="most_recent",
+                                  margin=1).input_format().granularity == "delayed_latest8_margin1"
+    assert recipe.stateful and not fusible.Float8CurrentScaling().stateful
+    for bad, match in (({"amax_history_len": 0}, "amax_history_len"),
+                       ({"margin": -1}, "margin"), ({"amax_compute_algo": "mean"}, "algo"),
+                       ({"fp8_format": "e5m2"}, "fp8_format"),
+                       ({"amax_reduction_group": "0"}, "reduce_amax is False")):
+        with pytest.raises(ValueError, match=match):
+            fusible.DelayedScaling(**bad)
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        fusible.DelayedScaling(reduce_amax=True)
+    with pytest.raises(NotImplementedError, match="by current scaling"):
+        with fusible.quantized_model_init(recipe=recipe):
+            pass
+
+
+def test_a_cast_without_its_state_is_an_error():
+    fmt = fusible.DelayedScaling().input_format()
+    with pytest.raises(ValueError, match="needs its role's state"):
+        fusible.quantization.to_format(torch.randn(16, 16), fmt)
+
+
+_KERNELS_SCRIPT = textwrap.dedent("""
+    import torch
+    from fusible.kernels import activation_cast, dact_dbias, norms, scaled_glu, swiglu
+    from fusible.kernels.fp8_delayed import DelayedCast, cast_delayed_triton, roll_torch
+    from fusible.quantization.cast import cast_to_fp8_torch
+    E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+    MAX = {E4M3: 448.0, E5M2: 57344.0}
+    torch.manual_seed(0)
+
+    def state():
+        s = torch.zeros(2 + 3)
+        s[0], s[2:] = 2.5, torch.tensor([2.0, 2.5, 1.0])
+        return s
+
+    def same(got, want):  # data, scale_inv, transposed copy
+        assert len(got) == len(want)
+        for a, b in zip(got, want):
+            assert torch.equal(a.view(torch.uint8) if a.element_size() == 1 else a,
+                               b.view(torch.uint8) if b.element_size() == 1 else b)
+
+    def check(fused, plain_values, fp8, margin=0, most_recent=False, reduce=None):
+        # the fused kernel against the plain values cast by the delayed cast kernel
+        s1, s2 = state(), state()
+        got = fused(DelayedCast(s1, most_recent, margin, reduce))
+        want = cast_delayed_triton(plain_values, fp8, MAX[fp8], True,
+                                   DelayedCast(s2, most_recent, margin), 8, 16)
+        same(got, want)
+        assert torch.equal(s1, s2), (s1, s2)
+
+    # The cast kernel: its state as PyTorch's rule rolls it, its scale the state's
+    for most_recent, margin in ((False, 0), (True, 2)):
+        for reduce in (None, lambda t: t * 1):  # with a reduction: the roll kernel after
+            x = torch.randn(37, 50) * 3
+            s, ref = state(), state()
+            parts = cast_delayed_triton(x, E4M3, 448.0, True,
+                                        DelayedCast(s, most_recent, margin, reduce), 8, 16)
+            want = cast_to_fp8_torch(x, E4M3, True, ref[0])
+            roll_torch(ref, x.abs().amax(), most_recent, margin)
+            assert torch.equal(s, ref), (s, ref)
+            assert torch.equal(parts[1], want[1])
+            assert torch.equal(parts[2].view(torch.uint8), parts[0].view(torch.uint8).t())
+    x = torch.randn(40, 48).to(torch.bfloat16)
+    check(lambda d: activation_cast.activation_fp8_triton("gelu", x, E4M3, 448.0, True, d,
+                                                          8, 16),
+          activation_cast.activation_triton("gelu", x, 8, 16), E4M3)
+    g = torch.randn(40, 96).to(torch.bfloat16)
+    check(lambda d: swiglu.swiglu_forward_fp8_triton(g, E4M3, 448.0, True, d, 8, 16),
+          swiglu.swiglu_forward_triton(g, 8, 16), E4M3, margin=1)
+    dy = torch.randn(40, 48).to(torch.bfloat16)
+    check(lambda d: swiglu.swiglu_backward_fp8_triton(dy, g, E5M2, MAX[E5M2], True, d, 8, 16),
+          swiglu.swiglu_backward_triton(dy, g, 8, 16), E5M2, most_recent=True)
+    w = torch.randn(48).to(torch.bfloat16)
+    check(lambda d: norms.norm_forward_fp8_triton(x, w, None, 1e-5, False, E4M3, 448.0, True,
+                                                  d, block_n=16, cast_block=(8, 16))[0],
+          norms.norm_forward_triton(x, w, None, 1e-5, False, block_n=16)[0], E4M3)
+    saved = (3 * torch.randn(40, 48)).to(torch.bfloat16)
+    check(lambda d: [t for t in dact_dbias.dact_dbias_fp8_triton(
+              "gelu", dy, saved, E5M2, MAX[E5M2], True, d, 16, 8, 16, 8, 16)[:3]],
+          dact_dbias.dact_dbias_triton("gelu", dy, saved, 16, 8, 16)[0], E5M2)
+    r = torch.rand(40).to(torch.bfloat16)
+    check(lambda d: scaled_glu.scaled_glu_forward_triton(g, r, (E4M3, 448.0, True, d), 8, 16),
+          scaled_glu.scaled_glu_forward_triton(g, r, None, 8, 16), E4M3)
+    for need_ds in (False, True):
+        check(lambda d: scaled_glu.scaled_glu_backward_triton(
+                  dy, g, r, True, need_ds, (E5M2, MAX[E5M2], True, d), 8, 16)[0],
+              scaled_glu.scaled_glu_backward_triton(dy, g, r, True, False, None, 8, 16)[0],
+              E5M2)
+    print("ok")
+""")
+
+
+def test_triton_kernels_record_and_roll_as_the_rule_says():
+    """Under Triton's interpreter (it rounds to FP8 its own way, so fused kernels are
+    checked against the plain kernel's values cast by the delayed cast kernel): each
+    fused cast scales by the state, records its values' amax and rolls the history once,
+    on its last program or, with a reduction, in the roll kernel after it."""
+    pytest.importorskip("triton")
+    run_interpreted(_KERNELS_SCRIPT)
