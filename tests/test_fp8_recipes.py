@@ -141,7 +141,8 @@ def test_recipe_presets_and_formats():
         fusible.Float8Format(torch.float8_e4m3fn, False, "blockwise_1x64")
 
 
-@pytest.mark.parametrize("recipe", RECIPES, ids=IDS)
+@pytest.mark.parametrize("recipe", [*RECIPES, fusible.DelayedScaling()],
+                         ids=[*IDS, "delayed"])
 def test_what_the_recipes_do_not_take_yet_says_so(recipe):
     with pytest.raises(NotImplementedError, match="FP8 parameters hold one scale per tensor"):
         with fusible.quantized_model_init(recipe=recipe):
@@ -196,7 +197,10 @@ def test_an_input_handed_over_quantized_is_used_as_it_is(recipe):
 
 # Final losses of 300 Adam steps (a student block imitating a teacher, the loss falling
 # 3.6x): float32 0.00458; tensorwise 0.00462, rowwise 0.00451, blockwise 0.00464, MXFP8
-# 0.00460 (within 1.5% of it). The margin: 10%.
+# 0.00460 (within 1.5% of it); delayed scaling 0.00489 (+6.9%: its first step casts with
+# scale 1, most of its E5M2 gradients (about 1e-5) flush to zero, and the trajectory
+# differs from there; with seeds 1-3 it lands within 0.5-4% of float32, as close as
+# tensorwise). The margin: 10%.
 TRAINING_MARGIN = 1.10
 
 
@@ -226,7 +230,7 @@ def test_each_recipe_trains_like_high_precision():
     as without FP8 (float32 on the CPU), within TRAINING_MARGIN of its final value."""
     start, final = _train(None)
     assert final < start / 3, (start, final)
-    for recipe in [fusible.Float8CurrentScaling(), *RECIPES]:
+    for recipe in [fusible.Float8CurrentScaling(), *RECIPES, fusible.DelayedScaling()]:
         start_r, final_r = _train(recipe)
         assert final_r < TRAINING_MARGIN * final, (recipe.name, start_r, final_r, final)
 

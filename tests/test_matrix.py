@@ -149,7 +149,18 @@ def test_freezing_any_parameter_or_input_between_calls(case):
                     assert p.grad is None, f"{name} frozen but got a gradient"
 
 
-RECIPES = ["rowwise", "blockwise", "mxfp8"]
+RECIPES = ["rowwise", "blockwise", "mxfp8", "delayed"]
+
+
+def _scaling_states(model) -> dict:
+    """Copies of the model's FP8 scaling states (delayed scaling's histories)."""
+    return {n: b.clone() for n, b in model.named_buffers() if "fp8_state_" in n}
+
+
+def _restore(model, states: dict) -> None:
+    for name, buffer in model.named_buffers():
+        if name in states:
+            buffer.copy_(states[name])
 
 
 @pytest.mark.usefixtures("fresh_dynamo")
@@ -180,10 +191,15 @@ def test_every_fp8_example_runs_under_every_recipe(case, recipe):
             plan = model.plan(*inputs)
         for direction, names in expected_stages(case).items():
             assert set(names) <= set(stage_names(getattr(plan, direction))), plan.explain()
+        if recipe.stateful:  # a first step fills the histories (it casts with scale 1)
+            run(model)
+        states = _scaling_states(model)
         eager = run(model)
+        after, _ = _scaling_states(model), _restore(model, states)
         ref_inputs = [t.detach().double().requires_grad_(t.requires_grad) for t in inputs]
         compiled = run(torch.compile(model, fullgraph=True, backend="aot_eager"))
         assert all(torch.equal(a, b) for a, b in zip(eager, compiled))
+        assert all(torch.equal(b, after[n]) for n, b in _scaling_states(model).items())
         ref_outputs, ref_params = reference_forward(model, *ref_inputs)
         ref_outputs = ref_outputs if isinstance(ref_outputs, tuple) else (ref_outputs,)
         gen = torch.Generator().manual_seed(3)
