@@ -21,6 +21,7 @@ from parallel_ops import (_check_all_gather_then_column, _check_collectives,
                           _check_recompute_norm_before_column, _check_size_errors,
                           _check_state_dict_from_torch, one_rank_fails_cases,
                           one_rank_hangs_cases)
+from parallel_delayed import check_fp8_gather_delayed, check_linear_delayed
 from parallel_moe import (_check_expert_parallel, _check_expert_parallel_capacity,
                           _check_expert_parallel_plan)
 
@@ -37,6 +38,9 @@ def parallel_cases(rank, ws, device="cpu"):
                 for g in ("rowwise", "blockwise_1x128", "mx_1x32")},
              **{f"linear {m} sp {r}": (lambda m=m, r=r: _check_linear_recipe(rank, ws, m, r))
                 for m in ("column", "row") for r in ("rowwise", "blockwise")},
+             "fp8 gather delayed": lambda: check_fp8_gather_delayed(rank, ws),
+             **{f"linear {m} sp delayed": (lambda m=m: check_linear_delayed(rank, ws, m))
+                for m in ("column", "row")},
              "init": lambda: _check_init(rank, ws),
              "state dict from torch": lambda: _check_state_dict_from_torch(rank, ws),
              "norm sp": lambda: _check_norm_sp(rank, ws),
@@ -91,7 +95,7 @@ def test_tensor_parallel_nccl():
 def _report(results):
     report = failure_report(results)
     assert not report, report
-    assert [len(outcomes) for outcomes in results] == [62] * len(results)
+    assert [len(outcomes) for outcomes in results] == [65] * len(results)
 
 
 def test_a_rank_that_fails_alone_stops_every_rank_at_once():
