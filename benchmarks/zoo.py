@@ -10,7 +10,9 @@ optimizer; the method of ``gpu_mlp.measure``) side by side in one run, as rows:
   Sequentials on the same weights, FP8 under ``fusible.autocast()``;
 - ``fusible_rowwise_eager`` / ``_compile``: the same under
   ``fusible.autocast(recipe=fusible.Float8RowwiseScaling())`` (torchao_rowwise's twin),
-  ``fusible_blockwise_*`` under ``Float8BlockScaling()`` (DeepSeek-V3's blocks); on
+  ``fusible_blockwise_*`` under ``Float8BlockScaling()`` (DeepSeek-V3's blocks),
+  ``fusible_delayed_*`` under ``DelayedScaling()`` (scales from amax histories, which the
+  warm-up steps fill); on
   request ``fusible_mxfp8_*`` under ``MXFP8BlockScaling()`` (emulated GEMMs: what the
   emulation costs, not a speed);
 - on request (``--rows``), ``fusible_{bf16,fp8}_recompute_{eager,compile}``: the same with
@@ -164,8 +166,10 @@ CONFIGS = [("llama_ffn", 4096, 14336, 8192), ("llama_ffn", 4096, 14336, 2048),
 ROWS = ("torch_eager", "torch_compile", "torchao_tensorwise", "torchao_rowwise",
         "fusible_bf16_eager", "fusible_bf16_compile", "fusible_fp8_eager",
         "fusible_fp8_compile", "fusible_rowwise_eager", "fusible_rowwise_compile",
-        "fusible_blockwise_eager", "fusible_blockwise_compile")
+        "fusible_blockwise_eager", "fusible_blockwise_compile", "fusible_delayed_eager",
+        "fusible_delayed_compile")
 RECIPES = {"_fp8_": lambda: fusible.Float8CurrentScaling(),
+           "_delayed_": lambda: fusible.DelayedScaling(),
            "_rowwise_": lambda: fusible.Float8RowwiseScaling(),
            "_blockwise_": lambda: fusible.Float8BlockScaling(),
            "_mxfp8_": lambda: fusible.MXFP8BlockScaling()}
@@ -252,7 +256,7 @@ def main() -> None:
             return draw(json.load(f), args.png)
     if args.profile and args.first == 0:
         profile(CONFIGS[0], ("fusible_bf16_eager", "fusible_fp8_eager", "fusible_rowwise_eager",
-                             "fusible_blockwise_eager"), args.profile)
+                             "fusible_blockwise_eager", "fusible_delayed_eager"), args.profile)
         profile(CONFIGS[2], ("fusible_fp8_eager",), args.profile)
     results = {"torch": torch.__version__, "gpu": torch.cuda.get_device_name()}
     for config in CONFIGS[args.first:args.first + args.configs]:

@@ -983,3 +983,86 @@ def test_recipes_on_gpu_compile_bit_for_bit(recipe):
     assert all(torch.equal(a, b) for a, b in zip(eager, compiled))
     plain = step(model, fp8=False)
     assert all(snr_db(a, b) > 18 for a, b in zip(eager, plain))
+
+
+def test_delayed_casts_same_bits_as_pytorch_on_gpu():
+    """The delayed cast kernel (one launch: the cast, the amax and the roll by the grid's
+    last program; with a reduction, the roll kernel after it) against PyTorch's ops on the
+    same state, step after step, on tensors of thousands of programs."""
+    from fusible.kernels.fp8_delayed import DelayedCast, cast_delayed_triton, roll_torch
+    from fusible.quantization.cast import cast_to_fp8_torch
+    torch.manual_seed(0)
+    for dtype in (torch.bfloat16, torch.float32):
+        for most_recent, margin, reduce in ((False, 0, None), (True, 1, None),
+                                            (False, 0, lambda t: t * 1)):
+            ours, ref = (torch.zeros(2 + 16, device="cuda") for _ in range(2))
+            for step in range(5):
+                x = (torch.randn(4096, 3072, device="cuda") * 2.0 ** (step - 2)).to(dtype)
+                got = cast_delayed_triton(x, torch.float8_e4m3fn, 448.0, True,
+                                          DelayedCast(ours, most_recent, margin, reduce))
+                want = cast_to_fp8_torch(x, torch.float8_e4m3fn, True, ref[0].clone())
+                roll_torch(ref, x.float().abs().amax(), most_recent, margin)
+                assert torch.equal(ours, ref), (dtype, step, ours[:3], ref[:3])
+                assert all(same_bits(a, b) for a, b in zip(got, want)), (dtype, step)
+
+
+def test_delayed_fused_casts_same_bits_as_kernel_then_cast_on_gpu():
+    """The norm's and gated units' kernels under delayed scaling (one pass, recording the
+    amax) against their plain kernels' output cast by the delayed cast kernel."""
+    from fusible.kernels.activation_cast import activation_fp8_triton, activation_triton
+    from fusible.kernels.fp8_delayed import DelayedCast, cast_delayed_triton
+    from fusible.kernels.norms import norm_forward_fp8_triton, norm_forward_triton
+    from fusible.kernels.swiglu import (swiglu_backward_fp8_triton, swiglu_backward_triton,
+                                        swiglu_forward_fp8_triton, swiglu_forward_triton)
+    torch.manual_seed(0)
+    x = torch.randn(2048, 4096, device="cuda", dtype=torch.bfloat16)
+    dy = torch.randn(2048, 2048, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(4096, device="cuda", dtype=torch.bfloat16)
+    e4m3, e5m2 = torch.float8_e4m3fn, torch.float8_e5m2
+    cases = [(lambda d: swiglu_forward_fp8_triton(x, e4m3, 448.0, True, d),
+              swiglu_forward_triton(x), e4m3),
+             (lambda d: swiglu_backward_fp8_triton(dy, x, e5m2, 57344.0, True, d),
+              swiglu_backward_triton(dy, x), e5m2),
+             (lambda d: norm_forward_fp8_triton(x, w, None, 1e-5, False, e4m3, 448.0, True,
+                                                d)[0],
+              norm_forward_triton(x, w, None, 1e-5, False)[0], e4m3),
+             (lambda d: activation_fp8_triton("gelu", x, e4m3, 448.0, True, d),
+              activation_triton("gelu", x), e4m3)]
+    for fused, plain, fp8 in cases:
+        ours, ref = (torch.tensor([1.5, 0.0, 1.5, 1.0], device="cuda") for _ in range(2))
+        for _ in range(3):
+            got = fused(DelayedCast(ours))
+            want = cast_delayed_triton(plain, fp8, FP8_MAX[fp8], True, DelayedCast(ref))
+            assert torch.equal(ours, ref) and ours[0] > 1.5, (ours, ref)
+            assert all(same_bits(a, b) for a, b in zip(got, want))
+
+
+@pytest.mark.parametrize("mode", [None, "max-autotune-no-cudagraphs"])
+def test_delayed_llama_ffn_compiles_bit_for_bit_on_gpu(mode):
+    """The Llama FFN block under delayed scaling on the GPU, three steps: Inductor-compiled
+    bitwise eager, the histories alike; close to bf16 once the histories are filled."""
+    import copy
+
+    import fusible
+    torch.manual_seed(0)
+    recipe = fusible.DelayedScaling(amax_history_len=16)
+    model = _cuda(_llama_ffn(256, 512), torch.bfloat16)
+    twin = copy.deepcopy(model)
+    compiled = torch.compile(twin, fullgraph=True, mode=mode)
+
+    def step(m, params, x, fp8=True):
+        xx = x.clone().requires_grad_()
+        with fusible.autocast(enabled=fp8, recipe=recipe):
+            y = m(xx, xx)
+        y.backward(torch.ones_like(y))
+        out = [y.detach(), xx.grad] + [p.grad.clone() for p in params.parameters()]
+        params.zero_grad(set_to_none=True)
+        return out
+
+    for i in range(3):
+        x = torch.randn(512, 256, device="cuda", dtype=torch.bfloat16) * (i + 1)
+        eager = step(model, model, x)
+        assert all(torch.equal(a, b) for a, b in zip(eager, step(compiled, twin, x)))
+        assert all(torch.equal(a, b) for a, b in zip(model.buffers(), twin.buffers()))
+    plain = step(model, model, x, fp8=False)
+    assert all(snr_db(a, b) > 18 for a, b in zip(eager, plain))
