@@ -44,9 +44,11 @@ def test_the_built_in_recipe_is_an_entry_point_with_presets():
     assert fusible.registered_recipes()["rowwise"] is fusible.Float8RowwiseScaling
     assert fusible.registered_recipes()["blockwise"] is fusible.Float8BlockScaling
     assert fusible.recipe_from_name("mxfp8_hybrid") == fusible.MXFP8BlockScaling("hybrid")
+    assert fusible.registered_recipes()["delayed"] is fusible.DelayedScaling
     with pytest.raises(ValueError, match=r"no recipe or preset named 'rowwize'; known: "
-                                         r"blockwise, mxfp8, mxfp8_hybrid, rowwise, "
-                                         r"rowwise_hybrid, tensorwise, tensorwise_e4m3"):
+                                         r"blockwise, delayed, delayed_e4m3, mxfp8, "
+                                         r"mxfp8_hybrid, rowwise, rowwise_hybrid, tensorwise, "
+                                         r"tensorwise_e4m3"):
         fusible.recipe_from_name("rowwize")
 
 

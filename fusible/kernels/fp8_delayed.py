@@ -88,7 +88,7 @@ def roll_state(state_ptr, MARGIN_FACTOR, MOST_RECENT: tl.constexpr, HISTORY: tl.
     else:
         amax = tl.reduce(tl.where(offs < HISTORY, history, 0.0), 0, max_keep_nan)
     previous = tl.load(state_ptr, cache_modifier=".cg")
-    keep = (amax > 0.0) & (amax < FLOAT32_INF)  # False for NaN
+    keep = (amax > 0.0) & (amax <= 3.4028234663852886e38)  # finite (False for NaN)
     tl.debug_barrier()  # every load of the history before any store into it
     tl.store(state_ptr + 2 + offs, history, mask=offs < HISTORY)
     tl.store(state_ptr + 1, 0.0)
