@@ -9,7 +9,7 @@ import torch
 import fusible
 from fusible import ops
 from fusible.testing import snr_db
-from parallel_layers import DEVICE, _part, _uneven
+from parallel_layers import DEVICE, _part, _uneven, linear_step
 
 
 def _gathered_states(state: torch.Tensor, tp) -> list:
@@ -72,11 +72,11 @@ def check_linear_delayed(rank, ws, mode):
         x = torch.randn(tokens, 256, generator=g, dtype=torch.float64) * _uneven(
             torch.ones(tokens, 1, dtype=torch.float64)) * 2.0 ** step
         dy = torch.randn(tokens, 256, generator=g, dtype=torch.float64) * 2.0 ** -step
-        want = _run(full, x, dy, recipe)
+        want = linear_step(full, x, dy, recipe)
         x_in = x[tok] if mode == "column" else x[:, feat]
         dy_in = dy[:, feat] if mode == "column" else dy[tok]
-        eager = _run(layer, x_in, dy_in, recipe)
-        got_compiled = _run(compiled, x_in, dy_in, recipe, twin)
+        eager = linear_step(layer, x_in, dy_in, recipe)
+        got_compiled = linear_step(compiled, x_in, dy_in, recipe, twin)
         want = {"y": want["y"][:, feat] if mode == "column" else want["y"][tok],
                 "dx": want["dx"][tok] if mode == "column" else want["dx"][:, feat],
                 "dw": want["dw"][shard]}
@@ -84,17 +84,6 @@ def check_linear_delayed(rank, ws, mode):
     for (name, a), b in zip(layer.named_buffers(), full.buffers()):
         if not torch.equal(a, b):
             raise AssertionError(f"delayed {mode}: {name} is not the full layer's")
-
-
-def _run(run, xs, dys, recipe, model=None):
-    model = run if model is None else model
-    xx = xs.to(DEVICE[0], torch.bfloat16).requires_grad_()
-    with fusible.autocast(recipe=recipe):
-        y = run(xx)
-    y.backward(dys.to(DEVICE[0], torch.bfloat16))
-    out = {"y": y.detach(), "dx": xx.grad, "dw": model.weight.grad.clone()}
-    model.weight.grad = None
-    return out
 
 
 def _compare(eager, want, compiled, inexact, mode, step):

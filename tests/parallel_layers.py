@@ -302,13 +302,7 @@ def _check_linear_recipe(rank, ws, mode, recipe_name):
         layer.weight.copy_(w[shard])
 
     def run(model, xs, dys):
-        xx = xs.to(DEVICE[0], torch.bfloat16).requires_grad_()
-        with fusible.autocast(recipe=recipe):
-            y = model(xx)
-        y.backward(dys.to(DEVICE[0], torch.bfloat16))
-        out = {"y": y.detach(), "dx": xx.grad, "dw": model.weight.grad.clone()}
-        model.weight.grad = None
-        return out
+        return linear_step(model, xs, dys, recipe)
 
     want = run(full, x, dy)
     # column: tokens split in, features split out; row: features split in, tokens out
@@ -330,6 +324,20 @@ def _check_linear_recipe(rank, ws, mode, recipe_name):
                                  f" dB against one process")
         if not torch.equal(eager[key], compiled[key]):
             raise AssertionError(f"{recipe_name} {mode} {key}: compiled differs from eager")
+
+
+def linear_step(run, xs, dys, recipe, model=None):
+    """One forward and backward of ``run`` (``model``, the one holding the weight, or its
+    compiled self) under ``recipe`` in bf16: ``{"y", "dx", "dw"}``, the weight's gradient
+    then cleared."""
+    model = run if model is None else model
+    xx = xs.to(DEVICE[0], torch.bfloat16).requires_grad_()
+    with fusible.autocast(recipe=recipe):
+        y = run(xx)
+    y.backward(dys.to(DEVICE[0], torch.bfloat16))
+    out = {"y": y.detach(), "dx": xx.grad, "dw": model.weight.grad.clone()}
+    model.weight.grad = None
+    return out
 
 
 def _check_mlp(rank, ws, sp, dtype, fp8=False, backend="aot_eager"):
