@@ -114,8 +114,8 @@ def test_registration_errors_name_the_classes(plugin):
 
 def test_autocast_refuses_an_unregistered_recipe():
     """Keys map back to recipes: an unregistered class could share a name and a key."""
-    with pytest.raises(TypeError, match=r"registered recipe class \(blockwise, mxfp8, rowwise, "
-                                        r"tensorwise; a new "
+    with pytest.raises(TypeError, match=r"registered recipe class \(blockwise, delayed, mxfp8, "
+                                        r"rowwise, tensorwise; a new "
                                         r"one registers with fusible.register_recipe\)"):
         with fusible.autocast(recipe=AllE4M3()):
             pass
