@@ -16,8 +16,9 @@ from fusible.core import (Check, Example, FusedOperation, Op, OperationContext, 
                           PlanConditions, register_schema_type)
 from fusible.planning import (Candidate, FusionPlan, PlanEnvironment, Stage, register_fusion,
                               registered_fusions, unregister_fusion)
-from fusible.quantization import (DelayedScaling, Float8BlockScaling, Float8CurrentScaling, Float8Format,
-                                  Float8RowwiseScaling, Float8Tensor, MXFP8BlockScaling, Recipe,
+from fusible.quantization import (DelayedScaling, Float8BlockScaling, Float8CurrentScaling,
+                                  Float8Format, Float8RowwiseScaling, Float8Tensor,
+                                  MXFP8BlockScaling, Recipe,
                                   autocast, quantize, quantized_model_init, recipe_from_name,
                                   register_recipe, registered_recipes, unregister_recipe)
 from fusible.runtime import CompileReport, compile_report, make_graphed_callables

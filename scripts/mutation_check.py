@@ -276,7 +276,7 @@ CURATED = [
        "    derived = torch.where(keep, newest * 2.0 ** margin, state[0])",
        "    derived = torch.where(keep, newest, state[0])",
        "the margin is not applied to the scale's amax"),
-    _m("delayed_producer_not_bound", "fusible/runtime/executor.py",
+    _m("delayed_producer_not_bound", "fusible/runtime/scaling_states.py",
        "    return st.output_format.bound(ctxs[index].states[role])",
        "    return st.output_format.bound(ctxs[0].states.get(role))",
        "a producer's FP8 hand-off casts with the group's first op's state, not its consumer's"),

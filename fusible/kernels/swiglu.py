@@ -17,6 +17,8 @@ those of the plain kernel followed by the FP8 cast.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from fusible.kernels import jit, require_triton, tl

@@ -21,6 +21,7 @@ from fusible.planning.prepare import ExecPlan
 from fusible.quantization.format import to_format
 from fusible.runtime import custom_ops
 from fusible.runtime.saved import restore_saved, stash_saved
+from fusible.runtime.scaling_states import assign_states, bound_output_format, compute_into
 
 
 def run_forward(plan: ExecPlan, x, params, extra_inputs, ctxs, *, save: bool,
@@ -57,7 +58,7 @@ def run_forward(plan: ExecPlan, x, params, extra_inputs, ctxs, *, save: bool,
                                              fmt)
         else:
             result = st.compute(args) if st.output_state is None else \
-                _compute_into(st, args, fmt)
+                compute_into(st, args, fmt)
             if fmt is not None:  # what the custom op does inside, when compiled
                 result.output = to_format(result.output, fmt)
         if save:
@@ -74,38 +75,6 @@ def run_forward(plan: ExecPlan, x, params, extra_inputs, ctxs, *, save: bool,
     if ch is not None:
         extra_outputs = [extra_outputs[j] for j in ch.caller_out]
     return x, tuple(extra_outputs)
-
-
-def bound_output_format(st, ctxs):
-    """The stage's stateful output format bound to the state of the op that takes the
-    tensor (``st.output_state``)."""
-    index, role = st.output_state
-    return st.output_format.bound(ctxs[index].states[role])
-
-
-def _compute_into(st, args, fmt):
-    """A stage's compute handed its bound output format, where its kernels write it."""
-    if st.op.__class__.quantizes_own_output:
-        return st.compute(args, output_format=fmt if fmt.kernel_cast else None)
-    return st.compute(args)
-
-
-def assign_states(plan: ExecPlan, ctxs, states) -> None:
-    """Give each op's context its FP8 scaling states for the call."""
-    for (index, role), state in zip(plan.state_slots, states):
-        ctxs[index].states[role] = state
-
-
-def check_states(plan: ExecPlan, states, x) -> None:
-    """The states the plan reads: as many as it has slots, on the input's device."""
-    if len(states) != len(plan.state_slots):
-        raise RuntimeError(f"{len(states)} FP8 scaling states for a plan reading "
-                           f"{len(plan.state_slots)}")
-    for (index, role), state in zip(plan.state_slots, states):
-        if state.device != x.device:
-            raise RuntimeError(f"{plan.ops[index].describe()} keeps its FP8 {role} scaling "
-                               f"state (buffer fp8_state_{role}) on {state.device} but got "
-                               f"input on {x.device}: move the model with .to({x.device})")
 
 
 def _spread(values, slots: tuple, n: int) -> list:
@@ -195,7 +164,7 @@ def run_backward(plan: ExecPlan, grad_output, grad_extra_outputs, ctxs, traced: 
                                               fmt)
         else:
             result = st.compute(args) if st.output_state is None else \
-                _compute_into(st, args, fmt)
+                compute_into(st, args, fmt)
             if fmt is not None and result.grad_input is not None:
                 result.grad_input = to_format(result.grad_input, fmt)
         if len(result.grad_params) != st.num_params:

@@ -14,7 +14,8 @@ from fusible.planning.channels import caller_counts
 from fusible.planning.prepare import ExecPlan, prepare_group
 from fusible.quantization import recipe
 from fusible.runtime import custom_ops
-from fusible.runtime.executor import apply_pipeline, assign_states, check_states, run_forward
+from fusible.runtime.executor import apply_pipeline, run_forward
+from fusible.runtime.scaling_states import assign_states, check_states
 
 
 _UNSET = object()
