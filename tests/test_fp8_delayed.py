@@ -20,6 +20,7 @@ from test_kernels import _run_interpreted as run_interpreted
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 INF = float("inf")
+FLOAT32_MAX = torch.finfo(torch.float32).max
 
 
 class History:
@@ -35,7 +36,7 @@ class History:
         self.values = [amax] + self.values[:-1]
         window = self.values[:1] if self.most_recent else self.values
         newest = math.nan if any(math.isnan(v) for v in window) else max(window)
-        if 0 < newest < INF:
+        if 0 < newest and newest * 2.0 ** self.margin <= FLOAT32_MAX:
             self.amax = newest * 2.0 ** self.margin
 
     def state(self) -> torch.Tensor:
@@ -51,7 +52,7 @@ def _same(a, b) -> bool:
                                                         (4, True, 0)])
 def test_the_history_rolls_by_the_rule(length, most_recent, margin):
     state, want = torch.zeros(2 + length), History(length, most_recent, margin)
-    for amax in (0.0, 3.0, 1.5, 0.0, math.nan, 7.0, INF, 0.25, 0.5, 0.125):
+    for amax in (0.0, 3.0, 1.5, 0.0, math.nan, 7.0, INF, 0.25, 0.5, 0.125, FLOAT32_MAX / 2):
         fp8_delayed.roll_torch(state, torch.tensor(amax), most_recent, margin)
         want.record(amax)
         assert _same(state, want.state()), (amax, state, want.state())
@@ -273,6 +274,14 @@ _KERNELS_SCRIPT = textwrap.dedent("""
             assert torch.equal(s, ref), (s, ref)
             assert torch.equal(parts[1], want[1])
             assert torch.equal(parts[2].view(torch.uint8), parts[0].view(torch.uint8).t())
+    # a history longer than the roll's chunk (128): rolled in three chunks, oldest first
+    s = torch.rand(2 + 300)
+    s[1], ref = 0.0, None
+    ref = s.clone()
+    x = torch.randn(20, 30)
+    cast_delayed_triton(x, E4M3, 448.0, False, DelayedCast(s, False, 1), 8, 16)
+    roll_torch(ref, x.abs().amax(), False, 1)
+    assert torch.equal(s, ref), (s - ref).abs().max()
     x = torch.randn(40, 48).to(torch.bfloat16)
     check(lambda d: activation_cast.activation_fp8_triton("gelu", x, E4M3, 448.0, True, d,
                                                           8, 16),
@@ -310,3 +319,63 @@ def test_triton_kernels_record_and_roll_as_the_rule_says():
     on its last program or, with a reduction, in the roll kernel after it."""
     pytest.importorskip("triton")
     run_interpreted(_KERNELS_SCRIPT)
+
+
+def _grads(model, run, x, recipe):
+    for p in model.parameters():
+        p.grad = None
+    x = x.clone().requires_grad_()
+    with fusible.autocast(recipe=recipe):
+        y = run(x)
+    y.square().sum().backward()
+    return [y.detach(), x.grad] + [p.grad for p in model.parameters()]
+
+
+@pytest.mark.parametrize("reentrant", [True, False], ids=["reentrant", "non-reentrant"])
+def test_activation_checkpointing_recomputes_with_the_forwards_scales(reentrant):
+    """The recomputation casts with the scales the forward cast with and records nothing;
+    the gradients' states advance once: the bits and states of the run without it."""
+    from torch.utils.checkpoint import checkpoint
+    recipe = fusible.DelayedScaling(amax_history_len=4)
+    model = ops.Sequential(ops.Linear(32, 64), ops.GELU(), ops.Linear(64, 32))
+    twin = copy.deepcopy(model)
+    for step in range(3):
+        x = torch.randn(16, 32) * (step + 1)
+        want = _grads(model, model, x, recipe)
+        got = _grads(twin, lambda t: checkpoint(twin, t, use_reentrant=reentrant), x, recipe)
+        assert all(torch.equal(a, b) for a, b in zip(want, got)), step
+        assert all(torch.equal(a, b) for a, b in zip(model.buffers(), twin.buffers())), step
+
+
+def test_compiled_checkpointing_with_states_is_refused():
+    """Compiled code would recompute with the states its forward already advanced."""
+    from torch.utils.checkpoint import checkpoint
+    recipe = fusible.DelayedScaling(amax_history_len=4)
+    model = ops.Sequential(ops.Linear(32, 64), ops.GELU(), ops.Linear(64, 32))
+    run = torch.compile(lambda t: checkpoint(model, t, use_reentrant=False),
+                        backend="aot_eager", fullgraph=True)
+    with pytest.raises(RuntimeError, match="recomputes the compiled .* scaling states"):
+        _grads(model, run, torch.randn(16, 32), recipe)
+
+
+def test_states_stay_float32_and_outside_inference_mode():
+    """``.to(bfloat16)`` casts buffers: the next plan makes the states float32 again (their
+    values kept); states first made under inference_mode are ordinary tensors."""
+    recipe = fusible.DelayedScaling(amax_history_len=4)
+    model = ops.Sequential(ops.Linear(32, 32))
+    with torch.inference_mode(), fusible.autocast(recipe=recipe):
+        model(torch.randn(16, 32))
+    state = model[0].get_buffer("fp8_state_input")
+    assert not state.is_inference() and state[0] > 0
+    _grads(model, model, torch.randn(16, 32), recipe)  # trains after it
+    model.to(torch.bfloat16)
+    assert model[0].get_buffer("fp8_state_input").dtype == torch.bfloat16
+    _grads(model, model, torch.randn(16, 32, dtype=torch.bfloat16), recipe)
+    assert all(b.dtype == torch.float32 for b in model.buffers())
+
+
+def test_an_op_standing_twice_is_refused():
+    linear = ops.Linear(32, 32)
+    with pytest.raises(NotImplementedError, match="stands twice in one pipeline"):
+        _grads(linear, ops.Sequential(linear, linear), torch.randn(16, 32),
+               fusible.DelayedScaling())

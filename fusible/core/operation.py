@@ -62,8 +62,8 @@ class FusibleSpec(nn.Module):
         names = [f"fp8_state_{role}" for op in self.basic_ops() for role in
                  op.scaling_state_roles]
         for name in names:
-            saved = state_dict.get(prefix + name)
-            if saved is not None and name not in self._buffers:
+            saved, own = state_dict.get(prefix + name), self._buffers.get(name)
+            if saved is not None and (own is None or own.shape != saved.shape):
                 device = next((p.device for p in self.parameters()), saved.device)
                 self.register_buffer(name, torch.zeros(saved.shape, device=device,
                                                        dtype=torch.float32))
@@ -161,15 +161,24 @@ class BasicOperationSpec(FusibleSpec, StageSpec):
         return getattr(owner() if owner is not None else self, name)
 
     def scaling_state(self, role: str, size: int, device) -> Tensor:
-        """The op's state of FP8 tensor ``role`` (a persistent float32 buffer of ``size``
-        values named ``fp8_state_<role>``), made zero where missing or of another size
-        (another history length); on ``device`` where made."""
+        """The op's state of FP8 tensor ``role``: a persistent float32 buffer of ``size``
+        values on ``device``, named ``fp8_state_<role>``; made zero where missing or of
+        another size (another history length), made float32 again (``.to(dtype)`` casts
+        buffers) or moved where it is not."""
         name = f"fp8_state_{role}"
         state = self._buffers.get(name)
-        if state is None or state.shape != (size,):
-            state = torch.zeros(size, device=device, dtype=torch.float32)
-            self.register_buffer(name, state)
-        return state
+        device = torch.device(device)
+        if state is not None and state.shape == (size,):
+            if state.dtype == torch.float32 and state.device.type == device.type:
+                return state
+            made = state.detach().to(device, torch.float32)
+        else:
+            made = torch.zeros(size, device=device, dtype=torch.float32)
+        if made.is_inference():  # first planned under torch.inference_mode: a normal tensor
+            with torch.inference_mode(False):
+                made = made.clone()
+        self.register_buffer(name, made)
+        return made
 
     def diagram_label(self) -> str:
         """Sizes and settings shown under the op's name in plan diagrams."""

@@ -69,30 +69,42 @@ def kernel_args(delayed: Optional[DelayedCast], dummy: torch.Tensor) -> dict:
     return dict(state_ptr=delayed.state, ticket_ptr=zeroed_amax(delayed.state.device),
                 MARGIN_FACTOR=2.0 ** delayed.margin, DELAYED=True,
                 ROLL=delayed.reduce is None, MOST_RECENT=delayed.most_recent,
-                HISTORY=delayed.history, BLOCK_H=triton.next_power_of_2(delayed.history))
+                HISTORY=delayed.history, BLOCK_H=_block(delayed.history))
+
+
+def _block(history: int) -> int:
+    """The roll's chunk: the history up to 128 values, else 128 at a time."""
+    return min(triton.next_power_of_2(history), 128)
 
 
 @jit
 def roll_state(state_ptr, MARGIN_FACTOR, MOST_RECENT: tl.constexpr, HISTORY: tl.constexpr,
                BLOCK_H: tl.constexpr):
-    """Push ``state[1]`` onto the history and derive ``state[0]`` (one program)."""
-    offs = tl.arange(0, BLOCK_H)
+    """Push ``state[1]`` onto the history and derive ``state[0]`` (one program), the
+    history in chunks of ``BLOCK_H`` from its oldest end: each chunk reads the values one
+    place newer before any store of it, and every place a chunk stores into was read by
+    its own or an older chunk already (registers stay bounded for long histories)."""
     # An atomic read (from L2): the state's line may sit stale in this SM's L1, loaded
     # with state[0] before the other programs' atomics landed.
     current = tl.atomic_max(state_ptr + 1, 0.0)
-    older = tl.load(state_ptr + 1 + offs, mask=(offs >= 1) & (offs < HISTORY), other=0.0,
-                    cache_modifier=".cg")
-    history = tl.where(offs == 0, current, older)
-    if MOST_RECENT:
-        amax = current
-    else:
-        amax = tl.reduce(tl.where(offs < HISTORY, history, 0.0), 0, max_keep_nan)
+    amax = current
+    chunks = tl.cdiv(HISTORY, BLOCK_H)
+    for k in range(chunks):
+        offs = (chunks - 1 - k) * BLOCK_H + tl.arange(0, BLOCK_H)  # history places
+        older = tl.load(state_ptr + 1 + offs, mask=(offs >= 1) & (offs < HISTORY),
+                        other=0.0, cache_modifier=".cg")
+        history = tl.where(offs == 0, current, older)
+        if not MOST_RECENT:
+            amax = tl.maximum(amax, tl.reduce(tl.where(offs < HISTORY, history, 0.0), 0,
+                                              max_keep_nan),
+                              propagate_nan=tl.PropagateNan.ALL)
+        tl.debug_barrier()  # this chunk's loads before its stores
+        tl.store(state_ptr + 2 + offs, history, mask=offs < HISTORY)
     previous = tl.load(state_ptr, cache_modifier=".cg")
-    keep = (amax > 0.0) & (amax <= 3.4028234663852886e38)  # finite (False for NaN)
-    tl.debug_barrier()  # every load of the history before any store into it
-    tl.store(state_ptr + 2 + offs, history, mask=offs < HISTORY)
+    derived = amax * MARGIN_FACTOR
+    keep = (amax > 0.0) & (derived <= 3.4028234663852886e38)  # finite (False for NaN)
     tl.store(state_ptr + 1, 0.0)
-    tl.store(state_ptr, tl.where(keep, amax * MARGIN_FACTOR, previous))
+    tl.store(state_ptr, tl.where(keep, derived, previous))
 
 
 @jit
@@ -119,8 +131,9 @@ def roll_torch(state: torch.Tensor, amax: torch.Tensor, most_recent: bool, margi
     value (``state[1]`` is not read: this path measures the amax itself)."""
     history = torch.cat([amax.reshape(1).float(), state[2:-1]])
     newest = history[0] if most_recent else history.amax()
-    keep = (newest > 0) & (newest < FLOAT32_INF)
-    derived = torch.where(keep, newest * 2.0 ** margin, state[0])
+    scaled = newest * 2.0 ** margin
+    keep = (newest > 0) & (scaled < FLOAT32_INF)
+    derived = torch.where(keep, scaled, state[0])
     state[2:] = history
     state[1] = 0.0
     state[0] = derived
@@ -135,8 +148,7 @@ def finish(delayed: Optional[DelayedCast]) -> None:
     state = delayed.state
     state[1:2] = delayed.reduce(state[1:2])
     _roll_kernel[(1,)](state, 2.0 ** delayed.margin, MOST_RECENT=delayed.most_recent,
-                       HISTORY=delayed.history, BLOCK_H=triton.next_power_of_2(delayed.history),
-                       num_warps=1)
+                       HISTORY=delayed.history, BLOCK_H=_block(delayed.history), num_warps=1)
 
 
 @jit

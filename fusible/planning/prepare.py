@@ -81,8 +81,10 @@ class ExecPlan:
     # Per op: (op, who reads its saved record, the record's type), see stash_saved
     saved_readers: tuple = ()
     # Under a recipe with stateful formats: (op index, role) of every state the group's
-    # stages read, in the order the runner passes the states (op.scaling_state_roles)
+    # stages read, in the order the runner passes the states (op.scaling_state_roles),
+    # and the number of values of each
     state_slots: tuple = ()
+    state_sizes: tuple = ()
 
     @property
     def conditions(self) -> PlanConditions:
@@ -138,7 +140,9 @@ def prepare_group(ops: tuple, start: int, conditions: PlanConditions) -> ExecPla
                     in_place_ops=tuple(op for _, op in in_place),
                     channels=channels if channels.any else None,
                     saved_readers=_saved_readers(ops, start, group.forward),
-                    state_slots=slots)
+                    state_slots=slots,
+                    state_sizes=tuple(recipe.role_format(role).scaling.state_size
+                                      for _, role in slots))
 
 
 def state_owners(ops, recipe) -> tuple:
@@ -150,9 +154,14 @@ def state_owners(ops, recipe) -> tuple:
 
 
 def scaling_states(ops, recipe, device_type: str) -> tuple:
-    """:func:`state_owners`, each state made where missing: on its op's parameters'
-    device, else the group's, else the device type's current device."""
+    """:func:`state_owners`, each state made (or made float32 again, or moved) where
+    missing or not fitting: on its op's parameters' device, else the group's, else the
+    device type's current device."""
     slots = state_owners(ops, recipe)
+    if len({id(op) for op in ops}) != len(ops) and slots:
+        raise NotImplementedError(f"an op stands twice in one pipeline ({ops}): under "
+                                  f"{recipe.name} scaling each op keeps one state per role, "
+                                  f"which would record both uses; use two ops")
     if slots:
         params = [p for op in ops for p in op.parameters()]
         for i, role in slots:

@@ -173,6 +173,8 @@ def _kernel(cls, direction: str, op: StageOp, compute, real: bool = True):
         updated = []
         if op.states:
             flat, updated = _copied_states(flat, op.states)
+            if updated and check_recompute:
+                recompute.refuse_stateful(cls)
             if fmt is not None and fmt.stateful:
                 fmt = fmt.bound(flat[op.tail_state])
         args = build(flat)

@@ -53,3 +53,17 @@ def note_forward(cls, tensors, quantized: bool) -> None:
                 f"in effect at backward time. Run the backward inside the same "
                 f"fusible.autocast block, or compile the checkpointed function instead "
                 f"(torch.compile over torch.utils.checkpoint), or run the model eagerly")
+
+
+def refuse_stateful(cls) -> None:
+    """A compiled forward stage that casts with FP8 scaling states (delayed scaling) run
+    during a backward pass is activation checkpointing's recomputation by compiled code:
+    it would read the states its forward already advanced (other scales, other bits).
+    Eagerly the runner replays the forward's scales; compiled code cannot."""
+    if torch._C._current_graph_task_id() != -1:
+        raise RuntimeError(
+            f"fusible: activation checkpointing recomputes the compiled {cls.__name__} stage "
+            f"under a recipe with scaling states (delayed scaling): compiled code would cast "
+            f"with the states its forward already advanced. Checkpoint an eager fusible "
+            f"model (its recomputation casts with the forward's scales), or use a recipe "
+            f"without state (current scaling) under compiled checkpointing")

@@ -11,11 +11,11 @@ from torch.autograd import forward_ad
 from fusible.core.conditions import PlanConditions, conditions_key
 from fusible.core.operation import CASTING
 from fusible.planning.channels import caller_counts
-from fusible.planning.prepare import ExecPlan, prepare_group
+from fusible.planning.prepare import ExecPlan, prepare_group, scaling_states
 from fusible.quantization import recipe
 from fusible.runtime import custom_ops
 from fusible.runtime.executor import apply_pipeline, run_forward
-from fusible.runtime.scaling_states import assign_states, check_states
+from fusible.runtime.scaling_states import assign_states, check_states, fits
 
 
 _UNSET = object()
@@ -50,6 +50,7 @@ class PipelineRunner:
         # Under a stateful recipe, the states the plans read (planning.prepare.state_owners)
         self._state_names = [(k, f"fp8_state_{role}") for k, op in enumerate(self.ops)
                              for role in op.scaling_state_roles]
+        self._snapshot = None  # the states as the latest eager forward began
 
     def _recipe_key(self, traced: bool):
         """The FP8 recipe key to run under: the one in effect, except for a forward run
@@ -83,6 +84,31 @@ class PipelineRunner:
         ops = self.ops if ops is None else ops
         return [ops[k]._buffers[name] for k, name in self._state_names]
 
+    def _call_states(self, plan, x) -> list:
+        """The states an eager call casts with. A forward records into the ops' own, after
+        keeping a copy of them; one during a backward pass (activation checkpointing's
+        recomputation) casts with copies of that copy, the latest forward's scales, and
+        records nothing (as it repeats the latest forward's recipe); its gradients' states
+        stay the ops' own (a reentrant checkpoint runs its backward through them)."""
+        states = self.states()
+        if not all(fits(s, x, n) for s, n in zip(states, plan.state_sizes)):
+            # another history length, or .to() changed a state's dtype: made again
+            scaling_states(self.ops, plan.recipe, x.device.type)
+            states = self.states()
+        snapshot = self._snapshot
+        if torch._C._current_graph_task_id() != -1 and snapshot is not None \
+                and len(snapshot) == len(states):
+            return [t.clone() if name != "fp8_state_grad" else own
+                    for t, own, (_, name) in zip(snapshot, states, self._state_names)]
+        if torch.is_inference_mode_enabled():  # nothing will be recomputed
+            return states
+        if snapshot is None or [t.shape for t in snapshot] != [t.shape for t in states] \
+                or snapshot[0].device != x.device:
+            self._snapshot = [t.clone() for t in states]
+        else:
+            torch._foreach_copy_(snapshot, states)
+        return states
+
     def run(self, x, extra_inputs: tuple, training: bool, params=None, traced: bool = False,
             main_grads=None, states=None):
         """Run the group; returns (output, tuple of extra outputs).
@@ -108,7 +134,7 @@ class PipelineRunner:
                              training)
         plan = self._plans.get(key) or self.lookup(PlanConditions(*key))
         if plan.state_slots:
-            states = self.states() if states is None else states
+            states = self._call_states(plan, x) if states is None else states
             check_states(plan, states, x)
         else:
             states = ()

@@ -3,6 +3,8 @@ state of the op that takes it (see ``planning.prepare.state_owners``)."""
 
 from __future__ import annotations
 
+import torch
+
 
 def bound_output_format(st, ctxs):
     """The stage's stateful output format bound to the state of the op that takes the
@@ -24,13 +26,21 @@ def assign_states(plan, ctxs, states) -> None:
         ctxs[index].states[role] = state
 
 
+def fits(state, x, size: int) -> bool:
+    """Whether ``state`` is one of ``size`` float32 values on ``x``'s device."""
+    return state.shape == (size,) and state.dtype == torch.float32 and state.device == x.device
+
+
 def check_states(plan, states, x) -> None:
-    """The states the plan reads: as many as it has slots, on the input's device."""
+    """The states the plan reads: as many as it has slots, float32 values of its sizes on
+    the input's device."""
     if len(states) != len(plan.state_slots):
         raise RuntimeError(f"{len(states)} FP8 scaling states for a plan reading "
                            f"{len(plan.state_slots)}")
-    for (index, role), state in zip(plan.state_slots, states):
-        if state.device != x.device:
+    for (index, role), state, size in zip(plan.state_slots, states, plan.state_sizes):
+        if not fits(state, x, size):
             raise RuntimeError(f"{plan.ops[index].describe()} keeps its FP8 {role} scaling "
-                               f"state (buffer fp8_state_{role}) on {state.device} but got "
-                               f"input on {x.device}: move the model with .to({x.device})")
+                               f"state (buffer fp8_state_{role}) as {state.dtype} of shape "
+                               f"{tuple(state.shape)} on {state.device}; its plan casts "
+                               f"{x.device} inputs with {size} float32 values there (run the "
+                               f"model once eagerly, or plan it, after moving it)")
