@@ -968,21 +968,25 @@ def test_recipes_on_gpu_compile_bit_for_bit(recipe):
     model = _cuda(_llama_ffn(256, 512), torch.bfloat16)
     x = torch.randn(512, 256, device="cuda", dtype=torch.bfloat16)
     r = fusible.recipe_from_name(recipe)
-
-    def step(m, fp8=True):
-        xx = x.clone().requires_grad_()
-        with fusible.autocast(enabled=fp8, recipe=r):
-            y = m(xx, xx)
-        y.backward(torch.ones_like(y))
-        out = [y.detach(), xx.grad] + [p.grad.clone() for p in model.parameters()]
-        model.zero_grad(set_to_none=True)
-        return out
-
-    eager = step(model)
-    compiled = step(torch.compile(model, fullgraph=True))
+    eager = _ffn_step(model, model, x, r)
+    compiled = _ffn_step(torch.compile(model, fullgraph=True), model, x, r)
     assert all(torch.equal(a, b) for a, b in zip(eager, compiled))
-    plain = step(model, fp8=False)
+    plain = _ffn_step(model, model, x, None)
     assert all(snr_db(a, b) > 18 for a, b in zip(eager, plain))
+
+
+def _ffn_step(run, model, x, recipe):
+    """One step of ``run`` (``model`` or its compiled self) on ``x`` as ``run(x, x)``
+    under ``recipe`` (None: without FP8): the output, the input's and ``model``'s
+    parameters' gradients (then cleared)."""
+    import fusible
+    xx = x.clone().requires_grad_()
+    with fusible.autocast(enabled=recipe is not None, recipe=recipe):
+        y = run(xx, xx)
+    y.backward(torch.ones_like(y))
+    out = [y.detach(), xx.grad] + [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    return out
 
 
 def test_delayed_casts_same_bits_as_pytorch_on_gpu():
@@ -1049,20 +1053,10 @@ def test_delayed_llama_ffn_compiles_bit_for_bit_on_gpu(mode):
     model = _cuda(_llama_ffn(256, 512), torch.bfloat16)
     twin = copy.deepcopy(model)
     compiled = torch.compile(twin, fullgraph=True, mode=mode)
-
-    def step(m, params, x, fp8=True):
-        xx = x.clone().requires_grad_()
-        with fusible.autocast(enabled=fp8, recipe=recipe):
-            y = m(xx, xx)
-        y.backward(torch.ones_like(y))
-        out = [y.detach(), xx.grad] + [p.grad.clone() for p in params.parameters()]
-        params.zero_grad(set_to_none=True)
-        return out
-
     for i in range(3):
         x = torch.randn(512, 256, device="cuda", dtype=torch.bfloat16) * (i + 1)
-        eager = step(model, model, x)
-        assert all(torch.equal(a, b) for a, b in zip(eager, step(compiled, twin, x)))
+        eager = _ffn_step(model, model, x, recipe)
+        assert all(torch.equal(a, b) for a, b in zip(eager, _ffn_step(compiled, twin, x, recipe)))
         assert all(torch.equal(a, b) for a, b in zip(model.buffers(), twin.buffers()))
-    plain = step(model, model, x, fp8=False)
+    plain = _ffn_step(model, model, x, None)
     assert all(snr_db(a, b) > 18 for a, b in zip(eager, plain))

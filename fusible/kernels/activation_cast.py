@@ -17,9 +17,9 @@ import torch
 
 from fusible.kernels import jit, require_triton, tl
 from fusible.kernels.fp8_cast import (atomic_amax_of_tile, fp8_buffers, fp8_results,
-                                      scale_from_amax, store_fp8_tile, tile_coords, tile_grid,
-                                      zeroed_amax)
-from fusible.kernels.fp8_delayed import DelayedCast, finish, kernel_args, record_delayed
+                                      scale_from_amax, store_fp8_tile, tile_coords, tile_grid)
+from fusible.kernels.fp8_delayed import (DelayedCast, finish, kernel_args, record_delayed,
+                                         scale_amax)
 
 # The activations whose backward reads their input (ReLU's reads its output, which
 # must then stay in high precision: it keeps the unfused path).
@@ -111,12 +111,9 @@ def activation_fp8_triton(kind: str, x: torch.Tensor, fp8_dtype: torch.dtype, fp
         raise ValueError(f"activation_fp8_triton: empty input {tuple(x.shape)}")
     x = x.contiguous()
     grid = tile_grid(m, n, block_m, block_n)
-    if delayed is None:
-        amax = zeroed_amax(x.device)
-        _activation_kernel[grid](x, amax, amax, m, n, KIND=KINDS[kind], AMAX_ONLY=True,
-                                 BLOCK_M=block_m, BLOCK_N=block_n)
-    else:
-        amax = delayed.state
+    amax = scale_amax(delayed, x.device, lambda slot: _activation_kernel[grid](
+        x, slot, slot, m, n, KIND=KINDS[kind], AMAX_ONLY=True, BLOCK_M=block_m,
+        BLOCK_N=block_n))
     data, transpose, scale_inv, in_kernel_t = fp8_buffers(x, fp8_dtype, columnwise)
     _activation_cast_kernel[grid](x, amax, data, transpose, scale_inv, m, n, fp8_max,
                                   **kernel_args(delayed, amax), KIND=KINDS[kind],

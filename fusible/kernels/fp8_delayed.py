@@ -72,6 +72,17 @@ def kernel_args(delayed: Optional[DelayedCast], dummy: torch.Tensor) -> dict:
                 HISTORY=delayed.history, BLOCK_H=_block(delayed.history))
 
 
+def scale_amax(delayed: Optional[DelayedCast], device: torch.device, amax_pass) -> torch.Tensor:
+    """What a cast kernel scales by: ``delayed``'s state, or, under current scaling, a
+    zeroed slot that ``amax_pass(slot)`` first fills with the values' absolute maximum
+    (the kernel's first pass)."""
+    if delayed is not None:
+        return delayed.state
+    amax = zeroed_amax(device)
+    amax_pass(amax)
+    return amax
+
+
 def _block(history: int) -> int:
     """The roll's chunk: the history up to 128 values, else 128 at a time."""
     return min(triton.next_power_of_2(history), 128)

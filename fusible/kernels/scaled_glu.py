@@ -17,10 +17,10 @@ import torch
 from fusible.kernels import jit, require_triton, tl, triton
 from fusible.kernels.fp8_cast import (atomic_amax_of_tile, fp8_buffers, fp8_results,
                                       scale_from_amax, store_fp8_tile, tile_grid, zeroed_amax)
-from fusible.kernels.fp8_delayed import finish, kernel_args, record_delayed
+from fusible.kernels.fp8_delayed import finish, kernel_args, record_delayed, scale_amax
 from fusible.kernels.swiglu import (CLAMP_DEFAULTS, _gated_tile, _half_cols, _layout,
                                     _rows_and_half, _swiglu_grads, _swiglu_tile,
-                                    _swiglu_values)
+                                    _swiglu_values, halves_amax)
 
 
 @jit
@@ -94,18 +94,14 @@ def _scaled_bwd_kernel(dy_ptr, x_ptr, s_ptr, dx_ptr, ds_ptr, amax_ptr, data_ptr,
                 tl.store(dx_ptr + row_offs + a_cols[None, :], da, mask=mask)
                 tl.store(dx_ptr + row_offs + b_cols[None, :], db, mask=mask)
             elif MODE == 1:
-                both = tl.maximum(tl.abs(da.to(tl.float32)), tl.abs(db.to(tl.float32)),
-                                  propagate_nan=tl.PropagateNan.ALL)
-                atomic_amax_of_tile(both, mask, amax_ptr)
+                atomic_amax_of_tile(halves_amax(da, db), mask, amax_ptr)
             else:  # dx is M x 2N: the two halves are column tiles of it
                 store_fp8_tile(da.to(tl.float32), scale, rows, a_cols, mask, data_ptr, t_ptr,
                                scale_inv_ptr, M, 2 * N, FP8_MAX, HAS_T)
                 store_fp8_tile(db.to(tl.float32), scale, rows, b_cols, mask, data_ptr, t_ptr,
                                scale_inv_ptr, M, 2 * N, FP8_MAX, HAS_T)
                 if DELAYED:
-                    both = tl.maximum(tl.abs(da.to(tl.float32)), tl.abs(db.to(tl.float32)),
-                                      propagate_nan=tl.PropagateNan.ALL)
-                    seen = tl.maximum(seen, tl.where(mask, both, 0.0),
+                    seen = tl.maximum(seen, tl.where(mask, halves_amax(da, db), 0.0),
                                       propagate_nan=tl.PropagateNan.ALL)
     if DELAYED and MODE == 2:
         record_delayed(seen, row_ok[:, None], state_ptr, ticket_ptr,
@@ -134,12 +130,8 @@ def scaled_glu_forward_triton(x: torch.Tensor, scales: torch.Tensor, output_form
     if not m * n:
         raise ValueError(f"scaled_glu_forward_triton: empty input {tuple(x.shape)}")
     fp8_dtype, fp8_max, columnwise, delayed = _cast_args(output_format)
-    if delayed is None:
-        amax = zeroed_amax(x.device)
-        _scaled_fwd_kernel[grid](x, s, amax, amax, m, n, **layout, AMAX_ONLY=True,
-                                 BLOCK_M=block_m, BLOCK_N=block_n)
-    else:
-        amax = delayed.state
+    amax = scale_amax(delayed, x.device, lambda slot: _scaled_fwd_kernel[grid](
+        x, s, slot, slot, m, n, **layout, AMAX_ONLY=True, BLOCK_M=block_m, BLOCK_N=block_n))
     like = x.new_empty(()).expand(*x.shape[:-1], n)  # the result's shape, no memory
     data, transpose, scale_inv, in_kernel_t = fp8_buffers(like, fp8_dtype, columnwise)
     _scaled_fwd_cast_kernel[grid](x, s, amax, data, transpose, scale_inv, m, n, **layout,

@@ -23,9 +23,9 @@ import torch
 
 from fusible.kernels import jit, require_triton, tl
 from fusible.kernels.fp8_cast import (atomic_amax_of_tile, fp8_buffers, fp8_results,
-                                      scale_from_amax, store_fp8_tile, tile_coords, tile_grid,
-                                      zeroed_amax)
-from fusible.kernels.fp8_delayed import DelayedCast, finish, kernel_args, record_delayed
+                                      scale_from_amax, store_fp8_tile, tile_coords, tile_grid)
+from fusible.kernels.fp8_delayed import (DelayedCast, finish, kernel_args, record_delayed,
+                                         scale_amax)
 
 
 @jit
@@ -203,6 +203,13 @@ def _gated_grads(dy_ptr, x_ptr, M, N, S, LIMIT, ALPHA, OFFSET, KIND: tl.constexp
 
 
 @jit
+def halves_amax(da, db):
+    """The elementwise absolute maximum of the gradient's two halves, float32 (NaN wins)."""
+    return tl.maximum(tl.abs(da.to(tl.float32)), tl.abs(db.to(tl.float32)),
+                      propagate_nan=tl.PropagateNan.ALL)
+
+
+@jit
 def _swiglu_bwd_kernel(dy_ptr, x_ptr, dx_ptr, amax_ptr, M, N, S, LIMIT, ALPHA, OFFSET,
                        KIND: tl.constexpr, INTERLEAVED: tl.constexpr, AMAX_ONLY: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
@@ -210,9 +217,7 @@ def _swiglu_bwd_kernel(dy_ptr, x_ptr, dx_ptr, amax_ptr, M, N, S, LIMIT, ALPHA, O
     rows, mask, a_cols, b_cols, da, db = _gated_grads(
         dy_ptr, x_ptr, M, N, S, LIMIT, ALPHA, OFFSET, KIND, INTERLEAVED, BLOCK_M, BLOCK_N)
     if AMAX_ONLY:
-        both = tl.maximum(tl.abs(da.to(tl.float32)), tl.abs(db.to(tl.float32)),
-                          propagate_nan=tl.PropagateNan.ALL)
-        atomic_amax_of_tile(both, mask, amax_ptr)
+        atomic_amax_of_tile(halves_amax(da, db), mask, amax_ptr)
     else:
         row_offs = rows[:, None].to(tl.int64) * (2 * N)
         tl.store(dx_ptr + row_offs + a_cols[None, :], da, mask=mask)
@@ -236,10 +241,8 @@ def _swiglu_bwd_cast_kernel(dy_ptr, x_ptr, amax_ptr, data_ptr, t_ptr, scale_inv_
     store_fp8_tile(db.to(tl.float32), scale, rows, b_cols, mask, data_ptr, t_ptr,
                    scale_inv_ptr, M, 2 * N, FP8_MAX, HAS_T)
     if DELAYED:
-        both = tl.maximum(tl.abs(da.to(tl.float32)), tl.abs(db.to(tl.float32)),
-                          propagate_nan=tl.PropagateNan.ALL)
-        record_delayed(both, mask, state_ptr, ticket_ptr, MARGIN_FACTOR, ROLL, MOST_RECENT,
-                       HISTORY, BLOCK_H)
+        record_delayed(halves_amax(da, db), mask, state_ptr, ticket_ptr, MARGIN_FACTOR, ROLL,
+                       MOST_RECENT, HISTORY, BLOCK_H)
 
 
 # GPT-OSS's clamped SwiGLU: (limit, alpha, linear offset), TransformerEngine's defaults
@@ -302,12 +305,8 @@ def swiglu_forward_fp8_triton(x: torch.Tensor, fp8_dtype: torch.dtype, fp8_max: 
         raise ValueError(f"swiglu_forward_fp8_triton: empty input {tuple(x.shape)}")
     grid = tile_grid(m, n, block_m, block_n)
     layout = _layout(kind, interleave, clamp)
-    if delayed is None:
-        amax = zeroed_amax(x.device)
-        _swiglu_fwd_kernel[grid](x, amax, amax, m, n, **layout, AMAX_ONLY=True,
-                                 BLOCK_M=block_m, BLOCK_N=block_n)
-    else:
-        amax = delayed.state
+    amax = scale_amax(delayed, x.device, lambda slot: _swiglu_fwd_kernel[grid](
+        x, slot, slot, m, n, **layout, AMAX_ONLY=True, BLOCK_M=block_m, BLOCK_N=block_n))
     like = x.new_empty(()).expand(*x.shape[:-1], n)  # the result's shape, no memory
     data, transpose, scale_inv, in_kernel_t = fp8_buffers(like, fp8_dtype, columnwise)
     _swiglu_fwd_cast_kernel[grid](x, amax, data, transpose, scale_inv, m, n,
@@ -346,12 +345,8 @@ def swiglu_backward_fp8_triton(grad_output: torch.Tensor, x: torch.Tensor,
         raise ValueError(f"swiglu_backward_fp8_triton: empty input {tuple(x.shape)}")
     grid = tile_grid(m, n, block_m, block_n)
     layout = _layout(kind, interleave, clamp)
-    if delayed is None:
-        amax = zeroed_amax(x.device)
-        _swiglu_bwd_kernel[grid](dy, x, amax, amax, m, n, **layout, AMAX_ONLY=True,
-                                 BLOCK_M=block_m, BLOCK_N=block_n)
-    else:
-        amax = delayed.state
+    amax = scale_amax(delayed, x.device, lambda slot: _swiglu_bwd_kernel[grid](
+        dy, x, slot, slot, m, n, **layout, AMAX_ONLY=True, BLOCK_M=block_m, BLOCK_N=block_n))
     like = dy.new_empty(()).expand(x.shape)
     data, transpose, scale_inv, in_kernel_t = fp8_buffers(like, fp8_dtype, columnwise)
     _swiglu_bwd_cast_kernel[grid](dy, x, amax, data, transpose, scale_inv, m, n,

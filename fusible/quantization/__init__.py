@@ -13,7 +13,7 @@ from fusible.quantization.recipe_base import (Recipe, recipe_from_name, register
                                               registered_recipes, unregister_recipe)
 
 __all__ = ["DelayedScaling", "Float8BlockScaling", "Float8CurrentScaling", "Float8Format",
-           "Float8RowwiseScaling", "Float8Tensor", "Fp8Able", "MXFP8BlockScaling", "Recipe", "autocast", "decode_results",
-           "encode_results", "fp8_parameter", "fp8_recipe", "quantize", "quantized_model_init",
-           "recipe_from_name", "register_recipe", "registered_recipes", "to_format",
-           "unregister_recipe"]
+           "Float8RowwiseScaling", "Float8Tensor", "Fp8Able", "MXFP8BlockScaling", "Recipe",
+           "autocast", "decode_results", "encode_results", "fp8_parameter", "fp8_recipe",
+           "quantize", "quantized_model_init", "recipe_from_name", "register_recipe",
+           "registered_recipes", "to_format", "unregister_recipe"]
