@@ -12,6 +12,7 @@ below it (see docs/design.md) and is imported by none of them. The built-in fusi
 from fusible import ops, testing
 from fusible.convert import (deinterleave_glu_rows, interleave_glu_rows,
                              state_dict_from_torch)
+from fusible.fsdp import fsdp_float8_all_gather
 from fusible.core import (Check, Example, FusedOperation, Op, OperationContext, Pattern,
                           PlanConditions, register_schema_type)
 from fusible.planning import (Candidate, FusionPlan, PlanEnvironment, Stage, register_fusion,
@@ -30,7 +31,7 @@ __all__ = [
     "Float8CurrentScaling", "Float8Format", "Float8RowwiseScaling", "Float8Tensor",
     "FusedOperation", "FusionPlan", "MXFP8BlockScaling", "Op", "OperationContext", "Pattern",
     "PlanConditions", "PlanEnvironment", "Recipe", "Stage", "autocast", "compile_report",
-    "deinterleave_glu_rows", "interleave_glu_rows", "make_graphed_callables", "ops",
+    "deinterleave_glu_rows", "fsdp_float8_all_gather", "interleave_glu_rows", "make_graphed_callables", "ops",
     "quantize", "quantized_model_init", "recipe_from_name", "register_fusion",
     "register_recipe", "register_schema_type", "registered_fusions", "registered_recipes",
     "state_dict_from_torch", "testing", "unregister_fusion", "unregister_recipe",

@@ -15,6 +15,7 @@ from typing import Optional
 import attrs
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
 from fusible.core.schema import SchemaType, register_schema_type
 
@@ -73,7 +74,14 @@ NOT_PARALLEL = TensorParallel()
 
 
 def resolve_group(op_name: str, group) -> dist.ProcessGroup:
-    """``group``, or the default group for None; a clear error without torch.distributed."""
+    """``group`` (a process group, or a one-dimensional DeviceMesh such as ``mesh["tp"]``:
+    its group), or the default group for None; a clear error without torch.distributed."""
+    if isinstance(group, DeviceMesh):
+        if group.ndim != 1:
+            raise ValueError(f"{op_name}: a tensor-parallel group from a DeviceMesh needs one "
+                             f"dimension, e.g. mesh['tp'], got {group.ndim} "
+                             f"({group.mesh_dim_names})")
+        return group.get_group()
     if group is not None:
         return group
     if not (dist.is_available() and dist.is_initialized()):

@@ -351,6 +351,17 @@ def _t(t):
     return _marked_view(Float8Tensor(t._data.t(), scale_inv, t.dtype))
 
 
+def _as_strided(t, size, stride, storage_offset=None):
+    """The identity ``as_strided`` (how FSDP2 turns a gathered tensor into the parameter)
+    stays in FP8, an alias; any other dequantizes."""
+    offset = t._data.storage_offset() if storage_offset is None else storage_offset
+    if (tuple(size), tuple(stride), offset) != (tuple(t.shape), t._data.stride(),
+                                                t._data.storage_offset()):
+        return NotImplemented
+    return _marked_view(Float8Tensor(t._data, t._scale_inv, t.dtype, t._transpose,
+                                     transpose_scale_inv=t._transpose_scale_inv))
+
+
 def _transpose(t, dim0, dim1):
     if t.dim() == 2 and {dim0 % 2, dim1 % 2} == {0, 1}:
         return _t(t)
@@ -452,6 +463,7 @@ _HANDLERS = {
     aten.reshape.default: _reshape,
     aten.t.default: _t,
     aten.transpose.int: _transpose,
+    aten.as_strided.default: _as_strided,
     aten.select.int: _subset(aten.select.int),
     aten.slice.Tensor: _subset(aten.slice.Tensor),
     aten.index.Tensor: _subset(aten.index.Tensor),
