@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from fusible.functional import parallel
 from fusible.ops.basic_linear import BasicLinear, linear_shard
@@ -74,7 +75,7 @@ def state_dict_from_torch(model, torch_module: nn.Module, example_input=None) ->
                                  f"in the fusible model): {target_type.__name__} with "
                                  f"{settings} expected, it has {_settings(op)}")
             for param, value in zip(op.fusible_params(), params):
-                result[names[id(param)]] = _local_shard(op, value.detach())
+                result[names[id(param)]] = _as_param(param, _local_shard(op, value.detach()))
             pos += 1
     if pos != len(ops):
         raise ValueError(f"{ops[pos].describe()} and later ops have no counterpart in "
@@ -158,6 +159,16 @@ def _settings(op) -> tuple:
     if isinstance(op, (LayerNorm, RMSNorm)):
         return (tuple(op.normalized_shape), op.eps)
     return _activation_settings(op)
+
+
+def _as_param(param, value):
+    """``value`` laid out as ``param``: a DTensor parameter (FSDP2's shards) gets a DTensor
+    of the same mesh and placements, this rank's part taken locally (every rank holds the
+    full value), so that ``load_state_dict`` copies shard into shard."""
+    if not isinstance(param, DTensor):
+        return value
+    return distribute_tensor(value.to(param.device), param.device_mesh, param.placements,
+                             src_data_rank=None)
 
 
 def _local_shard(op, value):
