@@ -53,3 +53,37 @@ def _report(results, cases):
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_data_parallel(world_size):
     _report(run_distributed(data_parallel_cases, world_size, timeout=120), 23)
+
+
+def mesh_cases(rank, ws, path, saved, after):
+    torch.set_num_threads(1)
+    cases = {"2-D": lambda: m.check_2d(rank, ws),
+             "2-D fp8 all-gather": lambda: m.check_2d_fp8_all_gather(rank, ws),
+             "2-D fp8 accuracy": lambda: m.check_2d_fp8_accuracy(rank, ws),
+             "2-D state dict from torch": lambda: m.check_state_dict_from_torch_2d(rank, ws)}
+    return run_cases({**cases, **_load_cases(rank, ws, path, saved, after)})
+
+
+def load_cases(rank, ws, path, saved, after):
+    torch.set_num_threads(1)
+    return run_cases(_load_cases(rank, ws, path, saved, after))
+
+
+def _load_cases(rank, ws, path, saved, after):
+    return {f"dcp load 2 -> {ws} fp8 all-gather={f}": (
+        lambda f=f: m.load_checkpoint(rank, ws, f"{path}/{f}", f, saved[f], after[f]))
+        for f in (False, True)}
+
+
+def save_cases(rank, ws, path):
+    torch.set_num_threads(1)
+    return {f: m.save_checkpoint(rank, ws, f"{path}/{f}", f) for f in (False, True)}
+
+
+def test_mesh_and_resharded_checkpoints(tmp_path):
+    """FSDP2 x TP on a (2, 2) mesh; DCP checkpoints of 2 ranks loaded by 1 and 4."""
+    results = run_distributed(save_cases, 2, str(tmp_path), timeout=120)
+    saved = {f: results[0][f][0] for f in (False, True)}  # full states: the same on each rank
+    after = {f: results[0][f][1] for f in (False, True)}
+    _report(run_distributed(load_cases, 1, str(tmp_path), saved, after, timeout=120), 2)
+    _report(run_distributed(mesh_cases, 4, str(tmp_path), saved, after, timeout=180), 6)

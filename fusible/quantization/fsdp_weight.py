@@ -63,6 +63,11 @@ class Float8AllGatherWeight(torch.Tensor):
     def __repr__(self) -> str:
         return f"Float8AllGatherWeight({self._fp8_dtype}, {self._tensor!r})"
 
+    def __reduce_ex__(self, protocol):
+        # Saved (torch.save, DCP checkpoints) as the plain high-precision tensor: files
+        # that load anywhere, with weights_only too, and into an unwrapped model.
+        return self._tensor.__reduce_ex__(protocol)
+
     def __tensor_flatten__(self):
         return ["_tensor"], self._fp8_dtype
 
