@@ -179,12 +179,22 @@ def check_gathered_weight_is_fp8(rank, ws):
     assert names == [f"layers.{i}.{j}.weight" for i in (0, 1) for j in (1, 3)] + ["head.1.weight"]
     shard(model, _mesh(ws), mp_policy=BF16_MP)
     seen = []
-    model.layers[0].register_forward_pre_hook(lambda m, a: seen.append(m[1].weight))
+    model.layers[0].register_forward_pre_hook(lambda m, a: seen.extend((m[0].weight, m[1].weight)))
     with fusible.autocast():
         model(torch.ones(16, H))
-    w = seen[0]
+    norm, w = seen
+    assert type(norm) is torch.nn.Parameter and norm.dtype == torch.bfloat16, type(norm)
     assert type(w) is Float8Tensor and w.fp8_dtype == torch.float8_e4m3fn, type(w)
     assert w.dtype == torch.bfloat16 and w.shape == (2 * F, H) and w._transpose is not None
+
+
+def check_plan_of_sharded_block(rank, ws):
+    """A sharded block plans (outside its forward: DTensor parameters) as before."""
+    x = torch.ones(16, H, dtype=torch.float64)
+    want = llama_block().double().plan(x).explain()
+    block = llama_block().double()
+    fully_shard(block, mesh=_mesh(ws))
+    assert block.plan(x).explain() == want
 
 
 def check_fp8_all_gather_errors(rank, ws):

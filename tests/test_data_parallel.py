@@ -30,6 +30,7 @@ def data_parallel_cases(rank, ws):
         "activation checkpointing fp8 all-gather": (
             lambda: p.check_activation_checkpointing(rank, ws, True)),
         "fp8 gathered weight": lambda: p.check_gathered_weight_is_fp8(rank, ws),
+        "plan of a sharded block": lambda: p.check_plan_of_sharded_block(rank, ws),
         "fp8 gather bytes": lambda: p.check_fp8_gather_bytes(rank, ws),
         "fp8 all-gather errors": lambda: p.check_fp8_all_gather_errors(rank, ws),
         "state dict from torch": lambda: p.check_state_dict_from_torch(rank, ws),
@@ -52,7 +53,7 @@ def _report(results, cases):
 
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_data_parallel(world_size):
-    _report(run_distributed(data_parallel_cases, world_size, timeout=120), 23)
+    _report(run_distributed(data_parallel_cases, world_size, timeout=120), 24)
 
 
 def mesh_cases(rank, ws, path, saved, after):
