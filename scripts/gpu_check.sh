@@ -2,7 +2,7 @@
 # Everything the GPU machine runs, in one call: the whole test suite (CUDA tests included)
 # under the machine's PyTorch, then the GPU benchmarks. Results land in $OUT (or out/).
 # Usage there: [TESTS="tests/test_fp8.py ..."] bash scripts/gpu_check.sh [bf16] [fp8] [tp] [tiles]
-#   [idle] [breakdown] [small] [graphs] [zoo] [moe] [probe]
+#   [idle] [breakdown] [small] [graphs] [zoo] [moe] [probe] [fsdp]
 # (no argument: bf16 and fp8; tp needs two GPUs (kind nvidia-h200-x2); tiles: the GELU
 # kernels' tile shapes (diagnostics/activation_tiles.py); idle: host time, GPU idle and
 # kernels and host profile of the FP8 attention projections, eager and compiled (gpu_idle.py);
@@ -14,7 +14,8 @@
 # layers (zoo_moe.py, MOE_ROWS its rows, default all; MOE_CONFIGS which configs it
 # measures, default 0,1, empty none; MOE_PROFILE which it profiles, default 0); probe: what
 # torch._scaled_grouped_mm
-# takes (diagnostics/scaled_grouped_probe.py); TESTS: which tests,
+# takes (diagnostics/scaled_grouped_probe.py); fsdp: FSDP2 on every GPU against one
+# (gpu_fsdp.py); TESTS: which tests,
 # default all, "none" for none; the argument "none" runs no benchmark)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -53,6 +54,10 @@ if [[ " $benches " == *" bf16 "* ]]; then
 fi
 if [[ " $benches " == *" fp8 "* ]]; then
     python3 benchmarks/gpu_fp8.py --output "$OUT/gpu_fp8.json" 2>&1 | tee "$OUT/bench_fp8.log"
+    bench_rc=$(( bench_rc || PIPESTATUS[0] ))
+fi
+if [[ " $benches " == *" fsdp "* ]]; then  # every GPU of the machine
+    python3 benchmarks/gpu_fsdp.py --output "$OUT/gpu_fsdp.json" 2>&1 | tee "$OUT/bench_fsdp.log"
     bench_rc=$(( bench_rc || PIPESTATUS[0] ))
 fi
 if [[ " $benches " == *" tp "* ]]; then

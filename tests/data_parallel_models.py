@@ -21,6 +21,7 @@ from fusible.testing import exact_tensor
 H, F, V = 32, 64, 16  # FP8 GEMMs need multiples of 16, tensor-parallel shards included
 TOKENS = 64  # the global batch of a step
 STEPS = 2
+DEVICE = ["cpu"]  # "cuda" for the NCCL run: set by the spawned cases
 
 
 def llama_block() -> ops.Sequential:
@@ -47,7 +48,7 @@ class Stack(nn.Module):
         torch.manual_seed(seed)  # the same initial values on every rank and in the reference
         self.layers = nn.ModuleList(make_block() for _ in range(layers))
         self.head = ops.Sequential(ops.RMSNorm(H), ops.Linear(H, V))
-        self.to(dtype)
+        self.to(DEVICE[0], dtype)
 
     def forward(self, x, checkpointed=False):
         for block in self.layers:
@@ -72,7 +73,8 @@ def shard(model: Stack, mesh, **kwargs) -> Stack:
 def batches(dtype=torch.float64, steps=STEPS, seed=1) -> list:
     """Each step's global batch, exactly representable."""
     g = torch.Generator().manual_seed(seed)
-    return [exact_tensor((TOKENS, H), dtype, generator=g) for _ in range(steps)]
+    return [exact_tensor((TOKENS, H), dtype, device=DEVICE[0], generator=g)
+            for _ in range(steps)]
 
 
 def local(x: torch.Tensor, rank: int, ws: int) -> torch.Tensor:

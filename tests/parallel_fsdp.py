@@ -9,8 +9,6 @@ gathering in high precision.
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -20,14 +18,15 @@ from torch.nn.parallel import DistributedDataParallel
 
 import fusible
 from fusible import Float8Tensor, ops
-from data_parallel_models import (F, H, assert_bitwise, assert_close, batches, emulated, full,
+from fusible.testing.distributed import all_gather_bytes
+from data_parallel_models import (DEVICE, F, H, assert_bitwise, assert_close, batches, emulated, full,
                                   llama_block, llama_stack, local, shard, train)
 
 BF16_MP = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 
 
 def _mesh(ws):
-    return init_device_mesh("cpu", (ws,))
+    return init_device_mesh(DEVICE[0], (ws,))
 
 
 def _fsdp_run(rank, ws, dtype=torch.float64, fp8=False, compile=None, gather_fp8=False,
@@ -110,34 +109,6 @@ def check_activation_checkpointing(rank, ws, gather_fp8=False):
                    "activation checkpointing")
 
 
-@contextlib.contextmanager
-def gathered_bytes():
-    """Count the bytes FSDP2 all-gathers (into ``counter[0]``), whichever collective this
-    torch version's FSDP2 calls."""
-    counter, active = [0], [False]
-    names = [n for n in ("all_gather_single", "all_gather_into_tensor") if hasattr(dist, n)]
-    originals = {n: getattr(dist, n) for n in names}
-
-    def counting(fn):
-        def wrapper(output, *args, **kwargs):
-            outer = not active[0]
-            if outer:
-                counter[0] += output.numel() * output.element_size()
-            active[0] = True
-            try:
-                return fn(output, *args, **kwargs)
-            finally:
-                active[0] = not outer
-        return wrapper
-    for n in names:
-        setattr(dist, n, counting(originals[n]))
-    try:
-        yield counter
-    finally:
-        for n, fn in originals.items():
-            setattr(dist, n, fn)
-
-
 def check_fp8_all_gather(rank, ws, reshard, mp, compile):
     """FP8 weights gathered: bitwise gathering in high precision then quantizing."""
     kwargs = dict(dtype=torch.float32, fp8=True, compile=compile, reshard_after_forward=reshard,
@@ -153,14 +124,15 @@ def check_fp8_gather_bytes(rank, ws):
         torch.manual_seed(0)
         model = torch.nn.Sequential(*(ops.Sequential(ops.BasicLinear(H, 2 * F), ops.SwiGLU(),
                                                      ops.BasicLinear(F, H)) for _ in range(2)))
+        model.to(DEVICE[0])
         if gather_fp8:
             fusible.fsdp_float8_all_gather(model)
         for block in model:
             fully_shard(block, mesh=_mesh(ws), mp_policy=BF16_MP)
         fully_shard(model, mesh=_mesh(ws), mp_policy=BF16_MP)
-        with gathered_bytes() as counter:
+        with all_gather_bytes() as counter:
             with fusible.autocast():
-                y = model(torch.ones(16, H))
+                y = model(torch.ones(16, H, device=DEVICE[0]))
             y.float().sum().backward()
         counts.append(counter[0])
     if ws == 1:  # FSDP2 copies instead of gathering
@@ -181,7 +153,7 @@ def check_gathered_weight_is_fp8(rank, ws):
     seen = []
     model.layers[0].register_forward_pre_hook(lambda m, a: seen.extend((m[0].weight, m[1].weight)))
     with fusible.autocast():
-        model(torch.ones(16, H))
+        model(torch.ones(16, H, device=DEVICE[0]))
     norm, w = seen
     assert type(norm) is torch.nn.Parameter and norm.dtype == torch.bfloat16, type(norm)
     assert type(w) is Float8Tensor and w.fp8_dtype == torch.float8_e4m3fn, type(w)
@@ -190,9 +162,9 @@ def check_gathered_weight_is_fp8(rank, ws):
 
 def check_plan_of_sharded_block(rank, ws):
     """A sharded block plans (outside its forward: DTensor parameters) as before."""
-    x = torch.ones(16, H, dtype=torch.float64)
-    want = llama_block().double().plan(x).explain()
-    block = llama_block().double()
+    x = torch.ones(16, H, dtype=torch.float64, device=DEVICE[0])
+    want = llama_block().to(x).plan(x).explain()
+    block = llama_block().to(x)
     fully_shard(block, mesh=_mesh(ws))
     assert block.plan(x).explain() == want
 
@@ -233,7 +205,8 @@ def check_state_dict_from_torch(rank, ws):
     torch.manual_seed(3)
     twin = torch.nn.Sequential(torch.nn.RMSNorm(H, eps=1e-5), torch.nn.Linear(H, 2 * F, bias=False),
                                torch.nn.Linear(F, H, bias=False)).double()
-    block = llama_block().double()
+    twin.to(DEVICE[0])
+    block = llama_block().to(DEVICE[0], torch.float64)
     fully_shard(block, mesh=_mesh(ws))
     block.load_state_dict(fusible.state_dict_from_torch(block, twin))
     for got, want in zip(block.parameters(), twin.parameters()):

@@ -10,12 +10,14 @@ import pytest
 import torch
 
 from fusible.testing.distributed import failure_report, run_cases, run_distributed
+import data_parallel_models as models
 import parallel_fsdp as p
 import parallel_mesh as m
 
 
-def data_parallel_cases(rank, ws):
+def data_parallel_cases(rank, ws, device="cpu"):
     torch.set_num_threads(1)
+    models.DEVICE[0] = device
     cases = {f"fsdp reshard={r}": (lambda r=r: p.check_fsdp_eager(rank, ws, r))
              for r in (True, False)}
     cases.update({f"fsdp compiled {how}": (lambda h=how: p.check_fsdp_compiled(rank, ws, h))
@@ -43,6 +45,17 @@ def data_parallel_cases(rank, ws):
         cases[f"fp8 all-gather reshard={reshard} mp={mp} compile={compile}"] = (
             lambda a=reshard, b=mp, c=compile: p.check_fp8_all_gather(rank, ws, a, b, c))
     return run_cases(cases)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs (NCCL)")
+def test_data_parallel_nccl():
+    _report(run_distributed(data_parallel_cases, 2, "cuda", backend="nccl", timeout=300), 24)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_data_parallel_one_gpu():
+    """The cases on one GPU (NCCL, FSDP2's CUDA streams, the FP8 hooks' Triton casts)."""
+    _report(run_distributed(data_parallel_cases, 1, "cuda", backend="nccl", timeout=300), 24)
 
 
 def _report(results, cases):
@@ -88,3 +101,14 @@ def test_mesh_and_resharded_checkpoints(tmp_path):
     after = {f: results[0][f][1] for f in (False, True)}
     _report(run_distributed(load_cases, 1, str(tmp_path), saved, after, timeout=120), 2)
     _report(run_distributed(mesh_cases, 4, str(tmp_path), saved, after, timeout=180), 6)
+
+
+def test_fsdp_example(tmp_path):
+    """examples/fsdp.py: FSDP2 with FP8 all-gathers tracks the one-process stack, learns,
+    and its checkpoint saves and loads."""
+    import fsdp  # examples/ is on the path (conftest)
+    losses = run_distributed(fsdp.worker, 2, 8, str(tmp_path / "ck"), timeout=120)[0]
+    for sharded, alone in losses:
+        assert abs(sharded - alone) < 0.01 * alone, losses
+    assert losses[-1][0] < losses[0][0] - 0.1, losses
+    assert (tmp_path / "ck" / ".metadata").exists()

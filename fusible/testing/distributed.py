@@ -20,6 +20,7 @@ failure, and the parent turns the outcomes into a message with :func:`failure_re
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import importlib
 import itertools
@@ -220,3 +221,43 @@ def failure_report(results: list[dict]) -> str:
     if not_run:
         lines.append(f"{not_run} later case{'s' if not_run > 1 else ''} not run")
     return "\n".join(lines)
+
+
+@contextlib.contextmanager
+def all_gather_bytes():
+    """Count the bytes that tensor all-gathers write on this rank, FSDP2's among them.
+
+    Yields a one-element list whose item grows by each all-gather's output size (the
+    gathered tensor: world size times what each rank sends), whichever of
+    ``all_gather_single`` / ``all_gather_into_tensor`` this torch version's FSDP2 calls
+    (one calling the other counts once). One rank's FSDP2 copies instead of gathering:
+    nothing is counted.
+
+    Examples
+    --------
+    >>> with all_gather_bytes() as counted:
+    ...     model(x).sum().backward()
+    >>> counted[0]
+    """
+    counter, active = [0], [False]
+    names = [n for n in ("all_gather_single", "all_gather_into_tensor") if hasattr(dist, n)]
+    originals = {n: getattr(dist, n) for n in names}
+
+    def counting(fn):
+        def wrapper(output, *args, **kwargs):
+            outer = not active[0]
+            if outer:
+                counter[0] += output.numel() * output.element_size()
+            active[0] = True
+            try:
+                return fn(output, *args, **kwargs)
+            finally:
+                active[0] = not outer
+        return wrapper
+    for n in names:
+        setattr(dist, n, counting(originals[n]))
+    try:
+        yield counter
+    finally:
+        for n, fn in originals.items():
+            setattr(dist, n, fn)
