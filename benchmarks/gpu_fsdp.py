@@ -58,6 +58,9 @@ def _build(fsdp: bool, fp8: bool, world_size: int) -> FFNStack:
         for block in model.layers:
             fully_shard(block, mesh=mesh, mp_policy=POLICY)
         fully_shard(model, mesh=mesh, mp_policy=POLICY)
+    # Each fusible block compiles its own graph (docs/compile.md, Limits)
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit,
+                                               4 * LAYERS)
     for block in model.layers:
         block.compile(fullgraph=True)
     return model
