@@ -211,3 +211,22 @@ def check_state_dict_from_torch(rank, ws):
     block.load_state_dict(fusible.state_dict_from_torch(block, twin))
     for got, want in zip(block.parameters(), twin.parameters()):
         assert torch.equal(full(got), want.detach())
+
+
+def check_steps_keep_plans(rank, ws):
+    """FSDP2 swaps sharded and gathered parameters around every forward and backward: no
+    replanning (the epoch stays) and, per-block compiled, no recompiling after step one."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+    from fusible.core import epoch
+    torch._dynamo.reset()
+    model = shard(llama_stack(torch.float32), _mesh(ws), mp_policy=BF16_MP)
+    counter = CompileCounterWithBackend("aot_eager")
+    for block in model.layers:
+        block.compile(fullgraph=True, backend=counter)
+    x = torch.ones(16, H, device=DEVICE[0])
+    seen = []
+    for _ in range(4):
+        with fusible.autocast():
+            model(x).float().sum().backward()
+        seen.append((epoch.current(), counter.frame_count))
+    assert seen[1:] == [seen[1]] * 3, seen

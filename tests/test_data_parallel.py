@@ -33,6 +33,7 @@ def data_parallel_cases(rank, ws, device="cpu"):
             lambda: p.check_activation_checkpointing(rank, ws, True)),
         "fp8 gathered weight": lambda: p.check_gathered_weight_is_fp8(rank, ws),
         "plan of a sharded block": lambda: p.check_plan_of_sharded_block(rank, ws),
+        "steps keep their plans": lambda: p.check_steps_keep_plans(rank, ws),
         "fp8 gather bytes": lambda: p.check_fp8_gather_bytes(rank, ws),
         "fp8 all-gather errors": lambda: p.check_fp8_all_gather_errors(rank, ws),
         "state dict from torch": lambda: p.check_state_dict_from_torch(rank, ws),
@@ -49,13 +50,13 @@ def data_parallel_cases(rank, ws, device="cpu"):
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs (NCCL)")
 def test_data_parallel_nccl():
-    _report(run_distributed(data_parallel_cases, 2, "cuda", backend="nccl", timeout=300), 24)
+    _report(run_distributed(data_parallel_cases, 2, "cuda", backend="nccl", timeout=300), 25)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_data_parallel_one_gpu():
     """The cases on one GPU (NCCL, FSDP2's CUDA streams, the FP8 hooks' Triton casts)."""
-    _report(run_distributed(data_parallel_cases, 1, "cuda", backend="nccl", timeout=300), 24)
+    _report(run_distributed(data_parallel_cases, 1, "cuda", backend="nccl", timeout=300), 25)
 
 
 def _report(results, cases):
@@ -66,7 +67,7 @@ def _report(results, cases):
 
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_data_parallel(world_size):
-    _report(run_distributed(data_parallel_cases, world_size, timeout=120), 24)
+    _report(run_distributed(data_parallel_cases, world_size, timeout=120), 25)
 
 
 def mesh_cases(rank, ws, path, saved, after):

@@ -18,6 +18,7 @@ from typing import Any, ClassVar, Optional
 import attrs
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from fusible.core import epoch
 from fusible.core.stage import StageSpec, check_stage_class
@@ -51,8 +52,10 @@ class FusibleSpec(nn.Module):
         return type(self).__name__
 
     def register_parameter(self, name: str, param) -> None:
+        swap = _sharding_swap(self._parameters.get(name), param)
         super().register_parameter(name, param)
-        epoch.bump_if_planned(self)  # parametrizations and pruning swap parameters so
+        if not swap:
+            epoch.bump_if_planned(self)  # parametrizations and pruning swap parameters so
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                               unexpected_keys, error_msgs):
@@ -86,9 +89,19 @@ class FusibleSpec(nn.Module):
                                  f"new operation instead")
         # Plans depend on op configuration: a new value invalidates cached plans.
         old = self.__dict__.get(name, epoch.MISSING)
+        swap = _sharding_swap(self.__dict__.get("_parameters", {}).get(name), value)
         super().__setattr__(name, value)
-        if name != "training" and epoch.changed(old, value):
+        if name != "training" and not swap and epoch.changed(old, value):
             epoch.bump_if_planned(self)
+
+
+def _sharding_swap(old, new) -> bool:
+    """Whether a parameter write is FSDP2 swapping a sharded parameter (a DTensor) and
+    the gathered one, around every forward and backward: plans stay valid (inside a
+    forward the parameters are always the gathered ones, which the plan was made for),
+    and a move of the epoch there would replan, and recompile, every step."""
+    return (isinstance(old, nn.Parameter) and isinstance(new, nn.Parameter)
+            and (isinstance(old, DTensor) or isinstance(new, DTensor)))
 
 
 class BasicOperationSpec(FusibleSpec, StageSpec):
