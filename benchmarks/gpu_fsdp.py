@@ -108,7 +108,10 @@ def bench(rank, world_size):
             gc.collect()
             torch.cuda.empty_cache()
             key = f"{name}_fsdp{world_size}" if fsdp else f"{name}_one_gpu"
-            results[key] = _measure(_build(fsdp, fp8, world_size), fp8)
+            try:
+                results[key] = _measure(_build(fsdp, fp8, world_size), fp8)
+            except Exception as error:  # reported, and the other rows go on
+                results[key] = {"error": repr(error)[:300], "ms": float("nan")}
             if rank == 0:
                 print(key, results[key], flush=True)
     return results
@@ -122,9 +125,10 @@ def _summary(per_rank: list, world_size: int) -> dict:
             slowest[f"{name}_one_gpu"] / slowest[f"{name}_fsdp{world_size}"])
     out["fp8_over_bf16_throughput_fsdp"] = (slowest[f"bf16_fsdp{world_size}"]
                                             / slowest[f"fp8_fsdp{world_size}"])
-    bf16_bytes = per_rank[0][f"bf16_fsdp{world_size}"]["all_gather_bytes_per_step"]
-    fp8_bytes = per_rank[0][f"fp8_fsdp{world_size}"]["all_gather_bytes_per_step"]
-    out["fp8_over_bf16_all_gather_bytes"] = fp8_bytes / bf16_bytes if bf16_bytes else None
+    bf16_bytes = per_rank[0][f"bf16_fsdp{world_size}"].get("all_gather_bytes_per_step")
+    fp8_bytes = per_rank[0][f"fp8_fsdp{world_size}"].get("all_gather_bytes_per_step")
+    out["fp8_over_bf16_all_gather_bytes"] = (fp8_bytes / bf16_bytes if bf16_bytes and fp8_bytes
+                                             is not None else None)
     return out
 
 

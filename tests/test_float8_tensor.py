@@ -315,6 +315,16 @@ _CASES = {
         "0 0": (lambda x: aten.transpose.int(x, 0, 0), False, _fp8(16, 32)),
         "3d": (lambda x: aten.transpose.int(x, 1, 2), False, _fp8(2, 8, 32)),
     },
+    aten.as_strided.default: {  # the identity (FSDP2's gathered parameter) stays in FP8
+        "identity": (lambda x: aten.as_strided.default(x, [16, 32], [32, 1], 0), True,
+                     _fp8(16, 32)),
+        "identity, no offset": (lambda x: aten.as_strided.default(x, [16, 32], [32, 1]), True,
+                                _fp8(16, 32)),
+        "fewer rows": (lambda x: aten.as_strided.default(x, [8, 32], [32, 1], 0), False,
+                       _fp8(16, 32)),
+        "transposed": (lambda x: aten.as_strided.default(x, [32, 16], [1, 32], 0), False,
+                       _fp8(16, 32)),
+    },
     aten.select.int: {  # indexing: a subset keeps the per-tensor scale
         "a row": (lambda x: aten.select.int(x, 0, 3), True, _fp8(16, 32)),
         "the last dim": (lambda x: aten.select.int(x, -1, 5), True, _fp8(2, 8, 32)),
