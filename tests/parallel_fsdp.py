@@ -14,10 +14,12 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch._dynamo.testing import CompileCounterWithBackend
 from torch.nn.parallel import DistributedDataParallel
 
 import fusible
 from fusible import Float8Tensor, ops
+from fusible.core import epoch
 from fusible.testing.distributed import all_gather_bytes
 from data_parallel_models import (DEVICE, F, H, assert_bitwise, assert_close, batches, emulated, full,
                                   llama_block, llama_stack, local, shard, train)
@@ -216,8 +218,6 @@ def check_state_dict_from_torch(rank, ws):
 def check_steps_keep_plans(rank, ws):
     """FSDP2 swaps sharded and gathered parameters around every forward and backward: no
     replanning (the epoch stays) and, per-block compiled, no recompiling after step one."""
-    from torch._dynamo.testing import CompileCounterWithBackend
-    from fusible.core import epoch
     torch._dynamo.reset()
     model = shard(llama_stack(torch.float32), _mesh(ws), mp_policy=BF16_MP)
     counter = CompileCounterWithBackend("aot_eager")
