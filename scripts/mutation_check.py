@@ -283,6 +283,23 @@ CURATED = [
     _m("delayed_state_not_written_back", "fusible/runtime/custom_ops.py",
        "        state.copy_(new)\n", "        pass\n",
        "compiled stages drop the updated states: the histories never advance when compiled"),
+    # Data parallelism (issue 17)
+    _m("fsdp_gather_local_amax", "fusible/quantization/fsdp_weight.py",
+       "            dist.all_reduce(amax, dist.ReduceOp.MAX, group=mesh.get_group())",
+       "            pass",
+       "FP8 all-gathers cast each shard with its own scale: the gathered weight is not the "
+       "weight quantized"),
+    _m("fsdp_gather_before_mixed_precision", "fusible/quantization/fsdp_weight.py",
+       "            shard = shard.to(mp_policy.param_dtype)", "            pass",
+       "FP8 all-gathers quantize the float32 shard, not the bf16 weight the GEMMs would see"),
+    _m("fsdp_transpose_not_refilled", "fusible/quantization/fsdp_weight.py",
+       "(out._scale_inv, scale_inv), (out._transpose, data.t())",
+       "(out._scale_inv, scale_inv),",
+       "a gather after resharding leaves the freed transposed copy unfilled: dgrad reads junk"),
+    _m("fsdp_swaps_move_the_epoch", "fusible/core/operation.py",
+       "    return (isinstance(old, nn.Parameter) and isinstance(new, nn.Parameter)",
+       "    return False and (isinstance(old, nn.Parameter) and isinstance(new, nn.Parameter)",
+       "FSDP2's parameter swaps replan every step, and recompile every block every step"),
 ]
 
 # Bugs nobody tuned the tests for (the "fresh" set): picked from the library's source

@@ -185,3 +185,19 @@ def test_writing_into_part_of_a_float8_tensor_is_refused():
     with torch.no_grad():
         w.data.copy_(torch.zeros(w.shape))  # .data is the tensor itself, detached
     assert torch.equal(w._transpose.float(), w._data.float().t()) and w.dequantize().abs().max() == 0
+
+
+@pytest.mark.parametrize("recipe, how", [
+    (fusible.Float8RowwiseScaling(), "rowwise"),
+    (fusible.Float8BlockScaling(), "blockwise_128x128"),
+    (fusible.DelayedScaling(), "from an amax history")])
+def test_a_recipe_scaling_weights_otherwise_is_refused(recipe, how):
+    """An FP8 weight has one current scale: a recipe that scales weights per row, per
+    block or from a history would silently not get what it asks for."""
+    model = _model()
+    with fusible.autocast(recipe=recipe), pytest.raises(
+            ValueError, match=rf"BasicLinear\(in_features=32, out_features=64\): its weight "
+                              rf"is FP8 .* but {type(recipe).__name__} scales weights {how}"):
+        model(torch.randn(16, 32, dtype=DTYPE))
+    with fusible.autocast(recipe=fusible.Float8CurrentScaling("e4m3")):
+        model(torch.randn(16, 32, dtype=DTYPE))  # per-tensor current scaling: as it is

@@ -18,7 +18,9 @@ from fusible.functional.linear_state import (forward_aux, gemm_backward_args, ge
                                              gemm_grad_format, gemm_input_format, save_linear)
 from fusible.functional.parallel import NOT_PARALLEL
 from fusible.module import BasicOperation
+from fusible.quantization.float8_tensor import Float8Tensor
 from fusible.quantization.params import fp8_parameter
+from fusible.quantization.recipe import fp8_recipe
 
 Tensor = torch.Tensor
 
@@ -149,7 +151,19 @@ class BasicLinear(BasicOperation):
         return (*parallel_tokens(self, shape), self.local_out)
 
     def validate_fp8(self, shape) -> None:
-        """FP8 GEMMs (Hopper's) need every dimension divisible by 16."""
+        """FP8 GEMMs (Hopper's) need every dimension divisible by 16; an FP8 weight
+        (``quantized_model_init``, ``fsdp_float8_all_gather``) holds one current scale
+        per tensor, which a recipe scaling weights otherwise would silently not get."""
+        recipe = fp8_recipe()
+        if recipe is not None and isinstance(self.param("weight"), Float8Tensor):
+            fmt = recipe.weight_format()
+            if not fmt.per_tensor or fmt.stateful:
+                how = "from an amax history" if fmt.stateful else fmt.granularity
+                raise ValueError(f"{self.describe()}: its weight is FP8 with one current "
+                                 f"scale per tensor (quantized_model_init or "
+                                 f"fsdp_float8_all_gather), but {type(recipe).__name__} "
+                                 f"scales weights {how}; use a current-scaling recipe "
+                                 f"(Float8CurrentScaling) or a high-precision weight")
         tokens = math.prod(shape[:-1]) * (self.tp.world_size if self.tp.gathers_input else 1)
         if self.local_in % 16 or self.local_out % 16 or tokens % 16:
             raise ValueError(f"{self.describe()} under an FP8 recipe needs in_features, "
