@@ -286,8 +286,9 @@ def cast_batched_triton(x: torch.Tensor, amax: torch.Tensor, fp8_dtype: torch.dt
 _TRITON_TRANSPOSE_MIN_NUMEL = 1 << 22
 
 
-def transposed_copy(data: torch.Tensor) -> torch.Tensor:
-    """The (features, tokens) row-major copy of ``data`` seen as (tokens, features).
+def transposed_copy(data: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The (features, tokens) row-major copy of ``data`` seen as (tokens, features),
+    written into ``out`` when given.
 
     Large FP8 data on CUDA is transposed by a Triton kernel where nothing traces;
     anything else by PyTorch.
@@ -295,16 +296,21 @@ def transposed_copy(data: torch.Tensor) -> torch.Tensor:
     data2 = data.reshape(-1, data.shape[-1])
     if (data.is_cuda and data.element_size() == 1 and triton is not None
             and data.numel() >= _TRITON_TRANSPOSE_MIN_NUMEL and plain_eager(data)):
-        return transpose_bytes_triton(data2)
+        return transpose_bytes_triton(data2, out=out)
+    if out is not None:
+        return out.copy_(data2.t())
     # clone, not contiguous(): with one row or column the transpose is already contiguous
     # and contiguous() would hand back a view of the data (custom ops' results may not alias)
     return data2.t().clone(memory_format=torch.contiguous_format)
 
 
-def transpose_bytes_triton(data: torch.Tensor, block: int = 128) -> torch.Tensor:
-    """The contiguous transpose of the 2-D one-byte tensor ``data``, by Triton."""
+def transpose_bytes_triton(data: torch.Tensor, block: int = 128,
+                           out: torch.Tensor | None = None) -> torch.Tensor:
+    """The contiguous transpose of the 2-D one-byte tensor ``data``, by Triton (into the
+    contiguous ``out`` when given)."""
     rows, cols = data.shape
-    out = torch.empty((cols, rows), device=data.device, dtype=data.dtype)
+    if out is None:
+        out = torch.empty((cols, rows), device=data.device, dtype=data.dtype)
     grid = (triton.cdiv(rows, block), triton.cdiv(cols, block))
     _transpose_kernel[grid](data.contiguous().view(torch.uint8), out.view(torch.uint8),
                             rows, cols, BLOCK_M=block, BLOCK_N=block)

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
 
+from fusible.kernels.fp8_cast import transposed_copy
 from fusible.quantization.cast import cast_to_fp8_any, tensor_amax
 from fusible.quantization.float8_tensor import Float8Tensor
 
@@ -110,10 +111,11 @@ class Float8AllGatherWeight(torch.Tensor):
         data = gathered.view(self._fp8_dtype)[:size[0]]  # the padding dropped: a view
         if out is not None:  # the tensors the forward saved for the backward: refilled as
             # FSDP2 refills the gathered bytes, not counted as an in-place change
-            for inner, value in ((out._scale_inv, scale_inv), (out._transpose, data.t())):
-                with torch.autograd._unsafe_preserve_version_counter(inner):
-                    inner.copy_(value)
+            with torch.autograd._unsafe_preserve_version_counter(out._scale_inv):
+                out._scale_inv.copy_(scale_inv)
+            with torch.autograd._unsafe_preserve_version_counter(out._transpose):
+                transposed_copy(data, out=out._transpose)
             return None
-        transpose = data.t().contiguous()
+        transpose = transposed_copy(data)
         weight = Float8Tensor(data, scale_inv.clone(), param_dtype, transpose)
         return weight, (gathered, transpose)
