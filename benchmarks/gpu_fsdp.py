@@ -29,7 +29,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import fusible  # noqa: E402
 from fusible import ops  # noqa: E402
-from fusible.testing.distributed import all_gather_bytes, run_distributed  # noqa: E402
+from fusible.testing.distributed import (all_gather_bytes, no_nvlink_multicast,  # noqa: E402
+                                         run_distributed)
 
 HIDDEN, FFN, TOKENS, LAYERS = 4096, 14336, 8192, 4
 POLICY = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -136,8 +137,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--output", default="out/gpu_fsdp.json")
     args = parser.parse_args()
-    for var in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS"):
-        os.environ.setdefault(var, "0" if var == "NCCL_NVLS_ENABLE" else "1")  # no multicast
+    no_nvlink_multicast()  # spawned ranks inherit it
     world_size = torch.cuda.device_count()
     import gpu_fsdp  # the children import bench by module name, not from __main__
     per_rank = run_distributed(gpu_fsdp.bench, world_size, backend="nccl", timeout=1200)

@@ -23,7 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import fusible  # noqa: E402
 from fusible import ops  # noqa: E402
-from fusible.testing.distributed import run_distributed  # noqa: E402
+from fusible.testing.distributed import no_nvlink_multicast, run_distributed  # noqa: E402
 
 TOKENS, HIDDEN, FFN = 16384, 8192, 28672
 
@@ -70,8 +70,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--output", default="benchmarks/results/gpu_tp.json")
     args = parser.parse_args()
-    for var in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS"):
-        os.environ.setdefault(var, "0" if var == "NCCL_NVLS_ENABLE" else "1")  # no multicast
+    no_nvlink_multicast()  # spawned ranks inherit it
     import gpu_tp  # the children import bench by module name, not from __main__
     # rank 1 waits at a barrier while rank 0 compiles and measures alone: minutes
     per_rank = run_distributed(gpu_tp.bench, 2, backend="nccl", timeout=1200)

@@ -31,8 +31,9 @@ __all__ = [
     "Float8CurrentScaling", "Float8Format", "Float8RowwiseScaling", "Float8Tensor",
     "FusedOperation", "FusionPlan", "MXFP8BlockScaling", "Op", "OperationContext", "Pattern",
     "PlanConditions", "PlanEnvironment", "Recipe", "Stage", "autocast", "compile_report",
-    "deinterleave_glu_rows", "fsdp_float8_all_gather", "interleave_glu_rows", "make_graphed_callables", "ops",
-    "quantize", "quantized_model_init", "recipe_from_name", "register_fusion",
-    "register_recipe", "register_schema_type", "registered_fusions", "registered_recipes",
-    "state_dict_from_torch", "testing", "unregister_fusion", "unregister_recipe",
+    "deinterleave_glu_rows", "fsdp_float8_all_gather", "interleave_glu_rows",
+    "make_graphed_callables", "ops", "quantize", "quantized_model_init", "recipe_from_name",
+    "register_fusion", "register_recipe", "register_schema_type", "registered_fusions",
+    "registered_recipes", "state_dict_from_torch", "testing", "unregister_fusion",
+    "unregister_recipe",
 ]

@@ -56,10 +56,11 @@ def fsdp_float8_all_gather(model: nn.Module,
         weight = module.weight
         if isinstance(weight, Float8AllGatherWeight):
             continue
-        _check_plain(f"{name}.weight" if name else "weight", weight)
+        label = f"{name}.weight" if name else "weight"
+        _check_plain(label, weight)
         module.weight = nn.Parameter(Float8AllGatherWeight(weight.data, fp8_dtype),
                                      requires_grad=weight.requires_grad)
-        wrapped.append(f"{name}.weight" if name else "weight")
+        wrapped.append(label)
     return wrapped
 
 

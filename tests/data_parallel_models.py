@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
@@ -117,6 +118,22 @@ def train(model, inputs, fp8=False, run=None, micro=1, sync=None, **kwargs) -> l
     return out + [full(p) for p in model.parameters()]
 
 
+def output_names(model: nn.Module, steps: int = STEPS) -> list:
+    """What each item of ``train``'s output is: None for a step's loss, else the name of
+    the parameter whose gradient (per step) or final value it is."""
+    names = [n for n, _ in model.named_parameters()]
+    return [None, *names] * steps + names
+
+
+def mean_losses(out: list, names: list) -> None:
+    """The rank-local losses in ``train``'s output (``names``: its ``output_names``)
+    replaced, in place, by their mean over all ranks."""
+    for i, name in enumerate(names):
+        if name is None:
+            dist.all_reduce(out[i])
+            out[i] /= dist.get_world_size()
+
+
 def emulated(model: nn.Module, inputs, ws: int, rank: int, fp8=False, param_dtype=None) -> list:
     """What ``train`` gives for ``model`` data-parallel over ``ws`` ranks, computed in one
     process: each rank's gradients in ``param_dtype`` (FSDP2's mixed precision), summed in
@@ -137,7 +154,7 @@ def emulated(model: nn.Module, inputs, ws: int, rank: int, fp8=False, param_dtyp
             g = [p.grad.to(q.dtype) for p, q in zip(replica.parameters(), model.parameters())]
             grads = g if grads is None else [a + b for a, b in zip(grads, g)]
         for p, g in zip(model.parameters(), grads):
-            p.grad = g / ws if ws > 1 else g
+            p.grad = g / ws
         out += [losses[rank], *(p.grad.clone() for p in model.parameters())]
         opt.step()
         opt.zero_grad()

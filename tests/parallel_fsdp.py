@@ -1,4 +1,5 @@
-"""FSDP2 and DDP on fusible models, each rank's run against one process (tests/test_data_parallel.py).
+"""FSDP2 and DDP on fusible models, each rank's run against one process
+(tests/test_data_parallel.py).
 
 High precision (FP64) against the single-process run of the same global batch, to the
 tolerance the changed reduction order allows; FP8 and mixed precision bit for bit against
@@ -11,7 +12,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch._dynamo.testing import CompileCounterWithBackend
@@ -21,8 +21,9 @@ import fusible
 from fusible import Float8Tensor, ops
 from fusible.core import epoch
 from fusible.testing.distributed import all_gather_bytes
-from data_parallel_models import (DEVICE, F, H, assert_bitwise, assert_close, batches, emulated, full,
-                                  llama_block, llama_stack, local, shard, train)
+from data_parallel_models import (DEVICE, F, H, assert_bitwise, assert_close, batches, emulated,
+                                  full, llama_block, llama_stack, local, mean_losses,
+                                  output_names, shard, train)
 
 BF16_MP = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 
@@ -62,11 +63,8 @@ def check_fsdp_eager(rank, ws, reshard):
 
 
 def _all_mean_losses(out: list) -> None:
-    """The rank-local losses in ``train``'s output replaced by their mean over ranks."""
-    n_params = len(list(llama_stack().parameters()))
-    for i in range(0, len(out) - n_params, n_params + 1):
-        dist.all_reduce(out[i])
-        out[i] /= dist.get_world_size()
+    """The rank-local losses in a llama stack's ``train`` output: their mean over ranks."""
+    mean_losses(out, output_names(llama_stack()))
 
 
 def check_fsdp_compiled(rank, ws, how):

@@ -7,7 +7,6 @@ import re
 
 import torch
 from torch.utils._pytree import tree_map_only
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state_dict,
                                                      set_state_dict)
@@ -17,8 +16,8 @@ from torch.distributed.fsdp import fully_shard
 import fusible
 from fusible import ops
 from data_parallel_models import (H, Stack, assert_bitwise, assert_close, batches, full,
-                                  gelu_block, llama_stack, local, loss_of, shard, train)
-from parallel_fsdp import check_fp8_all_gather_errors  # noqa: F401 (the same on a 2-D mesh)
+                                  gelu_block, llama_stack, local, loss_of, mean_losses,
+                                  output_names, shard, train)
 
 FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
 
@@ -54,17 +53,10 @@ def check_2d(rank, ws):
     got = _run_2d(rank)[1]
     ref = Stack(gelu_block)
     want = train(ref, batches())
-    names = [n for n, _ in ref.named_parameters()]
+    names = output_names(ref)
     tp_rank = _mesh_2d()["tp"].get_local_rank()
-    per_step = len(names) + 1
-    for i in range(len(want)):
-        if i < len(want) - len(names) and i % per_step == 0:
-            dist.all_reduce(got[i])
-            got[i] /= ws
-        else:
-            name = names[(i % per_step) - 1 if i < len(want) - len(names)
-                         else i - (len(want) - len(names))]
-            want[i] = _tp_part(name, want[i], tp_rank)
+    mean_losses(got, names)
+    want = [w if name is None else _tp_part(name, w, tp_rank) for name, w in zip(names, want)]
     assert_close(got, want, "FSDP2 x TP")
 
 

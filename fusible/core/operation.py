@@ -89,9 +89,10 @@ class FusibleSpec(nn.Module):
                                  f"new operation instead")
         # Plans depend on op configuration: a new value invalidates cached plans.
         old = self.__dict__.get(name, epoch.MISSING)
-        swap = _sharding_swap(self.__dict__.get("_parameters", {}).get(name), value)
         super().__setattr__(name, value)
-        if name != "training" and not swap and epoch.changed(old, value):
+        # A parameter's write went through register_parameter, which decided on the epoch
+        parameter = name in self.__dict__.get("_parameters", {})
+        if name != "training" and not parameter and epoch.changed(old, value):
             epoch.bump_if_planned(self)
 
 

@@ -114,6 +114,13 @@ def run_distributed(fn, world_size: int, *args, backend: str = "gloo",
                 for r in range(world_size)]
 
 
+def no_nvlink_multicast() -> None:
+    """Keep NVLink multicast (NVLS, symmetric-memory multicast) off for NCCL runs started
+    from here, unless the environment says otherwise: the lent GPU machines need it off."""
+    for var in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS"):
+        os.environ.setdefault(var, "0" if var == "NCCL_NVLS_ENABLE" else "1")
+
+
 def run_cases(cases: dict[str, Callable[[], object]], timeout: float | None = None) -> dict:
     """Run named checks in order on this rank, in step with the other ranks.
 
