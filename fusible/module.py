@@ -11,6 +11,7 @@ from torch import nn
 
 from fusible.core import epoch, tokens
 from fusible.core.conditions import PlanConditions
+from fusible.core.lanes import splitting
 from fusible.core.hooks import ReplanOnHooks, global_hooks_active, has_hooks
 from fusible.core.fused import FusedOperation
 from fusible.core.operation import BasicOperationSpec, FusibleSpec
@@ -106,7 +107,8 @@ def _plan_conditions(layout: Layout, example_inputs: tuple, training: bool) -> P
     grad = torch.is_grad_enabled()
     return PlanConditions(dtype, device_type, grad, False,
                           tuple(grad and p.requires_grad for p in params),
-                          (False,) * layout.num_extra_inputs, recipe.current_key(), training)
+                          (False,) * layout.num_extra_inputs, recipe.current_key(), training,
+                          grad and splitting())
 
 
 def flatten(module: nn.Module, root: bool = True) -> list:

@@ -6,7 +6,8 @@ import attrs
 import torch
 
 from fusible import Example, FusedOperation, Op, Pattern
-from fusible.functional.linear import GemmBackwardArgs, gemm_backward
+from fusible.functional.linear import (GemmBackwardArgs, gemm_backward, like_tokens,
+                                       split_gemm_backward)
 from fusible.functional.linear_state import gemm_backward_args
 from fusible.ops import BackwardResult, BasicLinear, MakeExtraOutput
 from fusible.ops.basic_linear import parallel_refusal
@@ -51,6 +52,20 @@ class BackwardLinearAdd(FusedOperation):
     def backward_compute(cls, args, *, in_custom_op=False):
         dx, dw = gemm_backward(args.gemm, accumulate_into=args.grad_extra_output)
         return BackwardResult(dx, (dw,))
+
+    @classmethod
+    def dgrad_compute(cls, args, *, in_custom_op=False):
+        dgrad, wgrad = split_gemm_backward(args.gemm)
+        dx, _ = gemm_backward(dgrad, accumulate_into=args.grad_extra_output)
+        dx = dx if dx is None else like_tokens(dx, args.gemm.grad_output)
+        return BackwardResult(dx, (None,)), LinearAddBackwardArgs(wgrad, None)
+
+    @classmethod
+    def wgrad_compute(cls, args, *, in_custom_op=False):
+        return BackwardResult(None, (gemm_backward(args.gemm)[1],))
+
+    def deferred_params(self, recipe, needs):
+        return self.match["linear"].deferred_params(recipe, needs[1:])
 
     @classmethod
     def example(cls):

@@ -1,7 +1,8 @@
 """BackwardLinearBias: the whole backward of a linear layer with bias in one stage."""
 
 from fusible import Example, FusedOperation, Op, Pattern
-from fusible.functional.linear import GemmBackwardArgs, bias_grad, gemm_backward
+from fusible.functional.linear import (GemmBackwardArgs, bias_grad, gemm_backward, like_tokens,
+                                       split_gemm_backward)
 from fusible.functional.linear_state import gemm_backward_args
 from fusible.ops import BackwardResult, BasicLinear, Bias
 
@@ -39,6 +40,23 @@ class BackwardLinearBias(FusedOperation):
     def backward_compute(cls, args, *, in_custom_op=False):
         dx, dw = gemm_backward(args)
         return BackwardResult(dx, (dw, bias_grad(args.grad_output)))
+
+    # A split backward: dbias with the dgrad, which reads dy in high precision; the
+    # wgrad lane keeps only what its GEMM reads (dy's FP8 copy under FP8).
+    @classmethod
+    def dgrad_compute(cls, args, *, in_custom_op=False):
+        dgrad, wgrad = split_gemm_backward(args)
+        dx, _ = gemm_backward(dgrad)
+        dx = dx if dx is None else like_tokens(dx, args.grad_output)
+        return BackwardResult(dx, (None, bias_grad(args.grad_output))), wgrad
+
+    @classmethod
+    def wgrad_compute(cls, args, *, in_custom_op=False):
+        return BackwardResult(None, (gemm_backward(args)[1], None))
+
+    def deferred_params(self, recipe, needs):
+        verdict = self.match["linear"].deferred_params(recipe, needs[:1])
+        return verdict if isinstance(verdict, str) else (True, False)
 
     @classmethod
     def example(cls):

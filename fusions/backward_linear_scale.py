@@ -4,7 +4,8 @@ GEMMs."""
 import attrs
 
 from fusible import Example, FusedOperation, Op, Pattern
-from fusible.functional.linear import GemmBackwardArgs, gemm_backward
+from fusible.functional.linear import (GemmBackwardArgs, gemm_backward, like_tokens,
+                                       split_gemm_backward)
 from fusible.functional.linear_state import gemm_backward_args
 from fusible.ops import BackwardResult, BasicLinear, ConstantScale
 
@@ -47,6 +48,20 @@ class BackwardLinearScale(FusedOperation):
     def backward_compute(cls, args, *, in_custom_op=False):
         dx, dw = gemm_backward(args.gemm, grad_scale=args.scale)
         return BackwardResult(dx, (dw,))
+
+    @classmethod
+    def dgrad_compute(cls, args, *, in_custom_op=False):
+        dgrad, wgrad = split_gemm_backward(args.gemm)
+        dx, _ = gemm_backward(dgrad, grad_scale=args.scale)
+        dx = dx if dx is None else like_tokens(dx, args.gemm.grad_output)
+        return BackwardResult(dx, (None,)), LinearScaleBackwardArgs(wgrad, args.scale)
+
+    @classmethod
+    def wgrad_compute(cls, args, *, in_custom_op=False):
+        return BackwardResult(None, (gemm_backward(args.gemm, grad_scale=args.scale)[1],))
+
+    def deferred_params(self, recipe, needs):
+        return self.match["linear"].deferred_params(recipe, needs[:1])
 
     @classmethod
     def example(cls):

@@ -6,6 +6,8 @@ from typing import NamedTuple, Optional
 
 import torch
 
+from fusible.core.lanes import splitting
+
 
 class PlanConditions(NamedTuple):
     """The conditions a plan is made for: cache key, compiled-graph constant (a plain
@@ -29,6 +31,9 @@ class PlanConditions(NamedTuple):
         The key of the FP8 recipe in effect (``recipe.key``), None without one.
     training : bool
         The training mode of the module being run.
+    split_backward : bool
+        The backward runs in two lanes, weight gradients deferred
+        (:func:`fusible.split_backward`).
     """
 
     dtype: torch.dtype
@@ -39,6 +44,7 @@ class PlanConditions(NamedTuple):
     extras_requires_grad: tuple
     recipe_key: Optional[str]
     training: bool
+    split_backward: bool = False
 
     @classmethod
     def of(cls, x: torch.Tensor, params, extra_inputs, recipe_key,
@@ -57,9 +63,10 @@ def conditions_key(x: torch.Tensor, device_type: str, params, extra_inputs, reci
     if torch.is_grad_enabled():
         return (x.dtype, device_type, True, x.requires_grad,
                 None if params is None else tuple([p.requires_grad for p in params]),
-                tuple([e.requires_grad for e in extra_inputs]), recipe_key, training)
+                tuple([e.requires_grad for e in extra_inputs]), recipe_key, training,
+                splitting())
     return (x.dtype, device_type, False, False, None if params is None else _falses(len(params)),
-            _falses(len(extra_inputs)), recipe_key, training)
+            _falses(len(extra_inputs)), recipe_key, training, False)
 
 
 _FALSES = [(False,) * n for n in range(64)]

@@ -133,6 +133,37 @@ class StageSpec:
         """
         raise NotImplementedError(f"{cls.__name__} must define backward_compute()")
 
+    # A split backward (fusible.split_backward): ``dgrad_compute(args, *, in_custom_op)``
+    # returns ``(BackwardResult of the dgrad lane, the args record its wgrad reads)`` and
+    # ``wgrad_compute(record, *, in_custom_op)`` the deferred parameter gradients; both
+    # classmethods, as backward_compute. None: the stage's backward does not split.
+    dgrad_compute: ClassVar[Any] = None
+    wgrad_compute: ClassVar[Any] = None
+
+    def deferred_params(self, recipe, needs: tuple) -> "tuple | str":
+        """Which of the stage's parameters a split backward defers to its wgrad lane.
+
+        Parameters
+        ----------
+        recipe : object or None
+            The FP8 recipe in effect.
+        needs : tuple of OpGradNeeds
+            The covered ops' gradient needs.
+
+        Returns
+        -------
+        tuple of bool or str
+            One flag per covered parameter (True: ``wgrad_compute`` computes it, and
+            ``dgrad_compute`` returns None for it; False: the dgrad lane computes it), or
+            the reason the stage's backward cannot split. The default defers every
+            parameter of a class that defines ``dgrad_compute`` and ``wgrad_compute``.
+        """
+        cls = type(self)
+        if cls.dgrad_compute is None or cls.wgrad_compute is None:
+            return (f"{cls.__name__} defines no dgrad_compute / wgrad_compute: its backward "
+                    f"computes every gradient in one stage")
+        return tuple(True for op in self.basic_ops() for _ in op.param_names)
+
     def input_format(self, recipe, needs: tuple) -> Any:
         """Under ``recipe``, the ``Float8Format`` this forward stage takes its input in,
         or None for a plain tensor. The stage before it then hands the input over in

@@ -366,6 +366,27 @@ def gemm_backward(args: GemmBackwardArgs, accumulate_into: Optional[Tensor] = No
     return _finish(dx, tp), dw
 
 
+def split_gemm_backward(args: GemmBackwardArgs) -> tuple:
+    """``(dgrad record, wgrad record)``: a linear layer's backward GEMMs as two calls of
+    :func:`gemm_backward` (a split backward). Under FP8 ``dy`` is quantized here, once,
+    with both copies (the cast :func:`gemm_backward` would make), and both records read
+    it: the wgrad record keeps its transposed copy and the saved input, the dgrad record
+    the weight. The dgrad then has ``dy``'s tokens as one dimension: see
+    :func:`like_tokens`."""
+    if type(args) is not GemmBackwardArgs:
+        raise _wrong_record(args, GemmBackwardArgs, "split_gemm_backward")
+    if args.tp.gathers_grad:
+        raise ValueError(f"a split backward cannot share dy's all-gather between the dgrad "
+                         f"and wgrad GEMMs ({args.tp})")
+    dy = args.grad_output
+    if args.grad_format is not None and args.need_grad_weight:
+        dy = as_fp8(dy, args.grad_format)
+    dgrad = attrs.evolve(args, grad_output=dy, input=None, need_grad_weight=False)
+    wgrad = attrs.evolve(args, grad_output=dy, weight=None, weight_amax=None,
+                         need_grad_input=False)
+    return dgrad, wgrad
+
+
 def _times(scale_inv: Tensor, grad_scale: float) -> Tensor:
     """The scales times ``grad_scale`` (float32: E8M0 scales have no products)."""
     return scale_inv if grad_scale == 1.0 else scale_inv.float() * grad_scale

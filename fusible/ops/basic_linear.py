@@ -13,7 +13,8 @@ from fusible.core.example import Example
 from fusible.core.results import BackwardResult, ForwardResult
 from fusible.functional import parallel
 from fusible.functional.linear import (GemmBackwardArgs, GemmForwardArgs, LinearSaved,
-                                       gemm_backward, gemm_forward)
+                                       gemm_backward, gemm_forward, like_tokens,
+                                       split_gemm_backward)
 from fusible.functional.linear_state import (forward_aux, gemm_backward_args, gemm_forward_args,
                                              gemm_grad_format, gemm_input_format, save_linear)
 from fusible.functional.parallel import NOT_PARALLEL
@@ -190,6 +191,23 @@ class BasicLinear(BasicOperation):
     def backward_compute(cls, args, *, in_custom_op=False):
         dx, dw = gemm_backward(args)
         return BackwardResult(dx, (dw,))
+
+    @classmethod
+    def dgrad_compute(cls, args, *, in_custom_op=False):
+        dgrad, wgrad = split_gemm_backward(args)
+        dx, _ = gemm_backward(dgrad)
+        return BackwardResult(dx if dx is None else like_tokens(dx, args.grad_output),
+                              (None,)), wgrad
+
+    @classmethod
+    def wgrad_compute(cls, args, *, in_custom_op=False):
+        return BackwardResult(None, (gemm_backward(args)[1],))
+
+    def deferred_params(self, recipe, needs):
+        if self.tp.gathers_grad:
+            return ("row + sequence parallel all-gathers dy for both GEMMs: a deferred wgrad "
+                    "would gather it again")
+        return (True,)
 
     def input_format(self, recipe, needs):
         # A layer that all-gathers its input quantizes it after the gather itself.

@@ -34,6 +34,13 @@ class FusionPlan:
     conditions : PlanConditions
         The conditions the plan was made for (``device_type``, ``dtype``,
         ``grad_enabled`` and ``recipe`` are shortcuts).
+    wgrad : tuple of Stage
+        Under :func:`fusible.split_backward`, the deferred weight-gradient lane: one
+        stage (direction ``"wgrad"``) per backward stage that split, in the order their
+        dgrad stages run (``backward`` is then the dgrad lane); empty otherwise.
+    wgrad_kept : tuple of (Stage, str)
+        Under :func:`fusible.split_backward`, the backward stages whose parameter
+        gradients stay with their dgrad, and why.
     """
 
     forward: tuple
@@ -43,6 +50,8 @@ class FusionPlan:
     conditions: PlanConditions
     recipe: Any = None
     op_needs: dict = attrs.field(factory=dict, repr=False, eq=False)  # op index -> OpGradNeeds
+    wgrad: tuple = ()
+    wgrad_kept: tuple = ()
 
     @property
     def device_type(self) -> str:
@@ -62,16 +71,21 @@ class FusionPlan:
                  f"grad {'enabled' if self.grad_enabled else 'disabled'}"
                  + (f", recipe {self.recipe}" if self.recipe is not None else "")
                  + self.emulation_note()]
-        for title, stages in (("forward", self.forward), ("backward", self.backward)):
+        split = self.conditions.split_backward and self.grad_enabled
+        lanes = [("forward", self.forward, "forward"),
+                 ("backward: dgrad lane" if split else "backward", self.backward, "backward")]
+        for title, stages, direction in lanes:
             lines.append(f"{title} ({len(stages)} stages, in execution order):")
             for s in stages:
                 lines.append(f"  {_indices(s.indices):<10} {s.name:<30} {_compile_note(s):<10} "
                              f"{self._covered(s)}")
-                comm = self.communication(s, title)
+                comm = self.communication(s, direction)
                 if comm:
                     lines.append(f"  {'':<10} communicates: {'; '.join(comm)}")
             if not stages:
                 lines.append("  (none: no gradient is needed)")
+        if split:
+            lines += self._wgrad_lines()
         lines.append("fusions that matched:")
         for c in self.candidates:
             why = f": {c.reason}" if c.reason else ""
@@ -80,6 +94,19 @@ class FusionPlan:
         if not self.candidates:
             lines.append("  (none)")
         return "\n".join(lines)
+
+    def _wgrad_lines(self) -> list:
+        """The wgrad lane and the stages kept whole, for :meth:`explain`."""
+        lines = [f"wgrad lane ({len(self.wgrad)} stages, deferred: each runs when the "
+                 f"deferred wgrads are, in any order after its dgrad):"]
+        for s in self.wgrad:
+            lines.append(f"  {_indices(s.indices):<10} {s.name:<30} {_compile_note(s):<10} "
+                         f"{self._covered(s)}")
+        if not self.wgrad:
+            lines.append("  (none: no stage splits)")
+        for s, why in self.wgrad_kept:
+            lines.append(f"  {_indices(s.indices):<10} {s.name}: wgrad with its dgrad: {why}")
+        return lines
 
     def emulation_note(self) -> str:
         """``", FP8 GEMMs emulated (...)"`` naming the recipe's scalings that have no

@@ -8,6 +8,7 @@ from typing import Any, Optional
 import attrs
 import torch
 
+from fusible.core import tokens
 from fusible.core.conditions import PlanConditions
 from fusible.core.context import OperationContext
 from fusible.planning.channels import Channels, channel_of, channels_of
@@ -42,6 +43,15 @@ class ExecStage:
     output_format: Optional[Any] = None
     output_state: Optional[tuple] = None
     grad_sync: tuple = ()  # backward: (parameter index in the stage, group) to all-reduce
+    # A split backward (fusible.split_backward): per parameter of the stage, whether its
+    # gradient is deferred to the wgrad lane (empty: the stage does not split); the bound
+    # dgrad_compute and wgrad_compute; the target the deferred records go to; per
+    # parameter, whether its gradient goes into main_grad
+    deferred: tuple = ()
+    dgrad: object = None
+    wgrad: object = None
+    target: object = None
+    into_main_grad: tuple = ()
     num_extra_in: int = attrs.field(init=False)
     num_extra_out: int = attrs.field(init=False)
     num_params: int = attrs.field(init=False)
@@ -85,6 +95,10 @@ class ExecPlan:
     # and the number of values of each
     state_slots: tuple = ()
     state_sizes: tuple = ()
+    # A split backward: the public Stages of the wgrad lane (direction "wgrad"), and
+    # (Stage, reason) of the stages with parameter gradients that stay in the dgrad lane
+    wgrad_stages: tuple = ()
+    wgrad_kept: tuple = ()
 
     @property
     def conditions(self) -> PlanConditions:
@@ -121,6 +135,10 @@ def prepare_group(ops: tuple, start: int, conditions: PlanConditions) -> ExecPla
                for st, f, nxt in zip(forward, fwd_formats, forward[1:] + [None])]
     backward_exec = [_with_output_format(st, f, nxt, "grad") for st, f, nxt
                      in zip(backward_exec, bwd_formats, backward_exec[1:] + [None])]
+    wgrad_stages, wgrad_kept = (), ()
+    if conditions.split_backward:
+        backward_exec, wgrad_stages, wgrad_kept = split_lanes(
+            backward_exec, [s for _, s in backward], needs, recipe, ops)
     slots = scaling_states(ops, recipe, conditions.device_type)
     idle = tuple(OperationContext(idle_needs(op), recipe) for op in ops)
     producers = [i for i, op in enumerate(ops) for _ in range(op.num_extra_outputs)]
@@ -142,7 +160,75 @@ def prepare_group(ops: tuple, start: int, conditions: PlanConditions) -> ExecPla
                     saved_readers=_saved_readers(ops, start, group.forward),
                     state_slots=slots,
                     state_sizes=tuple(recipe.role_format(role).scaling.state_size
-                                      for _, role in slots))
+                                      for _, role in slots),
+                    wgrad_stages=wgrad_stages, wgrad_kept=wgrad_kept)
+
+
+class WgradTarget:
+    """Where a deferred wgrad goes: the split stage (``stage``, set once it is built) of
+    a group whose ops are ``ops``; named by its token in compiled graphs."""
+
+    def __init__(self, ops: tuple):
+        self.ops = ops
+        self.stage: Optional[ExecStage] = None
+        self.token = tokens.register(self)
+
+    def params(self) -> list:
+        """The parameters of the stage's ops, read afresh (they may have been swapped)."""
+        st = self.stage
+        return [op.param(name) for op in self.ops[st.lo:st.hi] for name in op.param_names]
+
+
+def split_lanes(stages: list, public: list, needs: tuple, recipe, ops: tuple) -> tuple:
+    """``(backward stages, wgrad lane's Stages, (Stage, reason) kept whole)``: each stage
+    whose parameters need gradients split into its dgrad stage and a deferred wgrad
+    stage, where it can (``deferred_params``)."""
+    out, lane, kept = [], [], []
+    for st, stage in zip(stages, public):
+        wanted = st.grad_mask[1] if st.num_params else ()
+        if not any(wanted):
+            out.append(st)
+            continue
+        verdict = _deferral(st, needs, recipe)
+        if isinstance(verdict, str):
+            kept.append((stage, verdict))
+            out.append(st)
+            continue
+        deferred = tuple(bool(d and w) for d, w in zip(verdict, wanted))
+        if not any(deferred):
+            kept.append((stage, f"{stage.name} defers none of the gradients it computes"))
+            out.append(st)
+            continue
+        out.append(_split_stage(st, deferred, ops))
+        lane.append(attrs.evolve(stage, direction="wgrad"))
+    return out, tuple(lane), tuple(kept)
+
+
+def _deferral(st: ExecStage, needs: tuple, recipe) -> "tuple | str":
+    """The stage's ``deferred_params``, or why its backward cannot split."""
+    if recipe is not None and recipe.stateful:
+        return (f"under {recipe.name} scaling each cast records into an amax history, "
+                f"which a deferred wgrad would record out of order")
+    verdict = st.op.deferred_params(recipe, needs[st.lo:st.hi])
+    if not isinstance(verdict, str) and len(verdict) != st.num_params:
+        raise TypeError(f"{type(st.op).__name__}.deferred_params returned {len(verdict)} flags "
+                        f"for the stage's {st.num_params} parameters")
+    return verdict
+
+
+def _split_stage(st: ExecStage, deferred: tuple, ops: tuple) -> ExecStage:
+    """``st`` as a dgrad stage whose ``deferred`` parameter gradients go to the wgrad lane."""
+    cls = st.op.__class__
+    dgrad = cls.dgrad_compute
+    if cls.quantizes_own_output and st.output_format is not None and not st.output_format.stateful:
+        fmt = st.output_format
+        dgrad = functools.partial(dgrad, output_format=fmt if fmt.kernel_cast else None)
+    target = WgradTarget(ops)
+    main = tuple(name in op.main_grad_params for op in st.ops for name in op.param_names)
+    st = attrs.evolve(st, deferred=deferred, dgrad=dgrad, wgrad=cls.wgrad_compute,
+                      target=target, into_main_grad=main)
+    target.stage = st
+    return st
 
 
 def state_owners(ops, recipe) -> tuple:

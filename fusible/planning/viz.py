@@ -1,9 +1,12 @@
-"""FusionPlan -> graphviz: basic ops as nodes, stages as clusters, two lanes.
+"""FusionPlan -> graphviz: basic ops as nodes, stages as clusters, two lanes (three
+with a split backward).
 
 The forward lane runs left to right above the backward lane, whose arrows point
 back, right to left, the way gradients flow. Each op sits in the same column in
-both lanes. Fused stages are coloured clusters named after the fusion; refused
-fusions hang below their lane as notes with the reason.
+every lane. Fused stages are coloured clusters named after the fusion; refused
+fusions hang below their lane as notes with the reason. Under a split backward the
+backward lane is the dgrad lane, and the deferred wgrad stages form a third lane
+below it, each hanging from its dgrad stage by a dashed arrow.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from fusible.planning.passes import op_communication
 _LANES = {
     "forward": {"fused": "#cfe2ff", "edge": "#1f4e9c", "refused": "#b02a37"},
     "backward": {"fused": "#ffe5c2", "edge": "#a35200", "refused": "#b02a37"},
+    "wgrad": {"fused": "#e4d7f5", "edge": "#5b2a86", "refused": "#b02a37"},
 }
 
 
@@ -52,25 +56,37 @@ def plan_to_dot(plan) -> str:
              "  edge [fontname=Helvetica, fontsize=10];"]
     # In a left-to-right layout graphviz stacks lanes in reverse order of definition:
     # define the backward lane first so that the forward lane sits on top.
-    for lane, stages in (("backward", plan.backward), ("forward", plan.forward)):
+    for lane, stages in (("wgrad", plan.wgrad), ("backward", plan.backward),
+                         ("forward", plan.forward)):
         if stages:
             lines += _lane(plan, lane, stages)
     for i in sorted(i for stage in plan.backward for i in stage.indices):
         lines.append(f"  {{rank=same; {_node('forward', i)}; {_node('backward', i)};}}")
+    for stage in plan.wgrad:
+        for i in stage.indices:
+            lines.append(f"  {{rank=same; {_node('backward', i)}; {_node('wgrad', i)};}}")
+        i = stage.indices[0]
+        lines.append(f'  {_node("backward", i)} -> {_node("wgrad", i)} [style=dashed, '
+X
     lines.append("}")
     return "\n".join(lines) + "\n"
 
 
 def _lane(plan, lane: str, stages) -> list:
     colors = _LANES[lane]
-    order = "execution order" if lane == "forward" else "execution order: right to left"
+    order = {"forward": "execution order", "backward": "execution order: right to left",
+             "wgrad": "deferred: any order after its dgrad"}[lane]
+    if lane == "backward" and plan.wgrad:
+        lane_title = "backward: dgrad lane"
+    else:
+        lane_title = {"wgrad": "wgrad lane"}.get(lane, lane)
     out = [f"  subgraph cluster_{lane} {{",
-           f"    label={_quote(f'{lane} ({len(stages)} stages, {order})')}; labeljust=l;",
+           f"    label={_quote(f'{lane_title} ({len(stages)} stages, {order})')}; labeljust=l;",
            '    style="rounded,dashed"; color="#888888"; fontsize=13;']
     for k, stage in enumerate(sorted(stages, key=lambda s: s.indices[0])):
         out += _stage_cluster(plan, lane, k, stage, colors)
     ids = [_node(lane, i) for i in sorted(i for stage in stages for i in stage.indices)]
-    for a, b in zip(ids, ids[1:]):
+    for a, b in zip(ids, ids[1:]) if lane != "wgrad" else ():  # wgrads: no flow between
         direction = ", dir=back" if lane == "backward" else ""
         out.append(f'    {a} -> {b} [color="{colors["edge"]}"{direction}];')
     out += _refusals(plan, lane, colors)

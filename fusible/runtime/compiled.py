@@ -59,7 +59,7 @@ def _prepare(module_token: int, epoch_now: int, conditions: tuple):
 
 def _compile_refusal(module, module_token, epoch_now, conditions, plan):
     """Why a stage of ``plan`` cannot compile (warned once), or None."""
-    for stage in plan.forward + plan.backward:
+    for stage in plan.forward + plan.backward + plan.wgrad:
         reason = stage.compile_reason
         if reason is not None:
             message = (f"fusible: {stage.direction} stage {stage.name} at {list(stage.indices)} "

@@ -46,7 +46,7 @@ from fusible.core.schema import (flatten_record, record_builder, record_fields, 
 from fusible.kernels.fp8_cast import fresh_zeros_inside
 from fusible.quantization.boundary import decode_results, encode_results
 from fusible.quantization.format import Float8Format, to_format
-from fusible.runtime import recompute
+from fusible.runtime import deferred, recompute
 
 _LIB = torch.library.Library("fusible", "FRAGMENT")
 _OPS: dict = {}      # (class, direction) -> StageOp
@@ -156,7 +156,10 @@ def _op_name(cls, direction: str) -> str:
             while base in _BASES.values():
                 base += "_"
         _BASES[cls] = base
-    return f"{_BASES[cls]}_{'fwd' if direction == 'forward' else 'bwd'}"
+    return f"{_BASES[cls]}_{_SUFFIXES[direction]}"
+
+
+_SUFFIXES = {"forward": "fwd", "backward": "bwd", "dgrad": "dgrad", "wgrad": "wgrad"}
 
 
 def _kernel(cls, direction: str, op: StageOp, compute, real: bool = True):
@@ -182,6 +185,10 @@ def _kernel(cls, direction: str, op: StageOp, compute, real: bool = True):
             result = bound(args, output_format=fmt if fmt is None or fmt.kernel_cast else None)
         else:
             result = bound(args)
+        if direction == "dgrad":  # queue the record its wgrad reads (a fake run: nothing)
+            result, record = result
+            if real:
+                deferred.defer(_target_token(op.prepared(flat[-1])[3]), record, compiled=True)
         inputs = [flat[i] for i in slots]
         if list_slots:
             inputs += [t for i in list_slots for t in flat[i]]
@@ -192,6 +199,19 @@ def _kernel(cls, direction: str, op: StageOp, compute, real: bool = True):
                           inputs) + updated
 
     return kernel
+
+
+_TARGET = " -> wgrad target "
+
+
+def _with_target(provenance: str, token: int) -> str:
+    """A dgrad stage's provenance with the token of its wgrad target, which its kernel
+    reads to queue the record (a graph's constants travel in that string)."""
+    return f"{provenance}{_TARGET}{token}"
+
+
+def _target_token(provenance: str) -> int:
+    return int(provenance.rsplit(_TARGET, 1)[1])
 
 
 def _copied_states(flat, states: tuple) -> tuple:
@@ -223,7 +243,7 @@ def _flatten_result(result, direction: str, like, quantized: bool,
         tensors = [to_format(result.output, fmt), *result.extra_outputs, *result.aux]
     else:
         if not isinstance(result, BackwardResult):
-            raise TypeError(f"backward_compute must return a BackwardResult, got {result!r}")
+            raise TypeError(f"{direction}_compute must return a BackwardResult, got {result!r}")
         grad = result.grad_input
         tensors = [grad if grad is None else to_format(grad, fmt), *result.grad_params,
                    *result.grad_extra_inputs]
@@ -246,6 +266,8 @@ def _unaliased(outputs: list, inputs: list) -> list:
 
 def _register(cls, direction: str) -> StageOp:
     args_type = cls.fwd_args_type if direction == "forward" else cls.bwd_args_type
+    if direction in ("dgrad", "wgrad") and getattr(cls, f"{direction}_compute") is None:
+        raise TypeError(f"{cls.__name__} defines no {direction}_compute")
     fields = record_fields(args_type)
     name = _op_name(cls, direction)
     parts = tuple((fname if len(st.parts) == 1 else f"{fname}_{i}", part)
@@ -265,6 +287,8 @@ def _register(cls, direction: str) -> StageOp:
     torch.library.register_fake(f"fusible::{name}",
                                 _kernel(cls, direction, op, fake, real=False), lib=_LIB)
     op = attrs.evolve(op, overload=getattr(torch.ops.fusible, name).default)
+    if direction == "dgrad":  # it queues the wgrad's record: kept even when dx is unused
+        torch.fx.node.has_side_effect(op.overload)
     _BY_NAME[name] = op
     return op
 
@@ -300,7 +324,10 @@ def unsupported_reason(cls, direction: str) -> Optional[str]:
 
 def _call(stage, direction: str, args, quantized: bool, outer_dtype, output_format):
     op = stage_op(stage.op.__class__, direction)
-    flat = op.flatten_call(args, output_format, quantized, stage.provenance)
+    provenance = stage.provenance
+    if direction == "dgrad":
+        provenance = _with_target(provenance, stage.target.token)
+    flat = op.flatten_call(args, output_format, quantized, provenance)
     if recorder is not None:
         recorder.append((op.overload, tuple(flat)))
     out = _write_back(op.overload(*flat), flat, op.states)
@@ -326,8 +353,32 @@ def call_backward(stage, args, quantized: bool = False, outer_dtype=None,
     """Run a backward stage through its custom op; placeholders become None
     (``output_format`` as in :func:`call_forward`)."""
     fmt = stage.output_format if output_format is _UNSET else output_format
-    op, out = _call(stage, "backward", args, quantized, outer_dtype, fmt)
-    input_needed, params_needed, extras_needed = stage.grad_mask
+    return _backward_result(stage, "backward", args, quantized, outer_dtype, fmt,
+                            stage.grad_mask)
+
+
+def call_dgrad(stage, args, quantized: bool = False, outer_dtype=None,
+               output_format=_UNSET) -> BackwardResult:
+    """Run a split stage's dgrad through its custom op, which queues the record its wgrad
+    reads; the deferred parameters' gradients come back None."""
+    fmt = stage.output_format if output_format is _UNSET else output_format
+    needed, params, extras = stage.grad_mask
+    params = tuple(n and not d for n, d in zip(params, stage.deferred))
+    return _backward_result(stage, "dgrad", args, quantized, outer_dtype, fmt,
+                            (needed, params, extras))
+
+
+def call_wgrad(stage, record) -> BackwardResult:
+    """Run a split stage's deferred wgrad through its custom op."""
+    _, params, extras = stage.grad_mask
+    mask = (False, tuple(n and d for n, d in zip(params, stage.deferred)),
+            (False,) * len(extras))
+    return _backward_result(stage, "wgrad", record, False, None, None, mask)
+
+
+def _backward_result(stage, direction, args, quantized, outer_dtype, fmt, mask):
+    op, out = _call(stage, direction, args, quantized, outer_dtype, fmt)
+    input_needed, params_needed, extras_needed = mask
     expected = 1 + len(params_needed) + len(extras_needed)
     if len(out) != expected:
         raise RuntimeError(f"{op.name} returned {len(out)} gradients, expected {expected}")

@@ -19,7 +19,7 @@ from fusible.functional import parallel
 from fusible.planning.channels import channel_of
 from fusible.planning.prepare import ExecPlan
 from fusible.quantization.format import to_format
-from fusible.runtime import custom_ops
+from fusible.runtime import custom_ops, deferred
 from fusible.runtime.saved import restore_saved, stash_saved
 from fusible.runtime.scaling_states import assign_states, bound_output_format, compute_into
 
@@ -159,7 +159,9 @@ def run_backward(plan: ExecPlan, grad_output, grad_extra_outputs, ctxs, traced: 
         args = op.backward_args(dy, grad_extra_outputs[st.extra_out] if st.num_extra_out else (),
                                 op_ctxs)
         fmt = st.output_format if st.output_state is None else bound_output_format(st, ctxs)
-        if traced and not st.op.inline_when_compiled("backward"):
+        if st.deferred:
+            result = _run_dgrad(plan, st, args, fmt, traced)
+        elif traced and not st.op.inline_when_compiled("backward"):
             result = custom_ops.call_backward(st, args, plan.quantized_results, plan.outer_dtype,
                                               fmt)
         else:
@@ -190,6 +192,18 @@ def run_backward(plan: ExecPlan, grad_output, grad_extra_outputs, ctxs, traced: 
     if ch is not None:
         grad_extras = [grad_extras[j] for j in ch.caller_in]
     return (dy if plan.input_needs_grad else None), grad_extras, grad_params
+
+
+def _run_dgrad(plan: ExecPlan, st, args, fmt, traced: bool):
+    """A split stage's dgrad (its custom op when traced, which queues the wgrad record
+    itself); the record its wgrad reads goes to the queue of deferred wgrads."""
+    if traced:
+        return custom_ops.call_dgrad(st, args, plan.quantized_results, plan.outer_dtype, fmt)
+    result, record = st.dgrad(args)
+    if fmt is not None and result.grad_input is not None:
+        result.grad_input = to_format(result.grad_input, fmt)
+    deferred.defer(st.target.token, record, compiled=False)
+    return result
 
 
 def _all_reduce_grads(grads, sync) -> tuple:

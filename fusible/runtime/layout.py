@@ -105,6 +105,7 @@ class Layout:
         """The :class:`FusionPlan` of every group for the pipeline's ``conditions``."""
         c = conditions
         forward, backward_groups, candidates, needs = [], [], [], {}
+        wgrad_groups, kept = [], []
         upstream, p_pos, e_pos = c.input_requires_grad, 0, 0
         for index, (runner, called) in self._positions():
             if runner is None:
@@ -126,11 +127,14 @@ class Layout:
             needs.update((index + i, op_needs) for i, op_needs in enumerate(plan.needs))
             forward += plan.group.forward
             backward_groups.append(plan.backward_stages)  # the stages that run
+            wgrad_groups.append(plan.wgrad_stages)
+            kept += plan.wgrad_kept
             candidates += plan.group.candidates
             upstream = upstream or plan.needs_backward
         backward = tuple(s for group in reversed(backward_groups) for s in group)
+        wgrad = tuple(s for group in reversed(wgrad_groups) for s in group)
         return FusionPlan(tuple(forward), backward, tuple(candidates), self.items, c,
-                          recipe_for_key(c.recipe_key), needs)
+                          recipe_for_key(c.recipe_key), needs, wgrad, tuple(kept))
 
     def _positions(self):
         """Yield (index of the group's first item, (runner, Called)) for each group."""

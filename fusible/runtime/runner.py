@@ -9,11 +9,12 @@ import torch
 from torch.autograd import forward_ad
 
 from fusible.core.conditions import PlanConditions, conditions_key
+from fusible.core.lanes import splitting
 from fusible.core.operation import CASTING
 from fusible.planning.channels import caller_counts
 from fusible.planning.prepare import ExecPlan, prepare_group, scaling_states
 from fusible.quantization import recipe
-from fusible.runtime import custom_ops
+from fusible.runtime import custom_ops, wgrad
 from fusible.runtime.executor import apply_pipeline, run_forward
 from fusible.runtime.scaling_states import assign_states, check_states, fits
 
@@ -132,6 +133,8 @@ class PipelineRunner:
                                       main_grads, states)
         key = conditions_key(x, device_type, params, extra_inputs, self._recipe_key(traced),
                              training)
+        if not traced and wgrad.any_pending() and not splitting():
+            wgrad.check_forward(self._name())
         plan = self._plans.get(key) or self.lookup(PlanConditions(*key))
         if plan.state_slots:
             states = self._call_states(plan, x) if states is None else states
@@ -180,6 +183,8 @@ class PipelineRunner:
         if plan is None:
             plan = self._plans[conditions] = with_compile_reasons(
                 prepare_group(self.ops, self.start, conditions))
+            if plan.wgrad_stages:
+                wgrad.install_step_check()
         return plan
 
     def _refuse_transforms(self, x) -> None:
@@ -251,10 +256,19 @@ def compile_reason(stage) -> "str | None":
 
 def with_compile_reasons(plan: ExecPlan) -> ExecPlan:
     """``plan`` with each public stage's ``compile_reason`` filled in (once per plan)."""
-    def mark(stage):
-        reason = compile_reason(stage)
+    def mark(stage, why=compile_reason):
+        reason = why(stage)
         return stage if reason is None else attrs.evolve(stage, compile_reason=reason)
+
+    def mark_split(stage):
+        return mark(stage, _split_reason)
 
     group = attrs.evolve(plan.group, forward=tuple(map(mark, plan.group.forward)),
                          backward=tuple(map(mark, plan.group.backward)))
-    return attrs.evolve(plan, group=group, backward_stages=tuple(map(mark, plan.backward_stages)))
+    return attrs.evolve(plan, group=group, backward_stages=tuple(map(mark, plan.backward_stages)),
+                        wgrad_stages=tuple(map(mark_split, plan.wgrad_stages)))
+
+
+def _split_reason(stage) -> "str | None":
+    """Why a wgrad-lane stage, or its dgrad stage (the other custom op), cannot compile."""
+    return compile_reason(stage) or custom_ops.unsupported_reason(stage.op.__class__, "dgrad")
