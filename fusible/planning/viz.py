@@ -55,7 +55,7 @@ def plan_to_dot(plan) -> str:
              'fontsize=11];',
              "  edge [fontname=Helvetica, fontsize=10];"]
     # In a left-to-right layout graphviz stacks lanes in reverse order of definition:
-    # define the backward lane first so that the forward lane sits on top.
+    # define the wgrad lane, then the backward lane, so that the forward lane sits on top.
     for lane, stages in (("wgrad", plan.wgrad), ("backward", plan.backward),
                          ("forward", plan.forward)):
         if stages:
@@ -67,7 +67,7 @@ def plan_to_dot(plan) -> str:
             lines.append(f"  {{rank=same; {_node('backward', i)}; {_node('wgrad', i)};}}")
         i = stage.indices[0]
         lines.append(f'  {_node("backward", i)} -> {_node("wgrad", i)} [style=dashed, '
-X
+                     f'color="{_LANES["wgrad"]["edge"]}"];')
     lines.append("}")
     return "\n".join(lines) + "\n"
 

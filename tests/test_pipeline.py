@@ -1,0 +1,32 @@
+"""Pipeline parallelism on CPU with gloo: fusible stages under torch.distributed.pipelining's
+schedules (1F1B, interleaved 1F1B, the zero-bubble ones with their dgrad / wgrad split),
+at 2 and 4 pipeline ranks, bf16 and FP8, eager and compiled, equal to one process bit for
+bit. The checks are in parallel_pipeline.py."""
+
+import pytest
+import torch
+
+from fusible.testing.distributed import failure_report, run_cases, run_distributed
+import parallel_pipeline as pp
+
+
+def pipeline_cases(rank, ws):
+    torch.set_num_threads(1)
+    cases = {}
+    for name in pp.SCHEDULES:
+        for fp8 in (False, True):
+            cases[f"{name} fp8={fp8}"] = (
+                lambda n=name, f=fp8: pp.check_schedule(rank, ws, n, torch.bfloat16, f))
+    for name, fp8 in (("ZBVZeroBubble", False), ("InterleavedZeroBubble", True),
+                      ("1F1B", True)):
+        cases[f"{name} fp8={fp8} compiled"] = (
+            lambda n=name, f=fp8: pp.check_schedule(rank, ws, n, torch.bfloat16, f, True))
+    return run_cases(cases)
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_pipeline_schedules(world_size):
+    results = run_distributed(pipeline_cases, world_size, timeout=180)
+    report = failure_report(results)
+    assert not report, report
+    assert [len(r) for r in results] == [11] * world_size
