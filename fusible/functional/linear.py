@@ -357,7 +357,7 @@ def gemm_backward(args: GemmBackwardArgs, accumulate_into: Optional[Tensor] = No
         del w_t  # freed before the wgrad GEMM allocates the weight gradient
         dx = dx.view(*lead, dx.shape[-1])
         if accumulate_into is not None:
-            dx = dx + accumulate_into
+            dx = dx + accumulate_into.reshape(dx.shape)  # dy may come flat
     dx = _start_dgrad_reduction(dx, tp)
     if need_wgrad:
         dw = fp8_gemm(dy_q._transpose, _times(dy_q.transpose_scale_inv, grad_scale),
