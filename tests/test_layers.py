@@ -21,7 +21,7 @@ LAYERS = [
     ("fusible.runtime",),
     ("fusible.module",),
     ("fusible.ops",),
-    ("fusible.convert", "fusible.fsdp", "fusible.testing"),
+    ("fusible.convert", "fusible.fsdp", "fusible.pipelining", "fusible.testing"),
     ("fusible",),  # the facade, fusible/__init__.py
     ("fusible.fusions",),
 ]

@@ -30,3 +30,13 @@ def test_pipeline_schedules(world_size):
     report = failure_report(results)
     assert not report, report
     assert [len(r) for r in results] == [11] * world_size
+
+
+def test_pipeline_example():
+    """examples/pipeline.py: ZBV with FP8 on two ranks tracks the one-process stack and
+    learns."""
+    import pipeline  # examples/ is on the path (conftest)
+    losses = run_distributed(pipeline.worker, 2, 3, "ZBVZeroBubble", timeout=120)[0]
+    for pipelined, alone in losses:
+        assert abs(pipelined - alone) < 1e-3 * alone, losses
+    assert losses[-1][0] < losses[0][0], losses

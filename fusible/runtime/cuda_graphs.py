@@ -16,6 +16,7 @@ import attrs
 import torch
 from torch import nn
 
+from fusible.core.lanes import splitting
 from fusible.quantization import recipe
 
 
@@ -54,6 +55,12 @@ def _recipe_words(key) -> str:
     return "without FP8" if key is None else f"under the FP8 recipe {key}"
 
 
+def _split_refused(name: str) -> RuntimeError:
+    return RuntimeError(f"{name}: a split backward (fusible.split_backward) queues its "
+                        f"deferred weight gradients in Python, which a CUDA graph does not "
+                        f"replay; capture and run it outside split_backward()")
+
+
 def make_graphed_callables(module: nn.Module, sample_args: tuple, *,
                            num_warmup_iters: int = 3) -> nn.Module:
     """Capture ``module``'s forward and backward as CUDA graphs, for eager training steps
@@ -88,6 +95,8 @@ def make_graphed_callables(module: nn.Module, sample_args: tuple, *,
                                   for a in sample_args):
         raise ValueError(f"{name}: CUDA graphs need CUDA tensor arguments, got "
                          f"{[_describe(a) for a in sample_args]}")
+    if splitting():
+        raise _split_refused(name)
     captured = _Captured(recipe.current_key(), tuple(_describe(a) for a in sample_args))
     training = module.training
     torch.cuda.make_graphed_callables(module, sample_args, num_warmup_iters=num_warmup_iters)
@@ -96,6 +105,8 @@ def make_graphed_callables(module: nn.Module, sample_args: tuple, *,
     def forward(*args):
         if module.training == training:  # else PyTorch runs the ordinary forward
             captured.check(name, args)
+            if splitting():
+                raise _split_refused(name)
         return graphed_forward(*args)
 
     module.forward = forward
