@@ -15,7 +15,8 @@
 # measures, default 0,1, empty none; MOE_PROFILE which it profiles, default 0); probe: what
 # torch._scaled_grouped_mm
 # takes (diagnostics/scaled_grouped_probe.py); fsdp: FSDP2 on every GPU against one
-# (gpu_fsdp.py); TESTS: which tests,
+# (gpu_fsdp.py); pipeline: 1F1B against zero-bubble with the split backward
+# (gpu_pipeline.py); TESTS: which tests,
 # default all, "none" for none; the argument "none" runs no benchmark)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -58,6 +59,11 @@ if [[ " $benches " == *" fp8 "* ]]; then
 fi
 if [[ " $benches " == *" fsdp "* ]]; then  # every GPU of the machine
     python3 benchmarks/gpu_fsdp.py --output "$OUT/gpu_fsdp.json" 2>&1 | tee "$OUT/bench_fsdp.log"
+    bench_rc=$(( bench_rc || PIPESTATUS[0] ))
+fi
+if [[ " $benches " == *" pipeline "* ]]; then  # two GPUs (one: the code path)
+    python3 benchmarks/gpu_pipeline.py --output "$OUT/gpu_pipeline.json" 2>&1 \
+        | tee "$OUT/bench_pipeline.log"
     bench_rc=$(( bench_rc || PIPESTATUS[0] ))
 fi
 if [[ " $benches " == *" tp "* ]]; then

@@ -14,6 +14,7 @@ from fusible import ops
 from fusible.testing import exact_tensor
 
 H, F, V = 32, 64, 16
+DEVICE = ["cpu"]  # "cuda" for the NCCL run: set by the spawned cases
 MB_TOKENS = 16  # per microbatch: FP8 GEMMs need multiples of 16
 SCHEDULES = {"1F1B": (pipelining.Schedule1F1B, "loop", 1),
              "Interleaved1F1B": (pipelining.ScheduleInterleaved1F1B, "loop", 2),
@@ -37,7 +38,13 @@ class StageModule(nn.Module):
 
 def all_stages(num_stages: int, dtype) -> list:
     torch.manual_seed(0)
-    return [StageModule(s == num_stages - 1).to(dtype) for s in range(num_stages)]
+    return [StageModule(s == num_stages - 1).to(_device(), dtype) for s in range(num_stages)]
+
+
+def _device() -> torch.device:
+    if DEVICE[0] == "cpu":
+        return torch.device("cpu")
+    return torch.device(DEVICE[0], dist.get_rank() if dist.is_initialized() else 0)
 
 
 def loss_fn(out, target):
@@ -48,7 +55,7 @@ def data(n_mb: int, dtype) -> tuple:
     g = torch.Generator().manual_seed(1)
     x = exact_tensor((n_mb * MB_TOKENS, H), dtype, generator=g)
     target = exact_tensor((n_mb * MB_TOKENS, V), torch.float32, generator=g)
-    return x, target
+    return x.to(_device()), target.to(_device())
 
 
 def stage_indices(rank: int, ws: int, style: str, per_rank: int) -> list:
@@ -91,7 +98,7 @@ def check_schedule(rank: int, ws: int, name: str, dtype, fp8: bool, compiled: bo
     for s in mine:
         if compiled:
             modules[s].compile(backend="aot_eager", fullgraph=True)
-        stage = fusible.pipeline_stage(modules[s], s, num_stages, torch.device("cpu"),
+        stage = fusible.pipeline_stage(modules[s], s, num_stages, _device(),
                                        group=dist.group.WORLD)
         stage.dw_builder = _counting(stage.dw_builder, weight_steps)
         stages.append(stage)

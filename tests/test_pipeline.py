@@ -10,8 +10,9 @@ from fusible.testing.distributed import failure_report, run_cases, run_distribut
 import parallel_pipeline as pp
 
 
-def pipeline_cases(rank, ws):
+def pipeline_cases(rank, ws, device="cpu"):
     torch.set_num_threads(1)
+    pp.DEVICE[0] = device
     cases = {}
     for name in pp.SCHEDULES:
         for fp8 in (False, True):
@@ -27,6 +28,15 @@ def pipeline_cases(rank, ws):
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_pipeline_schedules(world_size):
     results = run_distributed(pipeline_cases, world_size, timeout=180)
+    _report(results, world_size)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs (NCCL)")
+def test_pipeline_schedules_nccl():
+    _report(run_distributed(pipeline_cases, 2, "cuda", backend="nccl", timeout=300), 2)
+
+
+def _report(results, world_size):
     report = failure_report(results)
     assert not report, report
     assert [len(r) for r in results] == [11] * world_size
