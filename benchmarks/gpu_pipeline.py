@@ -90,6 +90,8 @@ def run_schedule(name: str, fp8: bool, rank: int, ws: int) -> dict:
     params = [p for m in modules.values() for p in m.parameters()]
 
     def step():
+        if rank == 0 and os.environ.get("PIPELINE_DEBUG"):
+            print(name, fp8, "allocated GiB", torch.cuda.memory_allocated() / 2**30, flush=True)
         with fusible.autocast(enabled=fp8):
             schedule.step(x if 0 in mine else None,
                           target=target if num_stages - 1 in mine else None)
@@ -164,6 +166,8 @@ def worker(rank: int, ws: int) -> dict:
     for fp8 in (False, True):
         for name in ("1F1B", "Interleaved1F1B", "ZBVZeroBubble"):
             results["schedules"].append(run_schedule(name, fp8, rank, ws))
+            if rank == 0:
+                print(results["schedules"][-1], flush=True)
             torch._dynamo.reset()
             torch.cuda.empty_cache()
         if rank == 0:
