@@ -93,7 +93,7 @@ def run_schedule(name: str, fp8: bool, rank: int, ws: int) -> dict:
         if rank == 0 and os.environ.get("PIPELINE_DEBUG"):
             print(name, fp8, "allocated GiB", torch.cuda.memory_allocated() / 2**30, flush=True)
         with fusible.autocast(enabled=fp8):
-            schedule.step(x if 0 in mine else None,
+            schedule.step(*([x] if 0 in mine else []),  # inputs: the first stage's
                           target=target if num_stages - 1 in mine else None)
         for p in params:
             p.grad = None

@@ -74,8 +74,9 @@ def worker(rank: int, world_size: int, steps: int, schedule_name: str) -> list:
         target = x[:, :VOCAB].argmax(-1)  # a rule to learn: the largest of the first features
         losses = []
         with fusible.autocast():
-            schedule.step(x if 0 in mine else None,
-                          target=target if num_stages - 1 in mine else None, losses=losses)
+            schedule.step(*([x] if 0 in mine else []),  # inputs: the first stage's
+                          target=target if num_stages - 1 in mine else None,
+                          losses=losses)
         opt.step()  # every deferred wgrad has run: the schedule's weight steps
         opt.zero_grad()
         pipelined = torch.stack(losses).mean() if losses else torch.zeros(())

@@ -106,7 +106,8 @@ def check_schedule(rank: int, ws: int, name: str, dtype, fp8: bool, compiled: bo
     x, target = data(n_mb, dtype)
     losses = []
     with fusible.autocast(enabled=fp8):
-        schedule.step(x if 0 in mine else None, target=target if num_stages - 1 in mine
+        schedule.step(*([x] if 0 in mine else []),  # inputs: the first stage's only
+                           target=target if num_stages - 1 in mine
                       else None, losses=losses)
     assert fusible.pending_wgrad() == [], fusible.pending_wgrad()
     ref_losses, ref_grads = reference(num_stages, n_mb, dtype, fp8)

@@ -5,6 +5,8 @@ high precision and FP8, eager and compiled, the wgrads run in any order. The pla
 the lanes; a wgrad never run is an error at the next forward or optimizer step.
 """
 
+import threading
+
 import pytest
 import torch
 
@@ -221,3 +223,19 @@ def test_wgrad_into_main_grad_and_under_torch_autocast():
     assert results[1][1] is None and results[0][1] is None
     assert results[1][2].dtype == torch.float32
     assert_same(results[1], results[0])
+
+
+def test_wgrads_queued_on_another_thread_are_taken_here():
+    """Autograd runs a CUDA backward on a worker thread of its own: what the dgrad stages
+    queue there is this thread's to take."""
+    want = run(llama, torch.float64, False)
+    model = llama(torch.float64)
+    x, dy = inputs(torch.float64)
+    with fusible.split_backward():
+        y = model(x)
+    worker = threading.Thread(target=y.backward, args=(dy,))
+    worker.start()
+    worker.join()
+    assert len(fusible.pending_wgrad()) == 3
+    fusible.run_deferred_wgrad()
+    assert_same([x.grad] + [p.grad for p in model.parameters()], want)

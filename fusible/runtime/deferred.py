@@ -5,31 +5,40 @@ A dgrad stage appends one entry per call: the token of its
 saved input, ``dy`` as the dgrad used it: under FP8 its E5M2 copies) and whether it ran
 in a compiled graph (then the wgrad runs through its custom op too). The compiled path
 appends from inside the dgrad stage's custom op, so the record never crosses the graph.
+
+One queue per process, not per thread: autograd runs a CUDA backward on a worker thread
+of its own, and the entries it queues there are taken by the thread that called the
+backward.
 """
 
 from __future__ import annotations
 
 import threading
 
-_state = threading.local()
+_entries: list = []
+_lock = threading.Lock()
 
 
 def queue() -> list:
-    """This thread's entries ``(target token, record, compiled)``, oldest first."""
-    entries = getattr(_state, "entries", None)
-    if entries is None:
-        entries = _state.entries = []
-    return entries
+    """A copy of the entries ``(target token, record, compiled)``, oldest first."""
+    with _lock:
+        return _entries[:]
+
+
+def pending() -> bool:
+    """Whether any entry is queued."""
+    return bool(_entries)
 
 
 def defer(token: int, record, compiled: bool) -> None:
     """Queue one deferred wgrad."""
-    queue().append((token, record, compiled))
+    with _lock:
+        _entries.append((token, record, compiled))
 
 
 def drain() -> list:
     """The queued entries, the queue left empty."""
-    entries = queue()
-    taken = entries[:]
-    entries.clear()
+    with _lock:
+        taken = _entries[:]
+        _entries.clear()
     return taken

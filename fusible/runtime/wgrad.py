@@ -101,7 +101,7 @@ def _accumulate(param, g, into_main: bool, where: str) -> None:
 
 def any_pending() -> bool:
     """Whether a deferred wgrad waits (cheap: read on every eager forward)."""
-    return bool(deferred.queue()) or bool(_taken)
+    return deferred.pending() or bool(_taken)
 
 
 def check_forward(name: str) -> None:
