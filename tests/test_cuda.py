@@ -1065,7 +1065,7 @@ def test_delayed_llama_ffn_compiles_bit_for_bit_on_gpu(mode):
 
 @pytest.mark.parametrize("fp8", [False, True])
 @pytest.mark.parametrize("backend", [None, "inductor"])
-def test_split_backward_on_gpu_bit_for_bit(fp8, backend):
+def test_split_backward_on_gpu_bit_for_bit(fp8, backend, fresh_dynamo):
     """The split backward on the GPU (Triton casts, cuBLAS GEMMs): every gradient equals
     the one-lane backward's, eagerly and compiled."""
     def grads(split):

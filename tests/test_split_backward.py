@@ -96,14 +96,14 @@ def test_split_accumulates_over_steps(fp8):
 
 @pytest.mark.parametrize("backend,fp8", [("aot_eager", False), ("aot_eager", True),
                                          ("inductor", True)])
-def test_split_compiled_equals_eager(backend, fp8):
+def test_split_compiled_equals_eager(backend, fp8, fresh_dynamo):
     want = run(llama, torch.bfloat16, False, fp8=fp8)
     assert_same(run(llama, torch.bfloat16, True, fp8=fp8, backend=backend), want)
     assert_same(run(residual, torch.bfloat16, True, fp8=fp8, backend=backend),
                 run(residual, torch.bfloat16, False, fp8=fp8))
 
 
-def test_compiled_dgrad_kept_without_dx():
+def test_compiled_dgrad_kept_without_dx(fresh_dynamo):
     """The first layer's dgrad op computes nothing anyone reads (the input needs no
     gradient), yet queues its wgrad: the graph keeps it."""
     want = run(llama, torch.bfloat16, False, grad=False)
@@ -111,7 +111,7 @@ def test_compiled_dgrad_kept_without_dx():
     assert_same(got, want)
 
 
-def test_compiled_split_runs_the_lanes_custom_ops():
+def test_compiled_split_runs_the_lanes_custom_ops(fresh_dynamo):
     """Compiled, the dgrad and the wgrad stages are custom ops of their own, and the
     deferred records come from the dgrad ops."""
     model = llama(torch.bfloat16)
