@@ -10,7 +10,8 @@ import torch
 
 import fusible
 from fusible.testing import (Rounding, check_compiled_matches_eager, check_fusion,
-                             opcheck_stages, reference_forward, snr_db, stage_names)
+                             check_split_matches_unsplit, opcheck_stages, reference_forward,
+                             snr_db, stage_names)
 from fusible.testing.matrix import build, cases, expected_stages, single_rank_group
 from fp8_emulation import assert_snrs_above, emulation
 
@@ -52,6 +53,32 @@ def test_compiled_bitwise_and_opcheck(case):
 
 with single_rank_group():  # the collectives' examples need a group to be built
     FP8_CASES = [c for c in CASES if c.cls.example().fp8]
+
+
+def _splits(case) -> bool:
+    return case.cls.dgrad_compute is not None and case.direction != "forward"
+
+
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_split_backward_bit_for_bit(case):
+    """Under fusible.split_backward every example computes the one-lane backward's bits (in
+    bf16, and under FP8 where it runs in FP8); a class that defines dgrad_compute and
+    wgrad_compute splits (its stage stands in the plan's wgrad lane), and splits compiled
+    too."""
+    with single_rank_group():
+        model, inputs, example = build(case, torch.bfloat16)
+        recipes = [None] + ([fusible.Float8CurrentScaling()] if example.fp8 else [])
+        for recipe in recipes:
+            with fusible.autocast(enabled=recipe is not None, recipe=recipe):
+                with fusible.split_backward():
+                    plan = model.plan(*inputs)
+                if _splits(case):
+                    assert case.name in stage_names(plan.wgrad), plan.explain()
+                check_split_matches_unsplit(model, *inputs)
+        if _splits(case):
+            torch._dynamo.reset()
+            check_split_matches_unsplit(model, *inputs, backend="aot_eager")
+            torch._dynamo.reset()
 
 
 # Against the emulated reference (operands quantized with the formats' constants, stages

@@ -13,13 +13,15 @@
 """
 
 from fusible.testing.checks import (TOLERANCE, assert_close, check_against_reference,
-                                    check_compiled_matches_eager, check_fusion, opcheck,
+                                    check_compiled_matches_eager, check_fusion,
+                                    check_split_matches_unsplit, opcheck,
                                     opcheck_stages, recorded_stage_calls, same_bits, stage_names)
 from fusible.testing.fp8 import fp8_snr_floor, snr_db
 from fusible.testing.reference import (FP8Emulation, Rounding, exact_parameters_, exact_tensor,
                                        reference_forward, register_reference)
 
 __all__ = ["FP8Emulation", "Rounding", "TOLERANCE", "assert_close", "check_against_reference",
-           "check_compiled_matches_eager", "check_fusion", "exact_parameters_", "exact_tensor",
+           "check_compiled_matches_eager", "check_fusion", "check_split_matches_unsplit",
+           "exact_parameters_", "exact_tensor",
            "fp8_snr_floor", "opcheck", "opcheck_stages", "recorded_stage_calls",
            "reference_forward", "register_reference", "same_bits", "snr_db", "stage_names"]

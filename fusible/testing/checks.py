@@ -1,6 +1,7 @@
 """Checks for fusible and for plugin authors: outputs and gradients against FP64
-references, the fusions a plan chose, compiled against eager bit for bit, and
-``torch.library.opcheck`` of every stage's custom op."""
+references, the fusions a plan chose, compiled against eager bit for bit, the split
+backward against the one-lane backward bit for bit, and ``torch.library.opcheck`` of every
+stage's custom op."""
 
 from __future__ import annotations
 
@@ -8,8 +9,10 @@ from typing import Iterable
 
 import torch
 
+from fusible.core import tokens
+from fusible.core.lanes import split_backward
 from fusible.quantization.float8_tensor import Float8Tensor
-from fusible.runtime import custom_ops
+from fusible.runtime import custom_ops, deferred, wgrad
 from fusible.testing.reference import Rounding, exact_tensor, reference_copy, reference_forward
 
 # Relative tolerance against an FP64 reference, per dtype of the computation.
@@ -155,15 +158,19 @@ def _as_tuple(out):
     return out if isinstance(out, tuple) else (out,)
 
 
-def _outputs_and_grads(fn, model, inputs, grads_out) -> list:
-    """Outputs of ``fn(*inputs)``, then (after a backward with ``grads_out``) the gradients
-    of the inputs and parameters that require grad."""
+def _outputs_and_grads(fn, model, inputs, grads_out, deferred_wgrads: bool = False) -> list:
+    """Outputs of ``fn(*inputs)``, then (after a backward with ``grads_out``, and the
+    deferred wgrads run one by one, the last queued first) the gradients of the inputs and
+    parameters that require grad."""
     for t in (*inputs, *model.parameters()):
         t.grad = None
     outputs = _as_tuple(fn(*inputs))
     outs = [o for o in outputs if o.requires_grad]
     if outs:
         torch.autograd.backward(outs, [g for o, g in zip(outputs, grads_out) if o.requires_grad])
+    if deferred_wgrads:
+        for entry in reversed(deferred.drain()):
+            wgrad.run_entry(tokens.lookup(entry[0]), entry[1], entry[2])
     grads = [t.grad for t in (*inputs, *model.parameters()) if t.requires_grad]
     return [o.detach() for o in outputs] + grads
 
@@ -185,6 +192,32 @@ def check_compiled_matches_eager(model, x, *extra_inputs, backend: str = "aot_ea
             raise AssertionError(f"compiled ({backend}) differs from eager in result {i} "
                                  f"(outputs, then gradients of inputs and parameters)")
     torch._dynamo.reset()
+
+
+def check_split_matches_unsplit(model, x, *extra_inputs, backend: "str | None" = None) -> None:
+    """Under :func:`fusible.split_backward` (the deferred wgrads run after the backward, in
+    reverse order) the outputs and every gradient are bit for bit those of the one-lane
+    backward, under the autocast state in effect; ``backend``: compile the split run
+    (``fullgraph=True``). The split plan must be made: a stage that cannot split keeps
+    its wgrad with its dgrad."""
+    inputs = (x, *extra_inputs)
+    outputs = _as_tuple(model(*inputs))
+    gen = torch.Generator().manual_seed(1)
+    grads_out = [exact_tensor(o.shape, o.dtype, device=o.device, generator=gen)
+                 for o in outputs]
+    one_lane = _outputs_and_grads(model, model, inputs, grads_out)
+    fn = model if backend is None else torch.compile(model, fullgraph=True, backend=backend)
+
+    def split(*args):
+        with split_backward():
+            return fn(*args)
+
+    got = _outputs_and_grads(split, model, inputs, grads_out, deferred_wgrads=True)
+    for i, (a, b) in enumerate(zip(got, one_lane)):
+        if not same_bits(a, b):
+            raise AssertionError(f"the split backward differs from the one-lane backward in "
+                                 f"result {i} (outputs, then gradients of inputs and "
+                                 f"parameters)")
 
 
 def same_bits(a, b) -> bool:
