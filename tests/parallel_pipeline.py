@@ -131,3 +131,35 @@ def _counting(builder, counts: list):
         counts.append(len(runner.entries))
         return runner
     return build
+
+
+def check_tensor_parallel_split(rank: int, ws: int, sequence_parallel: bool):
+    """Tensor-parallel layers under the split backward: bit for bit the one-lane gradients
+    (a column layer's dgrad all-reduce in the dgrad lane, the replicated bias's gradient
+    all-reduce in the wgrad lane); with sequence parallelism the row layer, which gathers
+    dy for both GEMMs, keeps its wgrad with its dgrad, and says so."""
+    torch.manual_seed(0)
+    sp = dict(sequence_parallel=sequence_parallel)
+    block = ops.Sequential(ops.Linear(H, F, tensor_parallel_mode="column", **sp), ops.GELU(),
+                           ops.Linear(F, H, tensor_parallel_mode="row", **sp)).to(_device())
+    tokens = MB_TOKENS // ws if sequence_parallel else MB_TOKENS
+    g = torch.Generator().manual_seed(2 + rank)
+    x = exact_tensor((tokens, H), torch.float64, generator=g).to(_device())
+    dy = exact_tensor((tokens, H), torch.float64, generator=g).to(_device())
+    block.double()
+    results = []
+    for split in (False, True):
+        xs = x.clone().requires_grad_()
+        with fusible.split_backward(split):
+            y = block(xs)
+            plan = block.plan(xs)
+        y.backward(dy)
+        fusible.run_deferred_wgrad()
+        results.append([xs.grad] + [p.grad.clone() for p in block.parameters()])
+        block.zero_grad(set_to_none=True)
+    for a, b in zip(*results):
+        assert torch.equal(a, b), (a - b).abs().max()
+    kept = [s.name for s, _ in plan.wgrad_kept]
+    assert [s.name for s in plan.wgrad][:1] == (["BasicLinear"] if sequence_parallel
+                                                 else ["BackwardLinearBias"]), plan.explain()
+    assert ("BackwardLinearBias" in kept or "BasicLinear" in kept) == sequence_parallel, kept

@@ -22,7 +22,12 @@ def schedules(device):
 def pipeline_cases(rank, ws, device="cpu"):
     torch.set_num_threads(1)
     pp.DEVICE[0] = device
-    cases = {}
+    return run_cases(_cases(rank, ws, device))
+
+
+def _cases(rank, ws, device) -> dict:
+    cases = {f"tensor parallel split sp={sp}": (
+        lambda sp=sp: pp.check_tensor_parallel_split(rank, ws, sp)) for sp in (False, True)}
     for name in schedules(device):
         for fp8 in (False, True):
             cases[f"{name} fp8={fp8}"] = (
@@ -33,7 +38,7 @@ def pipeline_cases(rank, ws, device="cpu"):
             continue
         cases[f"{name} fp8={fp8} compiled"] = (
             lambda n=name, f=fp8: pp.check_schedule(rank, ws, n, torch.bfloat16, f, True))
-    return run_cases(cases)
+    return cases
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
@@ -50,9 +55,7 @@ def test_pipeline_schedules_nccl():
 def _report(results, world_size, device):
     report = failure_report(results)
     assert not report, report
-    n = len(schedules(device))
-    expected = 2 * n + (3 if n == len(pp.SCHEDULES) else 2)
-    assert [len(r) for r in results] == [expected] * world_size
+    assert [len(r) for r in results] == [len(_cases(0, world_size, device))] * world_size
 
 
 def test_pipeline_example():
