@@ -41,22 +41,25 @@ class BackwardLinearBias(FusedOperation):
         dx, dw = gemm_backward(args)
         return BackwardResult(dx, (dw, bias_grad(args.grad_output)))
 
-    # A split backward: dbias with the dgrad, which reads dy in high precision; the
-    # wgrad lane keeps only what its GEMM reads (dy's FP8 copy under FP8).
+    # A split backward: in high precision dbias goes with the wgrad, which keeps dy anyway;
+    # under FP8 with the dgrad, which reads dy in high precision (the wgrad lane keeps only
+    # its FP8 copy, what its GEMM reads).
     @classmethod
     def dgrad_compute(cls, args, *, in_custom_op=False):
         dgrad, wgrad = split_gemm_backward(args)
         dx, _ = gemm_backward(dgrad)
         dx = dx if dx is None else like_tokens(dx, args.grad_output)
-        return BackwardResult(dx, (None, bias_grad(args.grad_output))), wgrad
+        dbias = None if args.grad_format is None else bias_grad(args.grad_output)
+        return BackwardResult(dx, (None, dbias)), wgrad
 
     @classmethod
     def wgrad_compute(cls, args, *, in_custom_op=False):
-        return BackwardResult(None, (gemm_backward(args)[1], None))
+        dbias = bias_grad(args.grad_output) if args.grad_format is None else None
+        return BackwardResult(None, (gemm_backward(args)[1], dbias))
 
     def deferred_params(self, recipe, needs):
         verdict = self.match["linear"].deferred_params(recipe, needs[:1])
-        return verdict if isinstance(verdict, str) else (True, False)
+        return verdict if isinstance(verdict, str) else (True, recipe is None)
 
     @classmethod
     def example(cls):

@@ -125,8 +125,8 @@ def test_compiled_split_runs_the_lanes_custom_ops(fresh_dynamo):
             y = f(x)
         y.backward(dy)
         queued = [compiled for _, _, compiled in deferred.queue()]
-        assert [p.grad is None for p in model.parameters()] == [False, True, True, False,
-                                                                 True]
+        # in high precision the bias's gradient waits with its weight's (BackwardLinearBias)
+        assert [p.grad is None for p in model.parameters()] == [False, True, True, True, True]
         fusible.run_deferred_wgrad()
     finally:
         custom_ops.recorder = None
@@ -137,6 +137,19 @@ def test_compiled_split_runs_the_lanes_custom_ops(fresh_dynamo):
     assert names[-3:] == [f"{n}_wgrad" for n in split]  # eagerly, after the backward
     assert not any(n.endswith("_bwd") and n.startswith(split) for n in names), names
     assert all(p.grad is not None for p in model.parameters())
+
+
+def test_bias_gradient_lane_follows_the_precision():
+    """BackwardLinearBias defers dbias in high precision (the wgrad lane keeps dy) and
+    computes it with the dgrad under FP8 (the wgrad lane keeps only dy's E5M2 copy)."""
+    for fp8, bias_waits in ((False, True), (True, False)):
+        model = llama(torch.bfloat16)
+        x, dy = inputs(torch.bfloat16)
+        with fusible.split_backward(), fusible.autocast(enabled=fp8):
+            y = model(x)
+        y.backward(dy)
+        assert (model[4].bias.grad is None) == bias_waits, fp8
+        fusible.run_deferred_wgrad()
 
 
 def test_plan_shows_two_lanes():
