@@ -252,3 +252,19 @@ def test_wgrads_queued_on_another_thread_are_taken_here():
     assert len(fusible.pending_wgrad()) == 3
     fusible.run_deferred_wgrad()
     assert_same([x.grad] + [p.grad for p in model.parameters()], want)
+
+
+def test_one_compiled_model_switches_lanes(fresh_dynamo):
+    """The split is a plan condition: a compiled model guards on it, and runs whichever
+    backward the block asks for, call after call."""
+    model = llama(torch.bfloat16)
+    f = torch.compile(model, backend="aot_eager", fullgraph=True)
+    x, dy = inputs(torch.bfloat16)
+    for split in (False, True, False, True):
+        with fusible.split_backward(split):
+            y = f(x)
+        y.backward(dy)
+        assert (model[1].weight.grad is None) == split
+        assert len(fusible.pending_wgrad()) == (3 if split else 0)
+        fusible.run_deferred_wgrad()
+        model.zero_grad(set_to_none=True)
