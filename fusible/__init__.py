@@ -13,6 +13,7 @@ from fusible import ops, testing
 from fusible.convert import (deinterleave_glu_rows, interleave_glu_rows,
                              state_dict_from_torch)
 from fusible.fsdp import fsdp_float8_all_gather
+from fusible.model_plan import ModelPlan, plan_model
 from fusible.pipelining import pipeline_stage
 from fusible.core import (Check, Example, FusedOperation, Op, OperationContext, Pattern,
                           PlanConditions, register_schema_type)
@@ -37,7 +38,7 @@ __all__ = [
     "FusedOperation", "FusionPlan", "MXFP8BlockScaling", "Op", "OperationContext", "Pattern",
     "PlanConditions", "PlanEnvironment", "Recipe", "Stage", "autocast", "compile_report",
     "deinterleave_glu_rows", "fsdp_float8_all_gather", "interleave_glu_rows",
-    "make_graphed_callables", "ops", "pending_wgrad", "pipeline_stage", "quantize",
+    "ModelPlan", "make_graphed_callables", "ops", "plan_model", "pending_wgrad", "pipeline_stage", "quantize",
     "quantized_model_init", "recipe_from_name", "run_deferred_wgrad", "split_backward",
     "take_deferred_wgrad",
     "register_fusion", "register_recipe", "register_schema_type", "registered_fusions",

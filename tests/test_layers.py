@@ -21,7 +21,8 @@ LAYERS = [
     ("fusible.runtime",),
     ("fusible.module",),
     ("fusible.ops",),
-    ("fusible.convert", "fusible.fsdp", "fusible.pipelining", "fusible.testing"),
+    ("fusible.convert", "fusible.fsdp", "fusible.model_plan", "fusible.pipelining",
+     "fusible.testing"),
     ("fusible",),  # the facade, fusible/__init__.py
     ("fusible.fusions",),
 ]

@@ -1,0 +1,324 @@
+"""The plan of a whole model: every fusible group it runs, with its module path.
+
+:func:`plan_model` runs the model once on example inputs and records, in call order,
+each outermost fusible module it calls (a Sequential or a lone op: its
+:class:`~fusible.FusionPlan` for that call) and each ordinary leaf module between them.
+:class:`ModelPlan` totals them, and its :meth:`~ModelPlan.explain` and diagram show
+repeated blocks once (``layers.0-11``: the same relative paths and identical plans).
+"""
+
+from __future__ import annotations
+
+import collections
+import re
+from typing import Any, Optional
+
+import attrs
+import torch
+from torch import nn
+
+from fusible.core.operation import FusibleSpec
+from fusible.module import Sequential
+from fusible.planning.passes import op_communication
+from fusible.planning.plan import FusionPlan
+from fusible.planning.viz import render_dot
+
+
+@attrs.frozen
+class ModelItem:
+    """One call the model made: a fusible group (``plan`` set) or an ordinary module."""
+
+    path: str        # the module's name in ``model.named_modules()`` ("" for the model)
+    kind: str        # the module's class name
+    plan: Optional[FusionPlan] = None
+
+    @property
+    def fusible(self) -> bool:
+        return self.plan is not None
+
+    def signature(self) -> tuple:
+        """What the item computes, for finding identical repeated blocks."""
+        if self.plan is None:
+            return (self.kind,)
+        return (self.kind, _stages_key(self.plan.forward), _stages_key(self.plan.backward),
+                tuple(_describe(op) for op in self.plan.ops))
+
+
+@attrs.frozen
+class Block:
+    """Consecutive items, or a run of repeated blocks ``prefix.first-last`` whose items
+    have the same relative paths and signatures (``count`` > 1)."""
+
+    prefix: str      # "layers" for layers.0-11; "" for items outside a repeated block
+    first: int
+    count: int
+    items: tuple     # the first block's items (paths relative to ``prefix.first``)
+
+    @property
+    def label(self) -> str:
+        if not self.prefix:
+            return ""
+        last = self.first + self.count - 1
+        return f"{self.prefix}.{self.first}" + (f"-{last}" if self.count > 1 else "")
+
+
+@attrs.frozen
+class ModelPlan:
+    """The plans of every fusible group a model ran, in call order.
+
+    Attributes
+    ----------
+    items : tuple of ModelItem
+        Fusible groups (with their plan) and ordinary leaf modules, in call order.
+    blocks : tuple of Block
+        The same items with repeated blocks collapsed.
+    """
+
+    items: tuple
+    blocks: tuple
+
+    @property
+    def plans(self) -> list:
+        """``(path, FusionPlan)`` of every fusible group, in call order."""
+        return [(i.path, i.plan) for i in self.items if i.fusible]
+
+    def totals(self) -> dict:
+        """Counts over the whole model: groups, stages, fusions chosen and refused (by
+        name), FP8 GEMMs, collectives, stages that cannot compile."""
+        chosen, refused = collections.Counter(), collections.Counter()
+        out = {"fusible groups": 0, "ordinary modules": 0, "forward stages": 0,
+               "backward stages": 0, "wgrad stages": 0, "FP8 GEMMs": 0, "collectives": 0,
+               "cannot compile": 0}
+        for item in self.items:
+            if not item.fusible:
+                out["ordinary modules"] += 1
+                continue
+            plan = item.plan
+            out["fusible groups"] += 1
+            out["forward stages"] += len(plan.forward)
+            out["backward stages"] += len(plan.backward)
+            out["wgrad stages"] += len(plan.wgrad)
+            out["cannot compile"] += sum(s.compile_reason is not None
+                                         for s in plan.forward + plan.backward + plan.wgrad)
+            if plan.recipe is not None:
+                out["FP8 GEMMs"] += sum(op.quantizes(plan.recipe, "forward")
+                                        for op in plan.ops if isinstance(op, FusibleSpec))
+            out["collectives"] += sum(len(op_communication(op, d)) for op in plan.ops
+                                      for d in ("forward", "backward"))
+            for c in plan.candidates:
+                (chosen if c.status == "chosen" else refused)[c.fusion] += c.status != \
+                    "superseded"
+        out["fusions chosen"] = dict(sorted(chosen.items()))
+        out["fusions refused"] = dict(sorted((k, v) for k, v in refused.items() if v))
+        return out
+
+    def explain(self) -> str:
+        """The totals, then each block: a repeated block shown once, with its count."""
+        totals = self.totals()
+        counts = ", ".join(f"{v} {k}" for k, v in totals.items() if isinstance(v, int))
+        lines = [f"ModelPlan: {counts}"]
+        for key in ("fusions chosen", "fusions refused"):
+            if totals[key]:
+                lines.append(f"{key}: " + ", ".join(f"{n} x{k}" for n, k in
+                                                   totals[key].items()))
+        for block in self.blocks:
+            indent = ""
+            if block.prefix:
+                same = ": identical plans, shown once" if block.count > 1 else ""
+                lines.append(f"{block.label}{same}")
+                indent = "  "
+            for item in block.items:
+                lines += _item_lines(item, indent)
+        return "\n".join(lines)
+
+    def to_dot(self) -> str:
+        """Graphviz DOT source: top to bottom, a cluster per block labelled by its path
+        (a repeated block once, with its count), a node per fusible group listing its
+        forward and backward stages (fusions in bold)."""
+        return _model_dot(self)
+
+    def render(self, path: str, format: str = "svg") -> str:
+        """Write the diagram to ``path`` (extension added) and return the file's path."""
+        return render_dot(self.to_dot(), path, format)
+
+
+def plan_model(model: nn.Module, *example_inputs: Any, **example_kwargs: Any) -> ModelPlan:
+    """Run ``model(*example_inputs, **example_kwargs)`` once and collect the plan of every
+    fusible group it calls, under the grad mode, ``fusible.autocast`` state and
+    ``fusible.split_backward`` state in effect.
+
+    Parameters
+    ----------
+    model : nn.Module
+        Any module; its outermost fusible modules (Sequentials, lone ops) are planned as
+        they are called, its other leaf modules recorded between them.
+    *example_inputs, **example_kwargs
+        What the model is called with (their dtypes, devices and ``requires_grad`` shape
+        the plans). No backward runs.
+
+    Returns
+    -------
+    ModelPlan
+    """
+    names = {id(m): name for name, m in model.named_modules()}
+    items, handles = [], []
+
+    def fusible_call(module, args):
+        items.append(ModelItem(names[id(module)], type(module).__name__, module.plan(*args)))
+
+    def ordinary_call(module, args):
+        items.append(ModelItem(names[id(module)], type(module).__name__))
+
+    try:
+        for module in _outermost_fusible(model):
+            handles.append(module.register_forward_pre_hook(fusible_call))
+        for module in _ordinary_leaves(model):
+            handles.append(module.register_forward_pre_hook(ordinary_call))
+        model(*example_inputs, **example_kwargs)
+    finally:
+        for h in handles:
+            h.remove()
+    if not any(i.fusible for i in items):
+        raise ValueError(f"plan_model: {type(model).__name__} called no fusible module on "
+                         f"these inputs")
+    return ModelPlan(tuple(items), collapse(items))
+
+
+def _is_fusible(module) -> bool:
+    return isinstance(module, (Sequential, FusibleSpec))
+
+
+def _outermost_fusible(model) -> list:
+    found = []
+
+    def walk(m):
+        if _is_fusible(m):
+            found.append(m)
+            return
+        for child in m.children():
+            walk(child)
+
+    walk(model)
+    return found
+
+
+def _ordinary_leaves(model) -> list:
+    found = []
+
+    def walk(m):
+        if _is_fusible(m):
+            return
+        children = list(m.children())
+        if not children and m is not model:
+            found.append(m)
+        for child in children:
+            walk(child)
+
+    walk(model)
+    return found
+
+
+_INDEXED = re.compile(r"^(.*?)\.(\d+)(?:\.(.*))?$")
+
+
+def collapse(items) -> tuple:
+    """Group items by the repeated block they belong to (``prefix.N...``: the first
+    numbered path component) and merge consecutive blocks ``prefix.N``, ``prefix.N+1``...
+    whose items have the same relative paths and signatures."""
+    groups = []  # [prefix, index, [items with relative paths]]
+    for item in items:
+        m = _INDEXED.match(item.path)
+        prefix, index = (m.group(1), int(m.group(2))) if m else ("", -1)
+        relative = (m.group(3) or "") if m else item.path
+        if groups and groups[-1][0] == prefix and groups[-1][1] == index:
+            groups[-1][2].append(attrs.evolve(item, path=relative))
+        else:
+            groups.append([prefix, index, [attrs.evolve(item, path=relative)]])
+    blocks = []
+    for prefix, index, its in groups:
+        last = blocks[-1] if blocks else None
+        if (last is not None and prefix and last.prefix == prefix
+                and index == last.first + last.count and _same(last.items, its)):
+            blocks[-1] = attrs.evolve(last, count=last.count + 1)
+        else:
+            blocks.append(Block(prefix, max(index, 0), 1, tuple(its)))
+    return tuple(blocks)
+
+
+def _same(a, b) -> bool:
+    return len(a) == len(b) and all(x.path == y.path and x.signature() == y.signature()
+                                    for x, y in zip(a, b))
+
+
+def _stages_key(stages) -> tuple:
+    return tuple((s.name, s.indices) for s in stages)
+
+
+def _describe(op) -> str:
+    describe = getattr(op, "describe", None)
+    return describe() if describe is not None else type(op).__name__
+
+
+def _item_lines(item, indent: str) -> list:
+    name = item.path or "(the model)"
+    if not item.fusible:
+        return [f"{indent}{name}: {item.kind} (not fusible)"]
+    plan = item.plan
+    lines = [f"{indent}{name}: {item.kind}, {len(plan.ops)} ops"]
+    for title, stages in (("forward", plan.forward), ("backward", plan.backward),
+                          ("wgrad", plan.wgrad)):
+        if stages:
+            lines.append(f"{indent}  {title}: " + ", ".join(_stage_text(s) for s in stages))
+    return lines
+
+
+def _stage_text(stage) -> str:
+    note = " (eager only)" if stage.compile_reason is not None else ""
+    return f"{stage.name}{list(stage.indices)}{note}"
+
+
+def _quote(text: str) -> str:
+    return '"' + text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\l") + '\\l"'
+
+
+def _model_dot(plan: ModelPlan) -> str:
+    totals = plan.totals()
+    title = (f"ModelPlan  |  {totals['fusible groups']} fusible groups, "
+             f"{totals['ordinary modules']} ordinary modules, {totals['FP8 GEMMs']} FP8 GEMMs")
+    lines = ["digraph ModelPlan {", "  rankdir=TB; nodesep=0.3; ranksep=0.25;",
+             f'  label="{title}"; labelloc=t; fontname=Helvetica; fontsize=16;',
+             '  node [shape=box, style="rounded,filled", fillcolor=white, fontname=Helvetica, '
+             'fontsize=10];']
+    previous = None
+    for k, block in enumerate(plan.blocks):
+        nodes = [f"n{k}_{j}" for j in range(len(block.items))]
+        if block.prefix:
+            label = block.label + (f"  (x{block.count}, identical plans)" if block.count > 1
+                                   else "")
+            lines += [f"  subgraph cluster_{k} {{", f'    label="{label}"; labeljust=l;',
+                      '    style="rounded,filled"; fillcolor="#f4f6fa"; color="#888888";',
+                      "    fontsize=12;"]
+        for node, item in zip(nodes, block.items):
+            lines.append(f"    {node} [label={_quote(_node_text(item))}"
+                         + (', fillcolor="#cfe2ff"' if item.fusible else
+                            ', fillcolor="#eeeeee", shape=box3d') + "];")
+        if block.prefix:
+            lines.append("  }")
+        for node in nodes:
+            if previous is not None:
+                lines.append(f"  {previous} -> {node};")
+            previous = node
+    lines.append("}")
+    return "\n".join(lines) + "\n"
+
+
+def _node_text(item) -> str:
+    name = item.path or "(the model)"
+    if not item.fusible:
+        return f"{name}: {item.kind}"
+    plan = item.plan
+    text = [f"{name}: {item.kind}"]
+    for title, stages in (("fwd", plan.forward), ("bwd", plan.backward)):
+        if stages:
+            text.append(f"{title}: " + ", ".join(s.name for s in stages))
+    return "\n".join(text)

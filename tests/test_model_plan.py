@@ -1,0 +1,81 @@
+"""Model-level plans (fusible.plan_model): every fusible group of a whole model with its
+module path, repeated blocks shown once, totals, a vertical diagram readable at 12 and 80
+layers."""
+
+import struct
+
+import pytest
+import torch
+from torch import nn
+
+import fusible
+from fusible import ops
+import whole_models as wm
+
+
+def tokens():
+    return torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+
+
+def test_a_12_layer_gpt_plans_as_one_block_shown_once():
+    model = wm.FusibleGPT(layers=12)
+    plan = fusible.plan_model(model, tokens())
+    totals = plan.totals()
+    assert totals["fusible groups"] == 37  # qkv, proj, mlp per layer, and the head
+    assert totals["ordinary modules"] == 13  # the embedding and each layer's attention
+    assert totals["fusions chosen"] == {"BackwardActivationBias": 12, "BackwardLinearBias": 37,
+                                        "ForwardLinearBias": 25, "ForwardLinearBiasAdd": 24}
+    assert [(b.label, b.count) for b in plan.blocks] == [("", 1), ("layers.0-11", 12),
+                                                         ("", 1)]
+    assert [i.path for i in plan.blocks[1].items] == ["qkv", "attend", "proj", "mlp"]
+    text = plan.explain()
+    assert "layers.0-11: identical plans, shown once" in text
+    assert text.count("qkv: Sequential") == 1
+    assert "attend: Attend (not fusible)" in text
+    assert [p for p, _ in plan.plans][:3] == ["layers.0.qkv", "layers.0.proj", "layers.0.mlp"]
+    assert all(not m._forward_pre_hooks for m in model.modules())  # the hooks are gone
+
+
+def test_a_differing_layer_splits_the_run():
+    model = wm.FusibleGPT(layers=6)
+    model.layers[3].mlp[2].approximate = "none"  # its GELU: another plan
+    blocks = fusible.plan_model(model, tokens()).blocks
+    assert [(b.label, b.count) for b in blocks] == [("", 1), ("layers.0-2", 3),
+                                                    ("layers.3", 1), ("layers.4-5", 2),
+                                                    ("", 1)]
+
+
+def test_totals_count_fp8_gemms_and_the_wgrad_lane():
+    model = wm.FusibleGPT(hidden=32, layers=2)
+    x = tokens()
+    with fusible.autocast():
+        totals = fusible.plan_model(model, x).totals()
+    assert totals["FP8 GEMMs"] == 4 * 2 + 1
+    with fusible.split_backward():
+        totals = fusible.plan_model(model, x).totals()
+    assert totals["wgrad stages"] == 4 * 2 + 1
+    fusible.run_deferred_wgrad()  # nothing ran backward: nothing queued
+    assert fusible.pending_wgrad() == []
+
+
+def test_a_model_without_fusible_modules_is_an_error():
+    with pytest.raises(ValueError, match="Linear called no fusible module"):
+        fusible.plan_model(nn.Linear(4, 4), torch.zeros(2, 4))
+
+
+def _png_size(path) -> tuple:
+    with open(path, "rb") as f:
+        header = f.read(24)
+    return struct.unpack(">II", header[16:24])
+
+
+@pytest.mark.parametrize("layers", [12, 80])
+def test_the_diagram_is_vertical_labelled_and_collapsed(layers, tmp_path):
+    plan = fusible.plan_model(wm.FusibleGPT(layers=layers), tokens())
+    dot = plan.to_dot()
+    assert "rankdir=TB" in dot
+    assert f'label="layers.0-{layers - 1}  (x{layers}, identical plans)"' in dot
+    assert dot.count("qkv: Sequential") == 1
+    width, height = _png_size(plan.render(str(tmp_path / f"gpt{layers}"), "png"))
+    # the same picture at any depth: one block drawn once, a page's size
+    assert height < 1200 and width < 1200, (width, height)
