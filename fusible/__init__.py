@@ -10,9 +10,10 @@ below it (see docs/design.md) and is imported by none of them. The built-in fusi
 """
 
 from fusible import ops, testing
-from fusible.convert import (deinterleave_glu_rows, interleave_glu_rows,
+from fusible.state_dicts import (deinterleave_glu_rows, interleave_glu_rows,
                              state_dict_from_torch)
 from fusible.fsdp import fsdp_float8_all_gather
+from fusible.conversion import ConversionReport, convert, convert_module
 from fusible.model_plan import ModelPlan, plan_model
 from fusible.pipelining import pipeline_stage
 from fusible.core import (Check, Example, FusedOperation, Op, OperationContext, Pattern,
@@ -33,15 +34,15 @@ from fusible.runtime.wgrad import take as take_deferred_wgrad
 __version__ = "0.1.0"
 
 __all__ = [
-    "Candidate", "Check", "CompileReport", "DelayedScaling", "Example", "Float8BlockScaling",
-    "Float8CurrentScaling", "Float8Format", "Float8RowwiseScaling", "Float8Tensor",
-    "FusedOperation", "FusionPlan", "MXFP8BlockScaling", "Op", "OperationContext", "Pattern",
-    "PlanConditions", "PlanEnvironment", "Recipe", "Stage", "autocast", "compile_report",
-    "deinterleave_glu_rows", "fsdp_float8_all_gather", "interleave_glu_rows",
-    "ModelPlan", "make_graphed_callables", "ops", "plan_model", "pending_wgrad", "pipeline_stage", "quantize",
-    "quantized_model_init", "recipe_from_name", "run_deferred_wgrad", "split_backward",
-    "take_deferred_wgrad",
-    "register_fusion", "register_recipe", "register_schema_type", "registered_fusions",
-    "registered_recipes", "state_dict_from_torch", "testing", "unregister_fusion",
+    "autocast", "Candidate", "Check", "compile_report", "CompileReport", "ConversionReport",
+    "convert", "convert_module", "deinterleave_glu_rows", "DelayedScaling", "Example",
+    "Float8BlockScaling", "Float8CurrentScaling", "Float8Format", "Float8RowwiseScaling",
+    "Float8Tensor", "fsdp_float8_all_gather", "FusedOperation", "FusionPlan",
+    "interleave_glu_rows", "make_graphed_callables", "ModelPlan", "MXFP8BlockScaling", "Op",
+    "OperationContext", "ops", "Pattern", "pending_wgrad", "pipeline_stage", "plan_model",
+    "PlanConditions", "PlanEnvironment", "quantize", "quantized_model_init", "Recipe",
+    "recipe_from_name", "register_fusion", "register_recipe", "register_schema_type",
+    "registered_fusions", "registered_recipes", "run_deferred_wgrad", "split_backward",
+    "Stage", "state_dict_from_torch", "take_deferred_wgrad", "testing", "unregister_fusion",
     "unregister_recipe",
 ]

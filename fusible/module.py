@@ -3,6 +3,7 @@ subclass, and Sequential, the pipeline users build, plan and run."""
 
 from __future__ import annotations
 
+import collections
 import weakref
 from typing import Iterable, Iterator
 
@@ -173,12 +174,18 @@ class Sequential(PipelineModule):
 
     Parameters
     ----------
-    *modules : nn.Module
-        Fusible operations, Sequentials or ordinary modules, in order.
+    *modules : nn.Module or one OrderedDict
+        Fusible operations, Sequentials or ordinary modules, in order; or, as for
+        ``nn.Sequential``, one ``OrderedDict`` of them by name.
     """
 
     def __init__(self, *modules: nn.Module):
         super().__init__()
+        if len(modules) == 1 and isinstance(modules[0], collections.OrderedDict):
+            for name, module in modules[0].items():
+                self._check_module(module)
+                self.add_module(name, module)
+            return
         for module in modules:
             self.append(module)
 

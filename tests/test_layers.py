@@ -21,7 +21,8 @@ LAYERS = [
     ("fusible.runtime",),
     ("fusible.module",),
     ("fusible.ops",),
-    ("fusible.convert", "fusible.fsdp", "fusible.model_plan", "fusible.pipelining",
+    ("fusible.conversion", "fusible.fsdp", "fusible.model_plan", "fusible.state_dicts",
+     "fusible.pipelining",
      "fusible.testing"),
     ("fusible",),  # the facade, fusible/__init__.py
     ("fusible.fusions",),

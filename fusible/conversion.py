@@ -1,0 +1,175 @@
+"""Converting an existing ``torch.nn`` model to fusible ops, in place.
+
+:func:`convert` walks a model and swaps the modules it recognises for fusible ops that
+compute the same thing and hold *the same parameter objects* under the same names, so an
+optimizer built before the conversion, its state and every checkpoint keep working:
+
+* ``nn.Linear`` -> ``ops.Linear``; ``nn.LayerNorm`` / ``nn.RMSNorm`` -> ``ops.LayerNorm``
+  / ``ops.RMSNorm``; ``nn.GELU`` / ``nn.SiLU`` / ``nn.ReLU`` / ``nn.Dropout`` and
+  ``nn.Identity`` -> their ops;
+* an ``nn.Sequential`` whose children all convert -> an ``ops.Sequential`` of them (the
+  same child names), planned as one pipeline: fusions cross its layers (an MLP written
+  as ``nn.Sequential(Linear, GELU, Linear)`` gets its GEMM epilogues).
+
+A module whose forward is Python (attention, an MLP class with a residual or a gated
+product) keeps that forward; its recognised children are converted one by one, and the
+report says what stayed and why.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import attrs
+from torch import nn
+
+from fusible.module import PipelineModule, Sequential
+from fusible.ops.dropout import Dropout
+from fusible.ops.gelu import GELU
+from fusible.ops.identity import Identity
+from fusible.ops.layer_norm import LayerNorm
+from fusible.ops.linear import Linear
+from fusible.ops.relu import ReLU
+from fusible.ops.rms_norm import RMSNorm
+from fusible.ops.silu import SiLU
+
+
+@attrs.frozen
+class ConversionReport:
+    """What :func:`convert` did.
+
+    Attributes
+    ----------
+    converted : tuple of (str, str, str)
+        ``(module path, torch class, fusible class)`` of each module swapped.
+    left : tuple of (str, str, str)
+        ``(module path, class, why)`` of each module with parameters (or a known
+        computation) that stayed as it was.
+    """
+
+    converted: tuple
+    left: tuple
+
+    def __str__(self) -> str:
+        lines = [f"converted {len(self.converted)} modules, left {len(self.left)}:"]
+        lines += [f"  {p or '(the model)'}: {a} -> {b}" for p, a, b in self.converted]
+        lines += [f"  {p or '(the model)'}: {a} left: {why}" for p, a, why in self.left]
+        return "\n".join(lines)
+
+
+def convert(model: nn.Module) -> ConversionReport:
+    """Swap the modules of ``model`` that fusible recognises for fusible ops, in place.
+
+    Parameters
+    ----------
+    model : nn.Module
+        Converted in place; its parameters stay the same objects with the same names.
+        The root object itself stays (its children are swapped); for a root that is
+        itself a convertible module (an ``nn.Linear``, an ``nn.Sequential``) use
+        :func:`convert_module`, which returns its replacement.
+
+    Returns
+    -------
+    ConversionReport
+    """
+    converted, left = [], []
+    _convert_children(model, "", converted, left)
+    return ConversionReport(tuple(converted), tuple(left))
+
+
+def convert_module(module: nn.Module) -> Optional[nn.Module]:
+    """The fusible equivalent of ``module`` holding its parameters, or None where there is
+    none (an ``nn.Sequential`` needs every child convertible)."""
+    if isinstance(module, nn.Sequential):
+        children = [convert_module(c) for c in module]
+        if not children or any(c is None for c in children):
+            return None
+        return _named_sequential(module, children)
+    make = _LEAVES.get(type(module))
+    return None if make is None else make(module)
+
+
+def _convert_children(module, path, converted, left) -> None:
+    for name, child in list(module.named_children()):
+        where = f"{path}.{name}" if path else name
+        if isinstance(child, PipelineModule):
+            continue  # fusible already
+        new = convert_module(child)
+        if new is not None:
+            setattr(module, name, new)
+            converted.append((where, type(child).__name__, type(new).__name__))
+            continue
+        why = _why_left(child)
+        if why is not None:
+            left.append((where, type(child).__name__, why))
+        _convert_children(child, where, converted, left)
+
+
+def _why_left(module) -> Optional[str]:
+    """Why a module with its own computation stays (None for a plain container)."""
+    if isinstance(module, nn.Sequential):
+        return "a child does not convert: its convertible children are converted one by one"
+    if isinstance(module, (nn.ModuleList, nn.ModuleDict)):
+        return None
+    own = [n for n, _ in module.named_parameters(recurse=False)]
+    reason = _REASONS.get(type(module))
+    if reason is not None:
+        return reason
+    if own:
+        return f"no fusible op computes {type(module).__name__} (parameters {own})"
+    if list(module.children()):
+        return ("its forward is Python, which fusible does not rewrite: its children are "
+                "converted one by one")
+    return None
+
+
+def _named_sequential(module: nn.Sequential, children: list) -> Sequential:
+    """An ``ops.Sequential`` of ``children`` under ``module``'s child names."""
+    out = Sequential()
+    for name, child in zip(module._modules, children):
+        out.add_module(name, child)
+    return out
+
+
+def _linear(m: nn.Linear) -> Linear:
+    new = Linear(m.in_features, m.out_features, bias=m.bias is not None,
+                 device="meta", dtype=m.weight.dtype)
+    new.weight = m.weight
+    if m.bias is not None:
+        new.bias = m.bias
+    return new
+
+
+def _layer_norm(m: nn.LayerNorm) -> Optional[LayerNorm]:
+    if not m.elementwise_affine or m.bias is None:
+        return None
+    new = LayerNorm(m.normalized_shape, eps=m.eps, device="meta", dtype=m.weight.dtype)
+    new.weight, new.bias = m.weight, m.bias
+    return new
+
+
+def _rms_norm(m: nn.RMSNorm) -> Optional[RMSNorm]:
+    if not m.elementwise_affine or m.eps is None:
+        return None
+    new = RMSNorm(m.normalized_shape, eps=m.eps, device="meta", dtype=m.weight.dtype)
+    new.weight = m.weight
+    return new
+
+
+_LEAVES = {
+    nn.Linear: _linear,
+    nn.LayerNorm: _layer_norm,
+    nn.RMSNorm: _rms_norm,
+    nn.GELU: lambda m: GELU(approximate=m.approximate),
+    nn.SiLU: lambda m: SiLU(),
+    nn.ReLU: lambda m: ReLU(),
+    nn.Identity: lambda m: Identity(),
+    nn.Dropout: lambda m: Dropout(m.p),
+}
+_REASONS = {
+    nn.LayerNorm: "a LayerNorm without affine parameters (or bias) has no fusible op",
+    nn.RMSNorm: "an RMSNorm without a weight, or with eps=None (the dtype's epsilon), has "
+                "no fusible op",
+    nn.Embedding: "fusible has no embedding op; it runs as is between fusible groups",
+    nn.MultiheadAttention: "attention runs as is; its projections are not separate modules",
+}
