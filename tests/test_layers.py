@@ -25,6 +25,7 @@ LAYERS = [
      "fusible.pipelining",
      "fusible.testing"),
     ("fusible",),  # the facade, fusible/__init__.py
+    ("fusible.cli",),  # the command line, on top of the facade
     ("fusible.fusions",),
 ]
 UNITS = {unit: level for level, units in enumerate(LAYERS) for unit in units}

@@ -1,0 +1,139 @@
+"""The ``fusible`` command: ``plan``, ``doctor`` and ``bench``.
+
+    fusible plan MODULE:FACTORY --input-shape 2,16 [--tokens 64] [--fp8] [--diagram out/plan]
+    fusible doctor
+    fusible bench [zoo.py's arguments]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.metadata
+import importlib.util
+import os
+import pathlib
+import platform
+import shutil
+import subprocess
+import sys
+from typing import Optional, Sequence
+
+import torch
+
+import fusible
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+           "float64": torch.float64}
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Run the command line; returns the exit status."""
+    parser = argparse.ArgumentParser(prog="fusible", description="fusible's command line")
+    commands = parser.add_subparsers(dest="command", required=True)
+    plan = commands.add_parser("plan", help="print a model's plan and write its diagram")
+    plan.add_argument("factory", help="MODULE:FACTORY, a callable returning the model "
+                                      "(MODULE importable, or a path to a .py file)")
+    plan.add_argument("--input-shape", required=True,
+                      help="comma-separated shape of the example input, e.g. 8,1024")
+    plan.add_argument("--dtype", default="float32", choices=sorted(_DTYPES),
+                      help="dtype of the model and of a floating-point input")
+    plan.add_argument("--tokens", type=int, metavar="VOCAB",
+                      help="the input is token ids below VOCAB (an embedding first)")
+    plan.add_argument("--fp8", action="store_true", help="plan under fusible.autocast()")
+    plan.add_argument("--split-backward", action="store_true",
+                      help="plan under fusible.split_backward()")
+    plan.add_argument("--diagram", default="out/plan",
+                      help="where to write the diagram (svg; .dot without graphviz's dot)")
+    commands.add_parser("doctor", help="report the environment fusible runs in")
+    commands.add_parser("bench", add_help=False,
+                        help="run the block zoo on this GPU (benchmarks/zoo.py's arguments)")
+    args, rest = parser.parse_known_args(argv)
+    if args.command == "bench":
+        return bench(rest)
+    if rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    if args.command == "doctor":
+        print(doctor())
+        return 0
+    return plan_command(args)
+
+
+def plan_command(args) -> int:
+    model = load_factory(args.factory)().to(_DTYPES[args.dtype])
+    shape = tuple(int(s) for s in args.input_shape.split(","))
+    if args.tokens:
+        x = torch.randint(0, args.tokens, shape)
+    else:
+        x = torch.randn(shape, dtype=_DTYPES[args.dtype], requires_grad=True)
+    with fusible.autocast(enabled=args.fp8), fusible.split_backward(args.split_backward):
+        plan = fusible.plan_model(model, x)
+    print(plan.explain())
+    os.makedirs(os.path.dirname(os.path.abspath(args.diagram)), exist_ok=True)
+    if shutil.which("dot"):
+        print(f"diagram: {plan.render(args.diagram, 'svg')}")
+    else:
+        path = f"{args.diagram}.dot"
+        pathlib.Path(path).write_text(plan.to_dot())
+        print(f"diagram: {path} (graphviz's dot is not installed: DOT source)")
+    return 0
+
+
+def load_factory(spec: str):
+    """The callable ``MODULE:FACTORY`` names (``MODULE`` a module or a .py file)."""
+    if ":" not in spec:
+        raise SystemExit(f"fusible plan: expected MODULE:FACTORY, got {spec!r}")
+    where, name = spec.rsplit(":", 1)
+    if where.endswith(".py"):
+        spec_ = importlib.util.spec_from_file_location(pathlib.Path(where).stem, where)
+        module = importlib.util.module_from_spec(spec_)
+        spec_.loader.exec_module(module)
+    else:
+        sys.path.insert(0, os.getcwd())
+        module = importlib.import_module(where)
+    factory = getattr(module, name, None)
+    if not callable(factory):
+        raise SystemExit(f"fusible plan: {where} has no callable {name!r}")
+    return factory
+
+
+def doctor() -> str:
+    """A report of what fusible finds here: versions, GPU and FP8 support, Triton, graphviz."""
+    lines = [f"fusible {fusible.__version__}", f"python {platform.python_version()}",
+             f"torch {torch.__version__}"]
+    if torch.cuda.is_available():
+        major, minor = torch.cuda.get_device_capability()
+        fp8 = (major, minor) >= (8, 9)
+        lines.append(f"GPU: {torch.cuda.get_device_name()} (sm_{major}{minor}), FP8 GEMMs: "
+                     f"{'yes' if fp8 else 'no (needs sm_89 or later: emulated)'}")
+    else:
+        lines.append("GPU: none (CPU: FP8 GEMMs run through torch._scaled_mm's CPU kernel)")
+    lines.append(f"Triton: {_version('triton') or 'not installed (plain-torch kernels)'}")
+    dot = shutil.which("dot")
+    lines.append(f"graphviz: python package {_version('graphviz') or 'missing'}, dot "
+                 f"{'at ' + dot if dot else 'not on PATH (plans render as DOT source only)'}")
+    return "\n".join(lines)
+
+
+def _version(package: str) -> Optional[str]:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def bench(argv: Sequence[str]) -> int:
+    """Run benchmarks/zoo.py (the repository's) with ``argv``; needs a GPU."""
+    if not torch.cuda.is_available():
+        print("fusible bench: the zoo measures GPU kernels; no GPU here", file=sys.stderr)
+        return 2
+    zoo = pathlib.Path(__file__).resolve().parent.parent / "benchmarks" / "zoo.py"
+    if not zoo.exists():
+        print(f"fusible bench: {zoo} not found (the benchmarks ship with the repository, "
+              f"not the wheel)", file=sys.stderr)
+        return 2
+    return subprocess.call([sys.executable, str(zoo), *argv])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

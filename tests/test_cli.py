@@ -1,0 +1,61 @@
+"""The ``fusible`` command: plan, doctor, bench."""
+
+import pathlib
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from fusible import cli
+
+MODELS = pathlib.Path(__file__).parent / "whole_models.py"
+
+
+def test_plan_prints_the_model_plan_and_writes_the_diagram(tmp_path, capsys):
+    out = tmp_path / "gpt"
+    assert cli.main(["plan", f"{MODELS}:FusibleGPT", "--input-shape", "2,16", "--tokens", "64",
+                     "--diagram", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "ModelPlan: 7 fusible groups" in text
+    assert "layers.0-1: identical plans, shown once" in text
+    written = next(tmp_path.glob("gpt.*"))
+    assert written.suffix in (".svg", ".dot") and written.stat().st_size > 0
+
+
+def test_plan_of_a_sequential_under_fp8(tmp_path, capsys):
+    factory = tmp_path / "mlp.py"
+    factory.write_text("from fusible import ops\n"
+                       "def mlp():\n"
+                       "    return ops.Sequential(ops.Linear(32, 64), ops.GELU(),"
+                       " ops.Linear(64, 32))\n")
+    assert cli.main(["plan", f"{factory}:mlp", "--input-shape", "16,32", "--dtype", "bfloat16",
+                     "--fp8", "--diagram", str(tmp_path / "p")]) == 0
+    assert "2 FP8 GEMMs" in capsys.readouterr().out
+
+
+def test_plan_names_a_bad_factory():
+    with pytest.raises(SystemExit, match="has no callable 'nothing'"):
+        cli.main(["plan", f"{MODELS}:nothing", "--input-shape", "2"])
+    with pytest.raises(SystemExit, match="expected MODULE:FACTORY"):
+        cli.main(["plan", "whole_models", "--input-shape", "2"])
+
+
+def test_doctor_reports_the_environment(capsys):
+    assert cli.main(["doctor"]) == 0
+    text = capsys.readouterr().out
+    assert f"torch {torch.__version__}" in text and "graphviz" in text and "Triton" in text
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU's answer")
+def test_bench_needs_a_gpu(capsys):
+    assert cli.main(["bench"]) == 2
+    assert "no GPU here" in capsys.readouterr().err
+
+
+def test_the_installed_command_runs():
+    exe = pathlib.Path(sys.executable).parent / "fusible"
+    if not exe.exists():
+        pytest.skip("the console script is installed by pip install -e .")
+    result = subprocess.run([str(exe), "doctor"], capture_output=True, text=True, check=True)
+    assert "fusible 0.1.0" in result.stdout
