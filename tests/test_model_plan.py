@@ -2,6 +2,7 @@
 module path, repeated blocks shown once, totals, a vertical diagram readable at 12 and 80
 layers."""
 
+import shutil
 import struct
 
 import pytest
@@ -69,6 +70,7 @@ def _png_size(path) -> tuple:
     return struct.unpack(">II", header[16:24])
 
 
+@pytest.mark.skipif(shutil.which("dot") is None, reason="graphviz binary not installed")
 @pytest.mark.parametrize("layers", [12, 80])
 def test_the_diagram_is_vertical_labelled_and_collapsed(layers, tmp_path):
     plan = fusible.plan_model(wm.FusibleGPT(layers=layers), tokens())
