@@ -106,8 +106,9 @@ def summary(results: dict, shape: str) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--output", default="benchmarks/results/gpu_fp8.json")
+    parser.add_argument("--output", default="out/gpu_fp8.json")
     args = parser.parse_args()
+    os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
     results = {"torch": torch.__version__, "gpu": torch.cuda.get_device_name(),
                "triton": triton.__version__}
     for tokens, hidden, ffn in SHAPES:

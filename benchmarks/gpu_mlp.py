@@ -15,6 +15,7 @@ import argparse
 import contextlib
 import gc
 import json
+import os
 import time
 
 import torch
@@ -170,9 +171,10 @@ def profile(tokens: int, hidden: int, ffn: int, path: str) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--output", default="benchmarks/results/gpu_mlp.json")
+    parser.add_argument("--output", default="out/gpu_mlp.json")
     parser.add_argument("--profile", help="also write a profile of the small shape here")
     args = parser.parse_args()
+    os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
     if args.profile:
         profile(*SHAPES[1], args.profile)
     results = {"torch": torch.__version__, "gpu": torch.cuda.get_device_name(),

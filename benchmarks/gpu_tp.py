@@ -68,8 +68,9 @@ def _fresh():
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--output", default="benchmarks/results/gpu_tp.json")
+    parser.add_argument("--output", default="out/gpu_tp.json")
     args = parser.parse_args()
+    os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
     no_nvlink_multicast()  # spawned ranks inherit it
     import gpu_tp  # the children import bench by module name, not from __main__
     # rank 1 waits at a barrier while rank 0 compiles and measures alone: minutes

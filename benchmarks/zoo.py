@@ -32,6 +32,7 @@ torch.compile's.
 import argparse
 import contextlib
 import json
+import os
 
 import torch
 import torch.nn.functional as F
@@ -240,7 +241,7 @@ def draw(results: dict, path: str) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--output", default="benchmarks/results/zoo.json")
+    parser.add_argument("--output", default="out/zoo.json")
     parser.add_argument("--png")
     parser.add_argument("--configs", type=int, default=len(CONFIGS),
                         help="how many of CONFIGS to run, in order")
@@ -251,6 +252,7 @@ def main() -> None:
                         "rows here (bf16 and FP8 of the first config, FP8 of the third)")
     parser.add_argument("--draw", help="only draw --png from this earlier results file")
     args = parser.parse_args()
+    os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
     if args.draw:
         with open(args.draw) as f:
             return draw(json.load(f), args.png)

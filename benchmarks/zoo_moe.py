@@ -28,6 +28,7 @@ Layers: DeepSeek-V3-like (64 experts of FF=2048, H=4096, top-6) and Mixtral-like
 
 import argparse
 import contextlib
+import os
 
 import torch
 import torch.nn.functional as F
@@ -168,7 +169,7 @@ def profile(config: tuple, rows, path: str) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--output", default="benchmarks/results/zoo_moe.json")
+    parser.add_argument("--output", default="out/zoo_moe.json")
     parser.add_argument("--rows", default=",".join(ROWS))
     parser.add_argument("--profile", help="first write kernel profiles of fusible's eager "
                         "rows here")
@@ -177,6 +178,7 @@ def main() -> None:
     parser.add_argument("--profile-configs", default="0",
                         help="which of CONFIGS --profile profiles, by index")
     args = parser.parse_args()
+    os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
     rows = args.rows.split(",")
     if args.profile:
         for index in _indices(args.profile_configs):

@@ -31,7 +31,7 @@ from fusible.runtime.wgrad import pending as pending_wgrad
 from fusible.runtime.wgrad import run_pending as run_deferred_wgrad
 from fusible.runtime.wgrad import take as take_deferred_wgrad
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     "autocast", "Candidate", "Check", "compile_report", "CompileReport", "ConversionReport",

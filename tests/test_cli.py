@@ -1,12 +1,14 @@
 """The ``fusible`` command: plan, doctor, bench."""
 
 import pathlib
+import re
 import subprocess
 import sys
 
 import pytest
 import torch
 
+import fusible
 from fusible import cli
 
 MODELS = pathlib.Path(__file__).parent / "whole_models.py"
@@ -58,4 +60,12 @@ def test_the_installed_command_runs():
     if not exe.exists():
         pytest.skip("the console script is installed by pip install -e .")
     result = subprocess.run([str(exe), "doctor"], capture_output=True, text=True, check=True)
-    assert "fusible 0.1.0" in result.stdout
+    assert f"fusible {fusible.__version__}" in result.stdout
+
+
+def test_the_version_is_semantic_and_one():
+    pyproject = (pathlib.Path(__file__).parent.parent / "pyproject.toml").read_text()
+    assert f'version = "{fusible.__version__}"' in pyproject
+    assert re.fullmatch(r"\d+\.\d+\.\d+", fusible.__version__)
+    changelog = (pathlib.Path(__file__).parent.parent / "CHANGELOG.md").read_text()
+    assert f"## {fusible.__version__}" in changelog
