@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import sys
+
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, distribute_tensor
 
+from fusible.core.operation import is_dtensor
 from fusible.functional import parallel
 from fusible.ops.basic_linear import BasicLinear, linear_shard
 from fusible.ops.bias import Bias
@@ -165,8 +167,9 @@ def _as_param(param, value):
     """``value`` laid out as ``param``: a DTensor parameter (FSDP2's shards) gets a DTensor
     of the same mesh and placements, this rank's part taken locally (every rank holds the
     full value), so that ``load_state_dict`` copies shard into shard."""
-    if not isinstance(param, DTensor):
+    if not is_dtensor(param):
         return value
+    distribute_tensor = sys.modules["torch.distributed.tensor"].distribute_tensor  # loaded
     return distribute_tensor(value.to(param.device), param.device_mesh, param.placements,
                              src_data_rank=None)
 

@@ -39,7 +39,6 @@ log = logging.getLogger("fusible")
 _warned: set = set()
 
 
-@torch._dynamo.assume_constant_result
 def _prepare(module_token: int, epoch_now: int, conditions: tuple):
     """Build the layout and plans (eagerly, at trace time, which also makes the FP8
     scaling states the plans read); ``(why it cannot compile or None, whether the
@@ -48,6 +47,7 @@ def _prepare(module_token: int, epoch_now: int, conditions: tuple):
     ``conditions`` leaves the parameters' requires-grad pattern out (None): it is read
     here, from the parameters dynamo guards on.
     """
+    _register_with_dynamo()
     module = tokens.lookup(module_token)
     layout = module._layout()
     grad = conditions[2]
@@ -72,7 +72,6 @@ def _compile_refusal(module, module_token, epoch_now, conditions, plan):
     return None
 
 
-@torch.compiler.allow_in_graph
 def fusible_group(runner_token: int, num_extra: int, num_states: int, training: bool,
                   modes: tuple, x, *tensors):
     """One group of fusible ops, run through its stages' custom ops (``modes``: the ops'
@@ -89,9 +88,23 @@ def fusible_group(runner_token: int, num_extra: int, num_states: int, training: 
     return (y, *extra_outputs)
 
 
-@torch.compiler.disable
-def _run_eagerly(module, x, extra_inputs):
+def _eager(module, x, extra_inputs):
     return module._layout().run_eager(x, extra_inputs, module.training)
+
+
+# What dynamo must know of this module's functions. Importing torch._dynamo costs 0.4 s,
+# which `import fusible` need not pay: _prepare is marked by hand (what
+# torch._dynamo.assume_constant_result sets), and dynamo, which calls it eagerly at trace
+# time before it meets the rest, then learns the others.
+_prepare._dynamo_marked_constant = True
+_run_eagerly = None  # _eager, hidden from dynamo: set by _register_with_dynamo
+
+
+def _register_with_dynamo() -> None:
+    global _run_eagerly
+    if _run_eagerly is None:
+        torch.compiler.allow_in_graph(fusible_group)
+        _run_eagerly = torch.compiler.disable(_eager)
 
 
 def _graph_break(message: str) -> None:

@@ -6,9 +6,6 @@ import collections
 
 import attrs
 import torch
-from functorch.compile import make_boxed_func
-from torch._dynamo.utils import counters
-from torch._functorch.aot_autograd import aot_module_simplified
 
 from fusible.core.schema import record_fields
 from fusible.functional.linear import GemmBackwardArgs, GemmForwardArgs
@@ -174,6 +171,12 @@ def compile_report(fn, *args, **kwargs) -> CompileReport:
         with its fusible custom ops in order and where each comes from (the stage
         and the ops it covers); the number of recompilations.
     """
+    # Imported here, not with the module: they pull in torch._dynamo (0.4 s), which
+    # `import fusible` need not pay; a report compiles anyway.
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.utils import counters
+    from torch._functorch.aot_autograd import aot_module_simplified
+
     graphs, recompiles, frames_seen = [], [0], set()
 
     def backend(gm, example_inputs):
