@@ -1,4 +1,5 @@
-"""The import-layers contract: imports point one way, and none hides in a function body.
+"""The import-layers contract: imports point one way, and none hides in a function body
+(but the heavy third-party modules of LAZY, loaded when first used).
 
 Layers, lowest first (docs/design.md draws them). A module may import modules of its own
 package unit and of lower layers only; units that share a layer are independent of each
@@ -8,6 +9,8 @@ plugins with ``importlib`` (the one dynamic import), not with import statements.
 
 import ast
 import pathlib
+import subprocess
+import sys
 
 import pytest
 
@@ -91,9 +94,20 @@ def test_every_module_is_in_a_layer():
     assert {"fusible.core.operation", "fusible.fusions.forward_linear_bias"} <= set(MODULES)
 
 
+# Heavy third-party modules that load when first used, not with `import fusible` (which
+# stays under 0.3 s after torch): the only imports a function body may hold.
+LAZY = {"torch.distributed.pipelining", "graphviz", "functorch.compile",
+        "torch._dynamo.utils", "torch._functorch.aot_autograd"}
+
+
+def _module_of(node) -> str:
+    return node.module if isinstance(node, ast.ImportFrom) else node.names[0].name
+
+
 def test_no_import_in_a_function_body():
     deferred = [f"{name}:{node.lineno}: {ast.unparse(node)}"
-                for name, node, nested in STATEMENTS if nested]
+                for name, node, nested in STATEMENTS if nested
+                and not (_module_of(node) in LAZY and not getattr(node, "level", 0))]
     assert not deferred, "imports hidden in function or class bodies:\n" + "\n".join(deferred)
 
 
@@ -117,3 +131,16 @@ def test_the_check_sees_a_wrong_import():
     node = ast.parse("from fusible.runtime.executor import apply_pipeline").body[0]
     (target,) = _imported(node, "fusible.core.stage")
     assert UNITS[_unit(target)] > UNITS[_unit("fusible.core.stage")]
+
+
+def test_import_fusible_loads_no_heavy_module():
+    """`import fusible` after torch pays for none of dynamo, DTensor, pipelining or
+    graphviz: each loads when first used (a compile, a DTensor, a pipeline stage, a
+    rendering)."""
+    code = ("import sys, torch; before = set(sys.modules); import fusible; "
+            "print(sorted(m for m in ('torch._dynamo', 'torch.distributed.tensor', "
+            "'torch.distributed.pipelining', 'graphviz') if m in sys.modules "
+            "and m not in before))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout.strip()
+    assert out == "[]", out

@@ -15,8 +15,6 @@ import os
 import shutil
 import textwrap
 
-import graphviz
-
 from fusible.planning.passes import op_communication
 
 _LANES = {
@@ -165,6 +163,8 @@ def render_dot(source: str, path: str, format: str = "svg") -> str:
         raise RuntimeError("render needs the graphviz 'dot' binary, which is not on PATH "
                            "(on Debian/Ubuntu: apt-get install -y graphviz); "
                            "plan.to_dot() works without it")
+
+    import graphviz  # here, not with the module: only rendering needs it
 
     root, ext = os.path.splitext(path)
     if ext.lstrip(".") == format:

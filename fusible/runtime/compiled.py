@@ -88,7 +88,7 @@ def fusible_group(runner_token: int, num_extra: int, num_states: int, training: 
     return (y, *extra_outputs)
 
 
-def _eager(module, x, extra_inputs):
+def _run_eagerly_impl(module, x, extra_inputs):
     return module._layout().run_eager(x, extra_inputs, module.training)
 
 
@@ -97,14 +97,14 @@ def _eager(module, x, extra_inputs):
 # torch._dynamo.assume_constant_result sets), and dynamo, which calls it eagerly at trace
 # time before it meets the rest, then learns the others.
 _prepare._dynamo_marked_constant = True
-_run_eagerly = None  # _eager, hidden from dynamo: set by _register_with_dynamo
+_run_eagerly = None  # _run_eagerly_impl, hidden from dynamo: set by _register_with_dynamo
 
 
 def _register_with_dynamo() -> None:
     global _run_eagerly
     if _run_eagerly is None:
         torch.compiler.allow_in_graph(fusible_group)
-        _run_eagerly = torch.compiler.disable(_eager)
+        _run_eagerly = torch.compiler.disable(_run_eagerly_impl)
 
 
 def _graph_break(message: str) -> None:
