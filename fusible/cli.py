@@ -85,9 +85,11 @@ def load_factory(spec: str):
         raise SystemExit(f"fusible plan: expected MODULE:FACTORY, got {spec!r}")
     where, name = spec.rsplit(":", 1)
     if where.endswith(".py"):
-        spec_ = importlib.util.spec_from_file_location(pathlib.Path(where).stem, where)
-        module = importlib.util.module_from_spec(spec_)
-        spec_.loader.exec_module(module)
+        found = importlib.util.spec_from_file_location(pathlib.Path(where).stem, where)
+        if found is None or found.loader is None:
+            raise SystemExit(f"fusible plan: cannot load {where}")
+        module = importlib.util.module_from_spec(found)
+        found.loader.exec_module(module)
     else:
         sys.path.insert(0, os.getcwd())
         module = importlib.import_module(where)

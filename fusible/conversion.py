@@ -18,7 +18,7 @@ report says what stayed and why.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Callable, Optional, cast
 
 import attrs
 from torch import nn
@@ -72,7 +72,8 @@ def convert(model: nn.Module) -> ConversionReport:
     -------
     ConversionReport
     """
-    converted, left = [], []
+    converted: list[tuple[str, str, str]] = []
+    left: list[tuple[str, str, str]] = []
     _convert_children(model, "", converted, left)
     return ConversionReport(tuple(converted), tuple(left))
 
@@ -134,7 +135,7 @@ def _named_sequential(module: nn.Sequential, children: list) -> Sequential:
 def _linear(m: nn.Linear) -> Linear:
     new = Linear(m.in_features, m.out_features, bias=m.bias is not None,
                  device="meta", dtype=m.weight.dtype)
-    new.weight = m.weight
+    new.weight = cast(nn.Parameter, m.weight)
     if m.bias is not None:
         new.bias = m.bias
     return new
@@ -144,7 +145,7 @@ def _layer_norm(m: nn.LayerNorm) -> Optional[LayerNorm]:
     if not m.elementwise_affine or m.bias is None:
         return None
     new = LayerNorm(m.normalized_shape, eps=m.eps, device="meta", dtype=m.weight.dtype)
-    new.weight, new.bias = m.weight, m.bias
+    new.weight, new.bias = m.weight, cast(nn.Parameter, m.bias)
     return new
 
 
@@ -156,7 +157,7 @@ def _rms_norm(m: nn.RMSNorm) -> Optional[RMSNorm]:
     return new
 
 
-_LEAVES = {
+_LEAVES: dict[type, Callable[[Any], Optional[nn.Module]]] = {
     nn.Linear: _linear,
     nn.LayerNorm: _layer_norm,
     nn.RMSNorm: _rms_norm,

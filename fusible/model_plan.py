@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import collections
 import re
-from typing import Any, Optional
+from typing import Any, Optional, cast
 
 import attrs
 import torch
@@ -85,8 +85,9 @@ class ModelPlan:
     def totals(self) -> dict:
         """Counts over the whole model: groups, stages, fusions chosen and refused (by
         name), FP8 GEMMs, collectives, stages that cannot compile."""
-        chosen, refused = collections.Counter(), collections.Counter()
-        out = {"fusible groups": 0, "ordinary modules": 0, "forward stages": 0,
+        chosen: collections.Counter = collections.Counter()
+        refused: collections.Counter = collections.Counter()
+        out: dict[str, Any] = {"fusible groups": 0, "ordinary modules": 0, "forward stages": 0,
                "backward stages": 0, "wgrad stages": 0, "FP8 GEMMs": 0, "collectives": 0,
                "cannot compile": 0}
         for item in self.items:
@@ -101,7 +102,7 @@ class ModelPlan:
             out["cannot compile"] += sum(s.compile_reason is not None
                                          for s in plan.forward + plan.backward + plan.wgrad)
             if plan.recipe is not None:
-                out["FP8 GEMMs"] += sum(op.quantizes(plan.recipe, "forward")
+                out["FP8 GEMMs"] += sum(cast(Any, op).quantizes(plan.recipe, "forward")
                                         for op in plan.ops if isinstance(op, FusibleSpec))
             out["collectives"] += sum(len(op_communication(op, d)) for op in plan.ops
                                       for d in ("forward", "backward"))
@@ -164,7 +165,8 @@ def plan_model(model: nn.Module, *example_inputs: Any, **example_kwargs: Any) ->
     items, handles = [], []
 
     def fusible_call(module, args):
-        items.append(ModelItem(names[id(module)], type(module).__name__, module.plan(*args)))
+        plan = cast(Any, module).plan(*args)
+        items.append(ModelItem(names[id(module)], type(module).__name__, plan))
 
     def ordinary_call(module, args):
         items.append(ModelItem(names[id(module)], type(module).__name__))
@@ -225,7 +227,7 @@ def collapse(items) -> tuple:
     """Group items by the repeated block they belong to (``prefix.N...``: the first
     numbered path component) and merge consecutive blocks ``prefix.N``, ``prefix.N+1``...
     whose items have the same relative paths and signatures."""
-    groups = []  # [prefix, index, [items with relative paths]]
+    groups: list[Any] = []  # [prefix, index, [items with relative paths]]
     for item in items:
         m = _INDEXED.match(item.path)
         prefix, index = (m.group(1), int(m.group(2))) if m else ("", -1)
@@ -234,7 +236,7 @@ def collapse(items) -> tuple:
             groups[-1][2].append(attrs.evolve(item, path=relative))
         else:
             groups.append([prefix, index, [attrs.evolve(item, path=relative)]])
-    blocks = []
+    blocks: list[Block] = []
     for prefix, index, its in groups:
         last = blocks[-1] if blocks else None
         if (last is not None and prefix and last.prefix == prefix

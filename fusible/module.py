@@ -197,7 +197,7 @@ class Sequential(PipelineModule):
         self.add_module(str(len(self)), module)
         return self
 
-    def add_module(self, name: str, module) -> None:
+    def add_module(self, name: str, module: "nn.Module | None") -> None:
         # Every structural change (append, insert, register_module, attribute
         # assignment of a module) goes through here or __delattr__: re-plan.
         super().add_module(name, module)
@@ -223,7 +223,7 @@ class Sequential(PipelineModule):
         self._reset(items)
         return self
 
-    def pop(self, index=-1):
+    def pop(self, index: "int | slice" = -1) -> nn.Module:
         """Remove and return the module at ``index`` (a slice: a Sequential of them)."""
         removed = self[index]
         del self[index]

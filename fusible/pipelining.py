@@ -14,6 +14,7 @@ tensors) cannot.
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import torch
 
@@ -36,7 +37,7 @@ def _stage_class() -> type:
 
 
 def pipeline_stage(submodule: torch.nn.Module, stage_index: int, num_stages: int,
-                   device, **kwargs):
+                   device: "torch.device | str | int", **kwargs: Any) -> Any:
     """A pipeline stage of ``submodule`` with its weight gradients deferred where the
     schedule asks.
 

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import sys
+from typing import Optional
 
 import torch
 from torch import nn
 
 from fusible.core.operation import is_dtensor
 from fusible.functional import parallel
+from fusible.module import Sequential
 from fusible.ops.basic_linear import BasicLinear, linear_shard
 from fusible.ops.bias import Bias
 from fusible.ops.gelu import GELU
@@ -21,7 +23,8 @@ _ACTIVATIONS = {nn.GELU: GELU, nn.ReLU: ReLU, nn.SiLU: SiLU}
 _PARAMETERISED = (nn.Linear, nn.LayerNorm, nn.RMSNorm)
 
 
-def state_dict_from_torch(model, torch_module: nn.Module, example_input=None) -> dict:
+def state_dict_from_torch(model: Sequential, torch_module: nn.Module,
+                          example_input: Optional[torch.Tensor] = None) -> dict:
     """A state dict for ``model`` holding the parameters of an equivalent torch model.
 
     The torch model's layers are taken in the order they run: an ``nn.Sequential`` (nested

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+from typing import Iterator
 
 _state = threading.local()
 
@@ -21,7 +22,7 @@ def splitting() -> bool:
 
 
 @contextlib.contextmanager
-def split_backward(enabled: bool = True):
+def split_backward(enabled: bool = True) -> Iterator[None]:
     """Plan the backward of the fusible models run inside the block in two lanes.
 
     Parameters

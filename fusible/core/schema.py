@@ -12,7 +12,7 @@ from __future__ import annotations
 import enum
 import types
 import typing
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import attrs
 import torch
@@ -52,7 +52,7 @@ _LISTS = {torch.Tensor: "Tensor[]", int: "SymInt[]", float: "float[]", bool: "bo
 _RECORDS: dict = {}  # attrs class -> its fields' (name, SchemaType)
 
 
-def register_schema_type(pytype, schema_type: SchemaType) -> None:
+def register_schema_type(pytype: Any, schema_type: SchemaType) -> None:
     """Teach the schema derivation a new field annotation ``pytype``.
 
     Raises ValueError if ``pytype`` is taken by another schema type (rules are data:

@@ -30,7 +30,7 @@ class ExecStage:
     index in the group, its role)``, and ``compute`` is left without the format.
     """
 
-    op: object
+    op: Any             # the stage's op or fusion
     ops: tuple          # covered basic ops, forward order
     lo: int             # covered ops: [lo, hi) in the group
     hi: int
@@ -176,6 +176,8 @@ class WgradTarget:
     def params(self) -> list:
         """The parameters of the stage's ops, read afresh (they may have been swapped)."""
         st = self.stage
+        if st is None:
+            raise RuntimeError("a WgradTarget is used before its stage is set")
         return [op.param(name) for op in self.ops[st.lo:st.hi] for name in op.param_names]
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from typing import Optional
+from typing import Any, Iterator, Optional
 
 import torch
 from torch import nn
@@ -18,8 +18,8 @@ _STATE = threading.local()
 
 
 @contextlib.contextmanager
-def quantized_model_init(enabled: bool = True, recipe=None,
-                         preserve_high_precision_init_val: bool = False):
+def quantized_model_init(enabled: bool = True, recipe: Any = None,
+                         preserve_high_precision_init_val: bool = False) -> Iterator[None]:
     """Create the weights of the linear layers built inside the block in FP8.
 
     Each ``BasicLinear`` / ``Linear`` weight is initialised as usual, then stored as a

@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import threading
 
-from typing import ClassVar
+from typing import ClassVar, Iterator
 
 import attrs
 import torch
@@ -131,7 +131,7 @@ def recipe_for_key(key):
 
 
 @contextlib.contextmanager
-def autocast(*, enabled: bool = True, recipe=None):
+def autocast(*, enabled: bool = True, recipe: "Recipe | None" = None) -> Iterator[None]:
     """Run fusible models inside the block with FP8 GEMMs under ``recipe``.
 
     Parameters

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+from typing import Any, Callable
 
 import attrs
 import torch
@@ -148,7 +149,7 @@ def _fp8_precision(fmt, device) -> str:
     return f"fp8 {fmt.granularity}" + (" (emulated)" if emulated else "")
 
 
-def compile_report(fn, *args, **kwargs) -> CompileReport:
+def compile_report(fn: Callable, *args: Any, **kwargs: Any) -> CompileReport:
     """Compile ``fn`` (without ``fullgraph``), run it once, and report what was compiled.
 
     When grad is enabled and ``fn`` returns tensors that require grad (alone or
