@@ -64,7 +64,7 @@ class Float8CurrentScaling(GranularityRecipe):
     """Per-tensor current scaling: each tensor is scaled by its own amax when it is cast
     (registered as ``"tensorwise"``; presets ``"tensorwise"`` and ``"tensorwise_e4m3"``).
 
-    Parameters
+    Attributes
     ----------
     fp8_format : {"hybrid", "e4m3"}
         ``"hybrid"``: E4M3 for forward tensors (inputs, weights), E5M2 for
