@@ -11,19 +11,28 @@ optimizer built before the conversion, its state and every checkpoint keep worki
   same child names), planned as one pipeline: fusions cross its layers (an MLP written
   as ``nn.Sequential(Linear, GELU, Linear)`` gets its GEMM epilogues).
 
-A module whose forward is Python (attention, an MLP class with a residual or a gated
-product) keeps that forward; its recognised children are converted one by one, and the
-report says what stayed and why.
+A module whose forward is Python (attention, a residual block) keeps that forward; its
+recognised children are converted one by one, and the report says what stayed and why.
+With ``merge_gated_mlps=True``, a gated MLP class (``down(silu(gate(x)) * up(x))`` with
+children named ``gate_proj`` / ``up_proj`` / ``down_proj``, or torchtitan's ``w1`` / ``w3``
+/ ``w2``; recognised by those names and confirmed by computing both on a probe input)
+becomes ``ops.Sequential(gate_up=BasicLinear, act=SwiGLU, down=BasicLinear)``: one GEMM
+for both projections, the SwiGLU kernel, and its checkpoints still under the original names
+(state-dict hooks split and join the merged weight). The merged weight is a new parameter:
+build the optimizer after such a conversion.
 """
 
 from __future__ import annotations
 
+import collections
 from typing import Any, Callable, Optional, cast
 
 import attrs
+import torch
 from torch import nn
 
 from fusible.module import PipelineModule, Sequential
+from fusible.ops.basic_linear import BasicLinear
 from fusible.ops.dropout import Dropout
 from fusible.ops.gelu import GELU
 from fusible.ops.identity import Identity
@@ -32,6 +41,7 @@ from fusible.ops.linear import Linear
 from fusible.ops.relu import ReLU
 from fusible.ops.rms_norm import RMSNorm
 from fusible.ops.silu import SiLU
+from fusible.ops.swiglu import SwiGLU
 
 
 @attrs.frozen
@@ -57,7 +67,7 @@ class ConversionReport:
         return "\n".join(lines)
 
 
-def convert(model: nn.Module) -> ConversionReport:
+def convert(model: nn.Module, *, merge_gated_mlps: bool = False) -> ConversionReport:
     """Swap the modules of ``model`` that fusible recognises for fusible ops, in place.
 
     Parameters
@@ -67,6 +77,9 @@ def convert(model: nn.Module) -> ConversionReport:
         The root object itself stays (its children are swapped); for a root that is
         itself a convertible module (an ``nn.Linear``, an ``nn.Sequential``) use
         :func:`convert_module`, which returns its replacement.
+    merge_gated_mlps : bool
+        Also replace gated MLP classes (see the module docstring), merging their gate and
+        up projections into one new parameter.
 
     Returns
     -------
@@ -74,7 +87,7 @@ def convert(model: nn.Module) -> ConversionReport:
     """
     converted: list[tuple[str, str, str]] = []
     left: list[tuple[str, str, str]] = []
-    _convert_children(model, "", converted, left)
+    _convert_children(model, "", converted, left, merge_gated_mlps)
     return ConversionReport(tuple(converted), tuple(left))
 
 
@@ -90,20 +103,30 @@ def convert_module(module: nn.Module) -> Optional[nn.Module]:
     return None if make is None else make(module)
 
 
-def _convert_children(module, path, converted, left) -> None:
+def _convert_children(module, path, converted, left, merge_gated: bool) -> None:
     for name, child in list(module.named_children()):
         where = f"{path}.{name}" if path else name
         if isinstance(child, PipelineModule):
             continue  # fusible already
         new = convert_module(child)
+        gated = _gated_names(child)
+        if new is None and gated is not None:
+            if not merge_gated:
+                left.append((where, type(child).__name__,
+                             f"a gated MLP ({', '.join(gated)}): convert(..., "
+                             f"merge_gated_mlps=True) merges its gate and up projections into "
+                             f"one fusible SwiGLU block (a new parameter: build the optimizer "
+                             f"after it); its projections are converted one by one"))
+            else:
+                new = _merged_gated_mlp(child, gated)
         if new is not None:
             setattr(module, name, new)
             converted.append((where, type(child).__name__, type(new).__name__))
             continue
-        why = _why_left(child)
+        why = _why_left(child) if gated is None else None
         if why is not None:
             left.append((where, type(child).__name__, why))
-        _convert_children(child, where, converted, left)
+        _convert_children(child, where, converted, left, merge_gated)
 
 
 def _why_left(module) -> Optional[str]:
@@ -122,6 +145,69 @@ def _why_left(module) -> Optional[str]:
         return ("its forward is Python, which fusible does not rewrite: its children are "
                 "converted one by one")
     return None
+
+
+_GATED = (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"))
+
+
+def _gated_names(module) -> Optional[tuple]:
+    """``(gate, up, down)`` child names of a gated MLP: three bias-free ``nn.Linear``
+    children under those names, and the module computes ``down(silu(gate(x)) * up(x))``
+    on a probe input."""
+    if isinstance(module, PipelineModule):
+        return None
+    children = dict(module.named_children())
+    for names in _GATED:
+        layers = [children.get(n) for n in names]
+        if not all(isinstance(m, nn.Linear) and m.bias is None for m in layers) or \
+                set(children) - set(names) - {"act_fn", "act"}:
+            continue
+        gate, up, down = layers
+        if gate.weight.shape != up.weight.shape or down.in_features != gate.out_features:
+            continue
+        with torch.no_grad():
+            x = torch.randn(2, gate.in_features, dtype=gate.weight.dtype,
+                            device=gate.weight.device, generator=torch.Generator(
+                                gate.weight.device).manual_seed(0))
+            try:
+                got = module(x)
+            except Exception:  # noqa: BLE001 - not a module of one tensor: not this pattern
+                continue
+            want = down(nn.functional.silu(gate(x)) * up(x))
+        if isinstance(got, torch.Tensor) and torch.allclose(got, want, rtol=1e-3, atol=1e-5):
+            return names
+    return None
+
+
+def _merged_gated_mlp(module, names: tuple) -> Sequential:
+    """``ops.Sequential(gate_up, act, down)`` computing ``module``, whose state dict keeps
+    ``module``'s names."""
+    gate_name, up_name, down_name = names
+    gate, up, down = (getattr(module, n) for n in names)
+    merged = BasicLinear(gate.in_features, 2 * gate.out_features, device="meta",
+                         dtype=gate.weight.dtype)
+    merged.weight = nn.Parameter(torch.cat([gate.weight.detach(), up.weight.detach()]),
+                                 requires_grad=gate.weight.requires_grad)
+    out_proj = BasicLinear(down.in_features, down.out_features, device="meta",
+                           dtype=down.weight.dtype)
+    out_proj.weight = cast(nn.Parameter, down.weight)  # the same object
+    block = Sequential(collections.OrderedDict(
+        [("gate_up", merged), ("act", SwiGLU()), (down_name, out_proj)]))
+    split = gate.out_features
+
+    def save(mod, state, prefix, local_metadata):  # the original names in checkpoints
+        both = state.pop(f"{prefix}gate_up.weight")
+        state[f"{prefix}{gate_name}.weight"] = both[:split]
+        state[f"{prefix}{up_name}.weight"] = both[split:]
+
+    def load(mod, state, prefix, *args):
+        keys = (f"{prefix}{gate_name}.weight", f"{prefix}{up_name}.weight")
+        if all(k in state for k in keys):
+            state[f"{prefix}gate_up.weight"] = torch.cat([state.pop(k) for k in keys])
+
+    block.register_state_dict_post_hook(save)
+    block.register_load_state_dict_pre_hook(load)
+    return block
 
 
 def _named_sequential(module: nn.Sequential, children: list) -> Sequential:

@@ -76,7 +76,48 @@ def test_llama_mlp_converts_its_projections_one_by_one():
     assert isinstance(model.layers[0].mlp.gate_proj, ops.Linear)
     assert isinstance(model.layers[0].input_layernorm, ops.RMSNorm)
     left = {p: why for p, _, why in report.left}
-    assert "its forward is Python" in left["layers.0.mlp"]
+    assert "merge_gated_mlps=True) merges its gate and up" in left["layers.0.mlp"]
+
+
+def test_gated_mlps_merge_into_one_swiglu_block_with_the_same_checkpoints():
+    torch.manual_seed(0)
+    original = wm.TorchLlama()
+    model = copy.deepcopy(original)
+    report = fusible.convert(model, merge_gated_mlps=True)
+    assert ("layers.0.mlp", "LlamaMLP", "Sequential") in report.converted
+    mlp = model.layers[0].mlp
+    assert [s.name for s in mlp.plan(torch.zeros(2, 32)).forward] == [
+        "BasicLinear", "SwiGLU", "BasicLinear"]
+    tokens = data()[0]
+    torch.testing.assert_close(model(tokens), original(tokens), rtol=2e-6, atol=2e-6)
+    assert model.state_dict().keys() == original.state_dict().keys()  # checkpoints keep names
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, original.state_dict()[name]), name
+    fresh = copy.deepcopy(original)
+    for p in fresh.parameters():
+        torch.nn.init.zeros_(p)
+    fusible.convert(fresh, merge_gated_mlps=True)
+    fresh.load_state_dict(original.state_dict())  # an original checkpoint loads
+    torch.testing.assert_close(fresh(tokens), original(tokens), rtol=2e-6, atol=2e-6)
+    want = train(original, torch.optim.Adam(original.parameters(), lr=1e-2), data())
+    got = train(model, torch.optim.Adam(model.parameters(), lr=1e-2), data())
+    assert got == pytest.approx(want, rel=1e-5), (got, want)
+
+
+def test_a_module_named_like_a_gated_mlp_but_computing_otherwise_is_not_merged():
+    class NotGated(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w1, self.w3 = nn.Linear(8, 16, bias=False), nn.Linear(8, 16, bias=False)
+            self.w2 = nn.Linear(16, 8, bias=False)
+
+        def forward(self, x):  # GELU, not SiLU
+            return self.w2(nn.functional.gelu(self.w1(x)) * self.w3(x))
+
+    holder = nn.Module()
+    holder.mlp = NotGated()
+    fusible.convert(holder, merge_gated_mlps=True)
+    assert isinstance(holder.mlp, NotGated) and isinstance(holder.mlp.w1, ops.Linear)
 
 
 def test_modules_without_a_fusible_equivalent_stay():
