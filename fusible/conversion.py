@@ -159,10 +159,11 @@ def _gated_names(module) -> Optional[tuple]:
     children = dict(module.named_children())
     for names in _GATED:
         layers = [children.get(n) for n in names]
-        if not all(isinstance(m, nn.Linear) and m.bias is None for m in layers) or \
-                set(children) - set(names) - {"act_fn", "act"}:
+        linears = [cast(nn.Linear, m) for m in layers
+                   if isinstance(m, nn.Linear) and m.bias is None]
+        if len(linears) != 3 or set(children) - set(names) - {"act_fn", "act"}:
             continue
-        gate, up, down = layers
+        gate, up, down = linears
         if gate.weight.shape != up.weight.shape or down.in_features != gate.out_features:
             continue
         with torch.no_grad():
@@ -191,7 +192,7 @@ def _merged_gated_mlp(module, names: tuple) -> Sequential:
     out_proj = BasicLinear(down.in_features, down.out_features, device="meta",
                            dtype=down.weight.dtype)
     out_proj.weight = cast(nn.Parameter, down.weight)  # the same object
-    block = Sequential(collections.OrderedDict(
+    block = Sequential(collections.OrderedDict(  # type: ignore[arg-type]
         [("gate_up", merged), ("act", SwiGLU()), (down_name, out_proj)]))
     split = gate.out_features
 
