@@ -98,7 +98,8 @@ def convert_module(module: nn.Module) -> Optional[nn.Module]:
         children = [convert_module(c) for c in module]
         if not children or any(c is None for c in children):
             return None
-        return _named_sequential(module, children)
+        return Sequential(collections.OrderedDict(  # type: ignore[arg-type]
+            zip(module._modules, children)))  # the same child names
     make = _LEAVES.get(type(module))
     return None if make is None else make(module)
 
@@ -109,8 +110,8 @@ def _convert_children(module, path, converted, left, merge_gated: bool) -> None:
         if isinstance(child, PipelineModule):
             continue  # fusible already
         new = convert_module(child)
-        gated = _gated_names(child)
-        if new is None and gated is not None:
+        gated = _gated_names(child) if new is None else None
+        if gated is not None:
             if not merge_gated:
                 left.append((where, type(child).__name__,
                              f"a gated MLP ({', '.join(gated)}): convert(..., "
@@ -209,14 +210,6 @@ def _merged_gated_mlp(module, names: tuple) -> Sequential:
     block.register_state_dict_post_hook(save)
     block.register_load_state_dict_pre_hook(load)
     return block
-
-
-def _named_sequential(module: nn.Sequential, children: list) -> Sequential:
-    """An ``ops.Sequential`` of ``children`` under ``module``'s child names."""
-    out = Sequential()
-    for name, child in zip(module._modules, children):
-        out.add_module(name, child)
-    return out
 
 
 def _linear(m: nn.Linear) -> Linear:

@@ -20,7 +20,7 @@ from torch import nn
 from fusible.core.operation import FusibleSpec
 from fusible.module import Sequential
 from fusible.planning.passes import op_communication
-from fusible.planning.plan import FusionPlan
+from fusible.planning.plan import FusionPlan, describe_op
 from fusible.planning.viz import render_dot
 
 
@@ -41,7 +41,7 @@ class ModelItem:
         if self.plan is None:
             return (self.kind,)
         return (self.kind, _stages_key(self.plan.forward), _stages_key(self.plan.backward),
-                tuple(_describe(op) for op in self.plan.ops))
+                tuple(describe_op(op) for op in self.plan.ops))
 
 
 @attrs.frozen
@@ -255,10 +255,6 @@ def _same(a, b) -> bool:
 def _stages_key(stages) -> tuple:
     return tuple((s.name, s.indices) for s in stages)
 
-
-def _describe(op) -> str:
-    describe = getattr(op, "describe", None)
-    return describe() if describe is not None else type(op).__name__
 
 
 def _item_lines(item, indent: str) -> list:

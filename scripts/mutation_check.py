@@ -310,7 +310,7 @@ CURATED = [
        "args.need_grad_weight:\n        dy = as_fp8(dy * 2, args.grad_format)",
        "the split's shared E5M2 cast scales dy wrong: FP8 dgrad and wgrad both off"),
     _m("optimizer_ignores_pending_wgrad", "fusible/runtime/wgrad.py",
-       "    if not entries:\n        return\n    mine",
+       "    if not targets:\n        return\n    mine",
        "    if True:\n        return\n    mine",
        "an optimizer step runs with deferred wgrads not yet added: silently missing gradients"),
 ]

@@ -13,6 +13,7 @@ import torch
 import fusible
 from fusible import ops
 from fusible.runtime import deferred
+from fusible.runtime.wgrad import _Runner
 from fusible.testing import exact_tensor
 
 H = 32
@@ -65,7 +66,6 @@ def run(make, dtype, split, *, fp8=False, backend=None, order=None, steps=1, gra
 
 
 def _single(entry):
-    from fusible.runtime.wgrad import _Runner
     return _Runner([entry])
 
 

@@ -127,7 +127,7 @@ class FusionPlan:
         return out
 
     def _covered(self, stage: Stage) -> str:
-        return " + ".join(_describe(self.ops[i]) for i in stage.indices)
+        return " + ".join(describe_op(self.ops[i]) for i in stage.indices)
 
     def to_dot(self) -> str:
         """Graphviz DOT source of the plan diagram (no graphviz binary needed)."""
@@ -160,6 +160,7 @@ def _indices(indices) -> str:
     return "[" + ", ".join(str(i) for i in indices) + "]"
 
 
-def _describe(op) -> str:
+def describe_op(op) -> str:
+    """An op's ``describe()``, or an ordinary module's class name."""
     describe = getattr(op, "describe", None)
     return describe() if describe is not None else op.__class__.__name__

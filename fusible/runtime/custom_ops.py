@@ -172,7 +172,7 @@ def _kernel(cls, direction: str, op: StageOp, compute, real: bool = True):
     list_slots = tuple(i for i, p in enumerate(kinds) if p.startswith("Tensor") and "[]" in p)
 
     def kernel(*flat):
-        build, fmt, quantized, _ = op.prepared(flat[-1])
+        build, fmt, quantized, provenance = op.prepared(flat[-1])
         updated = []
         if op.states:
             flat, updated = _copied_states(flat, op.states)
@@ -188,7 +188,7 @@ def _kernel(cls, direction: str, op: StageOp, compute, real: bool = True):
         if direction == "dgrad":  # queue the record its wgrad reads (a fake run: nothing)
             result, record = result
             if real:
-                deferred.defer(_target_token(op.prepared(flat[-1])[3]), record, compiled=True)
+                deferred.defer(_target_token(provenance), record, compiled=True)
         inputs = [flat[i] for i in slots]
         if list_slots:
             inputs += [t for i in list_slots for t in flat[i]]

@@ -36,11 +36,7 @@ class _Runner:
     def __call__(self) -> None:
         entries, self.entries = self.entries, []
         _taken.discard(self)
-        for token, record, compiled in entries:
-            run_entry(tokens.lookup(token), record, compiled)
-
-    def stages(self) -> list:
-        return [tokens.lookup(token).stage.provenance for token, _, _ in self.entries]
+        run_entries(entries)
 
 
 def take() -> Callable[[], None]:
@@ -57,8 +53,19 @@ def run_pending() -> None:
 
 def pending() -> list:
     """The provenance of every deferred wgrad not yet run (queued or taken)."""
-    queued = [tokens.lookup(token).stage.provenance for token, _, _ in deferred.queue()]
-    return queued + [p for runner in list(_taken) for p in runner.stages()]
+    return [target.stage.provenance for target in _pending_targets()]
+
+
+def _pending_targets() -> list:
+    """The WgradTarget of every entry not yet run: queued, then taken."""
+    entries = deferred.queue() + [e for runner in list(_taken) for e in runner.entries]
+    return [tokens.lookup(token) for token, _, _ in entries]
+
+
+def run_entries(entries) -> None:
+    """Run queue entries ``(target token, record, compiled)``, in the order given."""
+    for token, record, compiled in entries:
+        run_entry(tokens.lookup(token), record, compiled)
 
 
 def run_entry(target, record, compiled: bool) -> None:
@@ -123,13 +130,11 @@ def install_step_check() -> None:
 
 
 def _check_step(optimizer, args, kwargs) -> None:
-    entries = [(token, r) for token, r, _ in deferred.queue()]
-    entries += [(token, r) for runner in list(_taken) for token, r, _ in runner.entries]
-    if not entries:
+    targets = _pending_targets()
+    if not targets:
         return
     mine = {id(p) for group in optimizer.param_groups for p in group["params"]}
-    for token, _ in entries:
-        target = tokens.lookup(token)
+    for target in targets:
         if any(id(p) in mine for p in target.params()):
             raise RuntimeError(f"{type(optimizer).__name__}.step(): the deferred weight "
                                f"gradient of {target.stage.provenance} has not run, so its "

@@ -9,7 +9,6 @@ from typing import Iterable
 
 import torch
 
-from fusible.core import tokens
 from fusible.core.lanes import split_backward
 from fusible.quantization.float8_tensor import Float8Tensor
 from fusible.runtime import custom_ops, deferred, wgrad
@@ -169,8 +168,7 @@ def _outputs_and_grads(fn, model, inputs, grads_out, deferred_wgrads: bool = Fal
     if outs:
         torch.autograd.backward(outs, [g for o, g in zip(outputs, grads_out) if o.requires_grad])
     if deferred_wgrads:
-        for entry in reversed(deferred.drain()):
-            wgrad.run_entry(tokens.lookup(entry[0]), entry[1], entry[2])
+        wgrad.run_entries(reversed(deferred.drain()))
     grads = [t.grad for t in (*inputs, *model.parameters()) if t.requires_grad]
     return [o.detach() for o in outputs] + grads
 
@@ -180,18 +178,26 @@ def check_compiled_matches_eager(model, x, *extra_inputs, backend: str = "aot_ea
     of eager mode bit for bit (resets dynamo's caches first)."""
     torch._dynamo.reset()
     inputs = (x, *extra_inputs)
-    outputs = _as_tuple(model(*inputs))
-    gen = torch.Generator().manual_seed(1)
-    grads_out = [exact_tensor(o.shape, o.dtype, device=o.device, generator=gen)
-                 for o in outputs]
+    grads_out = _output_grads(model, inputs)
     eager = _outputs_and_grads(model, model, inputs, grads_out)
     compiled = _outputs_and_grads(torch.compile(model, fullgraph=True, backend=backend), model,
                                   inputs, grads_out)
-    for i, (a, b) in enumerate(zip(compiled, eager)):
-        if not same_bits(a, b):
-            raise AssertionError(f"compiled ({backend}) differs from eager in result {i} "
-                                 f"(outputs, then gradients of inputs and parameters)")
+    _assert_same_bits(compiled, eager, f"compiled ({backend}) differs from eager")
     torch._dynamo.reset()
+
+
+def _output_grads(model, inputs) -> list:
+    """Exactly representable gradients for each of the model's outputs on ``inputs``."""
+    outputs = _as_tuple(model(*inputs))
+    gen = torch.Generator().manual_seed(1)
+    return [exact_tensor(o.shape, o.dtype, device=o.device, generator=gen) for o in outputs]
+
+
+def _assert_same_bits(got: list, want: list, what: str) -> None:
+    for i, (a, b) in enumerate(zip(got, want)):
+        if not same_bits(a, b):
+            raise AssertionError(f"{what} in result {i} (outputs, then gradients of inputs "
+                                 f"and parameters)")
 
 
 def check_split_matches_unsplit(model, x, *extra_inputs, backend: "str | None" = None) -> None:
@@ -201,10 +207,7 @@ def check_split_matches_unsplit(model, x, *extra_inputs, backend: "str | None" =
     (``fullgraph=True``). The split plan must be made: a stage that cannot split keeps
     its wgrad with its dgrad."""
     inputs = (x, *extra_inputs)
-    outputs = _as_tuple(model(*inputs))
-    gen = torch.Generator().manual_seed(1)
-    grads_out = [exact_tensor(o.shape, o.dtype, device=o.device, generator=gen)
-                 for o in outputs]
+    grads_out = _output_grads(model, inputs)
     one_lane = _outputs_and_grads(model, model, inputs, grads_out)
     fn = model if backend is None else torch.compile(model, fullgraph=True, backend=backend)
 
@@ -213,11 +216,7 @@ def check_split_matches_unsplit(model, x, *extra_inputs, backend: "str | None" =
             return fn(*args)
 
     got = _outputs_and_grads(split, model, inputs, grads_out, deferred_wgrads=True)
-    for i, (a, b) in enumerate(zip(got, one_lane)):
-        if not same_bits(a, b):
-            raise AssertionError(f"the split backward differs from the one-lane backward in "
-                                 f"result {i} (outputs, then gradients of inputs and "
-                                 f"parameters)")
+    _assert_same_bits(got, one_lane, "the split backward differs from the one-lane backward")
 
 
 def same_bits(a, b) -> bool:
