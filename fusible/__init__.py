@@ -11,7 +11,7 @@ below it (see docs/design.md) and is imported by none of them. The built-in fusi
 
 from fusible import ops, testing
 from fusible.state_dicts import (deinterleave_glu_rows, interleave_glu_rows,
-                             state_dict_from_torch)
+                                 state_dict_from_torch, state_dict_to_torch)
 from fusible.fsdp import fsdp_float8_all_gather
 from fusible.conversion import ConversionReport, convert, convert_module
 from fusible.model_plan import ModelPlan, plan_model
@@ -43,6 +43,6 @@ __all__ = [
     "PlanConditions", "PlanEnvironment", "quantize", "quantized_model_init", "Recipe",
     "recipe_from_name", "register_fusion", "register_recipe", "register_schema_type",
     "registered_fusions", "registered_recipes", "run_deferred_wgrad", "split_backward",
-    "Stage", "state_dict_from_torch", "take_deferred_wgrad", "testing", "unregister_fusion",
-    "unregister_recipe",
+    "Stage", "state_dict_from_torch", "state_dict_to_torch", "take_deferred_wgrad", "testing",
+    "unregister_fusion", "unregister_recipe",
 ]

@@ -211,6 +211,8 @@ def check_state_dict_from_torch(rank, ws):
     block.load_state_dict(fusible.state_dict_from_torch(block, twin))
     for got, want in zip(block.parameters(), twin.parameters()):
         assert torch.equal(full(got), want.detach())
+    back = fusible.state_dict_to_torch(block, twin)  # the DTensors made whole
+    assert all(torch.equal(back[k], v) for k, v in twin.state_dict().items())
 
 
 def check_steps_keep_plans(rank, ws):

@@ -100,6 +100,8 @@ def check_state_dict_from_torch_2d(rank, ws):
     tp_rank = mesh["tp"].get_local_rank()
     for (name, got), want in zip(block.named_parameters(), twin.parameters()):
         assert torch.equal(full(got), _tp_part("layers.0." + name, want.detach(), tp_rank)), name
+    back = fusible.state_dict_to_torch(block, twin)  # dp's DTensors whole, tp's shards gathered
+    assert all(torch.equal(back[k], v) for k, v in twin.state_dict().items())
 
 
 # DCP ----------------------------------------------------------------------------------

@@ -119,6 +119,9 @@ def _check_state_dict_from_torch(rank, ws):
     for got, want in ((model[0].weight, ref[0].weight[cols]), (model[0].bias, ref[0].bias[cols]),
                       (model[2].weight, ref[2].weight[:, cols]), (model[2].bias, ref[2].bias)):
         assert torch.equal(got, want)
+    back = fusible.state_dict_to_torch(model, ref)  # the shards gathered on every rank
+    assert back.keys() == ref.state_dict().keys()
+    assert all(torch.equal(back[k], v) for k, v in ref.state_dict().items())
 
 
 def _check_norm_sp(rank, ws):

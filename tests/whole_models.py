@@ -72,12 +72,12 @@ class TorchGPTBlock(nn.Module):
 
 
 class TorchGPT(nn.Module):
-    def __init__(self, vocab=64, hidden=32, heads=2, layers=2):
+    def __init__(self, vocab=64, hidden=32, heads=2, layers=2, head_bias=False):
         super().__init__()
         self.wte = nn.Embedding(vocab, hidden)
         self.h = nn.ModuleList(TorchGPTBlock(hidden, heads) for _ in range(layers))
         self.ln_f = nn.LayerNorm(hidden)
-        self.lm_head = nn.Linear(hidden, vocab, bias=False)
+        self.lm_head = nn.Linear(hidden, vocab, bias=head_bias)
 
     def forward(self, tokens):
         x = self.wte(tokens)
