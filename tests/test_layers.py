@@ -96,8 +96,8 @@ def test_every_module_is_in_a_layer():
 
 # Heavy third-party modules that load when first used, not with `import fusible` (which
 # stays under 0.3 s after torch): the only imports a function body may hold.
-LAZY = {"torch.distributed.pipelining", "graphviz", "functorch.compile",
-        "torch._dynamo.utils", "torch._functorch.aot_autograd"}
+LAZY = {"torch.distributed.pipelining", "graphviz", "functorch.compile", "triton",
+        "triton.language", "torch._dynamo.utils", "torch._functorch.aot_autograd"}
 
 
 def _module_of(node) -> str:
@@ -134,12 +134,12 @@ def test_the_check_sees_a_wrong_import():
 
 
 def test_import_fusible_loads_no_heavy_module():
-    """`import fusible` after torch pays for none of dynamo, DTensor, pipelining or
-    graphviz: each loads when first used (a compile, a DTensor, a pipeline stage, a
-    rendering)."""
+    """`import fusible` after torch pays for none of dynamo, DTensor, pipelining, Triton or
+    graphviz: each loads when first used (a compile, a DTensor, a pipeline stage, a CUDA
+    kernel, a rendering)."""
     code = ("import sys, torch; before = set(sys.modules); import fusible; "
             "print(sorted(m for m in ('torch._dynamo', 'torch.distributed.tensor', "
-            "'torch.distributed.pipelining', 'graphviz') if m in sys.modules "
+            "'torch.distributed.pipelining', 'graphviz', 'triton') if m in sys.modules "
             "and m not in before))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True).stdout.strip()

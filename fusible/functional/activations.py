@@ -14,7 +14,7 @@ from fusible.kernels import dact_dbias as kernels
 from fusible.kernels import scaled_glu as scaled_kernels
 from fusible.kernels import swiglu as swiglu_kernels
 from fusible.kernels.swiglu import CLAMP_DEFAULTS
-from fusible.kernels import triton_can_run
+from fusible.kernels import triton_can_run, triton_imports
 from fusible.quantization.float8_tensor import Float8Tensor, from_cast_parts
 from fusible.quantization.format import Float8Format
 
@@ -101,9 +101,10 @@ def dact_dbias(kind: str, grad_output: Tensor, saved: Tensor,
     precision. Elsewhere the PyTorch ops, and ``dact`` in high precision (the caller
     quantizes it).
     """
-    if (kernels.triton is not None and kind in kernels.KINDS and grad_output.is_cuda
+    if (kind in kernels.KINDS and grad_output.is_cuda
             and grad_output.numel() >= kernels.TRITON_MIN_NUMEL
-            and not isinstance(grad_output, FakeTensor)):  # fake kernels: no launch
+            and not isinstance(grad_output, FakeTensor)  # fake kernels: no launch
+            and triton_imports()):
         if output_format is not None:
             data, scale_inv, transpose, dbias = kernels.dact_dbias_fp8_triton(
                 kind, grad_output, saved, *output_format.cast_args())

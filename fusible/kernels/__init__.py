@@ -1,15 +1,103 @@
 """Kernels: Triton versions for CUDA, imported by the layers above, which keep the
 plain-PyTorch arithmetic (the CPU path and the reference)."""
 
+import importlib.util
+import sys
+import types
+
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError as error:  # optional: CPU-only installs run the PyTorch ops
-    triton = tl = None
-    _TRITON_IMPORT_ERROR = error
-HAVE_TRITON = triton is not None
+# Triton is optional (CPU-only installs run the PyTorch ops) and imported when a kernel is
+# first launched, not with fusible: its import costs 0.2 s that a CPU run never needs.
+HAVE_TRITON = importlib.util.find_spec("triton") is not None
+_TRITON_IMPORT_ERROR: "Exception | None" = None
+_TRITON_IMPORTED = False
+_LAZY_KERNELS: list = []
+
+
+class _LazyTriton(types.ModuleType):
+    """``triton`` or ``triton.language`` until Triton is imported: any attribute imports
+    it. A module itself, so that Triton's compiler takes it as the kernels' ``tl``."""
+
+    def __getattr__(self, attr):
+        _import_triton()
+        return getattr(sys.modules[self.__name__], attr)
+
+
+class _LazyKernel:
+    """A kernel decorated before Triton is imported: indexing it (a launch) or reading an
+    attribute imports Triton, which compiles every such kernel and puts it in their place
+    in the modules that hold them (device functions are found there by name)."""
+
+    def __init__(self, fn):
+        self.fn, self.kernel = fn, None
+        _LAZY_KERNELS.append(self)
+
+    def __getitem__(self, grid):
+        return self._compiled()[grid]
+
+    def __getattr__(self, attr):
+        return getattr(self._compiled(), attr)
+
+    def _compiled(self):
+        _import_triton()
+        return self.kernel
+
+
+def _import_triton() -> None:
+    """Import Triton (once), compile the kernels decorated so far and put the real modules
+    and kernels where the stand-ins were; RuntimeError when Triton is missing or fails to
+    import."""
+    global _TRITON_IMPORT_ERROR, _TRITON_IMPORTED
+    if _TRITON_IMPORTED:
+        return
+    if not HAVE_TRITON or _TRITON_IMPORT_ERROR is not None:
+        raise RuntimeError(_why_no_triton())
+    try:
+        import triton
+        import triton.language
+    except Exception as error:  # noqa: BLE001 - a broken install: say why, once
+        _TRITON_IMPORT_ERROR = error
+        raise RuntimeError(_why_no_triton()) from error
+    _TRITON_IMPORTED = True
+    for lazy in _LAZY_KERNELS:
+        lazy.kernel = _cached_launch_jit(lazy.fn)
+    _replace_stand_ins()
+
+
+def _why_no_triton() -> str:
+    if not HAVE_TRITON:
+        return "Triton is not installed"
+    return f"Triton failed to import: {_TRITON_IMPORT_ERROR!r}"
+
+
+def _replace_stand_ins() -> None:
+    """The real ``triton``, ``triton.language`` and kernels in every module namespace that
+    holds a stand-in (Triton's compiler finds a kernel's device functions there)."""
+    stand_ins = {id(triton): sys.modules["triton"], id(tl): sys.modules["triton.language"]}
+    stand_ins.update({id(lazy): lazy.kernel for lazy in _LAZY_KERNELS})
+    for module in list(sys.modules.values()):
+        namespace = getattr(module, "__dict__", None)
+        if not isinstance(namespace, dict) or isinstance(module, _LazyTriton):
+            continue
+        for name, value in list(namespace.items()):
+            if isinstance(value, (_LazyTriton, _LazyKernel)) and id(value) in stand_ins:
+                namespace[name] = stand_ins[id(value)]
+
+
+triton = _LazyTriton("triton") if HAVE_TRITON else None
+tl = _LazyTriton("triton.language") if HAVE_TRITON else None
+
+
+def triton_imports() -> bool:
+    """Whether Triton is installed and imports (importing it the first time)."""
+    if not HAVE_TRITON:
+        return False
+    try:
+        _import_triton()
+    except RuntimeError:
+        return False
+    return True
 
 
 def _never_compiled(fn):
@@ -99,14 +187,23 @@ def _cached_launch_jit(fn):
     ``run`` goes through :class:`CachedLaunches` (an attribute of this kernel alone:
     its type stays ``JITFunction``, as the compiler expects of the device functions
     decorated alike)."""
-    kernel = triton.jit(fn)
-    if isinstance(kernel, triton.runtime.jit.JITFunction):
+    real = sys.modules["triton"]
+    kernel = real.jit(fn)
+    if isinstance(kernel, real.runtime.jit.JITFunction):
         kernel.run = CachedLaunches(kernel, kernel.run)
     return kernel
 
 
+def _lazy_jit(fn):
+    """``triton.jit`` once Triton is imported (:func:`_cached_launch_jit`), a
+    :class:`_LazyKernel` before."""
+    if _TRITON_IMPORTED:
+        return _cached_launch_jit(fn)
+    return _LazyKernel(fn)
+
+
 # The kernel modules import Triton from here, once, and decorate with this.
-jit = _cached_launch_jit if HAVE_TRITON else _never_compiled
+jit = _lazy_jit if HAVE_TRITON else _never_compiled
 _TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _PLAIN = (torch.Tensor, torch.nn.Parameter)  # a Parameter is a plain tensor to the kernels
 
@@ -128,12 +225,14 @@ def triton_can_run(*tensors) -> bool:
     """Whether the Triton kernels take these tensors: plain CUDA tensors (not the fake
     ones of a trace, which get the PyTorch ops for their shapes, nor other subclasses) in a
     dtype the kernels compute in, with Triton installed."""
-    return HAVE_TRITON and all(type(t) in _PLAIN and t.is_cuda and t.dtype in _TRITON_DTYPES
-                               for t in tensors)
+    return (HAVE_TRITON and all(type(t) in _PLAIN and t.is_cuda and t.dtype in _TRITON_DTYPES
+                                for t in tensors) and triton_imports())
 
 
 def require_triton(name: str) -> None:
-    """RuntimeError naming ``name`` when Triton failed to import."""
-    if triton is None:
-        raise RuntimeError(f"{name} needs Triton, which failed to import: "
-                           f"{_TRITON_IMPORT_ERROR!r}")
+    """Import Triton where it is not yet imported; RuntimeError naming ``name`` when it is
+    not installed or failed to import."""
+    try:
+        _import_triton()
+    except RuntimeError as error:
+        raise RuntimeError(f"{name} needs Triton: {error}") from None
