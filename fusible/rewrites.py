@@ -117,6 +117,10 @@ def fuse_residual_adds(module: nn.Module, path: str, shared: frozenset) -> Resid
         Its name in the model, for error messages at run time.
     shared : frozenset
         ``id()`` of the modules that appear more than once in the model: never rewritten.
+
+    Returns
+    -------
+    ResidualFusion
     """
     fusible = {n for n, c in module.named_children() if isinstance(c, PipelineModule)}
     if not fusible or "forward" in module.__dict__:  # nothing to fuse; or patched already
