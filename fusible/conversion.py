@@ -13,6 +13,16 @@ optimizer built before the conversion, its state and every checkpoint keep worki
 
 A module whose forward is Python (attention, a residual block) keeps that forward; its
 recognised children are converted one by one, and the report says what stayed and why.
+Its Linear + residual adds are fused (``fuse_residuals=True``, the default): the forward,
+traced one level deep with ``torch.fx``, adds a residual to the output of a converted child
+ending in a linear layer (``x = x + self.proj(y)``, ``x + self.mlp(h)``); that child becomes
+a Sequential ending in ``ops.AddExtraInput``, called as ``child(y, x)``, so the planner fuses
+the add into the GEMM (``ForwardLinearBiasAdd``). The rewritten forward is installed on the
+instance (the module keeps its class); where the residual's shape or dtype differ from the
+linear layer's output at run time (a broadcast; under ``torch.autocast``, a float32 residual
+that the add would promote) the add runs as written. A lone ``ops.Linear`` child is wrapped
+(``proj.linear.weight``), its checkpoints kept under the original names by state-dict hooks.
+A forward fx cannot trace (data-dependent control flow) stays as it is; the report says why.
 With ``merge_gated_mlps=True``, a gated MLP class (``down(silu(gate(x)) * up(x))`` with
 children named ``gate_proj`` / ``up_proj`` / ``down_proj``, or torchtitan's ``w1`` / ``w3``
 / ``w2``; recognised by those names and confirmed by computing both on a probe input)
@@ -42,6 +52,7 @@ from fusible.ops.relu import ReLU
 from fusible.ops.rms_norm import RMSNorm
 from fusible.ops.silu import SiLU
 from fusible.ops.swiglu import SwiGLU
+from fusible.rewrites import FUSED, CheckpointNames, fuse_residual_adds
 
 
 @attrs.frozen
@@ -67,7 +78,8 @@ class ConversionReport:
         return "\n".join(lines)
 
 
-def convert(model: nn.Module, *, merge_gated_mlps: bool = False) -> ConversionReport:
+def convert(model: nn.Module, *, merge_gated_mlps: bool = False,
+            fuse_residuals: bool = True) -> ConversionReport:
     """Swap the modules of ``model`` that fusible recognises for fusible ops, in place.
 
     Parameters
@@ -80,15 +92,34 @@ def convert(model: nn.Module, *, merge_gated_mlps: bool = False) -> ConversionRe
     merge_gated_mlps : bool
         Also replace gated MLP classes (see the module docstring), merging their gate and
         up projections into one new parameter.
+    fuse_residuals : bool
+        Fuse the Linear + residual adds of Python forwards into the linear layers'
+        pipelines (see the module docstring): each is reported as converted,
+        ``(child path, "Linear + residual", "AddExtraInput fused")``.
 
     Returns
     -------
     ConversionReport
     """
+    options = _Options(merge_gated_mlps, fuse_residuals, _shared_modules(model))
     converted: list[tuple[str, str, str]] = []
     left: list[tuple[str, str, str]] = []
-    _convert_children(model, "", converted, left, merge_gated_mlps)
+    _convert_children(model, "", converted, left, options)
+    if fuse_residuals and not isinstance(model, (PipelineModule, nn.Sequential)):
+        _fuse_residuals(model, "", converted, left, None, options)
     return ConversionReport(tuple(converted), tuple(left))
+
+
+@attrs.frozen
+class _Options:
+    merge_gated: bool
+    fuse_residuals: bool
+    shared: frozenset  # id() of the modules the model holds more than once
+
+
+def _shared_modules(model: nn.Module) -> frozenset:
+    counts = collections.Counter(id(m) for _, m in model.named_modules(remove_duplicate=False))
+    return frozenset(i for i, n in counts.items() if n > 1)
 
 
 def convert_module(module: nn.Module) -> Optional[nn.Module]:
@@ -104,7 +135,7 @@ def convert_module(module: nn.Module) -> Optional[nn.Module]:
     return None if make is None else make(module)
 
 
-def _convert_children(module, path, converted, left, merge_gated: bool) -> None:
+def _convert_children(module, path, converted, left, options: _Options) -> None:
     for name, child in list(module.named_children()):
         where = f"{path}.{name}" if path else name
         if isinstance(child, PipelineModule):
@@ -112,7 +143,7 @@ def _convert_children(module, path, converted, left, merge_gated: bool) -> None:
         new = convert_module(child)
         gated = _gated_names(child) if new is None else None
         if gated is not None:
-            if not merge_gated:
+            if not options.merge_gated:
                 left.append((where, type(child).__name__,
                              f"a gated MLP ({', '.join(gated)}): convert(..., "
                              f"merge_gated_mlps=True) merges its gate and up projections into "
@@ -125,9 +156,33 @@ def _convert_children(module, path, converted, left, merge_gated: bool) -> None:
             converted.append((where, type(child).__name__, type(new).__name__))
             continue
         why = _why_left(child) if gated is None else None
+        entry = len(left)
         if why is not None:
             left.append((where, type(child).__name__, why))
-        _convert_children(child, where, converted, left, merge_gated)
+        _convert_children(child, where, converted, left, options)
+        if options.fuse_residuals and not isinstance(child, nn.Sequential):
+            _fuse_residuals(child, where, converted, left, entry if why else None, options)
+
+
+def _fuse_residuals(module, path, converted, left, entry: Optional[int],
+                    options: _Options) -> None:
+    """Fuse ``module``'s Linear + residual adds; what stayed joins its ``left`` entry (at
+    ``entry``, or a new one)."""
+    done = fuse_residual_adds(module, path, options.shared)
+    converted += [(f"{path}.{name}" if path else name, FUSED, "AddExtraInput fused")
+                  for name in done.fused]
+    notes = [why for _, why in done.unfused]
+    if done.untraced:
+        notes.append(f"fx could not trace it to fuse its residual adds ({done.untraced})")
+    if done.fused:
+        notes.insert(0, f"rewritten to fuse the residual adds of {', '.join(done.fused)}")
+    if not notes:
+        return
+    if entry is None:
+        left.append((path, type(module).__name__, "; ".join(notes)))
+    else:
+        where, kind, why = left[entry]
+        left[entry] = (where, kind, "; ".join([why, *notes]))
 
 
 def _why_left(module) -> Optional[str]:
@@ -143,8 +198,7 @@ def _why_left(module) -> Optional[str]:
     if own:
         return f"no fusible op computes {type(module).__name__} (parameters {own})"
     if list(module.children()):
-        return ("its forward is Python, which fusible does not rewrite: its children are "
-                "converted one by one")
+        return "its forward is Python: its children are converted one by one"
     return None
 
 
@@ -195,20 +249,9 @@ def _merged_gated_mlp(module, names: tuple) -> Sequential:
     out_proj.weight = cast(nn.Parameter, down.weight)  # the same object
     block = Sequential(collections.OrderedDict(  # type: ignore[arg-type]
         [("gate_up", merged), ("act", SwiGLU()), (down_name, out_proj)]))
-    split = gate.out_features
-
-    def save(mod, state, prefix, local_metadata):  # the original names in checkpoints
-        both = state.pop(f"{prefix}gate_up.weight")
-        state[f"{prefix}{gate_name}.weight"] = both[:split]
-        state[f"{prefix}{up_name}.weight"] = both[split:]
-
-    def load(mod, state, prefix, *args):
-        keys = (f"{prefix}{gate_name}.weight", f"{prefix}{up_name}.weight")
-        if all(k in state for k in keys):
-            state[f"{prefix}gate_up.weight"] = torch.cat([state.pop(k) for k in keys])
-
-    block.register_state_dict_post_hook(save)
-    block.register_load_state_dict_pre_hook(load)
+    split = gate.out_features  # checkpoints: gate_up.weight saved as the two originals
+    CheckpointNames((("gate_up.weight", (f"{gate_name}.weight", f"{up_name}.weight"),
+                      (split, split)),)).install(block)
     return block
 
 

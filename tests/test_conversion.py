@@ -39,11 +39,12 @@ def test_converted_model_computes_and_trains_like_the_original(name):
     torch.manual_seed(0)
     original = MODELS[name]()
     model = copy.deepcopy(original)
-    params_before = dict(model.named_parameters())
+    params_before = list(model.parameters())
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)  # built before the conversion
     report = fusible.convert(model)
-    assert dict(model.named_parameters()).keys() == params_before.keys()
-    assert all(p is params_before[n] for n, p in model.named_parameters())  # same objects
+    assert model.state_dict().keys() == original.state_dict().keys()  # checkpoint names
+    after = list(model.parameters())  # the same objects in the same order (optimizer state)
+    assert len(after) == len(params_before) and all(p is q for p, q in zip(after, params_before))
     tokens = data()[0]
     torch.testing.assert_close(model(tokens), original(tokens), rtol=2e-6, atol=2e-6)
     want = train(original, torch.optim.Adam(original.parameters(), lr=1e-2), data())
@@ -86,8 +87,10 @@ def test_gated_mlps_merge_into_one_swiglu_block_with_the_same_checkpoints():
     report = fusible.convert(model, merge_gated_mlps=True)
     assert ("layers.0.mlp", "LlamaMLP", "Sequential") in report.converted
     mlp = model.layers[0].mlp
-    assert [s.name for s in mlp.plan(torch.zeros(2, 32)).forward] == [
-        "BasicLinear", "SwiGLU", "BasicLinear"]
+    assert ("layers.0.mlp", "Linear + residual", "AddExtraInput fused") in report.converted
+    x = torch.zeros(2, 32)
+    assert [s.name for s in mlp.plan(x, x).forward] == [
+        "BasicLinear", "SwiGLU", "ForwardLinearBiasAdd"]  # x + mlp(h): the down GEMM adds x
     tokens = data()[0]
     torch.testing.assert_close(model(tokens), original(tokens), rtol=2e-6, atol=2e-6)
     assert model.state_dict().keys() == original.state_dict().keys()  # checkpoints keep names
@@ -139,3 +142,191 @@ def test_convert_module_replaces_a_root():
     assert new[0].weight is mlp[0].weight
     torch.testing.assert_close(new(x), want)
     assert fusible.convert_module(nn.Embedding(3, 4)) is None
+
+
+# Linear + residual ---------------------------------------------------------------------
+
+FUSED = ("Linear + residual", "AddExtraInput fused")
+
+
+def chosen(plan) -> list:
+    return [s.name for s in plan.forward]
+
+
+class Residual(nn.Module):
+    """``x + proj(y)`` and ``mlp(x) + x``: a lone Linear and a Sequential ending in one."""
+
+    def __init__(self, bias=True):
+        super().__init__()
+        self.proj = nn.Linear(32, 32, bias=bias)
+        self.mlp = nn.Sequential(nn.Linear(32, 64, bias=bias), nn.GELU(),
+                                 nn.Linear(64, 32, bias=bias))
+
+    def forward(self, x, y):
+        x = x + self.proj(y)
+        return self.mlp(x) + x
+
+
+def converted_pair(block_type=Residual, **kwargs):
+    torch.manual_seed(0)
+    original = block_type(**kwargs)
+    model = copy.deepcopy(original)
+    return original, model, fusible.convert(model)
+
+
+def test_gpt_blocks_fuse_their_projection_with_the_residual():
+    torch.manual_seed(0)
+    original = wm.TorchGPT()
+    model = copy.deepcopy(original)
+    report = fusible.convert(model)
+    assert ("h.0.proj", *FUSED) in report.converted and ("h.1.proj", *FUSED) in report.converted
+    block = model.h[0]
+    assert type(block) is wm.TorchGPTBlock and "forward" in block.__dict__  # its class stays
+    assert [type(m).__name__ for m in block.proj] == ["Linear", "AddExtraInput"]
+    x = torch.zeros(2, 16, 32)
+    assert chosen(block.proj.plan(x, x)) == ["ForwardLinearBiasAdd"]
+    totals = fusible.plan_model(model, data()[0]).totals()
+    assert totals["fusions chosen"]["ForwardLinearBiasAdd"] == 2
+    left = {p: why for p, _, why in report.left}
+    assert "x + mlp(...) stays unfused: it ends in Dropout, not a linear layer" in left["h.0"]
+    tokens = data()[0]
+    want, got = original(tokens), model(tokens)
+    torch.testing.assert_close(got, want, rtol=2e-6, atol=2e-6)  # (x + x@W) + b: reordered
+    want.square().sum().backward()
+    got.square().sum().backward()
+    grads = dict(zip(original.state_dict(), [p.grad for p in original.parameters()]))
+    for name, p in zip(model.state_dict(), model.parameters()):
+        torch.testing.assert_close(p.grad, grads[name], rtol=2e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_the_fused_residual_adds_compute_like_the_original(bias):
+    original, model, report = converted_pair(bias=bias)
+    assert [c for c in report.converted if c[1:] == FUSED] == [("proj", *FUSED), ("mlp", *FUSED)]
+    x = torch.zeros(4, 7, 32)
+    assert chosen(model.mlp.plan(x, x))[-1] == "ForwardLinearBiasAdd"
+    g = torch.Generator().manual_seed(1)
+    x, y, dz = (torch.randn(4, 7, 32, generator=g) for _ in range(3))
+    inputs = [t.clone().requires_grad_() for t in (x, y)]
+    want = original(*inputs)
+    want_grads = torch.autograd.grad(want, [*inputs, *original.parameters()], dz)
+    inputs = [t.clone().requires_grad_() for t in (x, y)]
+    got = model(*inputs)
+    got_grads = torch.autograd.grad(got, [*inputs, *model.parameters()], dz)
+    if not bias:  # the GEMM accumulates into the residual: the same float adds, bitwise
+        assert torch.equal(got, want)
+        assert all(torch.equal(a, b) for a, b in zip(got_grads, want_grads))
+    else:  # x + (x@W + b) became (x + x@W) + b: one rounding apart
+        torch.testing.assert_close(got, want, rtol=2e-6, atol=2e-6)
+        for a, b in zip(got_grads, want_grads):
+            torch.testing.assert_close(a, b, rtol=2e-6, atol=2e-6)
+
+
+def test_residuals_that_broadcast_or_promote_are_added_as_written():
+    original, model, _ = converted_pair(bias=True)
+    y = torch.randn(4, 7, 32)
+
+    class One(nn.Module):  # the proj add alone, to compare bitwise
+        def __init__(self, proj):
+            super().__init__()
+            self.proj = proj
+
+        def forward(self, x, y):
+            return x + self.proj(y)
+
+    one_original = One(copy.deepcopy(original.proj))
+    one = copy.deepcopy(one_original)
+    fusible.convert(one)
+    assert isinstance(one.proj, ops.Sequential)
+    for x in (torch.randn(32), torch.randn(7, 1), torch.randn(4, 7, 32, dtype=torch.float64)):
+        want, got = one_original(x, y), one(x, y)  # broadcast; float64 promotes
+        assert got.dtype == want.dtype and torch.equal(got, want)
+    x = torch.randn(4, 7, 32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want, got = one_original(x, y), one(x, y)  # a bfloat16 GEMM + a float32 residual
+        assert got.dtype == want.dtype == torch.float32 and torch.equal(got, want)
+        want, got = one_original(x.bfloat16(), y), one(x.bfloat16(), y)  # fused: bf16 both
+        assert got.dtype == want.dtype == torch.bfloat16  # the GEMM rounds once less
+        torch.testing.assert_close(got, want, rtol=2**-7, atol=2**-7)  # about one bf16 ulp
+        assert chosen(one.proj.plan(y, x.bfloat16())) == ["ForwardLinearBiasAdd"]
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # the whole model, as written
+        torch.testing.assert_close(model(x, y), original(x, y), rtol=0, atol=0)
+
+
+def test_a_forward_fx_cannot_trace_stays_as_it_is():
+    class Branchy(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = nn.Linear(8, 8)
+
+        def forward(self, x):
+            if x.sum() > 0:  # data-dependent control flow
+                return x + self.proj(x)
+            return x
+
+    holder = nn.Module()
+    holder.block = Branchy()
+    report = fusible.convert(holder)
+    assert isinstance(holder.block.proj, ops.Linear) and "forward" not in holder.block.__dict__
+    left = {p: why for p, _, why in report.left}
+    assert "fx could not trace it to fuse its residual adds (TraceError: " in left["block"]
+    assert not [c for c in report.converted if c[1:] == FUSED]
+    x = torch.ones(2, 8)
+    torch.testing.assert_close(holder.block(x), x + holder.block.proj(x))
+
+
+def test_fuse_residuals_false_leaves_the_adds():
+    original, model = Residual(), Residual()
+    model.load_state_dict(original.state_dict())
+    report = fusible.convert(model, fuse_residuals=False)
+    assert isinstance(model.proj, ops.Linear) and "forward" not in model.__dict__
+    assert not [c for c in report.converted if c[1:] == FUSED]
+    x = torch.randn(2, 32)
+    assert torch.equal(model(x, x), original(x, x))
+
+
+def test_the_rewritten_model_copies_pickles_saves_and_compiles():
+    import pickle
+    original, model, _ = converted_pair()
+    x, y = torch.randn(4, 7, 32), torch.randn(4, 7, 32)
+    want = model(x, y)
+    for clone in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
+        assert torch.equal(clone(x, y), want)
+        with torch.no_grad():
+            clone.proj[0].bias.add_(1.0)  # the clone's forward calls the clone's children
+        assert torch.equal(model(x, y), want) and not torch.equal(clone(x, y), want)
+    assert model.state_dict().keys() == original.state_dict().keys()
+    fresh = Residual()
+    fusible.convert(fresh)
+    fresh.load_state_dict(original.state_dict())  # an original checkpoint loads
+    assert torch.equal(fresh(x, y), want)
+    back = Residual()
+    back.load_state_dict(model.state_dict())  # and the converted one loads into the original
+    assert torch.equal(back(x, y), original(x, y))
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    assert torch.equal(compiled(x, y), want)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert torch.equal(compiled(x, y), model(x, y))  # the unfused path, compiled too
+
+
+def test_a_forward_reading_its_attributes_keeps_them_honest():
+    class Scaled(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj, self.scale = nn.Linear(8, 8), 2.0
+
+        def forward(self, x):
+            y = x * self.scale if self.training else x
+            return x + self.proj(y)
+
+    original = Scaled()
+    model = copy.deepcopy(original)
+    fusible.convert(model)
+    assert isinstance(model.proj, ops.Sequential)
+    x = torch.randn(2, 8)
+    for mode in (True, False):  # traced in both modes
+        original.train(mode), model.train(mode)
+        torch.testing.assert_close(model(x), original(x), rtol=2e-6, atol=2e-6)
+    model.scale = 3.0  # the trace holds 2.0
+    with pytest.raises(RuntimeError, match=r"Scaled.scale changed since fusible.convert"):
+        model(x)
