@@ -24,6 +24,7 @@ LAYERS = [
     ("fusible.runtime",),
     ("fusible.module",),
     ("fusible.ops",),
+    ("fusible.traced_forward",),  # the forward a rewrite installs
     ("fusible.rewrites",),  # convert's in-place rewrites (checkpoint names, residual adds)
     ("fusible.conversion", "fusible.fsdp", "fusible.model_plan", "fusible.state_dicts",
      "fusible.pipelining",
