@@ -2,9 +2,12 @@
 the site builds strictly (broken links and docstring errors fail).
 
 A page may prepare its blocks with a hidden ``<!-- docs-test setup ... -->`` comment (the
-code in it runs before the next block), and mark a block that cannot run here with
-``<!-- docs-test skip: why -->`` right before it (several ranks, a GPU), naming the test
-that runs its code. A page that renders a diagram needs graphviz's ``dot``.
+code in it runs before the next block), and mark a block that cannot run in one process
+with ``<!-- docs-test skip: why -->`` right before it (several ranks), naming the test that
+runs its code. A block that needs a GPU is marked ``<!-- docs-test gpu: why -->`` (why, and
+the CPU test that runs its code) and prepared by ``<!-- docs-test gpu-setup ... -->``: it
+runs where CUDA is (scripts/gpu_check.sh) and is skipped elsewhere. A page that renders a
+diagram needs graphviz's ``dot``.
 """
 
 import importlib.util
@@ -16,13 +19,16 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 import fusible
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PAGES = sorted((ROOT / "docs").glob("*.md"))
 TOKEN = re.compile(r"<!-- docs-test setup\n(?P<setup>.*?)-->|<!-- docs-test skip: (?P<skip>.+?) -->"
-                   r"|```python\n(?P<code>.*?)```", re.S)
+                   r"|<!-- docs-test gpu-setup\n(?P<gpu_setup>.*?)-->"
+                   r"|<!-- docs-test gpu: (?P<gpu>.+?) -->|```python\n(?P<code>.*?)```", re.S)
+GPU = torch.cuda.is_available()
 
 
 def blocks(page: pathlib.Path) -> list:
@@ -53,8 +59,10 @@ def test_every_code_block_runs(page, tmp_path, monkeypatch, fresh_dynamo, regist
     namespace: dict = {"__name__": f"docs_{page.stem}"}
     skip = None
     for k, (kind, text) in enumerate(blocks(page)):
-        if kind == "skip":
+        if kind == "skip" or kind == "gpu" and not GPU:
             skip = text
+            continue
+        if kind == "gpu" or kind == "gpu_setup" and not GPU:
             continue
         if kind == "code" and skip is not None:
             assert skip.strip(), f"{page.name}: a skip needs its reason"
@@ -70,7 +78,8 @@ def test_every_code_block_runs(page, tmp_path, monkeypatch, fresh_dynamo, regist
 def test_skips_name_the_test_that_runs_them():
     """A block that cannot run here (several ranks, a GPU) names the test that runs its
     code; most blocks run."""
-    skips = [(p.name, text) for p in PAGES for kind, text in blocks(p) if kind == "skip"]
+    skips = [(p.name, text) for p in PAGES for kind, text in blocks(p)
+             if kind in ("skip", "gpu")]
     assert all("tests/" in why for _, why in skips), skips
     code = sum(kind == "code" for p in PAGES for kind, _ in blocks(p))
     assert len(skips) * 2 < code, (len(skips), code)
