@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import collections
 import weakref
-from typing import Iterable, Iterator
+from typing import Any, Iterable, Iterator, cast
 
 import torch
 from torch import nn
@@ -45,7 +45,8 @@ class PipelineModule(ReplanOnHooks, nn.Module):
         cache = self.__dict__.get("_fusible_cache")
         hooks = global_hooks_active()
         if cache is None or cache.epoch != epoch.current() or cache.global_hooks != hooks:
-            cache = Layout(_entries(self, hooks), hooks)
+            entries, left_out = _entries(self, hooks)
+            cache = Layout(entries, hooks, left_out)
             object.__setattr__(self, "_fusible_cache", cache)
         return cache
 
@@ -127,24 +128,38 @@ def flatten(module: nn.Module, root: bool = True) -> list:
     return [module]
 
 
-def _entries(root: nn.Module, global_hooks: bool) -> list:
-    """The layout's entries: basic ops that run in groups, and :class:`Called` items (ordinary
-    modules; ops and Sequentials with hooks; every op while global hooks are registered)."""
+def _entries(root: nn.Module, global_hooks: bool) -> tuple:
+    """``(entries, left out)``: the layout's entries, basic ops that run in groups and
+    :class:`Called` items (ordinary modules; ops and Sequentials with hooks; every op while
+    global hooks are registered), and the ops left out of plans."""
     if isinstance(root, BasicOperationSpec):
         # A lone op: its layout refers to it weakly, or op -> layout -> op would be a
         # reference cycle, freed only by the cyclic GC (the autograd node holds it while
         # a backward is pending). Its own hooks run around this very call.
         epoch.mark_planned(root)
-        return [weakref.proxy(root)]
+        return [weakref.proxy(root)], ()
+    items = flatten(root)
+    plain = [isinstance(item, BasicOperationSpec) and not (global_hooks or has_hooks(item))
+             for item in items]
+    left_out = _identities_left_out(items, plain)
     entries = []
-    for item in flatten(root):
-        if isinstance(item, BasicOperationSpec) and not (global_hooks or has_hooks(item)):
+    for item, is_plain in zip(items, plain):
+        if any(item is op for op in left_out):
+            continue
+        if is_plain:
             entries.append(item)
             continue
         ops = flatten(item) if isinstance(item, (FusibleSpec, Sequential)) else ()
         entries.append(Called(item, *caller_counts(
             [op for op in ops if isinstance(op, BasicOperationSpec)])))
-    return entries
+    return entries, tuple(left_out)
+
+
+def _identities_left_out(items: list, plain: list) -> list:
+    """The plain ops left out of plans (``left_out_of_plans``) where another op remains
+    (an op alone keeps its own plan)."""
+    same = [i for i, p in zip(items, plain) if p and cast(Any, i).left_out_of_plans()]
+    return same if len(same) < len(items) else []
 
 
 class FusibleOperation(PipelineModule, FusibleSpec):

@@ -210,3 +210,28 @@ def test_reference_helper_handles_aliased_inputs_and_module_parameters():
     model = ops.Sequential(ops.BasicLinear(4, 4), nn.Linear(4, 4), ops.AddExtraInput())
     x = exact_tensor((3, 4)).requires_grad_()
     check_against_reference(model, x, x)   # the README's block(x, x) pattern
+
+
+def test_dropout_of_zero_is_left_out_so_fusions_cross_it():
+    """Dropout(p=0) returns its input and draws nothing (as torch.nn.Dropout(0)): the plan
+    leaves it out, so the linear layer's epilogue takes the residual add; a new p replans."""
+    torch.manual_seed(0)
+    dropout = ops.Dropout(0.0)
+    model = ops.Sequential(ops.Linear(8, 8), dropout, ops.AddExtraInput())
+    x, residual = torch.randn(4, 8, requires_grad=True), torch.randn(4, 8)
+    plan = model.plan(x, residual)
+    assert stage_names(plan.forward) == ["ForwardLinearBiasAdd"]
+    assert plan.left_out == (dropout,) and "left out (they return their input): " \
+        "Dropout(p=0.0)" in plan.explain()
+    state = torch.get_rng_state()
+    y = model(x, residual)
+    assert torch.equal(torch.get_rng_state(), state)  # no mask drawn
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    assert torch.equal(compiled(x, residual), y)
+    torch.testing.assert_close(y, model[0](x) + residual)
+    dropout.p = 0.5  # a configuration change: replanned, the mask drawn again
+    assert stage_names(model.plan(x, residual).forward) == [
+        "ForwardLinearBias", "Dropout", "AddExtraInput"]
+    assert (model(x, residual) - residual == 0).any()
+    alone = ops.Sequential(ops.Dropout(0.0))  # nothing else: it keeps its own stage
+    assert stage_names(alone.plan(x).forward) == ["Dropout"] and not alone.plan(x).left_out

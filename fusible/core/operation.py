@@ -167,6 +167,13 @@ class BasicOperationSpec(FusibleSpec, StageSpec):
     def basic_ops(self) -> tuple:
         return (self,)
 
+    def left_out_of_plans(self) -> bool:
+        """Whether the op, as configured now, returns its input unchanged and draws nothing,
+        so that a pipeline with other ops leaves it out and fusions match across it:
+        ``Dropout(p=0)`` (``ops.Identity`` stays: it is how two ops are kept from fusing).
+        A configuration change replans, so the answer may change (a new ``p``)."""
+        return False
+
     def fusible_params(self) -> list:
         """Parameters that receive gradients through the fuser: ``param_names``, in order."""
         return [self.param(name) for name in self.param_names]

@@ -4,6 +4,7 @@ plain-PyTorch arithmetic (the CPU path and the reference)."""
 import importlib.util
 import sys
 import types
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -85,8 +86,12 @@ def _replace_stand_ins() -> None:
                 namespace[name] = stand_ins[id(value)]
 
 
-triton = _LazyTriton("triton") if HAVE_TRITON else None
-tl = _LazyTriton("triton.language") if HAVE_TRITON else None
+if TYPE_CHECKING:  # the checker reads the kernels' annotations against Triton itself
+    import triton
+    import triton.language as tl
+else:
+    triton = _LazyTriton("triton") if HAVE_TRITON else None
+    tl = _LazyTriton("triton.language") if HAVE_TRITON else None
 
 
 def triton_imports() -> bool:

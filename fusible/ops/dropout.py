@@ -92,6 +92,11 @@ class Dropout(BasicOperation):
     def forward_args(self, input, params, extra_inputs, ctxs):
         return DropoutForwardArgs(input, float(self.p), self.training)
 
+    def left_out_of_plans(self):
+        # The identity in training too (evaluation is not a configuration), drawing nothing,
+        # as torch.nn.Dropout(0) does; a subclass may do more
+        return type(self) is Dropout and self.p == 0.0
+
     def _identity(self) -> bool:
         return not self.training or self.p == 0.0
 

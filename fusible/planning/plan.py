@@ -41,6 +41,9 @@ class FusionPlan:
     wgrad_kept : tuple of (Stage, str)
         Under :func:`fusible.split_backward`, the backward stages whose parameter
         gradients stay with their dgrad, and why.
+    left_out : tuple
+        Ops of the pipeline that return their input unchanged as configured
+        (``Dropout(p=0)``), left out of ``ops`` so that fusions match across them.
     """
 
     forward: tuple
@@ -52,6 +55,7 @@ class FusionPlan:
     op_needs: dict = attrs.field(factory=dict, repr=False, eq=False)  # op index -> OpGradNeeds
     wgrad: tuple = ()
     wgrad_kept: tuple = ()
+    left_out: tuple = attrs.field(default=(), repr=False, eq=False)
 
     @property
     def device_type(self) -> str:
@@ -86,6 +90,9 @@ class FusionPlan:
                 lines.append("  (none: no gradient is needed)")
         if split:
             lines += self._wgrad_lines()
+        if self.left_out:
+            lines.append("left out (they return their input): "
+                         + ", ".join(op.describe() for op in self.left_out))
         lines.append("fusions that matched:")
         for c in self.candidates:
             why = f": {c.reason}" if c.reason else ""

@@ -43,10 +43,14 @@ class Layout:
         Whether global module hooks were registered when it was built.
     lone : bool
         Whether it is a lone op's layout, whose only entry is a ``weakref.proxy`` of the op.
+    left_out : tuple
+        Ops of the pipeline left out of ``items`` and of plans
+        (``BasicOperationSpec.left_out_of_plans``: they return their input unchanged).
     """
 
-    def __init__(self, entries: list, global_hooks: bool = False):
+    def __init__(self, entries: list, global_hooks: bool = False, left_out: tuple = ()):
         self.epoch = epoch.current()
+        self.left_out = left_out
         self.global_hooks = global_hooks
         self.lone = len(entries) == 1 and type(entries[0]) in weakref.ProxyTypes
         self.items = tuple(e.module if isinstance(e, Called) else e for e in entries)
@@ -134,7 +138,8 @@ class Layout:
         backward = tuple(s for group in reversed(backward_groups) for s in group)
         wgrad = tuple(s for group in reversed(wgrad_groups) for s in group)
         return FusionPlan(tuple(forward), backward, tuple(candidates), self.items, c,
-                          recipe_for_key(c.recipe_key), needs, wgrad, tuple(kept))
+                          recipe_for_key(c.recipe_key), needs, wgrad, tuple(kept),
+                          self.left_out)
 
     def _positions(self):
         """Yield (index of the group's first item, (runner, Called)) for each group."""
