@@ -146,7 +146,7 @@ class BasicOperationSpec(FusibleSpec, StageSpec):
         ``"input"`` (``"grad"``) state.
     """
 
-    param_names: ClassVar[tuple] = ()
+    param_names: tuple = ()  # not a ClassVar: an instance may name fewer (GroupedLinear)
     scaling_state_roles: ClassVar[tuple] = ()
     quantized_params: ClassVar[tuple] = ()
     main_grad_params: tuple = ()
