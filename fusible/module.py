@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import collections
 import weakref
-from typing import Iterable, Iterator
+from typing import Iterable, Iterator, cast
 
 import torch
 from torch import nn
@@ -136,7 +136,7 @@ def _entries(root: nn.Module, global_hooks: bool) -> list:
         # a backward is pending). Its own hooks run around this very call.
         epoch.mark_planned(root)
         return [weakref.proxy(root)]
-    entries = []
+    entries: list = []  # basic ops, and Called items
     for item in flatten(root):
         if isinstance(item, BasicOperationSpec) and not (global_hooks or has_hooks(item)):
             entries.append(item)
@@ -243,7 +243,8 @@ class Sequential(PipelineModule):
         return len(self._modules)
 
     def __iter__(self) -> Iterator[nn.Module]:
-        return iter(self._modules.values())
+        # cast: nn.Module types its children Optional; a Sequential's are modules
+        return iter(cast("dict[str, nn.Module]", self._modules).values())
 
     def __getitem__(self, index):
         items = list(self._modules.values())

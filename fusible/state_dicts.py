@@ -8,7 +8,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from fusible.core.operation import is_dtensor
+from fusible.core.operation import BasicOperationSpec, is_dtensor
 from fusible.functional import parallel
 from fusible.module import Sequential
 from fusible.ops.basic_linear import BasicLinear, linear_shard
@@ -63,7 +63,7 @@ def state_dict_from_torch(model: Sequential, torch_module: nn.Module,
     >>> model.load_state_dict(fusible.state_dict_from_torch(model, torch_mlp))
     """
     sources = _torch_layers(torch_module, example_input)
-    kinds = (BasicLinear, Bias, LayerNorm, RMSNorm)
+    kinds: tuple[type[BasicOperationSpec], ...] = (BasicLinear, Bias, LayerNorm, RMSNorm)
     if any(type(s) in _ACTIVATIONS for s in sources):  # else its forward calls functions
         kinds += tuple(_ACTIVATIONS.values())
     ops = [op for op in model.pipeline() if isinstance(op, kinds)]
