@@ -142,7 +142,7 @@ def _entries(root: nn.Module, global_hooks: bool) -> tuple:
     plain = [isinstance(item, BasicOperationSpec) and not (global_hooks or has_hooks(item))
              for item in items]
     left_out = _identities_left_out(items, plain)
-    entries = []
+    entries: list = []  # basic ops, and Called items
     for item, is_plain in zip(items, plain):
         if any(item is op for op in left_out):
             continue
@@ -258,7 +258,8 @@ class Sequential(PipelineModule):
         return len(self._modules)
 
     def __iter__(self) -> Iterator[nn.Module]:
-        return iter(self._modules.values())
+        # cast: nn.Module types its children Optional; a Sequential's are modules
+        return iter(cast("dict[str, nn.Module]", self._modules).values())
 
     def __getitem__(self, index):
         items = list(self._modules.values())

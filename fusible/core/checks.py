@@ -9,7 +9,7 @@ later (``gelu.approximate = "bogus"``) is refused like one given at construction
 from __future__ import annotations
 
 import numbers
-from typing import Callable
+from typing import Callable, cast
 
 Check = Callable[[str, object], object]  # (op name, value) -> the value to store
 
@@ -50,7 +50,8 @@ def real(name: str, *, minimum: float | None = None) -> Check:
     def check(op: str, value):
         if isinstance(value, bool) or not isinstance(value, numbers.Real):
             raise TypeError(f"{op}: {name} must be a real number, got {_describe(value)}")
-        if minimum is not None and not value >= minimum:
+        # cast: numbers.Real's stub declares only < and <= (every real type has >=)
+        if minimum is not None and not cast(float, value) >= minimum:
             raise ValueError(f"{op}: {name} must be at least {minimum}, got {name}={value}")
         return float(value)
     return check

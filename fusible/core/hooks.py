@@ -36,6 +36,8 @@ def global_hooks_active() -> bool:
 class _ReplanningHandle(RemovableHandle):
     """A hook's handle (still a RemovableHandle) that re-plans when the hook goes."""
 
+    _fusible_module: weakref.ref  # set with the class swap (_replanning)
+
     def remove(self) -> None:
         super().remove()
         module = self._fusible_module()

@@ -14,7 +14,7 @@ from __future__ import annotations
 import inspect
 import sys
 import threading
-from typing import Any, ClassVar, Optional
+from typing import TYPE_CHECKING, Any, ClassVar, Optional
 
 import attrs
 import torch
@@ -146,10 +146,14 @@ class BasicOperationSpec(FusibleSpec, StageSpec):
         ``"input"`` (``"grad"``) state.
     """
 
-    param_names: ClassVar[tuple] = ()
+    param_names: tuple = ()  # not a ClassVar: an instance may name fewer (GroupedLinear)
     scaling_state_roles: ClassVar[tuple] = ()
     quantized_params: ClassVar[tuple] = ()
-    main_grad_params: tuple = ()
+    if TYPE_CHECKING:  # read-only, for the type checker: BasicLinear's is a property
+        @property
+        def main_grad_params(self) -> tuple: ...
+    else:
+        main_grad_params: tuple = ()
     # Each output feature (last dimension) comes from the same input feature alone (a bias,
     # a pointwise activation, dropout, a scale, an extra input or output, a collective along
     # the tokens): a split of the features over a tensor-parallel group passes through

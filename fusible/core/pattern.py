@@ -142,10 +142,10 @@ class AnyOf(Element):
     def __init__(self, *alternatives: Element):
         if len(alternatives) < 2 or not all(isinstance(a, Element) for a in alternatives):
             raise TypeError(f"AnyOf() needs two or more pattern elements, got {alternatives!r}")
-        flat = []
+        flat: list[Element] = []
         for alt in alternatives:
             flat.extend(alt.alternatives if isinstance(alt, AnyOf) else (alt,))
-        self.alternatives = tuple(flat)
+        self.alternatives: tuple[Element, ...] = tuple(flat)
 
     def names(self) -> set:
         return set().union(*(a.names() for a in self.alternatives))

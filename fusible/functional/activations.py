@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, TypedDict
 
 import torch
 import torch.nn.functional as F
@@ -119,6 +119,14 @@ def dact_dbias_torch(kind: str, grad_output: Tensor, saved: Tensor):
     return dact, bias_grad(dact)
 
 
+class _Layout(TypedDict):
+    """The gated units' kernels' layout keywords (a TypedDict: the splat stays checked)."""
+
+    kind: str
+    interleave: int
+    clamp: tuple
+
+
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """float32 for 16-bit dtypes, else the dtype itself."""
     return torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
@@ -140,7 +148,7 @@ def glu_forward(kind: str, x: Tensor, output_format: Optional[Float8Format] = No
     high-precision result (the caller quantizes it).
     """
     if triton_can_run(x):
-        layout = dict(kind=kind, interleave=interleave, clamp=clamp)
+        layout = _Layout(kind=kind, interleave=interleave, clamp=clamp)
         if output_format is not None and x.numel():
             return from_cast_parts(swiglu_kernels.swiglu_forward_fp8_triton(
                 x, *output_format.cast_args(), **layout), x.dtype)
@@ -192,7 +200,7 @@ def scaled_glu_forward(kind: str, x: Tensor, scales: Tensor, interleave: int = 0
     Triton kernel (with ``output_format``, the result as that Float8Tensor, never written
     in high precision); elsewhere PyTorch ops and a high-precision result."""
     if triton_can_run(x, scales):
-        layout = dict(kind=kind, interleave=interleave, clamp=clamp)
+        layout = _Layout(kind=kind, interleave=interleave, clamp=clamp)
         if output_format is not None and x.numel():
             return from_cast_parts(scaled_kernels.scaled_glu_forward_triton(
                 x, scales, output_format.cast_args(), **layout), x.dtype)
@@ -212,7 +220,7 @@ def scaled_glu_backward(kind: str, grad_output: Tensor, x: Tensor, scales: Tenso
     where ``dx`` is not needed. On CUDA one Triton kernel (``output_format``: ``dx`` as
     that Float8Tensor; the sum in float32 in column order), elsewhere PyTorch ops."""
     if triton_can_run(grad_output, x) and (scales is None or triton_can_run(scales)):
-        layout = dict(kind=kind, interleave=interleave, clamp=clamp)
+        layout = _Layout(kind=kind, interleave=interleave, clamp=clamp)
         s = scales if scales is not None else x.new_empty(x.shape[:-1])  # unread
         fmt = output_format.cast_args() if output_format is not None and x.numel() else None
         dx, ds = scaled_kernels.scaled_glu_backward_triton(
@@ -236,7 +244,7 @@ def glu_backward(kind: str, grad_output: Tensor, x: Tensor,
     """The gradient of :func:`glu_forward` w.r.t. ``x``; ``output_format``, ``interleave``,
     ``clamp`` and the devices as there."""
     if triton_can_run(grad_output, x):
-        layout = dict(kind=kind, interleave=interleave, clamp=clamp)
+        layout = _Layout(kind=kind, interleave=interleave, clamp=clamp)
         if output_format is not None and x.numel():
             return from_cast_parts(swiglu_kernels.swiglu_backward_fp8_triton(
                 grad_output, x, *output_format.cast_args(), **layout), grad_output.dtype)

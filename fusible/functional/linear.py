@@ -13,7 +13,7 @@ Each tensor is quantized once, with the copies the backward will need.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, cast
 
 import attrs
 import torch
@@ -226,11 +226,13 @@ def gemm_forward(gemm: GemmForwardArgs, bias: Optional[Tensor] = None):
     else:
         x_q, lead = as_fp8(x, fmt if not handed_in(x, fmt) else fmt.rowwise()), x.shape[:-1]
     w_format = gemm.weight_format
+    assert w_format is not None  # an FP8 GEMM has both operands' formats
     if isinstance(weight, Float8Tensor):  # an FP8 parameter (quantized_model_init): as it is
         w_q = requantize(weight, w_format.fp8_dtype, False)
         w_data, w_scale_inv = w_q._data, w_q._scale_inv
         w_amax = weight._scale_inv  # unused: the backward reads the FP8 weight itself
     elif w_format.stateful:  # the state's scale; the backward casts again with its amax
+        assert w_format.state is not None  # a stateful format is bound to its op's state
         w_amax = w_format.state[0].clone()
         w_data, w_scale_inv = w_format.scaling.cast(weight, w_format.fp8_dtype,
                                                     state=w_format.state)[:2]
@@ -301,10 +303,16 @@ def _finish(dx: Optional[Tensor], tp: TensorParallel) -> Optional[Tensor]:
     return parallel.wait(dx) if dx is not None and _reduces_dgrad(tp) else dx
 
 
+def _needed(t: Optional[Fp8Able]) -> Fp8Able:
+    """A saved operand that a needed gradient reads (saved wherever one is)."""
+    assert t is not None, "gemm_backward: a needed gradient's operand was not saved"
+    return t
+
+
 def _dgrad_weight(args: GemmBackwardArgs) -> tuple:
     """``(transposed FP8 copy, scale_inv)``: the weight as dgrad reads it under FP8 (the
     cast's parts, used once: no Float8Tensor built around them)."""
-    w = args.weight
+    w = _needed(args.weight)
     if isinstance(w, Float8Tensor):
         if w._transpose is None:
             raise ValueError("gemm_backward: an FP8 weight for dgrad needs its transposed copy")
@@ -341,9 +349,11 @@ def gemm_backward(args: GemmBackwardArgs, accumulate_into: Optional[Tensor] = No
                          f"accumulate into a local tensor ({tp})")
     if fmt is None:
         dy = parallel.all_gather(dy, tp) if tp.gathers_grad else dy
-        dx = linear_dgrad(dy, w_saved, accumulate_into, grad_scale) if need_dgrad else None
+        dx = (linear_dgrad(dy, _needed(w_saved), accumulate_into, grad_scale)
+              if need_dgrad else None)
         dx = _start_dgrad_reduction(dx, tp)
-        dw = linear_wgrad(dy, x_saved, grad_scale, args.wgrad_dtype) if need_wgrad else None
+        dw = (linear_wgrad(dy, _needed(x_saved), grad_scale, args.wgrad_dtype)
+              if need_wgrad else None)
         return _finish(dx, tp), dw
     if tp.gathers_grad:
         dy_q, lead = gather_fp8(dy, tp, fmt), _gathered_lead(dy, tp)
@@ -360,6 +370,8 @@ def gemm_backward(args: GemmBackwardArgs, accumulate_into: Optional[Tensor] = No
             dx = dx + accumulate_into.reshape(dx.shape)  # dy may come flat
     dx = _start_dgrad_reduction(dx, tp)
     if need_wgrad:
+        x_saved = cast(Float8Tensor, x_saved)  # under FP8 its transposed copy (LinearSaved)
+        assert dy_q._transpose is not None and x_saved._transpose is not None  # columnwise
         dw = fp8_gemm(dy_q._transpose, _times(dy_q.transpose_scale_inv, grad_scale),
                       x_saved._transpose.t(), x_saved.transpose_scale_inv.t(), None,
                       args.wgrad_dtype or dy_q.dtype)

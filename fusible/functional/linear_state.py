@@ -71,6 +71,7 @@ def save_linear(ctx, gemm: GemmForwardArgs, aux: tuple) -> None:
             if _kept_by_caller(gemm):
                 x_q = as_fp8(gemm.input, fmt)
                 x_t, x_scale_inv = x_q._transpose, x_q.transpose_scale_inv
+                assert x_t is not None  # fmt is columnwise where wgrad is needed
             else:
                 x_t, x_scale_inv = aux[:2]
             x = transposed_only(x_t, x_scale_inv, gemm.input.dtype)

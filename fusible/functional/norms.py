@@ -153,6 +153,7 @@ def norm_forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], normalized_s
     """``(y, mean or None, rstd)``: LayerNorm with ``center`` (``bias`` added), RMSNorm
     without; the kernels of the norm ops."""
     if center:
+        assert bias is not None  # LayerNorm's
         return layer_norm_forward(x, weight, bias, normalized_shape, eps)
     y, rstd = rms_norm_forward(x, weight, normalized_shape, eps)
     return y, None, rstd
@@ -166,8 +167,10 @@ def norm_forward_fp8_keeping_amax(x: Tensor, weight: Tensor, bias: Optional[Tens
     maximum in a tensor of its own, which :func:`norm_output_fp8_again` takes (a stateful
     format's: the amax its state scales this cast by)."""
     if fmt.stateful:
+        assert fmt.state is not None  # a stateful format is bound to its op's state
         amax = fmt.state[0].clone()
         if center:
+            assert bias is not None  # LayerNorm's
             y, mean, rstd = layer_norm_forward(x, weight, bias, normalized_shape, eps, fmt)
         else:
             (y, rstd), mean = rms_norm_forward(x, weight, normalized_shape, eps, fmt), None
@@ -176,7 +179,8 @@ def norm_forward_fp8_keeping_amax(x: Tensor, weight: Tensor, bias: Optional[Tens
     if triton_can_run(*kernels) and x.numel():
         amax = torch.zeros((), device=x.device, dtype=torch.float32)
         parts, mean, rstd = norm_kernels.norm_forward_fp8_triton(
-            x, weight, bias, eps, center, *fmt.cast_args(), amax=amax)
+            x, weight, bias, eps, center, fmt.fp8_dtype, FP8_MAX[fmt.fp8_dtype],
+            fmt.columnwise, amax=amax)  # not stateful here: cast_args()'s three
         return from_cast_parts(parts, x.dtype), mean, rstd, amax
     y, mean, rstd = norm_forward(x, weight, bias, normalized_shape, eps, center)
     amax = tensor_amax(y)

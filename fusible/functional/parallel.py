@@ -10,7 +10,7 @@ All gathers and scatters are along dim 0 (tokens, or sequence for (S, B, H) inpu
 from __future__ import annotations
 
 import functools
-from typing import Optional
+from typing import TYPE_CHECKING, Optional, cast
 
 import attrs
 import torch
@@ -18,6 +18,9 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from fusible.core.schema import SchemaType, register_schema_type
+
+if TYPE_CHECKING:
+    from torch.distributed.distributed_c10d import GroupName
 
 Tensor = torch.Tensor
 _c10d = torch.ops._c10d_functional
@@ -87,7 +90,7 @@ def resolve_group(op_name: str, group) -> dist.ProcessGroup:
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError(f"{op_name} needs torch.distributed: call "
                            f"torch.distributed.init_process_group() first, or pass a group")
-    return dist.group.WORLD
+    return cast(dist.ProcessGroup, dist.group.WORLD)  # not None once initialized
 
 
 def tensor_parallel(op_name: str, mode: Optional[str], sequence_parallel: bool,
@@ -123,7 +126,10 @@ def sequence_parallel(op_name: str, enabled: bool, group) -> TensorParallel:
 def group_of(tp: TensorParallel):
     """The process group ``tp`` names, or None. Ops keep only the name (a string copies,
     pickles and compares; a ProcessGroup does not) and look the group up here."""
-    return dist.distributed_c10d._resolve_process_group(tp.group_name) if tp.group_name else None
+    if not tp.group_name:
+        return None
+    # GroupName: the NewType of str that the name was read as (pg.group_name)
+    return dist.distributed_c10d._resolve_process_group(cast("GroupName", tp.group_name))
 
 
 def group_rank(tp: TensorParallel) -> int:

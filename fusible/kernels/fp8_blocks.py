@@ -127,7 +127,7 @@ def cast_blocks_triton(x: torch.Tensor, fp8_dtype: torch.dtype, fp8_max: float, 
         t_scale if columnwise else dummy, m, n, fp8_max, G=group, SQUARE=square,
         POWER2=power2, HAS_DATA=rowwise, HAS_T=columnwise, T_IN_KERNEL=in_kernel, TILE=TILE,
         num_warps=8)
-    if columnwise and not in_kernel:
+    if t is not None and not in_kernel:  # columnwise
         t = transposed_copy(t)
     if power2:
         scale = None if scale is None else scale.to(torch.float8_e8m0fnu)

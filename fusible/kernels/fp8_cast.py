@@ -276,6 +276,7 @@ def cast_batched_triton(x: torch.Tensor, amax: torch.Tensor, fp8_dtype: torch.dt
         x, amax, first, transpose if in_kernel_t else first, scale_inv, m, n, fp8_max,
         HAS_T=in_kernel_t, HAS_DATA=has_data, BLOCK_M=block_m, BLOCK_N=block_n)
     if columnwise and not in_kernel_t:
+        assert data is not None  # has_data
         transpose = data.transpose(-2, -1).contiguous()
     return data if rowwise else None, transpose, scale_inv
 

@@ -125,7 +125,7 @@ def cast_rows_and_columns_triton(x: torch.Tensor, fp8_dtype: torch.dtype, fp8_ma
                                    fp8_max, HAS_DATA=rowwise, T_IN_KERNEL=in_kernel,
                                    BLOCK_M=block_m, BLOCK_N=block_n)
     elif m or n:
-        if rowwise:
+        if scale_inv is not None:  # rowwise
             scale_inv.fill_(1.0)
         t_scale_inv.fill_(1.0)
     if not in_kernel:

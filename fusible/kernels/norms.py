@@ -244,6 +244,14 @@ def _rows(x: torch.Tensor, n: int) -> int:
     return x.numel() // n if n else 0
 
 
+def _bias_arg(bias: torch.Tensor | None, w: torch.Tensor, center: bool) -> torch.Tensor:
+    """The kernels' bias: LayerNorm's (``center``), else the weight (an unread pointer)."""
+    if not center:
+        return w
+    assert bias is not None  # LayerNorm has one
+    return bias.contiguous()
+
+
 def norm_forward_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                         eps: float, center: bool, block_n: int | None = None) -> tuple:
     """``(y, mean, rstd)`` over the trailing ``weight.numel()`` elements of each row:
@@ -257,7 +265,7 @@ def norm_forward_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
     mean, rstd = _stats_buffers(x, weight, center)
     if m:
         block_m, block_n = _blocks(n, block_n)
-        b = bias.contiguous() if center else w
+        b = _bias_arg(bias, w, center)
         _norm_fwd_kernel[(triton.cdiv(m, block_m),)](
             x, w, b, y, rstd if mean is None else mean, rstd, rstd, m, n, eps, CENTER=center,
             AMAX_ONLY=False, BLOCK_M=block_m, BLOCK_N=block_n)
@@ -281,7 +289,7 @@ def norm_forward_fp8_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.T
     if not m or not n:
         raise ValueError(f"norm_forward_fp8_triton: empty input {tuple(x.shape)}")
     mean, rstd = _stats_buffers(x, weight, center)
-    b = bias.contiguous() if center else w
+    b = _bias_arg(bias, w, center)
     mean_or_rstd = rstd if mean is None else mean  # an unused pointer for RMSNorm
     amax = zeroed_amax(x.device) if amax is None else amax
     block_m, block_n = _blocks(n, block_n)
@@ -309,7 +317,7 @@ def norm_cast_fp8_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
         raise ValueError("norm_cast_fp8_triton: asked for neither the data nor its transpose")
     x, w, n = x.contiguous(), weight.contiguous(), weight.numel()
     m = _rows(x, n)
-    b = bias.contiguous() if center else w
+    b = _bias_arg(bias, w, center)
     # The transposed copy is (last dimension, the rest): the kernel's (N, M) tiles are that
     # only when one dimension is normalised; otherwise it comes from the FP8 data afterwards.
     kernel_t = columnwise and weight.dim() == 1

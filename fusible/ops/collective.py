@@ -54,8 +54,9 @@ class Collective(BasicOperation, abstract=True):
 
     keeps_features = True  # along dim 0: the features stay as they are
 
-    fwd_args_type = CollectiveForwardArgs
-    bwd_args_type = CollectiveBackwardArgs
+    # Typed as StageSpec's, not as these records: AllToAll has its own
+    fwd_args_type: ClassVar[Optional[type]] = CollectiveForwardArgs
+    bwd_args_type: ClassVar[Optional[type]] = CollectiveBackwardArgs
     # The collective each direction runs, as plans name it (None: none).
     forward_collective: ClassVar[Optional[str]] = None
     backward_collective: ClassVar[Optional[str]] = None

@@ -3,10 +3,15 @@ MakeExtraOutput): how they label themselves."""
 
 from __future__ import annotations
 
+from typing import Optional
+
 
 class ExtraTensorOptions:
     """``describe`` and ``extra_repr`` from ``channel`` and ``in_place``: the bare class
     name when neither is set."""
+
+    channel: Optional[str]  # both set by the op's constructor
+    in_place: bool
 
     def describe(self) -> str:
         options = self.extra_repr()

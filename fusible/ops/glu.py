@@ -9,7 +9,7 @@ and SReGLU, as TransformerEngine defines them: the gate acts on the first half (
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import ClassVar, Optional
 
 import attrs
 import torch
@@ -83,9 +83,10 @@ class GatedActivation(BasicOperation, abstract=True):
     """
 
     kind: str = ""  # a key of fusible.functional.activations.GATES
-    fwd_args_type = GLUForwardArgs
-    bwd_args_type = GLUBackwardArgs
-    saved_type = GLUSaved
+    # Typed as StageSpec's, not as these records: the scaled units (ops.scaled_glu) swap them
+    fwd_args_type: ClassVar[Optional[type]] = GLUForwardArgs
+    bwd_args_type: ClassVar[Optional[type]] = GLUBackwardArgs
+    saved_type: ClassVar[Optional[type]] = GLUSaved
     quantizes_own_output = True
     attribute_checks = {
         "glu_interleave_size": checks.optional(checks.positive_int("glu_interleave_size")),

@@ -4,7 +4,7 @@ to its own consecutive run of tokens."""
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Optional, cast
 
 import attrs
 import torch
@@ -113,7 +113,7 @@ class GroupedLinear(BasicOperation):
         (num_groups, out_features).
     """
 
-    param_names = ("weight", "bias")
+    param_names: tuple = ("weight", "bias")  # an instance without a bias: ("weight",)
     num_extra_inputs = 1
     attribute_checks = {"num_groups": checks.positive_int("num_groups"),
                         "in_features": checks.positive_int("in_features"),
@@ -339,6 +339,7 @@ def _tokens_format(recipe, needs) -> Optional[Float8Format]:
 def _fp8_forward(args: GroupedForwardArgs) -> tuple:
     """``(y, aux)`` of the FP8 forward: aux as :func:`_split_aux` splits it."""
     fmt, x = args.input_format, args.input
+    assert fmt is not None  # the FP8 forward
     mine = not handed_in(x, fmt)  # an input handed over quantized is the caller's to save
     x_q = as_fp8(x, fmt if mine else fmt.rowwise())
     w_data, w_t, w_scale_inv = cast_grouped_weight(args.weight, _E4M3,
@@ -360,7 +361,9 @@ def _split_aux(args: GroupedForwardArgs, aux: tuple) -> tuple:
 def _saved_fp8_input(args: GroupedForwardArgs, aux: tuple) -> Float8Tensor:
     """The input as wgrad reads it: its transposed FP8 copy alone."""
     if not aux:  # handed over quantized: its transposed copy made here if missing
+        assert args.input_format is not None  # the FP8 forward's, columnwise (wgrad follows)
         x_q = as_fp8(args.input, args.input_format)
+        assert x_q._transpose is not None
         return transposed_only(x_q._transpose, x_q._scale_inv, x_q.dtype)
     return transposed_only(aux[0], aux[1], args.input.dtype)
 
@@ -368,14 +371,19 @@ def _saved_fp8_input(args: GroupedForwardArgs, aux: tuple) -> Float8Tensor:
 def _fp8_backward(args: GroupedBackwardArgs) -> tuple:
     """``(dx, dw)`` from FP8 grouped GEMMs (None where not needed)."""
     dy = args.grad_output
+    assert args.grad_format is not None  # the FP8 backward
     dy_q = as_fp8(dy, args.grad_format)
     dx = dw = None
     if args.need_grad_input:
+        # kept from the forward's cast for dgrad (keep_weight_transpose)
+        assert args.weight_transpose is not None and args.weight_scale_inv is not None
         dx = fp8_grouped_mm(dy_q._data, dy_q._scale_inv, args.weight_transpose,
                             args.weight_scale_inv, args.splits, dy_q.dtype, fast_accum=False)
         dx = dx.view(*dy.shape[:-1], dx.shape[-1])
     if args.need_grad_weight:
         check_aligned_splits(args.splits, "GroupedLinear")
-        dw = fp8_grouped_wgrad(dy_q._transpose, dy_q._scale_inv, args.input._transpose,
-                               args.input._scale_inv, args.splits, args.num_groups, dy_q.dtype)
+        x_q = cast(Float8Tensor, args.input)  # saved as its transposed copy (_saved_fp8_input)
+        assert dy_q._transpose is not None and x_q._transpose is not None  # columnwise formats
+        dw = fp8_grouped_wgrad(dy_q._transpose, dy_q._scale_inv, x_q._transpose,
+                               x_q._scale_inv, args.splits, args.num_groups, dy_q.dtype)
     return dx, dw

@@ -43,6 +43,7 @@ class Linear(FusibleOperation):
 
     attribute_checks = {"in_features": checks.positive_int("in_features"),
                         "out_features": checks.positive_int("out_features")}
+    _ops: tuple[BasicLinear, Bias]  # set past nn.Module's __setattr__ (not submodules)
 
     def __init__(self, in_features: int, out_features: int, *, bias: bool = True,
                  tensor_parallel_mode=None, tensor_parallel_group=None,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import cast
 
 import attrs
 import torch
@@ -106,7 +107,8 @@ class Reshape(BasicOperation):
 
 
 def _target_shape(value) -> tuple:
-    shape = checks.int_tuple("shape", minimum=-1)("Reshape", value)
+    # int_tuple stores a tuple (a Check returns object)
+    shape = cast(tuple, checks.int_tuple("shape", minimum=-1)("Reshape", value))
     if sum(s == -1 for s in shape) > 1:
         raise ValueError(f"Reshape: shape may hold one -1, got shape={shape}")
     return shape

@@ -4,7 +4,7 @@ than when the experts' outputs are combined)."""
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import ClassVar, Optional
 
 import attrs
 import torch
@@ -59,9 +59,10 @@ class ScaledUnit:
     """
 
     num_extra_inputs = 1
-    fwd_args_type = ScaledGLUForwardArgs
-    bwd_args_type = ScaledGLUBackwardArgs
-    saved_type = ScaledGLUSaved
+    # Typed as GatedActivation's, whose records these override (mypy wants them the same)
+    fwd_args_type: ClassVar[Optional[type]] = ScaledGLUForwardArgs
+    bwd_args_type: ClassVar[Optional[type]] = ScaledGLUBackwardArgs
+    saved_type: ClassVar[Optional[type]] = ScaledGLUSaved
     quantizes_own_output = True
 
     def __init__(self, **options):

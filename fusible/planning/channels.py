@@ -39,7 +39,8 @@ def caller_counts(ops) -> tuple:
 def channels_of(ops) -> Channels:
     """The channels of a group of ops, checked: one writer per name, readers after it, no
     writer without a reader. Raises ValueError naming the op."""
-    in_names, out_names, written, read = [], [], {}, set()
+    in_names, out_names, read = [], [], set()
+    written: dict[str, str] = {}  # channel -> its writer's label
     for i, op in enumerate(ops):
         name = channel_of(op)
         if name is not None and op.num_extra_inputs and getattr(op, "in_place", False):

@@ -3,8 +3,10 @@ sequence-parallel check, the FP8 hand-off between stages, and collectives for pl
 
 from __future__ import annotations
 
+from typing import Optional
+
 from fusible.core.results import OpGradNeeds
-from fusible.functional.parallel import NOT_PARALLEL
+from fusible.functional.parallel import NOT_PARALLEL, TensorParallel
 from fusible.planning.channels import channel_of
 
 
@@ -41,7 +43,8 @@ def check_sequence_parallel(ops) -> None:
     linear layer, after a row + SP one) must all-reduce their gradients: an error names
     any that would not, rather than letting ranks' replicated parameters drift apart."""
     tps = [getattr(op, "tp", NOT_PARALLEL) for op in ops]
-    split = [None] * len(ops)  # per op: the group its input's tokens are split over
+    # per op: the group its input's tokens are split over
+    split: list[Optional[TensorParallel]] = [None] * len(ops)
     state = None
     for i, tp in enumerate(tps):  # after a row + SP layer, until a column + SP one
         state = None if tp.gathers_input else state

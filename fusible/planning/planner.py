@@ -219,7 +219,8 @@ def _best_at(fusions, ops, start, seq, pos, env, direction, claimed) -> tuple:
     candidate found there with its status. A match over ops that a joint fusion owns
     (``claimed``: local index -> its name) is refused."""
     reverse = direction == "backward"
-    accepted, candidates = [], []
+    accepted: list[tuple[type, Match]] = []  # (fusion, match)
+    candidates = []
     for fusion in fusions:
         for length, names, failures in fusion.pattern.matches(seq, pos, reverse=reverse):
             if length == 0:

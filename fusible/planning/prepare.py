@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import functools
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import attrs
 import torch
@@ -37,7 +37,7 @@ class ExecStage:
     extra_in: slice     # extra inputs consumed by covered ops
     extra_out: slice    # extra outputs produced by covered ops
     params: slice       # parameters of covered ops
-    compute: object     # the op's forward_compute or backward_compute (bound classmethod)
+    compute: Callable[..., Any]  # the op's forward_compute or backward_compute (bound)
     provenance: str     # names the stage in compiled graphs
     grad_mask: tuple = ()  # backward: (input, params, extra inputs) gradients needed
     output_format: Optional[Any] = None
@@ -327,7 +327,7 @@ def _exec_stage(ops, start, stage, backward: bool, op_needs: tuple) -> ExecStage
     compute = cls.backward_compute if backward else cls.forward_compute
     provenance = (f"{stage.name} {list(stage.indices)}: "
                   + " + ".join(op.describe() for op in ops[lo:hi]))
-    mask = ()
+    mask: tuple = ()
     if backward:
         needs = op_needs[lo:hi]
         mask = (needs[0].input, tuple(p for n in needs for p in n.params),

@@ -104,12 +104,14 @@ def _cast(x2, fp8_dtype, group, square, power2, rowwise, columnwise) -> list:
 
 
 def _cast_torch(x2, fp8_dtype, group, square, power2, rowwise, columnwise) -> list:
-    out = [None] * 4
+    out: list[torch.Tensor | None] = [None] * 4
     block = (group, group) if square else (1, group)
     if rowwise or square:
         out[0], out[1] = cast_blocks_torch(x2, fp8_dtype, block, power2)
     if columnwise and square:
-        out[2], out[3] = fp8_cast.transposed_copy(out[0]), out[1].t().contiguous()
+        data, scale = out[0], out[1]
+        assert data is not None and scale is not None  # cast above (square)
+        out[2], out[3] = fp8_cast.transposed_copy(data), scale.t().contiguous()
     elif columnwise:
         out[2], out[3] = cast_blocks_torch(x2.t(), fp8_dtype, block, power2)
     if not rowwise:

@@ -58,7 +58,7 @@ class DelayedTensorScaling(Scaling):
     def describes(self, data, scale_inv):
         return scale_inv.dim() == 0
 
-    def delayed(self, state: torch.Tensor, reduce=None) -> DelayedCast:
+    def delayed(self, state: Optional[torch.Tensor], reduce=None) -> DelayedCast:
         """The kernels' view of one cast with ``state``; ``reduce``: a maximum over
         another group (tensor parallelism's) before this scaling's own."""
         if state is None:

@@ -39,6 +39,7 @@ class Float8Tensor(torch.Tensor):
     _scale_inv: torch.Tensor
     _transpose: Optional[torch.Tensor]
     _transpose_scale_inv: Optional[torch.Tensor]
+    _a_view: bool  # set on views only (_marked_view)
 
     @staticmethod
     def __new__(cls, data, scale_inv, dtype, transpose=None, requires_grad=False,
@@ -70,7 +71,7 @@ class Float8Tensor(torch.Tensor):
         """The factors that dequantize the data (0-d, or one per block)."""
         return self._scale_inv
 
-    def __repr__(self) -> str:
+    def __repr__(self) -> str:  # type: ignore[override]  # mypy bug: kw-only dunder args
         scale = (f"{tuple(self._scale_inv.shape)} scales" if self._scale_inv.dim()
                  else self._scale_inv.item() if not _is_fake(self._scale_inv) else "?")
         return (f"Float8Tensor({self.fp8_dtype}, shape={tuple(self.shape)}, dtype={self.dtype}, "
@@ -106,7 +107,8 @@ class Float8Tensor(torch.Tensor):
         _, fp8_dtype, columnwise = expected_meta
         return requantize(self, fp8_dtype, columnwise)
 
-    __torch_function__ = torch._C._disabled_torch_function_impl
+    __torch_function__ = (
+        torch._C._disabled_torch_function_impl)  # type: ignore[assignment]  # torch's idiom
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):

@@ -8,7 +8,7 @@ produces that format. The format crosses custom ops as an ordinary argument.
 from __future__ import annotations
 
 import functools
-from typing import Optional
+from typing import TYPE_CHECKING, Optional, Protocol, cast
 
 import attrs
 import torch
@@ -18,6 +18,15 @@ from fusible.kernels.fp8_cast import transposed_copy
 from fusible.quantization.cast import FP8_MAX
 from fusible.quantization.float8_tensor import Float8Tensor, quantize_raw, quantize_scaled
 from fusible.quantization.scaling import Scaling, registered_scalings, scaling_named
+
+if TYPE_CHECKING:
+    from fusible.kernels.fp8_delayed import DelayedCast
+
+
+class _StatefulScaling(Protocol):
+    """What a stateful scaling adds for the fused kernels (DelayedTensorScaling's)."""
+
+    def delayed(self, state: Optional[torch.Tensor]) -> DelayedCast: ...
 
 
 @attrs.frozen
@@ -83,8 +92,9 @@ class Float8Format:
         take; a stateful format adds the kernels' view of its state
         (:class:`~fusible.kernels.fp8_delayed.DelayedCast`)."""
         if self.stateful:
+            scaling = cast(_StatefulScaling, self.scaling)
             return (self.fp8_dtype, FP8_MAX[self.fp8_dtype], self.columnwise,
-                    self.scaling.delayed(self.state))
+                    scaling.delayed(self.state))
         return self.fp8_dtype, FP8_MAX[self.fp8_dtype], self.columnwise
 
     def rowwise(self) -> "Float8Format":

@@ -47,6 +47,7 @@ class Float8AllGatherWeight(torch.Tensor):
     """
 
     _tensor: torch.Tensor
+    _fp8_dtype: torch.dtype
 
     @staticmethod
     def __new__(cls, tensor: torch.Tensor, fp8_dtype: torch.dtype = torch.float8_e4m3fn):
@@ -61,7 +62,7 @@ class Float8AllGatherWeight(torch.Tensor):
         """The high-precision values."""
         return self._tensor
 
-    def __repr__(self) -> str:
+    def __repr__(self) -> str:  # type: ignore[override]  # mypy bug: kw-only dunder args
         return f"Float8AllGatherWeight({self._fp8_dtype}, {self._tensor!r})"
 
     def __reduce_ex__(self, protocol):

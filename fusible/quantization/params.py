@@ -71,5 +71,6 @@ def fp8_parameter(param: nn.Parameter) -> nn.Parameter:
         weight = quantize_raw(param.detach(), recipe.weight_format().fp8_dtype, columnwise=True)
     out = nn.Parameter(weight, requires_grad=param.requires_grad)
     if preserve:
-        out.high_precision_init_val = param.detach().to("cpu", copy=True)
+        # an extra attribute, which a Parameter takes (its stub declares none)
+        setattr(out, "high_precision_init_val", param.detach().to("cpu", copy=True))
     return out

@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import threading
 
-from typing import ClassVar, Iterator
+from typing import TYPE_CHECKING, ClassVar, Iterator
 
 import attrs
 import torch
@@ -31,7 +31,11 @@ class GranularityRecipe(Recipe):
     subclass (``weight_granularity`` for weights, if set), E4M3 forward and
     ``fp8_format``'s gradients: the base of the built-in recipes."""
 
-    granularity: ClassVar[str] = ""
+    if TYPE_CHECKING:  # read-only, for the type checker: a subclass may compute it
+        @property
+        def granularity(self) -> str: ...
+    else:
+        granularity: ClassVar[str] = ""
     weight_granularity: ClassVar[str] = ""
     fp8_format: str = attrs.field(default="hybrid", validator=check_fp8_format)
 

@@ -123,7 +123,7 @@ def register_recipe(cls: type) -> type:
     return cls
 
 
-def unregister_recipe(cls: type) -> None:
+def unregister_recipe(cls: type[Recipe]) -> None:
     """Remove a recipe class registered by :func:`register_recipe` (tests, plugins
     reloading)."""
     if _recipes.get(cls.name) is cls:

@@ -12,7 +12,7 @@ formats; a new one registers with :func:`register_scaling`.
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar, TypeVar
 
 import attrs
 import torch
@@ -44,7 +44,11 @@ class Scaling:
         format carries (``Float8Format.state``): delayed scaling's amax history.
     """
 
-    name: ClassVar[str] = ""
+    if TYPE_CHECKING:  # read-only, for the type checker: a subclass may compute it
+        @property
+        def name(self) -> str: ...
+    else:
+        name: ClassVar[str] = ""
     kernel_cast: ClassVar[bool] = False
     per_tensor: ClassVar[bool] = False
     stateful: ClassVar[bool] = False
@@ -81,7 +85,10 @@ class Scaling:
                                   f"implemented")
 
 
-def register_scaling(scaling: Scaling) -> Scaling:
+_S = TypeVar("_S", bound=Scaling)
+
+
+def register_scaling(scaling: _S) -> _S:
     """Make ``scaling`` (an instance of a :class:`Scaling` subclass) a granularity that
     formats may name. Raises ValueError if another scaling holds its name."""
     if not (isinstance(scaling, Scaling) and scaling.name):

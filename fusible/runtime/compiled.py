@@ -28,6 +28,7 @@ reason (the error under ``fullgraph=True``).
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import torch
 
@@ -96,8 +97,10 @@ def _run_eagerly_impl(module, x, extra_inputs):
 # which `import fusible` need not pay: _prepare is marked by hand (what
 # torch._dynamo.assume_constant_result sets), and dynamo, which calls it eagerly at trace
 # time before it meets the rest, then learns the others.
-_prepare._dynamo_marked_constant = True
-_run_eagerly = None  # _run_eagerly_impl, hidden from dynamo: set by _register_with_dynamo
+setattr(_prepare, "_dynamo_marked_constant", True)  # setattr: mypy allows functions none
+# _run_eagerly_impl, hidden from dynamo: set by _register_with_dynamo. Any, not Optional:
+# the traced compiled_forward calls it (set by then) without narrowing it first.
+_run_eagerly: Any = None
 
 
 def _register_with_dynamo() -> None:

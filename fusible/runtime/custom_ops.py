@@ -60,7 +60,8 @@ _TAIL = (*(("output_format" if len(_FORMAT.parts) == 1 else f"output_format_{i}"
 _DECODED: dict = {}   # (op name, static values' JSON string) -> every value of a call
 _PREPARED: dict = {}  # (op name, that string) -> StageOp.prepared
 _DYNAMIC = {"Tensor", "Tensor?", "Tensor[]", "Tensor?[]", "SymInt", "SymInt?", "SymInt[]"}
-_storage_id = torch._C._storage_id  # a tensor's StorageImpl, as an int (no Python object)
+# a tensor's StorageImpl, as an int (no Python object)
+_storage_id = torch._C._storage_id  # type: ignore[attr-defined]  # not in torch's stub
 _UNSET = object()
 
 

@@ -43,7 +43,9 @@ def run_forward(plan: ExecPlan, x, params, extra_inputs, ctxs, *, save: bool,
     x = x.contiguous()
     if extra_inputs:
         extra_inputs = tuple(e.contiguous() for e in extra_inputs)
-    extra_outputs, ch = [], plan.channels
+    extra_outputs: list = []
+    ch = plan.channels
+    store: dict  # with channels: channel name -> its tensor
     if ch is not None:  # the ops' extra-input slots, the channels' filled as they are written
         extra_inputs, store = _spread(extra_inputs, ch.caller_in, len(ch.in_names)), {}
     for st in plan.forward:
@@ -149,6 +151,7 @@ def run_backward(plan: ExecPlan, grad_output, grad_extra_outputs, ctxs, traced: 
     dy = grad_output.contiguous()  # e.g. the expanded gradient of .sum(): see run_forward
     if grad_extra_outputs:
         grad_extra_outputs = tuple(g.contiguous() for g in grad_extra_outputs)
+    sums: dict  # with channels: channel name -> its readers' gradients summed
     if ch is not None:  # the ops' extra-output slots; the channels' get their readers' sums
         grad_extra_outputs, sums = _spread(grad_extra_outputs, ch.caller_out,
                                            len(ch.out_names)), {}
@@ -324,7 +327,7 @@ def _anchors(plan) -> tuple:
     """The op a lone op's plan refers to weakly (its own layout must not keep it alive),
     held strongly by the autograd node until the backward has run."""
     first = plan.ops[0] if plan.ops else None
-    return first.basic_ops() if type(first) in weakref.ProxyTypes else ()
+    return first.basic_ops() if first is not None and type(first) in weakref.ProxyTypes else ()
 
 
 # torch.autograd.Function.apply wraps the C++ apply in Python for functorch transforms

@@ -5,10 +5,12 @@ from __future__ import annotations
 import weakref
 
 import attrs
+from torch import nn
 
 from fusible.core import epoch, tokens
 from fusible.core.conditions import PlanConditions
 from fusible.core.operation import FusibleSpec
+from fusible.core.results import OpGradNeeds
 from fusible.planning.plan import FusionPlan
 from fusible.planning.planner import Stage
 from fusible.quantization.recipe import recipe_for_key
@@ -21,7 +23,7 @@ class Called:
     operation or Sequential with module hooks. ``extra_inputs`` / ``extra_outputs``: how
     many of the pipeline's extra inputs it takes and extra outputs it returns."""
 
-    module: object
+    module: nn.Module
     extra_inputs: int = 0
     extra_outputs: int = 0
 
@@ -54,7 +56,7 @@ class Layout:
         self.global_hooks = global_hooks
         self.lone = len(entries) == 1 and type(entries[0]) in weakref.ProxyTypes
         self.items = tuple(e.module if isinstance(e, Called) else e for e in entries)
-        self.groups = []
+        self.groups: list[tuple] = []  # (runner, None) or (None, Called)
         run: list = []
         for i, entry in enumerate(list(entries) + [None]):
             if isinstance(entry, FusibleSpec):
@@ -108,7 +110,8 @@ class Layout:
     def plan(self, conditions: PlanConditions) -> FusionPlan:
         """The :class:`FusionPlan` of every group for the pipeline's ``conditions``."""
         c = conditions
-        forward, backward_groups, candidates, needs = [], [], [], {}
+        forward, backward_groups, candidates = [], [], []
+        needs: dict[int, OpGradNeeds] = {}  # pipeline index -> its op's
         wgrad_groups, kept = [], []
         upstream, p_pos, e_pos = c.input_requires_grad, 0, 0
         for index, (runner, called) in self._positions():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+from typing import Optional
 
 import attrs
 import torch
@@ -51,7 +52,7 @@ class PipelineRunner:
         # Under a stateful recipe, the states the plans read (planning.prepare.state_owners)
         self._state_names = [(k, f"fp8_state_{role}") for k, op in enumerate(self.ops)
                              for role in op.scaling_state_roles]
-        self._snapshot = None  # the states as the latest eager forward began
+        self._snapshot: Optional[list] = None  # the states as the latest eager forward began
 
     def _recipe_key(self, traced: bool):
         """The FP8 recipe key to run under: the one in effect, except for a forward run

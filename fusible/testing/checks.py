@@ -244,7 +244,7 @@ def recorded_stage_calls(fn, *args) -> dict:
         outs = [o for o in outputs if isinstance(o, torch.Tensor) and o.requires_grad]
         if outs:
             torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
-        calls = {}
+        calls: dict[str, tuple] = {}
         for overload, flat in custom_ops.recorder:
             if not any(isinstance(a, torch._subclasses.FakeTensor) for a in flat):
                 calls.setdefault(str(overload), (overload, flat))

@@ -155,12 +155,13 @@ def run_cases(cases: dict[str, Callable[[], object]], timeout: float | None = No
         with this rank's outcome of the case.
     """
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    timeout = datetime.timedelta(seconds=_timeout if timeout is None else timeout)
+    wait = datetime.timedelta(seconds=_timeout if timeout is None else timeout)
     # Not dist.new_group: destroying the default group would destroy that one too.
     flags = dist.ProcessGroupGloo(
         dist.PrefixStore(f"fusible_run_cases_{next(_flag_groups)}",
-                         distributed_c10d._get_default_store()), rank, world_size, timeout)
-    outcomes, names = {}, list(cases)
+                         distributed_c10d._get_default_store()), rank, world_size, wait)
+    outcomes: dict[str, str | None] = {}
+    names = list(cases)
     for i, name in enumerate(names):
         failed_at = 0.0
         try:
@@ -176,14 +177,15 @@ def run_cases(cases: dict[str, Callable[[], object]], timeout: float | None = No
         when = torch.zeros(world_size, dtype=torch.float64)  # when each rank failed, or 0
         when[rank] = failed_at
         try:
-            flags.allreduce([when]).wait()
+            flags.allreduce([when]).wait()  # type: ignore[attr-defined]  # not in torch's stub
         except Exception as error:
             raise RuntimeError(f"rank {rank}: the ranks could not agree whether case {name!r} "
                                f"passed; here it {_outcome(outcomes[name])}") from error
         if when.any():
             first = int(torch.where(when > 0, when, float("inf")).argmin())
-            if outcomes[name] is not None and first != rank:
-                outcomes[name] = _AFTER.format(first) + outcomes[name]
+            outcome = outcomes[name]
+            if outcome is not None and first != rank:
+                outcomes[name] = _AFTER.format(first) + outcome
             for later in names[i + 1:]:
                 outcomes[later] = f"{NOT_RUN}case {name!r} failed on rank {first}"
             if dist.is_initialized():

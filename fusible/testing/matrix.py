@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from fusible import ops
+from fusible.core.fused import FusedOperation
 from fusible.core.operation import BasicOperationSpec
 from fusible.module import Sequential
 from fusible.planning.registry import registered_fusions
@@ -21,7 +22,7 @@ from fusible.testing.reference import exact_parameters_, exact_tensor
 class Case:
     """One op or fusion to test: its class and which stage the plan must show."""
 
-    cls: type
+    cls: type[BasicOperationSpec] | type[FusedOperation]
     direction: str  # "both": a stage in each pass (a basic op, or a joint fusion)
 
     @property

@@ -178,7 +178,8 @@ def reference_forward(model, x, *extra_inputs, dtype=torch.float64,
             params[id(p)] = p.detach().to(dtype).requires_grad_(p.requires_grad)
         return params[id(p)]
 
-    extras, extra_outputs, channels = list(extra_inputs), [], {}
+    extras, extra_outputs = list(extra_inputs), []
+    channels: dict[str, torch.Tensor] = {}  # a named channel's tensor, for its readers
     if rounding is not None:
         extras = [_RoundGrad.apply(e, rounding.low) if e.is_floating_point() else e
                   for e in extras]
@@ -190,6 +191,7 @@ def reference_forward(model, x, *extra_inputs, dtype=torch.float64,
             op_params = [copy_of(p) for p in item.fusible_params()]
             gemm = fp8 is not None and bool(item.quantized_params)
             if gemm:
+                assert fp8 is not None  # (gemm says so)
                 x = _QuantizedValue.apply(x, fp8.forward)
                 op_params = [_QuantizedValue.apply(p, fp8.forward) if name in
                              item.quantized_params else p
@@ -199,6 +201,7 @@ def reference_forward(model, x, *extra_inputs, dtype=torch.float64,
             taken = [channels[channel]] * k if channel and k else extras[:k]
             x, outs = op_reference(item, x, taken, op_params)
             if gemm:
+                assert fp8 is not None
                 x = _QuantizedGrad.apply(x, fp8.grad)
             elif fp8 is not None and item.quantizes(fp8.recipe, "forward"):
                 x = _QuantizedValue.apply(x, fp8.forward)
