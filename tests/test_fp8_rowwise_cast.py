@@ -99,6 +99,8 @@ def test_rowwise_gemm_runs_scaled_mm_with_row_and_column_scales(monkeypatch):
     (M, 1) and (1, N) scales; the result that of the dequantized operands. dx = dy @ w
     reads w's copy (scaled per input feature): also a row-wise GEMM."""
     from fusible.quantization import float8_tensor
+    from fusible.quantization.gemm import native_rowwise_gemm
+    native_rowwise_gemm("cpu")  # its one probe GEMM (cached) before the spy: run alone too
     calls = []
     real = torch._scaled_mm
     monkeypatch.setattr(torch, "_scaled_mm", lambda *a, **k: calls.append(
