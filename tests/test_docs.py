@@ -6,8 +6,13 @@ code in it runs before the next block), and mark a block that cannot run in one 
 with ``<!-- docs-test skip: why -->`` right before it (several ranks), naming the test that
 runs its code. A block that needs a GPU is marked ``<!-- docs-test gpu: why -->`` (why, and
 the CPU test that runs its code) and prepared by ``<!-- docs-test gpu-setup ... -->``: it
-runs where CUDA is (scripts/gpu_check.sh) and is skipped elsewhere. A page that renders a
-diagram needs graphviz's ``dot``.
+runs where CUDA is (scripts/gpu_check.sh) and is skipped elsewhere. A block of several
+ranks is marked ``<!-- docs-test ranks N`` followed by its hidden set-up and ``-->``: it runs
+on N gloo processes (the harness's process group stands in for the block's own
+``init_process_group``), each with a namespace of its own holding ``rank``,
+``world_size``, ``device_type`` ("cpu") and ``tmp_dir`` (one directory for all the ranks);
+``ranks N torch>=X.Y (why)`` runs it only from that PyTorch version. A page that renders a diagram needs graphviz's
+``dot``.
 """
 
 import importlib.util
@@ -17,17 +22,21 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 
 import pytest
 import torch
+import torch.distributed as dist
 
 import fusible
+from fusible.testing.distributed import run_distributed
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PAGES = sorted((ROOT / "docs").glob("*.md"))
 TOKEN = re.compile(r"<!-- docs-test setup\n(?P<setup>.*?)-->|<!-- docs-test skip: (?P<skip>.+?) -->"
                    r"|<!-- docs-test gpu-setup\n(?P<gpu_setup>.*?)-->"
-                   r"|<!-- docs-test gpu: (?P<gpu>.+?) -->|```python\n(?P<code>.*?)```", re.S)
+                   r"|<!-- docs-test gpu: (?P<gpu>.+?) -->|<!-- docs-test ranks (?P<ranks>\d+[^\n]*\n.*?)-->"
+                   r"|```python\n(?P<code>.*?)```", re.S)
 GPU = torch.cuda.is_available()
 
 
@@ -57,12 +66,25 @@ def test_every_code_block_runs(page, tmp_path, monkeypatch, fresh_dynamo, regist
     monkeypatch.chdir(tmp_path)  # what the blocks write (diagrams) lands here
     monkeypatch.syspath_prepend(str(ROOT / "examples"))
     namespace: dict = {"__name__": f"docs_{page.stem}"}
-    skip = None
+    skip, ranks = None, None
     for k, (kind, text) in enumerate(blocks(page)):
         if kind == "skip" or kind == "gpu" and not GPU:
             skip = text
             continue
         if kind == "gpu" or kind == "gpu_setup" and not GPU:
+            continue
+        if kind == "ranks":
+            ranks = text
+            continue
+        if kind == "code" and ranks is not None:
+            first, setup = ranks.split("\n", 1)
+            ranks = None
+            count, _, needs = first.partition(" torch>=")
+            if needs and _torch_version() < tuple(map(int, needs.split()[0].split("."))):
+                continue  # the reason follows the version in the marker
+            with tempfile.TemporaryDirectory() as tmp_dir:
+                run_distributed(run_block_on_a_rank, int(count), setup, text, tmp_dir,
+                                f"{page.name} block {k}", timeout=300)
             continue
         if kind == "code" and skip is not None:
             assert skip.strip(), f"{page.name}: a skip needs its reason"
@@ -73,6 +95,25 @@ def test_every_code_block_runs(page, tmp_path, monkeypatch, fresh_dynamo, regist
         except Exception as error:
             raise AssertionError(f"{page.name}, block {k} ({kind}) raised {error!r}:\n"
                                  f"{text}") from error
+
+
+def _torch_version() -> tuple:
+    return tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
+
+
+def run_block_on_a_rank(rank: int, world_size: int, setup: str, code: str, tmp_dir: str,
+                        where: str):
+    """One rank of a block of several: its set-up, then the block, in a namespace of its
+    own; the block's ``init_process_group`` is the harness's (already initialised)."""
+    namespace = {"__name__": "docs_rank", "rank": rank, "world_size": world_size,
+                 "device_type": "cpu", "tmp_dir": tmp_dir}
+    real = dist.init_process_group
+    dist.init_process_group = lambda *args, **kwargs: None
+    try:
+        exec(compile(setup, f"{where} (set-up)", "exec"), namespace)
+        exec(compile(code, where, "exec"), namespace)
+    finally:
+        dist.init_process_group = real
 
 
 def test_skips_name_the_test_that_runs_them():
