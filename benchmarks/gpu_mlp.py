@@ -3,7 +3,7 @@
 Each runs eagerly, under ``torch.compile`` (default mode) and under
 ``torch.compile(mode="reduce-overhead")`` (CUDA graphs), all with fullgraph=True.
 
-Same method as the anchors in shared/anchors: input and weights require grad, one
+The method of the reference figures the README quotes: input and weights require grad, one
 forward + backward with a fixed output gradient, no optimizer; ``ms`` is the median
 of triton.testing.do_bench, ``tflops`` counts the 6 GEMMs, ``peak_gib`` is peak
 allocated memory during a step, ``first3_s`` the wall time of the first three steps.
