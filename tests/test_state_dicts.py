@@ -2,6 +2,8 @@
 (``state_dict_from_torch`` / ``state_dict_to_torch``): layers paired in the order they run,
 ordinary modules (the embedding) by their tensors, tied weights under every name."""
 
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -88,3 +90,22 @@ def test_whole_models_name_what_does_not_pair():
     with pytest.raises(ValueError, match="cannot fill GroupedLinear"):
         fusible.state_dict_from_torch(ops.Sequential(ops.GroupedLinear(2, 8, 8)),
                                       nn.Sequential(nn.Linear(8, 8)))
+
+
+def test_a_converted_model_pairs_with_its_original():
+    """fusible.convert's rewrites (a wrapped Linear ending in AddExtraInput, a Dropout(0)
+    left out of the plan) pair layer for layer with the original's."""
+    torch.manual_seed(0)
+    original = TorchGPT()
+    model = copy.deepcopy(original)
+    fusible.convert(model)
+    with torch.no_grad():
+        for p in original.parameters():
+            p.add_(0.25)  # new weights: the converted model no longer has them
+    by_names = copy.deepcopy(model)
+    by_names.load_state_dict(original.state_dict())  # convert keeps the names
+    model.load_state_dict(fusible.state_dict_from_torch(model, original, example_input=TOKENS))
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), by_names.parameters()))
+    assert torch.equal(model(TOKENS), by_names(TOKENS))
+    back = fusible.state_dict_to_torch(model, original, example_input=TOKENS)
+    assert all(torch.equal(back[k], v) for k, v in original.state_dict().items())
