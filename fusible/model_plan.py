@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from fusible.core.operation import FusibleSpec
-from fusible.module import Sequential
+from fusible.module import Sequential, outermost_fusible
 from fusible.planning.passes import op_communication
 from fusible.planning.plan import FusionPlan, describe_op
 from fusible.planning.viz import render_dot
@@ -172,7 +172,7 @@ def plan_model(model: nn.Module, *example_inputs: Any, **example_kwargs: Any) ->
         items.append(ModelItem(names[id(module)], type(module).__name__))
 
     try:
-        for module in _outermost_fusible(model):
+        for module in outermost_fusible(model):
             handles.append(module.register_forward_pre_hook(fusible_call))
         for module in _ordinary_leaves(model):
             handles.append(module.register_forward_pre_hook(ordinary_call))
@@ -189,19 +189,6 @@ def plan_model(model: nn.Module, *example_inputs: Any, **example_kwargs: Any) ->
 def _is_fusible(module) -> bool:
     return isinstance(module, (Sequential, FusibleSpec))
 
-
-def _outermost_fusible(model) -> list:
-    found = []
-
-    def walk(m):
-        if _is_fusible(m):
-            found.append(m)
-            return
-        for child in m.children():
-            walk(child)
-
-    walk(model)
-    return found
 
 
 def _ordinary_leaves(model) -> list:

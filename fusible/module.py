@@ -141,10 +141,11 @@ def _entries(root: nn.Module, global_hooks: bool) -> tuple:
     items = flatten(root)
     plain = [isinstance(item, BasicOperationSpec) and not (global_hooks or has_hooks(item))
              for item in items]
-    left_out = _identities_left_out(items, plain)
+    left_out = _left_out_of_plans(items, plain)
+    skipped = {id(op) for op in left_out}
     entries: list = []  # basic ops, and Called items
     for item, is_plain in zip(items, plain):
-        if any(item is op for op in left_out):
+        if id(item) in skipped:
             continue
         if is_plain:
             entries.append(item)
@@ -155,11 +156,19 @@ def _entries(root: nn.Module, global_hooks: bool) -> tuple:
     return entries, tuple(left_out)
 
 
-def _identities_left_out(items: list, plain: list) -> list:
+def _left_out_of_plans(items: list, plain: list) -> list:
     """The plain ops left out of plans (``left_out_of_plans``) where another op remains
     (an op alone keeps its own plan)."""
     same = [i for i, p in zip(items, plain) if p and cast(Any, i).left_out_of_plans()]
     return same if len(same) < len(items) else []
+
+
+def outermost_fusible(model: nn.Module) -> list:
+    """The fusible modules of ``model`` (Sequentials, lone ops) not inside another one,
+    in module order: what runs as its own pipeline."""
+    if isinstance(model, (Sequential, FusibleSpec)):
+        return [model]
+    return [m for child in model.children() for m in outermost_fusible(child)]
 
 
 class FusibleOperation(PipelineModule, FusibleSpec):

@@ -12,7 +12,7 @@ from torch import nn
 
 from fusible.core.operation import BasicOperationSpec, FusibleSpec, is_dtensor
 from fusible.functional import parallel
-from fusible.module import Sequential
+from fusible.module import Sequential, outermost_fusible
 from fusible.ops.basic_linear import BasicLinear, linear_shard
 from fusible.ops.bias import Bias
 from fusible.ops.gelu import GELU
@@ -207,7 +207,7 @@ def _fusible_layers(model, example_input, with_activations: bool) -> list:
     if example_input is None:
         raise ValueError(f"{type(model).__name__} is not a fusible Sequential: the order its "
                          f"layers run in is known only by running it; pass example_input")
-    fusible = _outermost_fusible(model)
+    fusible = outermost_fusible(model)
     ordinary = [m for m in _outside(model, fusible) if _own_tensors(m)]
     order = _run_order(model, fusible + ordinary, example_input, "fusible model")
     return [layer for m in order for layer in (expand(m) if m in fusible else [m])]
@@ -240,8 +240,8 @@ def _run_order(model, modules: list, example_input, what: str) -> list:
     twice = [m for m in counted if order.count(m) > 1]
     unused = [m for m in counted if m not in order]
     if twice or unused:
-        what_ = twice or unused
-        raise ValueError(f"ambiguous: {sorted(str(m) for m in what_)} "
+        culprits = twice or unused
+        raise ValueError(f"ambiguous: {sorted(str(m) for m in culprits)} "
                          f"{'run more than once' if twice else 'never run'} in "
                          f"{what}; the layers cannot pair one to one")
     return [m for i, m in enumerate(order) if m not in order[:i]]
@@ -257,12 +257,6 @@ def _sequential_all_the_way(module: nn.Module) -> bool:
 def _pairs_with_something(module: nn.Module) -> bool:
     return (_pairs_with_an_op(module) or isinstance(module, (Sequential, FusibleSpec))
             or bool(_own_tensors(module)))
-
-
-def _outermost_fusible(model: nn.Module) -> list:
-    if isinstance(model, (Sequential, FusibleSpec)):
-        return [model]
-    return [m for c in model.children() for m in _outermost_fusible(c)]
 
 
 def _outside(model: nn.Module, fusible: list) -> list:

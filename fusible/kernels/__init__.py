@@ -96,8 +96,8 @@ else:
 
 def triton_imports() -> bool:
     """Whether Triton is installed and imports (importing it the first time)."""
-    if not HAVE_TRITON:
-        return False
+    if _TRITON_IMPORTED or not HAVE_TRITON:
+        return _TRITON_IMPORTED
     try:
         _import_triton()
     except RuntimeError:
@@ -230,8 +230,8 @@ def triton_can_run(*tensors) -> bool:
     """Whether the Triton kernels take these tensors: plain CUDA tensors (not the fake
     ones of a trace, which get the PyTorch ops for their shapes, nor other subclasses) in a
     dtype the kernels compute in, with Triton installed."""
-    return (HAVE_TRITON and all(type(t) in _PLAIN and t.is_cuda and t.dtype in _TRITON_DTYPES
-                                for t in tensors) and triton_imports())
+    return (all(type(t) in _PLAIN and t.is_cuda and t.dtype in _TRITON_DTYPES for t in tensors)
+            and triton_imports())
 
 
 def require_triton(name: str) -> None:

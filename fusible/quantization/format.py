@@ -8,19 +8,17 @@ produces that format. The format crosses custom ops as an ordinary argument.
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING, Optional, Protocol, cast
+from typing import Optional, Protocol, cast
 
 import attrs
 import torch
 
 from fusible.core.schema import SchemaType, register_schema_type
 from fusible.kernels.fp8_cast import transposed_copy
+from fusible.kernels.fp8_delayed import DelayedCast
 from fusible.quantization.cast import FP8_MAX
 from fusible.quantization.float8_tensor import Float8Tensor, quantize_raw, quantize_scaled
 from fusible.quantization.scaling import Scaling, registered_scalings, scaling_named
-
-if TYPE_CHECKING:
-    from fusible.kernels.fp8_delayed import DelayedCast
 
 
 class _StatefulScaling(Protocol):

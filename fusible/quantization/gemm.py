@@ -20,11 +20,12 @@ from fusible.quantization.cast import expand_scales, scale_blocks
 BLOCK = 128  # the blockwise GEMM's block along the contraction
 
 
-def scaled_mm_scales(scale_a: torch.Tensor, scale_b: torch.Tensor, m: int, n: int) -> tuple:
+def scaled_mm_scales(scale_a: torch.Tensor, scale_b: torch.Tensor, m: int, n: int,
+                     rowwise: bool = False) -> tuple:
     """The scales ``torch._scaled_mm`` takes for an ``(m, k) @ (k, n)`` product: both 0-d,
     or one per row of ``a`` ``(m, 1)`` and one per column of ``b`` ``(1, n)``, a 0-d one
-    expanded to match."""
-    if scale_a.dim() == 0 and scale_b.dim() == 0:
+    expanded to match (both, with ``rowwise``)."""
+    if scale_a.dim() == 0 and scale_b.dim() == 0 and not rowwise:
         return scale_a, scale_b
     return scale_a.expand(m, 1).contiguous(), scale_b.expand(1, n).contiguous()
 
@@ -99,12 +100,11 @@ def _k_major(a, b) -> tuple:
 def _scaled_mm(a, scale_a, b, scale_b, bias, out_dtype, fast_accum):
     a, b = _k_major(a, b)
     epilogue = bias is not None and out_dtype in (torch.bfloat16, torch.float16)
-    if a.device.type == "cpu" and native_rowwise_gemm("cpu"):
-        # The CPU's per-tensor kernel is oneDNN's reference loop, 300x slower than its
-        # row-wise one (0.3 s against 1 ms at 256x128x512); the same product, its scales
-        # applied per row and column instead of as one product of the two.
-        scale_a, scale_b = scale_a.expand(a.shape[0], 1), scale_b.expand(1, b.shape[1])
-    scale_a, scale_b = scaled_mm_scales(scale_a, scale_b, a.shape[0], b.shape[1])
+    # The CPU's per-tensor kernel is oneDNN's reference loop, 300x slower than its row-wise
+    # one (0.3 s against 1 ms at 256x128x512): the same product, its scales applied per row
+    # and column instead of as one product of the two.
+    rowwise = a.device.type == "cpu" and native_rowwise_gemm("cpu")
+    scale_a, scale_b = scaled_mm_scales(scale_a, scale_b, a.shape[0], b.shape[1], rowwise)
     y = torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b,
                          bias=bias if epilogue else None, out_dtype=out_dtype,
                          use_fast_accum=fast_accum)
