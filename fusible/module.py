@@ -13,19 +13,20 @@ from torch import nn
 from fusible.core import epoch, tokens
 from fusible.core.conditions import PlanConditions
 from fusible.core.lanes import splitting
-from fusible.core.hooks import ReplanOnHooks, global_hooks_active, has_hooks
+from fusible.core.hooks import ReplanOnHooks, has_hooks
 from fusible.core.fused import FusedOperation
 from fusible.core.operation import BasicOperationSpec, FusibleSpec
-from fusible.planning.channels import caller_counts
+from fusible.planning.features.channels import caller_counts
 from fusible.planning.plan import FusionPlan
 from fusible.quantization import recipe
 from fusible.runtime.compiled import compiled_forward
-from fusible.runtime.layout import Called, Layout
+from fusible.runtime.layout import Called, Layout, layout_of, without_layout
 
 
 class PipelineModule(ReplanOnHooks, nn.Module):
-    """An ``nn.Module`` that runs as a fusible pipeline (a Sequential, or one op alone)
-    and caches its layout with the plans.
+    """An ``nn.Module`` that runs as a fusible pipeline (a Sequential, or one op alone):
+    the runtime's :class:`~fusible.runtime.layout.PipelineHost`, which caches its layout
+    with the plans.
 
     The cache carries the epoch it was built in and is rebuilt when the epoch has
     moved on; ``.to()`` and friends move it on, and pickling leaves the cache out.
@@ -39,30 +40,24 @@ class PipelineModule(ReplanOnHooks, nn.Module):
         super().__setstate__(state)
         tokens.register(self)
 
-    def _layout(self) -> Layout:
-        """The cached :class:`~fusible.runtime.layout.Layout`, rebuilt when the epoch moved on
-        (or global module hooks came or went)."""
-        cache = self.__dict__.get("_fusible_cache")
-        hooks = global_hooks_active()
-        if cache is None or cache.epoch != epoch.current() or cache.global_hooks != hooks:
-            entries, left_out = _entries(self, hooks)
-            cache = Layout(entries, hooks, left_out)
-            object.__setattr__(self, "_fusible_cache", cache)
-        return cache
+    def layout_entries(self, global_hooks: bool) -> tuple:
+        """``(entries, left out)`` of the layout (see
+        :meth:`~fusible.runtime.layout.PipelineHost.layout_entries`)."""
+        return _entries(self, global_hooks)
 
     def forward(self, input: torch.Tensor, *extra_inputs: torch.Tensor):
         """Run the pipeline (a lone op: like a one-element Sequential), planned and fused;
         under torch.compile through the stages' custom ops."""
         if torch.compiler.is_compiling():
             return compiled_forward(self, input, extra_inputs)
-        return self._layout().run_eager(input, extra_inputs, self.training)
+        return layout_of(self).run_eager(input, extra_inputs, self.training)
 
     def pipeline(self) -> tuple:
         """The flattened pipeline: basic ops and ordinary modules, in order.
 
         Plan stage indices are positions in this tuple.
         """
-        layout = self._layout()
+        layout = layout_of(self)
         return (self,) if layout.lone else layout.items
 
     def plan(self, *example_inputs: torch.Tensor) -> FusionPlan:
@@ -76,8 +71,9 @@ class PipelineModule(ReplanOnHooks, nn.Module):
             input is assumed to have the parameters' dtype and device and not
             to require grad.
         """
-        layout = self._layout()
-        return layout.plan(_plan_conditions(layout, example_inputs, self.training))
+        layout = layout_of(self)
+        return layout.plan(_plan_conditions(layout, example_inputs, self.training),
+                           recipe.fp8_recipe())
 
     def _apply(self, fn, recurse=True):
         # .to(), .cuda(), to_empty() may replace parameter objects behind __setattr__.
@@ -86,8 +82,7 @@ class PipelineModule(ReplanOnHooks, nn.Module):
         return result
 
     def __getstate__(self):
-        state = self.__dict__.copy()
-        state.pop("_fusible_cache", None)
+        state = without_layout(self.__dict__.copy())
         state.pop("_fusible_owner", None)  # a weak link the owner re-makes
         return state
 

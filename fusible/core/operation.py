@@ -225,8 +225,9 @@ class BasicOperationSpec(FusibleSpec, StageSpec):
         """
         return tuple(shape)
 
-    def validate_fp8(self, shape: tuple) -> None:
-        """Check an input shape against the op's FP8 constraints (called under a recipe)."""
+    def validate_fp8(self, shape: tuple, recipe) -> None:
+        """Check an input shape against the op's FP8 constraints under ``recipe`` (the
+        plan's, never None here); raise ValueError naming the op and the sizes."""
 
     def quantizes(self, recipe, direction: str) -> bool:
         """Whether this op's ``direction`` compute quantizes tensors under ``recipe``: a

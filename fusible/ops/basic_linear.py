@@ -21,7 +21,6 @@ from fusible.functional.parallel import NOT_PARALLEL
 from fusible.module import BasicOperation
 from fusible.quantization.float8_tensor import Float8Tensor
 from fusible.quantization.params import fp8_parameter
-from fusible.quantization.recipe import fp8_recipe
 
 Tensor = torch.Tensor
 
@@ -151,12 +150,11 @@ class BasicLinear(BasicOperation):
                           (self.local_out, self.local_in))
         return (*parallel_tokens(self, shape), self.local_out)
 
-    def validate_fp8(self, shape) -> None:
+    def validate_fp8(self, shape, recipe) -> None:
         """FP8 GEMMs (Hopper's) need every dimension divisible by 16; an FP8 weight
         (``quantized_model_init``, ``fsdp_float8_all_gather``) holds one current scale
         per tensor, which a recipe scaling weights otherwise would silently not get."""
-        recipe = fp8_recipe()
-        if recipe is not None and isinstance(self.param("weight"), Float8Tensor):
+        if isinstance(self.param("weight"), Float8Tensor):
             fmt = recipe.weight_format()
             if not fmt.per_tensor or fmt.stateful:
                 how = "from an amax history" if fmt.stateful else fmt.granularity

@@ -168,7 +168,7 @@ class GroupedLinear(BasicOperation):
                               tuple(getattr(self, name).shape))
         return (*shape[:-1], self.out_features)
 
-    def validate_fp8(self, shape) -> None:
+    def validate_fp8(self, shape, recipe) -> None:
         """FP8 GEMMs need the feature sizes divisible by 16 (the token counts are checked
         on the device, see the class notes)."""
         if self.in_features % 16 or self.out_features % 16:

@@ -3,7 +3,8 @@
 
 from fusible.planning.plan import FusionPlan
 from fusible.planning.planner import Candidate, GroupPlan, PlanEnvironment, Stage
-from fusible.planning.prepare import ExecPlan, ExecStage, prepare_group
+from fusible.planning.exec_plan import ExecPlan, ExecStage
+from fusible.planning.prepare import prepare_group
 from fusible.planning.registry import register_fusion, registered_fusions, unregister_fusion
 
 __all__ = ["Candidate", "ExecPlan", "ExecStage", "FusionPlan", "GroupPlan", "PlanEnvironment",

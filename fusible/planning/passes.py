@@ -7,7 +7,7 @@ from typing import Optional
 
 from fusible.core.results import OpGradNeeds
 from fusible.functional.parallel import NOT_PARALLEL, TensorParallel
-from fusible.planning.channels import channel_of
+from fusible.planning.features.channels import channel_of
 
 
 def op_grad_needs(ops, conditions) -> tuple:
@@ -121,8 +121,3 @@ def op_communication(op, direction: str, needs=None) -> tuple:
         grads = ", ".join("d" + name for name in op.param_names)
         comm += (("after", f"all-reduce {grads} /{tp.world_size}"),)
     return comm
-
-
-def idle_needs(op) -> OpGradNeeds:
-    """The needs of an op in a call that saves nothing."""
-    return OpGradNeeds(False, (False,) * len(op.param_names), (False,) * op.num_extra_inputs)

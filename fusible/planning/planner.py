@@ -25,7 +25,6 @@ from fusible.core.fused import FusedOperation
 from fusible.core.operation import BasicOperationSpec, FusibleSpec
 from fusible.core.pattern import Match
 from fusible.planning.registry import registered_fusions
-from fusible.quantization.recipe import recipe_for_key
 
 
 @attrs.frozen
@@ -38,10 +37,13 @@ class PlanEnvironment:
         Dtype, device type, grad mode, what requires grad, recipe, training mode.
     needs : dict
         Global op index -> :class:`~fusible.core.results.OpGradNeeds`.
+    recipe : Recipe or None
+        The FP8 recipe in effect (the one ``conditions.recipe_key`` names), or None.
     """
 
     conditions: PlanConditions
     needs: dict = attrs.field(eq=False)
+    recipe: Any = None
 
     @property
     def device_type(self) -> str:
@@ -57,11 +59,6 @@ class PlanEnvironment:
     def grad_enabled(self) -> bool:
         """Whether autograd records this call (and so whether a backward exists)."""
         return self.conditions.grad_enabled
-
-    @property
-    def recipe(self) -> Any:
-        """The FP8 recipe in effect, or None."""
-        return recipe_for_key(self.conditions.recipe_key)
 
     @property
     def training(self) -> bool:

@@ -114,9 +114,10 @@ class Float8RowwiseScaling(GranularityRecipe):
 
 
 # The recipe in effect, per thread like torch.autocast's state: None when FP8 is off. A
-# compiled model reads the key (a string) in traced code, and dynamo guards on its value.
+# compiled model reads the key (a string) in traced code, and dynamo guards on its value;
+# the runtime reads the recipe itself once per call, and a plan keeps the one it was made
+# for.
 _state = threading.local()
-_KNOWN: dict = {}  # key -> recipe, for every recipe autocast has turned on
 
 
 def fp8_recipe():
@@ -127,11 +128,6 @@ def fp8_recipe():
 def current_key():
     """The key of the recipe in effect in this thread, or None (what plan conditions hold)."""
     return getattr(_state, "key", None)
-
-
-def recipe_for_key(key):
-    """The recipe named ``key`` (see :attr:`Recipe.key`), or None for None."""
-    return None if key is None else _KNOWN[key]
 
 
 @contextlib.contextmanager
@@ -161,8 +157,6 @@ def autocast(*, enabled: bool = True, recipe: "Recipe | None" = None) -> Iterato
                         f"fusible.register_recipe), got {recipe!r}")
     previous = fp8_recipe(), current_key()
     active = (recipe or Float8CurrentScaling()) if enabled else None
-    if active is not None:
-        _KNOWN.setdefault(active.key, active)
     _state.recipe, _state.key = active, None if active is None else active.key
     try:
         yield

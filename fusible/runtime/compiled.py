@@ -10,7 +10,8 @@ Dynamo traces ``Sequential.forward`` (or a lone op's ``forward``) into
 
 * the layout and the plans are made eagerly at trace time by a function dynamo
   treats as a constant (``assume_constant_result``), so dynamo never traces the
-  planner; it returns why some stage cannot compile, or None;
+  planner; it returns why some stage cannot compile, or None, and which execution
+  features' tensors (main_grad buffers, scaling states) each group's graph takes;
 * each group of fusible ops becomes one call of :func:`fusible_group`, which
   dynamo puts in its graph as is. AOTAutograd traces through it: the group's
   autograd.Function then contributes one custom op per forward stage to the
@@ -35,6 +36,8 @@ import torch
 from fusible.core import epoch, tokens
 from fusible.core.conditions import PlanConditions, conditions_key
 from fusible.quantization import recipe
+from fusible.runtime.features import RUNTIME
+from fusible.runtime.layout import built_layout, layout_of
 
 log = logging.getLogger("fusible")
 _warned: set = set()
@@ -42,20 +45,24 @@ _warned: set = set()
 
 def _prepare(module_token: int, epoch_now: int, conditions: tuple):
     """Build the layout and plans (eagerly, at trace time, which also makes the FP8
-    scaling states the plans read); ``(why it cannot compile or None, whether the
-    groups read scaling states)``.
+    scaling states the plans read); ``(why it cannot compile or None, per group the names
+    of the execution features whose tensors its graph takes)``.
 
     ``conditions`` leaves the parameters' requires-grad pattern out (None): it is read
     here, from the parameters dynamo guards on.
     """
     _register_with_dynamo()
     module = tokens.lookup(module_token)
-    layout = module._layout()
+    layout = layout_of(module)
     grad = conditions[2]
     params_rg = tuple(grad and p.requires_grad for p in layout.params())
-    plan = layout.plan(PlanConditions(*conditions)._replace(params_requires_grad=params_rg))
-    stateful = plan.recipe is not None and plan.recipe.stateful
-    return _compile_refusal(module, module_token, epoch_now, conditions, plan), stateful
+    conditions_now = PlanConditions(*conditions)._replace(params_requires_grad=params_rg)
+    fp8 = recipe.fp8_recipe()
+    plan = layout.plan(conditions_now, fp8)
+    features = tuple(group.hooks.tensor_features
+                     for _, _, group, _ in layout.group_plans(conditions_now, fp8)
+                     if group is not None)
+    return _compile_refusal(module, module_token, epoch_now, conditions, plan), features
 
 
 def _compile_refusal(module, module_token, epoch_now, conditions, plan):
@@ -73,24 +80,22 @@ def _compile_refusal(module, module_token, epoch_now, conditions, plan):
     return None
 
 
-def fusible_group(runner_token: int, num_extra: int, num_states: int, training: bool,
-                  modes: tuple, x, *tensors):
+def fusible_group(runner_token: int, num_extra: int, training: bool, modes: tuple, x,
+                  *tensors):
     """One group of fusible ops, run through its stages' custom ops (``modes``: the ops'
     training flags, which the compiled graph depends on); ``tensors``: the extra inputs,
-    the parameters, the main_grad buffers, then the ``num_states`` FP8 scaling states
-    (which the stages update: the graph writes them back)."""
+    the parameters, then the feature tensors (main_grad buffers, FP8 scaling states,
+    which the stages update: the graph writes them back)."""
     runner = tokens.lookup(runner_token)
     params_end = num_extra + runner.num_params
-    states_start = len(tensors) - num_states
     y, extra_outputs = runner.run(x, tensors[:num_extra], training,
-                                  params=tensors[num_extra:params_end],
-                                  main_grads=tensors[params_end:states_start], traced=True,
-                                  states=tensors[states_start:])
+                                  params=tensors[num_extra:params_end], traced=True,
+                                  tensors=tensors[params_end:])
     return (y, *extra_outputs)
 
 
 def _run_eagerly_impl(module, x, extra_inputs):
-    return module._layout().run_eager(x, extra_inputs, module.training)
+    return layout_of(module).run_eager(x, extra_inputs, module.training)
 
 
 # What dynamo must know of this module's functions. Importing torch._dynamo costs 0.4 s,
@@ -123,25 +128,27 @@ def compiled_forward(module, x, extra_inputs: tuple):
     conditions = conditions_key(x, x.device.type, None, extra_inputs, recipe.current_key(),
                                 training)
     # dynamo guards on the epoch
-    reason, stateful = _prepare(id(module), epoch.current(), conditions)
+    reason, features = _prepare(id(module), epoch.current(), conditions)
     if reason is not None:
         _graph_break(reason)
         return _run_eagerly(module, x, extra_inputs)
 
-    layout = module._fusible_cache
+    layout = built_layout(module)
     lone = (module,) if layout.lone else None  # dynamo cannot trace the layout's proxy
+    features_of = iter(features)  # per group, in order
 
     def run_group(runner, y, extras):
         # Each op's own training flag is read here, so that dynamo guards on it: a stage's
         # arguments may depend on it (an op switched to eval() alone recompiles too).
         ops = lone or runner.ops
         modes = tuple(op.training for op in ops)
-        params = runner.params(ops)
-        # main_grad buffers and scaling states become graph inputs here (dynamo reads the
-        # attributes), so the graphs can write into them
-        states = runner.states(ops) if stateful else ()
-        out = fusible_group(id(runner), len(extras), len(states), training, modes, y, *extras,
-                            *params, *runner.main_grads(params, traced=True), *states)
+        params = runner.params.read(ops)
+        # feature tensors (main_grad buffers, scaling states) become graph inputs here
+        # (dynamo reads the attributes), so the graphs can write into them
+        tensors = [t for name in next(features_of)
+                   for t in RUNTIME[name].graph_tensors(runner, ops, params)]
+        out = fusible_group(id(runner), len(extras), training, modes, y, *extras, *params,
+                            *tensors)
         return out[0], out[1:]
 
     return layout.run(x, extra_inputs, run_group)

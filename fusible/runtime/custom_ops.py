@@ -323,12 +323,10 @@ def unsupported_reason(cls, direction: str) -> Optional[str]:
     return _REASONS.get(key)
 
 
-def _call(stage, direction: str, args, quantized: bool, outer_dtype, output_format):
+def _call(stage, direction: str, args, quantized: bool, outer_dtype, output_format,
+          provenance: "str | None" = None):
     op = stage_op(stage.op.__class__, direction)
-    provenance = stage.provenance
-    if direction == "dgrad":
-        provenance = _with_target(provenance, stage.target.token)
-    flat = op.flatten_call(args, output_format, quantized, provenance)
+    flat = op.flatten_call(args, output_format, quantized, provenance or stage.provenance)
     if recorder is not None:
         recorder.append((op.overload, tuple(flat)))
     out = _write_back(op.overload(*flat), flat, op.states)
@@ -358,27 +356,30 @@ def call_backward(stage, args, quantized: bool = False, outer_dtype=None,
                             stage.grad_mask)
 
 
-def call_dgrad(stage, args, quantized: bool = False, outer_dtype=None,
+def call_dgrad(stage, split, args, quantized: bool = False, outer_dtype=None,
                output_format=_UNSET) -> BackwardResult:
     """Run a split stage's dgrad through its custom op, which queues the record its wgrad
-    reads; the deferred parameters' gradients come back None."""
+    reads (``split``: the stage's SplitStage, whose target's token the op's provenance
+    carries); the deferred parameters' gradients come back None."""
     fmt = stage.output_format if output_format is _UNSET else output_format
     needed, params, extras = stage.grad_mask
-    params = tuple(n and not d for n, d in zip(params, stage.deferred))
+    params = tuple(n and not d for n, d in zip(params, split.deferred))
     return _backward_result(stage, "dgrad", args, quantized, outer_dtype, fmt,
-                            (needed, params, extras))
+                            (needed, params, extras),
+                            _with_target(stage.provenance, split.target.token))
 
 
-def call_wgrad(stage, record) -> BackwardResult:
+def call_wgrad(stage, split, record) -> BackwardResult:
     """Run a split stage's deferred wgrad through its custom op."""
     _, params, extras = stage.grad_mask
-    mask = (False, tuple(n and d for n, d in zip(params, stage.deferred)),
+    mask = (False, tuple(n and d for n, d in zip(params, split.deferred)),
             (False,) * len(extras))
     return _backward_result(stage, "wgrad", record, False, None, None, mask)
 
 
-def _backward_result(stage, direction, args, quantized, outer_dtype, fmt, mask):
-    op, out = _call(stage, direction, args, quantized, outer_dtype, fmt)
+def _backward_result(stage, direction, args, quantized, outer_dtype, fmt, mask,
+                     provenance=None):
+    op, out = _call(stage, direction, args, quantized, outer_dtype, fmt, provenance)
     input_needed, params_needed, extras_needed = mask
     expected = 1 + len(params_needed) + len(extras_needed)
     if len(out) != expected:

@@ -1,7 +1,7 @@
 """The queue of deferred weight gradients (a split backward's wgrad lane).
 
 A dgrad stage appends one entry per call: the token of its
-:class:`~fusible.planning.prepare.WgradTarget`, the args record its wgrad reads (the
+:class:`~fusible.planning.features.split_backward.WgradTarget`, the args record its wgrad reads (the
 saved input, ``dy`` as the dgrad used it: under FP8 its E5M2 copies) and whether it ran
 in a compiled graph (then the wgrad runs through its custom op too). The compiled path
 appends from inside the dgrad stage's custom op, so the record never crosses the graph.

@@ -1,19 +1,22 @@
-"""The flattened pipeline of a Sequential (or of one op), split into groups, and its plan."""
+"""The flattened pipeline of a Sequential (or of one op), split into groups, and its plan;
+cached on the module that runs it, through the small interface the runtime declares for
+such modules (:class:`PipelineHost`)."""
 
 from __future__ import annotations
 
 import weakref
+from typing import Protocol
 
 import attrs
 from torch import nn
 
 from fusible.core import epoch, tokens
 from fusible.core.conditions import PlanConditions
+from fusible.core.hooks import global_hooks_active
 from fusible.core.operation import FusibleSpec
 from fusible.core.results import OpGradNeeds
 from fusible.planning.plan import FusionPlan
 from fusible.planning.planner import Stage
-from fusible.quantization.recipe import recipe_for_key
 from fusible.runtime.runner import PipelineRunner
 
 
@@ -78,7 +81,7 @@ class Layout:
 
     def params(self) -> list:
         """The parameters of every group of basic ops, in order."""
-        return [p for r in self.runners for p in r.params()]
+        return [p for r in self.runners for p in r.params.read()]
 
     def run_eager(self, x, extra_inputs: tuple, training: bool):
         """Run eagerly: ``(y, *extra_outputs)`` if there are extra outputs, else ``y``."""
@@ -107,42 +110,55 @@ class Layout:
             extra_outputs.extend(outs)
         return (x, *extra_outputs) if self.num_extra_outputs else x
 
-    def plan(self, conditions: PlanConditions) -> FusionPlan:
-        """The :class:`FusionPlan` of every group for the pipeline's ``conditions``."""
-        c = conditions
-        forward, backward_groups, candidates = [], [], []
-        needs: dict[int, OpGradNeeds] = {}  # pipeline index -> its op's
-        wgrad_groups, kept = [], []
+    def group_plans(self, conditions: PlanConditions, recipe) -> list:
+        """Per group, in order, ``(index of its first item, Called or None, ExecPlan or
+        None, upstream)``: the plan of a run of basic ops for the pipeline's
+        ``conditions`` (``recipe``: the FP8 recipe they name), or the item called on its
+        own; ``upstream``: whether anything up to the group's end requires grad."""
+        c, found = conditions, []
         upstream, p_pos, e_pos = c.input_requires_grad, 0, 0
         for index, (runner, called) in self._positions():
             if runner is None:
-                module = called.module
-                forward.append(Stage(type(module).__name__, (index,), module,
-                                     called_alone=True))
-                upstream = upstream or (c.grad_enabled
-                                        and any(p.requires_grad for p in module.parameters()))
-                if upstream:
-                    backward_groups.append((Stage(type(module).__name__, (index,), module,
-                                                  "backward", called_alone=True),))
+                upstream = upstream or (c.grad_enabled and any(
+                    p.requires_grad for p in called.module.parameters()))
+                found.append((index, called, None, upstream))
                 continue
-            n, k = len(runner.params()), runner.num_extra_inputs
+            n, k = runner.num_params, runner.num_extra_inputs
             plan = runner.lookup(c._replace(
                 input_requires_grad=upstream,
                 params_requires_grad=c.params_requires_grad[p_pos:p_pos + n],
-                extras_requires_grad=c.extras_requires_grad[e_pos:e_pos + k]))
+                extras_requires_grad=c.extras_requires_grad[e_pos:e_pos + k]), recipe)
             p_pos, e_pos = p_pos + n, e_pos + k
+            upstream = upstream or plan.needs_backward
+            found.append((index, None, plan, upstream))
+        return found
+
+    def plan(self, conditions: PlanConditions, recipe) -> FusionPlan:
+        """The :class:`FusionPlan` of every group for the pipeline's ``conditions``
+        (``recipe``: the FP8 recipe they name, or None)."""
+        forward, backward_groups, candidates = [], [], []
+        needs: dict[int, OpGradNeeds] = {}  # pipeline index -> its op's
+        wgrad_groups, kept = [], []
+        for index, called, plan, upstream in self.group_plans(conditions, recipe):
+            if plan is None:
+                name, module = type(called.module).__name__, called.module
+                forward.append(Stage(name, (index,), module, called_alone=True))
+                if upstream:
+                    backward_groups.append((Stage(name, (index,), module, "backward",
+                                                  called_alone=True),))
+                continue
             needs.update((index + i, op_needs) for i, op_needs in enumerate(plan.needs))
             forward += plan.group.forward
             backward_groups.append(plan.backward_stages)  # the stages that run
-            wgrad_groups.append(plan.wgrad_stages)
-            kept += plan.wgrad_kept
+            split = plan.features.split_backward
+            if split is not None:
+                wgrad_groups.append(split.lane)
+                kept += split.kept
             candidates += plan.group.candidates
-            upstream = upstream or plan.needs_backward
         backward = tuple(s for group in reversed(backward_groups) for s in group)
         wgrad = tuple(s for group in reversed(wgrad_groups) for s in group)
-        return FusionPlan(tuple(forward), backward, tuple(candidates), self.items, c,
-                          recipe_for_key(c.recipe_key), needs, wgrad, tuple(kept),
-                          self.left_out)
+        return FusionPlan(tuple(forward), backward, tuple(candidates), self.items, conditions,
+                          recipe, needs, wgrad, tuple(kept), self.left_out)
 
     def _positions(self):
         """Yield (index of the group's first item, (runner, Called)) for each group."""
@@ -158,3 +174,43 @@ def _call(called: Called, x, extra_inputs: tuple):
     if not called.extra_outputs:
         return out, ()
     return out[0], tuple(out[1:])
+
+
+class PipelineHost(Protocol):
+    """What the runtime needs of a module that runs as a fusible pipeline (``fusible.module``'s
+    PipelineModule): its training mode, and the entries of its layout."""
+
+    training: bool
+
+    def layout_entries(self, global_hooks: bool) -> tuple:
+        """``(entries, left out)``: basic ops and :class:`Called` items in pipeline order,
+        and the ops left out of plans; ``global_hooks``: whether global module hooks are
+        registered (then every op runs as its own call)."""
+        ...
+
+
+_CACHE = "_fusible_layout"  # the runtime's slot in a host's __dict__
+
+
+def layout_of(host: PipelineHost) -> Layout:
+    """The host's cached :class:`Layout`, rebuilt when the epoch moved on (or global module
+    hooks came or went)."""
+    cache = host.__dict__.get(_CACHE)
+    hooks = global_hooks_active()
+    if cache is None or cache.epoch != epoch.current() or cache.global_hooks != hooks:
+        entries, left_out = host.layout_entries(hooks)
+        cache = Layout(entries, hooks, left_out)
+        object.__setattr__(host, _CACHE, cache)
+    return cache
+
+
+def built_layout(host: PipelineHost) -> Layout:
+    """The layout :func:`layout_of` built last (read in code dynamo traces, after the
+    compiled path made it eagerly)."""
+    return getattr(host, _CACHE)
+
+
+def without_layout(state: dict) -> dict:
+    """A host's pickled state without its layout (rebuilt after loading)."""
+    state.pop(_CACHE, None)
+    return state

@@ -1,17 +1,20 @@
-"""Activation checkpointing's recomputation of compiled stages: a loud error, never a
-silently different recipe.
+"""Activation checkpointing's recomputation: it repeats its forward's recipe, or says why not.
 
-Eagerly a recomputation repeats its forward's recipe (``PipelineRunner._recipe_key``). A
-compiled fusible model called inside an eager ``torch.utils.checkpoint`` is recomputed by
-its compiled code, which dynamo picks by the recipe in effect at backward time: where
-that differs from the forward's, the stage custom ops say so. They key the forward's
-choice by the parameters they read (the same tensors in the recomputation).
+Eagerly a recomputation repeats its forward's recipe (:class:`LatestForward`; the
+scaling-states feature repeats its scales). A compiled fusible model called inside an
+eager ``torch.utils.checkpoint`` is recomputed by its compiled code, which dynamo picks by
+the recipe in effect at backward time: where that differs from the forward's, the stage
+custom ops say so. They key the forward's choice by the parameters they read (the same
+tensors in the recomputation).
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from fusible.quantization.recipe import current_key as fp8_recipe_key
+from fusible.quantization.recipe import fp8_recipe
 
 _FORWARD_FP8: dict = {}  # (op class, parameter data_ptr) -> whether its forward ran FP8
 _LIMIT = 1 << 16         # stale entries (freed parameters) are dropped past this many
@@ -67,3 +70,24 @@ def refuse_stateful(cls) -> None:
             f"with the states its forward already advanced. Checkpoint an eager fusible "
             f"model (its recomputation casts with the forward's scales), or use a recipe "
             f"without state (current scaling) under compiled checkpointing")
+
+
+_UNSET = object()
+
+
+class LatestForward:
+    """The FP8 recipe of a group's latest forward, which a forward run during a backward
+    pass (activation checkpointing's recomputation) repeats, as torch.utils.checkpoint
+    restores torch.autocast's state. The recipe is decoded once here, with its key."""
+
+    __slots__ = ("key", "recipe")
+
+    def __init__(self):
+        self.key: object = _UNSET
+        self.recipe = None
+
+    def recipe_for_call(self, traced: bool) -> tuple:
+        """``(key, recipe)`` to run under: the ones in effect, but in a recomputation."""
+        if traced or torch._C._current_graph_task_id() == -1 or self.key is _UNSET:
+            self.key, self.recipe = fp8_recipe_key(), fp8_recipe()
+        return self.key, self.recipe

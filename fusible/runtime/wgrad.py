@@ -70,26 +70,26 @@ def run_entries(entries) -> None:
 
 def run_entry(target, record, compiled: bool) -> None:
     """Compute one deferred wgrad and add it into its parameters' gradients."""
-    st = target.stage
+    st, split = target.stage, target.split
     if compiled:
-        result = custom_ops.call_wgrad(st, record)
+        result = custom_ops.call_wgrad(st, split, record)
     else:
-        result = st.wgrad(record)
+        result = split.wgrad(record)
     del record  # the saved input and dy: freed once the GEMMs have read them
     grads = list(result.grad_params)
     if len(grads) != st.num_params:
         raise RuntimeError(f"{type(st.op).__name__}.wgrad_compute returned {len(grads)} "
                            f"parameter gradients for the stage's {st.num_params}")
-    sync = dict(st.grad_sync)
+    sync = dict(split.sync)
     params = target.params()
     with torch.no_grad():
-        for k, (p, deferred_k) in enumerate(zip(params, st.deferred)):
+        for k, (p, deferred_k) in enumerate(zip(params, split.deferred)):
             g = grads[k]
             if not deferred_k or g is None:
                 continue
             if k in sync:
                 g = parallel.all_reduce(g, sync[k])
-            _accumulate(p, g, st.into_main_grad[k], st.provenance)
+            _accumulate(p, g, split.into_main_grad[k], st.provenance)
 
 
 def _accumulate(param, g, into_main: bool, where: str) -> None:

@@ -1,15 +1,21 @@
-"""Named extra-tensor channels: a ``MakeExtraOutput(channel=name)`` hands its tensor to the
-``AddExtraInput(channel=name)`` ops after it in the same group (an internal residual, a
-fan-out) instead of to the caller, and the readers' gradients flow back to it.
+"""The named-channels feature's planning pass: a ``MakeExtraOutput(channel=name)`` hands
+its tensor to the ``AddExtraInput(channel=name)`` ops after it in the same group (an
+internal residual, a fan-out) instead of to the caller, and the readers' gradients flow
+back to it.
 
 The planner and the executor keep working on the ops' own extra-input and extra-output
 slots (one each per AddExtraInput and MakeExtraOutput); :class:`Channels` says which of
-those slots the caller fills or receives and which a channel does.
+those slots the caller fills or receives and which a channel does
+(``runtime/features/channels.py`` moves the tensors).
 """
 
 from __future__ import annotations
 
+from typing import Optional
+
 import attrs
+
+from fusible.planning.exec_plan import Preparation
 
 
 @attrs.frozen
@@ -67,3 +73,33 @@ def channels_of(ops) -> Channels:
     return Channels(tuple(in_names), tuple(out_names),
                     tuple(j for j, n in enumerate(in_names) if n is None),
                     tuple(j for j, n in enumerate(out_names) if n is None))
+
+
+def attach(prep: Preparation, attached: dict) -> Optional[Channels]:
+    """The group's channels, checked (None: every extra tensor is the caller's)."""
+    channels = channels_of(prep.ops)
+    if not channels.any:
+        return None
+    _check_channel_stages(prep.forward + prep.backward)
+    return channels
+
+
+def caller_slots(ops, channels: Optional[Channels]) -> tuple:
+    """``(extra-input slots the caller fills, extra-output slots it receives)`` of a group
+    of ``ops``: every slot without channels."""
+    if channels is not None:
+        return channels.caller_in, channels.caller_out
+    return (tuple(range(sum(op.num_extra_inputs for op in ops))),
+            tuple(range(sum(op.num_extra_outputs for op in ops))))
+
+
+def _check_channel_stages(stages) -> None:
+    """A stage may not cover both the writer and a reader of a channel: the executor
+    passes channels between stages, never inside one."""
+    for st in stages:
+        written = {channel_of(op) for op in st.ops if op.num_extra_outputs} - {None}
+        read = {channel_of(op) for op in st.ops if op.num_extra_inputs} - {None}
+        if written & read:
+            raise ValueError(f"the stage {st.provenance} covers both the writer and a reader of "
+                             f"channel {sorted(written & read)[0]!r}: a fusion cannot pass a "
+                             f"channel on inside itself")
