@@ -118,3 +118,56 @@ def test_an_inline_stage_compiles_without_a_schema():
     y = torch.compile(model, fullgraph=True, backend="aot_eager")(x2)
     assert torch.equal(y, model(x))
     y.sum().backward()
+
+
+@attrs.define
+class _SquareArgs:
+    input: torch.Tensor
+
+
+class MonitoredSquare(BasicOperation):
+    """``y = x**2`` that, eagerly only, records the largest |x| it saw into a Python list:
+    an eager-only side effect, decided by ``in_custom_op`` (inside the custom op, real or
+    fake kernel, it would record a fake tensor at trace time, or run in a graph that
+    replays no Python)."""
+
+    fwd_args_type = bwd_args_type = _SquareArgs
+    seen: list = []
+
+    def forward_args(self, input, params, extra_inputs, ctxs):
+        return _SquareArgs(input)
+
+    @classmethod
+    def forward_compute(cls, args, *, in_custom_op=False):
+        if not in_custom_op:
+            cls.seen.append(float(args.input.abs().max()))
+        return ForwardResult(args.input * args.input)
+
+    def save_for_backward(self, args, result, ctxs):
+        ctxs[0].saved = None
+
+    def backward_args(self, grad_output, grad_extra_outputs, ctxs):
+        return _SquareArgs(grad_output)
+
+    @classmethod
+    def backward_compute(cls, args, *, in_custom_op=False):
+        return BackwardResult(None)
+
+
+def test_a_compute_branching_on_in_custom_op_keeps_its_side_effect_eager():
+    """The flag is True in the stage's custom op (its real and its fake kernel) and False
+    eagerly: the eager-only side effect runs once per eager call and never compiled, and
+    the results are the same bits on both paths."""
+    model = ops.Sequential(ops.BasicLinear(4, 4), MonitoredSquare())
+    for p in model.parameters():
+        p.requires_grad_(False)
+    x = exact_tensor((3, 4))
+    MonitoredSquare.seen.clear()
+    eager = model(x)
+    assert MonitoredSquare.seen == [float((x @ model[0].weight.t()).abs().max())]
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    report = fusible.compile_report(model, x)
+    assert "fusible::MonitoredSquare_fwd" in [c.op for c in report.forward_graphs[0].fusible_ops]
+    MonitoredSquare.seen.clear()
+    y = compiled(x)
+    assert MonitoredSquare.seen == [] and torch.equal(y, eager)

@@ -13,6 +13,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 ROOT = pathlib.Path(__file__).parent.parent
 LAYERS = [
@@ -146,3 +147,74 @@ def test_import_fusible_loads_no_heavy_module():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True).stdout.strip()
     assert out == "[]", out
+
+
+# Private attributes of torch's own classes, which any layer may use as torch documents.
+TORCH_PRIVATE = set(dir(torch.nn.Module())) | set(dir(torch.Tensor)) | {"_base", "_version"}
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def _defined_private(tree) -> set:
+    """The private names a module defines: functions, classes, attributes it assigns, and
+    string constants (``setattr(obj, "_x", ...)``, ``__slots__``, a slot's name)."""
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+            names.add(node.attr)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            names.add(node.id)
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            names.add(node.value)
+    return {n for n in names if _private(n)}
+
+
+def _reached_private(tree):
+    """``(line, name)`` of every private attribute a module reads off another object
+    (``obj._x``, ``getattr(obj, "_x")``; ``self`` and ``cls`` are the module's own)."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and _private(node.attr) and not (
+                isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")):
+            yield node.lineno, node.attr
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) \
+                and node.func.id in ("getattr", "hasattr", "setattr") and len(node.args) > 1 \
+                and isinstance(node.args[1], ast.Constant) \
+                and isinstance(node.args[1].value, str) and _private(node.args[1].value):
+            yield node.lineno, node.args[1].value
+
+
+def _private_reaches(sources: dict) -> list:
+    """Where a module reads a private attribute that only a higher layer defines (duck
+    typing across layers: the lower layer should declare the interface it needs)."""
+    trees = {name: ast.parse(text) for name, text in sources.items()}
+    level = {name: UNITS[_unit(name)] for name in trees}
+    defined = {name: _defined_private(tree) for name, tree in trees.items()}
+    wrong = []
+    for name, tree in sorted(trees.items()):
+        for line, attr in _reached_private(tree):
+            if attr in defined[name] or attr in TORCH_PRIVATE:
+                continue
+            owners = [m for m in trees if level[m] > level[name] and attr in defined[m]]
+            if owners:
+                wrong.append(f"{name}:{line} reads .{attr}, private to {owners[0]} "
+                             f"(layer {level[owners[0]]} > {level[name]})")
+    return wrong
+
+
+def test_no_private_attribute_of_a_higher_layer():
+    sources = {name: path.read_text() for name, path in MODULES.items()}
+    wrong = _private_reaches(sources)
+    assert not wrong, "lower layers reaching into higher ones:\n" + "\n".join(wrong)
+
+
+def test_the_check_sees_a_private_reach():
+    """The checker itself: the compiled path reading a module's private cache is caught."""
+    sources = {"fusible.module": "class M:\n    def _layout(self):\n        self._cache = 1\n",
+               "fusible.runtime.compiled": "def f(module):\n    return module._layout()\n"}
+    (found,) = _private_reaches(sources)
+    assert found.startswith("fusible.runtime.compiled:2 reads ._layout, private to "
+                            "fusible.module")

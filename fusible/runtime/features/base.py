@@ -21,8 +21,9 @@ class Call:
     outputs collected so far. Backward: ``extras`` are the gradients of the extra outputs
     by slot, ``outputs`` the gradients of the extra inputs by slot, and ``grad_params``
     the parameter gradients. ``given`` holds the caller's extra inputs as passed (forward),
-    ``store`` the features' scratch space for the pass (named channels' tensors, or their
-    gradients' sums), ``tensors`` the feature tensors of the call
+    ``store`` the features' scratch space for the pass (named channels' tensors by name, or
+    their gradients' sums; other features key theirs by tuples), ``tensors`` the feature
+    tensors of the call
     (``RuntimeFeature.count``), by feature name.
     """
 
@@ -34,7 +35,7 @@ class Call:
         self.plan, self.ctxs, self.traced, self.input = plan, ctxs, traced, input
         self.extras, self.outputs, self.tensors, self.given = extras, outputs, tensors, given
         self.grad_params: list = []
-        self.store: Any = None
+        self.store: dict = {}
 
 
 @attrs.frozen

@@ -14,16 +14,16 @@ class ChannelsRuntime(RuntimeFeature):
     name = "channels"
 
     def begin_forward(self, ch, call: Call) -> None:
-        call.extras = _spread(call.extras, ch.caller_in, len(ch.in_names))
-        call.store = {}  # channel name -> its tensor
+        call.extras = _spread(call.extras, ch.caller_in, len(ch.in_names))  # store: name ->
+        # the channel's tensor
 
     def end_forward(self, ch, call: Call) -> None:
         call.outputs = [call.outputs[j] for j in ch.caller_out]
 
     def begin_backward(self, ch, call: Call) -> None:
         call.extras = _spread(call.extras, ch.caller_out, len(ch.out_names))
-        call.outputs = [None] * len(ch.in_names)
-        call.store = {}  # channel name -> its readers' gradients summed so far
+        call.outputs = [None] * len(ch.in_names)  # store: name -> its readers' gradients,
+        # summed so far
 
     def end_backward(self, ch, call: Call) -> None:
         call.outputs = [call.outputs[j] for j in ch.caller_in]
