@@ -22,6 +22,7 @@ from fusible.planning.features import in_place as _in_place
 from fusible.planning.features import main_grad as _main_grad
 from fusible.planning.features import scaling_states as _scaling_states
 from fusible.planning.features import split_backward as _split_backward
+from fusible.planning.features import stage_ranges as _stage_ranges
 
 
 def _feature(attach):
@@ -39,6 +40,7 @@ class Features:
     grad_sync: Optional[_grad_sync.GradSync] = _feature(_grad_sync.attach)
     scaling_states: Optional[_scaling_states.ScalingStates] = _feature(_scaling_states.attach)
     split_backward: Optional[_split_backward.SplitBackward] = _feature(_split_backward.attach)
+    stage_ranges: Optional[_stage_ranges.StageRanges] = _feature(_stage_ranges.attach)
 
     def active(self) -> list:
         """``(name, record)`` of the features in use, in pass order."""

@@ -1,0 +1,29 @@
+"""Profiler ranges around eager stages (``planning/features/stage_ranges.py``)."""
+
+from __future__ import annotations
+
+import torch
+
+from fusible.runtime.features.base import Call, RuntimeFeature, StageHooks
+
+
+class StageRangesRuntime(RuntimeFeature):
+    name = "stage_ranges"
+
+    def stage_hooks(self, record, st, direction: str):
+        label = dict(record.forward if direction == "forward" else record.backward)[st.lo]
+        key = ("stage_ranges", st.lo)
+
+        def before(call: Call, st) -> None:
+            if not call.traced:
+                call.store[key] = span = torch.autograd.profiler.record_function(label)
+                span.__enter__()
+
+        def after(call: Call, st, result) -> None:
+            span = call.store.pop(key, None)
+            if span is not None:
+                span.__exit__(None, None, None)
+        return StageHooks(before=(before,), after=(after,))
+
+
+FEATURE = StageRangesRuntime()
