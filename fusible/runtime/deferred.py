@@ -14,9 +14,11 @@ backward.
 from __future__ import annotations
 
 import threading
+import weakref
 
 _entries: list = []
 _lock = threading.Lock()
+_taken: "weakref.WeakSet" = weakref.WeakSet()  # sets of entries handed out, not yet run
 
 
 def queue() -> list:
@@ -42,3 +44,29 @@ def drain() -> list:
         taken = _entries[:]
         _entries.clear()
     return taken
+
+
+def hand_out(taken) -> None:
+    """Note a set of entries taken from the queue and not yet run (held weakly)."""
+    _taken.add(taken)
+
+
+def handed_back(taken) -> None:
+    """Note that a set of taken entries has run."""
+    _taken.discard(taken)
+
+
+def taken() -> list:
+    """The sets of entries taken and not yet run."""
+    return list(_taken)
+
+
+def waiting() -> bool:
+    """Whether any wgrad waits, queued or taken (cheap: read on every eager forward)."""
+    return bool(_entries) or bool(_taken)
+
+
+def forget() -> None:
+    """Drop every entry, queued or taken (a test's leftovers)."""
+    drain()
+    _taken.clear()

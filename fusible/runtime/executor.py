@@ -23,9 +23,33 @@ from fusible.core.context import OperationContext
 from fusible.planning.exec_plan import ExecPlan
 from fusible.quantization.format import to_format
 from fusible.runtime import custom_ops
-from fusible.runtime.features.base import Call
 from fusible.runtime.saved import restore_saved, stash_saved
 from fusible.runtime.validate import validate
+
+
+class Call:
+    """The state of one pass of a plan's stages, which the hooks read and write.
+
+    ``input`` is the pass's first input (the group's input, or the output's gradient).
+    Forward: ``extras`` are the extra inputs by the ops' slots, ``outputs`` the extra
+    outputs collected so far. Backward: ``extras`` are the gradients of the extra outputs
+    by slot, ``outputs`` the gradients of the extra inputs by slot, and ``grad_params``
+    the parameter gradients. ``given`` holds the caller's extra inputs as passed (forward),
+    ``store`` the features' scratch space for the pass (named channels' tensors by name, or
+    their gradients' sums; other features key theirs by tuples), ``tensors`` the feature
+    tensors of the call
+    (``RuntimeFeature.count``), by feature name.
+    """
+
+    __slots__ = ("plan", "ctxs", "traced", "input", "extras", "outputs", "grad_params",
+                 "given", "store", "tensors")
+
+    def __init__(self, plan, ctxs, traced: bool, input, extras, outputs: list, tensors: dict,
+                 given: tuple = ()):
+        self.plan, self.ctxs, self.traced, self.input = plan, ctxs, traced, input
+        self.extras, self.outputs, self.tensors, self.given = extras, outputs, tensors, given
+        self.grad_params: list = []
+        self.store: dict = {}
 
 
 def run_forward(plan: ExecPlan, x, params, extra_inputs, ctxs, *, save: bool,

@@ -8,11 +8,16 @@ import torch
 from torch.autograd import forward_ad
 
 
+def transforms_active() -> bool:
+    """Whether a transform a group may refuse is active (the runner reads the same three
+    flags inline on every eager call, and calls :func:`refuse_transforms` when one is set)."""
+    return (torch._C._are_functorch_transforms_active() or torch._C._is_tracing()
+            or forward_ad._current_level >= 0)
+
+
 def refuse_transforms(runner, x) -> None:
-    """Raise, naming the group, under a transform the group cannot run under (cheap when
-    none is active: read on every eager call)."""
-    if not (torch._C._are_functorch_transforms_active() or torch._C._is_tracing()
-            or forward_ad._current_level >= 0):
+    """Raise, naming the group, under a transform the group cannot run under."""
+    if not transforms_active():
         return
     name = runner.name()
     if torch._C._is_tracing():

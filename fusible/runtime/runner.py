@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+from torch.autograd import forward_ad
 
 from fusible.core.conditions import PlanConditions, conditions_key
 from fusible.planning.exec_plan import ExecPlan
@@ -53,8 +54,10 @@ class PipelineRunner:
                 or extra_inputs:
             self._check_inputs(x, extra_inputs)  # the full checks, with the errors
         if not traced:
-            refuse_transforms(self, x)
-            for guard in GUARDS:
+            if torch._C._are_functorch_transforms_active() or torch._C._is_tracing() \
+                    or forward_ad._current_level >= 0:
+                refuse_transforms(self, x)
+            for guard in GUARDS:  # the features' (split backward: no wgrad left pending)
                 guard(self)
         device_type = x.device.type
         params = self.params.read() if params is None else list(params)

@@ -12,7 +12,6 @@ next optimizer step over their parameters, or a forward outside
 
 from __future__ import annotations
 
-import weakref
 from typing import Callable
 
 import torch
@@ -22,7 +21,6 @@ from fusible.core import tokens
 from fusible.functional import parallel
 from fusible.runtime import custom_ops, deferred
 
-_taken: "weakref.WeakSet" = weakref.WeakSet()  # runners handed out and not yet run
 _hook = None
 
 
@@ -31,11 +29,11 @@ class _Runner:
 
     def __init__(self, entries: list):
         self.entries = entries
-        _taken.add(self)
+        deferred.hand_out(self)
 
     def __call__(self) -> None:
         entries, self.entries = self.entries, []
-        _taken.discard(self)
+        deferred.handed_back(self)
         run_entries(entries)
 
 
@@ -58,7 +56,7 @@ def pending() -> list:
 
 def _pending_targets() -> list:
     """The WgradTarget of every entry not yet run: queued, then taken."""
-    entries = deferred.queue() + [e for runner in list(_taken) for e in runner.entries]
+    entries = deferred.queue() + [e for runner in deferred.taken() for e in runner.entries]
     return [tokens.lookup(token) for token, _, _ in entries]
 
 
@@ -104,11 +102,6 @@ def _accumulate(param, g, into_main: bool, where: str) -> None:
         param.grad = g if g.is_contiguous() else g.contiguous()
     else:
         param.grad.add_(g)
-
-
-def any_pending() -> bool:
-    """Whether a deferred wgrad waits (cheap: read on every eager forward)."""
-    return deferred.pending() or bool(_taken)
 
 
 def check_forward(name: str) -> None:

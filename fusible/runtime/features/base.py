@@ -1,5 +1,6 @@
 """What an execution feature's runtime module provides: :class:`RuntimeFeature`, whose
-hooks the runner and the executor call where the plan holds the feature's record.
+hooks the runner and the executor call where the plan holds the feature's record (the
+executor's :class:`~fusible.runtime.executor.Call` is the pass they act on).
 
 Every hook is a no-op here; a feature overrides those it needs, and only overridden hooks
 are bound into a plan (:func:`fusible.runtime.features.bind`), so a plan without
@@ -12,30 +13,7 @@ from typing import Any, Callable, Optional
 
 import attrs
 
-
-class Call:
-    """The state of one pass of a plan's stages, which the hooks read and write.
-
-    ``input`` is the pass's first input (the group's input, or the output's gradient).
-    Forward: ``extras`` are the extra inputs by the ops' slots, ``outputs`` the extra
-    outputs collected so far. Backward: ``extras`` are the gradients of the extra outputs
-    by slot, ``outputs`` the gradients of the extra inputs by slot, and ``grad_params``
-    the parameter gradients. ``given`` holds the caller's extra inputs as passed (forward),
-    ``store`` the features' scratch space for the pass (named channels' tensors by name, or
-    their gradients' sums; other features key theirs by tuples), ``tensors`` the feature
-    tensors of the call
-    (``RuntimeFeature.count``), by feature name.
-    """
-
-    __slots__ = ("plan", "ctxs", "traced", "input", "extras", "outputs", "grad_params",
-                 "given", "store", "tensors")
-
-    def __init__(self, plan, ctxs, traced: bool, input, extras, outputs: list, tensors: dict,
-                 given: tuple = ()):
-        self.plan, self.ctxs, self.traced, self.input = plan, ctxs, traced, input
-        self.extras, self.outputs, self.tensors, self.given = extras, outputs, tensors, given
-        self.grad_params: list = []
-        self.store: dict = {}
+from fusible.runtime.executor import Call
 
 
 @attrs.frozen

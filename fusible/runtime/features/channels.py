@@ -4,7 +4,8 @@ writer's (``planning/features/channels.py`` plans them)."""
 
 from __future__ import annotations
 
-from fusible.runtime.features.base import Call, RuntimeFeature, StageHooks
+from fusible.runtime.executor import Call
+from fusible.runtime.features.base import RuntimeFeature, StageHooks
 
 
 class ChannelsRuntime(RuntimeFeature):

@@ -4,7 +4,8 @@ copy may stand in for it), and autograd is told it was written and is the output
 
 from __future__ import annotations
 
-from fusible.runtime.features.base import Call, RuntimeFeature
+from fusible.runtime.executor import Call
+from fusible.runtime.features.base import RuntimeFeature
 
 
 class InPlaceRuntime(RuntimeFeature):

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from fusible.runtime.features.base import Call, RuntimeFeature
+from fusible.runtime.executor import Call
+from fusible.runtime.features.base import RuntimeFeature
 
 
 class MainGradRuntime(RuntimeFeature):

@@ -12,8 +12,8 @@ from __future__ import annotations
 import torch
 
 from fusible.planning.features.scaling_states import make_states
-from fusible.runtime.executor import backward_result, forward_result
-from fusible.runtime.features.base import Call, RuntimeFeature, StageHooks
+from fusible.runtime.executor import Call, backward_result, forward_result
+from fusible.runtime.features.base import RuntimeFeature, StageHooks
 
 
 class ScalingStatesRuntime(RuntimeFeature):

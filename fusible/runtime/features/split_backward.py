@@ -12,12 +12,13 @@ from fusible.core.lanes import splitting
 from fusible.quantization.format import to_format
 from fusible.runtime import custom_ops, deferred, wgrad
 from fusible.runtime.compile_reasons import compile_reason
-from fusible.runtime.features.base import Call, RuntimeFeature, StageHooks
+from fusible.runtime.executor import Call
+from fusible.runtime.features.base import RuntimeFeature, StageHooks
 
 
 def _check_pending(runner) -> None:
     """No eager forward outside split_backward() while deferred wgrads wait."""
-    if wgrad.any_pending() and not splitting():
+    if deferred.waiting() and not splitting():
         wgrad.check_forward(runner.name())
 
 

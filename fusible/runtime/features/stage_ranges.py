@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from fusible.runtime.features.base import Call, RuntimeFeature, StageHooks
+from fusible.runtime.executor import Call
+from fusible.runtime.features.base import RuntimeFeature, StageHooks
 
 
 class StageRangesRuntime(RuntimeFeature):
