@@ -304,7 +304,7 @@ def expert_parallel(splits: Tensor, process_group=None, *, capacity: int = 0
                               device=splits.device)
         regroup, ungroup = _regroup(received, ranks * local * capacity)
         return ExpertParallel(None, regroup, received.sum(0), ungroup, None)
-    group = parallel.group_config("expert_parallel", "", False, process_group)
+    group = parallel.group_config("expert_parallel", None, False, process_group)
     sent = splits.reshape(ranks, local).contiguous()
     received = parallel.all_to_all_equal(sent, group)  # [source rank, local expert]
     regroup, ungroup = _regroup(received, int(received.sum()))

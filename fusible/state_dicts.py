@@ -347,7 +347,7 @@ def _local_shard(op, value):
     if isinstance(op, BasicLinear):
         return value[linear_shard(op)]
     if isinstance(op, Bias) and op.tensor_parallel:
-        return value[parallel.rank_slice(op.tp, op.local_size)]
+        return value[parallel.rank_slice(op.parallel, op.local_size)]
     return value
 
 
@@ -357,12 +357,12 @@ def _full_value(op, value: torch.Tensor) -> torch.Tensor:
     value = value.detach()
     if is_dtensor(value):
         value = cast(Any, value).full_tensor()
-    if isinstance(op, BasicLinear) and op.tp.active:
-        if op.tp.mode == "column":
-            return parallel.all_gather(value, op.tp)
-        return parallel.all_gather(value.t().contiguous(), op.tp).t().contiguous()
+    if isinstance(op, BasicLinear) and op.parallel.active:
+        if op.parallel.mode == "column":
+            return parallel.all_gather(value, op.parallel)
+        return parallel.all_gather(value.t().contiguous(), op.parallel).t().contiguous()
     if isinstance(op, Bias) and op.tensor_parallel:
-        return parallel.all_gather(value, op.tp)
+        return parallel.all_gather(value, op.parallel)
     return value
 
 

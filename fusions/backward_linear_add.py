@@ -38,13 +38,13 @@ class BackwardLinearAdd(FusedOperation):
     def accepts(cls, match, env):
         if not env.needs[match.indices[0]].input:
             return "MakeExtraOutput's input needs no gradient: there is no dgrad to accumulate"
-        return parallel_refusal(match["linear"], ("", "row"))
+        return parallel_refusal(match["linear"], (None, "row"))
 
     def grad_format(self, recipe, needs):
         return self.match["linear"].grad_format(recipe, needs[1:])
 
     def backward_args(self, grad_output, grad_extra_outputs, ctxs):
-        gemm = gemm_backward_args(ctxs[1], grad_output, self.match["linear"].tp,
+        gemm = gemm_backward_args(ctxs[1], grad_output, self.match["linear"].parallel,
                                   self.match["linear"].wgrad_dtype)
         return LinearAddBackwardArgs(gemm, grad_extra_outputs[0])
 

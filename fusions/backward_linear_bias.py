@@ -33,7 +33,7 @@ class BackwardLinearBias(FusedOperation):
         return None  # dbias reads dy in high precision; the GEMMs quantize it inside
 
     def backward_args(self, grad_output, grad_extra_outputs, ctxs):
-        return gemm_backward_args(ctxs[0], grad_output, self.match["linear"].tp,
+        return gemm_backward_args(ctxs[0], grad_output, self.match["linear"].parallel,
                                   self.match["linear"].wgrad_dtype)
 
     @classmethod

@@ -40,7 +40,7 @@ class BackwardLinearScale(FusedOperation):
         return self.match["linear"].grad_format(recipe, needs[:1])
 
     def backward_args(self, grad_output, grad_extra_outputs, ctxs):
-        gemm = gemm_backward_args(ctxs[0], grad_output, self.match["linear"].tp,
+        gemm = gemm_backward_args(ctxs[0], grad_output, self.match["linear"].parallel,
                                   self.match["linear"].wgrad_dtype)
         return LinearScaleBackwardArgs(gemm, self.match["scale"].scale)
 

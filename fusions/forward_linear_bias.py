@@ -36,7 +36,7 @@ class ForwardLinearBias(FusedOperation):
 
     @classmethod
     def accepts(cls, match, env):
-        return parallel_refusal(match["linear"], ("", "column"),
+        return parallel_refusal(match["linear"], (None, "column"),
                                 "a row-parallel output is summed over the group after the "
                                 "GEMM: the bias is added once, after the sum, not by every "
                                 "rank's GEMM epilogue")
@@ -47,7 +47,7 @@ class ForwardLinearBias(FusedOperation):
     def forward_args(self, input, params, extra_inputs, ctxs):
         weight, bias = params  # the covered ops' parameters, in order
         return LinearBiasForwardArgs(
-            gemm_forward_args(input, weight, self.match["linear"].tp, ctxs[0]), bias)
+            gemm_forward_args(input, weight, self.match["linear"].parallel, ctxs[0]), bias)
 
     @classmethod
     def forward_compute(cls, args, *, in_custom_op=False):

@@ -65,7 +65,7 @@ class ForwardLinearBiasActivation(FusedOperation):
 
     def forward_args(self, input, params, extra_inputs, ctxs):
         weight, bias = params
-        gemm = gemm_forward_args(input, weight, self.match["linear"].tp, ctxs[0])
+        gemm = gemm_forward_args(input, weight, self.match["linear"].parallel, ctxs[0])
         return LinearBiasActivationForwardArgs(gemm, bias,
                                                isinstance(self.match["activation"], GELU))
 

@@ -46,7 +46,7 @@ class ForwardLinearBiasAdd(FusedOperation):
 
     def forward_args(self, input, params, extra_inputs, ctxs):
         weight, bias = params if len(params) == 2 else (params[0], None)  # Bias is optional
-        gemm = gemm_forward_args(input, weight, self.match["linear"].tp, ctxs[0])
+        gemm = gemm_forward_args(input, weight, self.match["linear"].parallel, ctxs[0])
         return LinearBiasAddForwardArgs(gemm, bias, extra_inputs[0], self.match["add"].in_place)
 
     def inline_when_compiled(self, direction):

@@ -46,7 +46,7 @@ class ForwardLinearScaleAdd(FusedOperation):
         return self.match["linear"].input_format(recipe, needs[:1])
 
     def forward_args(self, input, params, extra_inputs, ctxs):
-        gemm = gemm_forward_args(input, params[0], self.match["linear"].tp, ctxs[0])
+        gemm = gemm_forward_args(input, params[0], self.match["linear"].parallel, ctxs[0])
         return LinearScaleAddForwardArgs(gemm, self.match["scale"].scale, extra_inputs[0],
                                          self.match["add"].in_place)
 

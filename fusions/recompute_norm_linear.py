@@ -32,7 +32,7 @@ class NormLinearForwardArgs:
     zero_centered_gamma: bool
     input_format: Optional[Float8Format]   # under FP8: the norm output's, as the GEMM reads it
     weight_format: Optional[Float8Format]
-    tp: TensorParallel                     # the linear layer's: column-parallel or none
+    parallel: TensorParallel               # the linear layer's: column-parallel or none
 
 
 @attrs.define
@@ -65,7 +65,7 @@ class NormLinearBackwardArgs:
     input_format: Optional[Float8Format]  # FP8: the forward's, to quantize the recomputation
     grad_format: Optional[Float8Format]
     weight_format: Optional[Float8Format]
-    tp: TensorParallel
+    parallel: TensorParallel
 
 
 class RecomputeNormLinear(FusedOperation):
@@ -100,7 +100,7 @@ class RecomputeNormLinear(FusedOperation):
     @classmethod
     def accepts(cls, match, env):
         linear = match["linear"]
-        if linear.tp.active and (linear.tp.mode != "column" or linear.tp.gathers_input):
+        if linear.parallel.active and (linear.parallel.mode != "column" or linear.parallel.gathers_input):
             return (f"{linear.describe()} is row-parallel or sequence-parallel: only a "
                     f"column-parallel layer without sequence parallelism recomputes its input "
                     f"locally")
@@ -129,7 +129,7 @@ class RecomputeNormLinear(FusedOperation):
             norm.eps, norm.zero_centered_gamma,
             bound_format(gemm_input_format(recipe, ctxs[1].needs), ctxs[1], "input"),
             None if recipe is None else bound_format(recipe.weight_format(), ctxs[1], "weight"),
-            self.match["linear"].tp)
+            self.match["linear"].parallel)
 
     @classmethod
     def forward_compute(cls, args, *, in_custom_op=False):
@@ -143,7 +143,7 @@ class RecomputeNormLinear(FusedOperation):
             fmt = fmt.rowwise()
             y, mean, rstd, y_amax = norm_forward_fp8_keeping_amax(*norm, fmt)
         out, kept = gemm_forward(GemmForwardArgs(y, args.linear_weight, fmt,
-                                                 args.weight_format, args.tp), args.bias)
+                                                 args.weight_format, args.parallel), args.bias)
         if args.input_format is not None:
             fp8 = (y_amax, kept[1])  # the weight's amax: the backward quantizes it by it
         return ForwardResult(out, (), ((rstd,) if mean is None else (mean, rstd)) + fp8)
@@ -172,7 +172,7 @@ class RecomputeNormLinear(FusedOperation):
             [needs.input, needs.params[0], *(c.needs.params[0] for c in ctxs[2:])],
             linear.wgrad_dtype, gemm_input_format(recipe, needs),
             bound_format(gemm_grad_format(recipe, needs), ctxs[1], "grad"),
-            None if recipe is None else recipe.weight_format(), linear.tp)
+            None if recipe is None else recipe.weight_format(), linear.parallel)
 
     @classmethod
     def backward_compute(cls, args, *, in_custom_op=False):
@@ -182,7 +182,7 @@ class RecomputeNormLinear(FusedOperation):
             saved.norm_weight, args.zero_centered_gamma)
         y = cls._output_again(args, gamma) if wgrad else None
         d_norm, dw = gemm_backward(GemmBackwardArgs(
-            dy, y, saved.linear_weight, args.grad_format, dgrad, wgrad, args.tp,
+            dy, y, saved.linear_weight, args.grad_format, dgrad, wgrad, args.parallel,
             weight_format=args.weight_format, weight_amax=saved.weight_amax,
             wgrad_dtype=args.wgrad_dtype))
         del y

@@ -25,7 +25,7 @@ def check_fp8_gather_delayed(rank, ws):
     from fusible.functional.linear import gather_fp8
     from fusible.functional.parallel import all_gather
     from fusible.quantization import to_format
-    tp = ops.BasicLinear(32, 32, tensor_parallel_mode="column", sequence_parallel=True).tp
+    tp = ops.BasicLinear(32, 32, tensor_parallel_mode="column", sequence_parallel=True).parallel
     fmt = fusible.DelayedScaling(amax_history_len=2).input_format(columnwise=True)
     ours, ref = (torch.zeros(fmt.scaling.state_size, device=DEVICE[0]) for _ in range(2))
     g = torch.Generator().manual_seed(14)

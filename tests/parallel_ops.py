@@ -11,6 +11,7 @@ import torch.distributed as dist
 
 import fusible
 from fusible import ops
+from fusible.functional.parallel import NOT_PARALLEL, TensorParallel
 from fusible.testing import assert_close, exact_tensor
 from fusible.testing.distributed import run_cases
 from naive_plugins import GeluOfLinear
@@ -176,12 +177,39 @@ def _check_guards(rank, ws):
             ops.Sequential(ops.LayerNorm(IN), model[0])(torch.randn(8, IN))
     with pytest.raises(AttributeError, match="sequence_parallel is fixed at construction"):
         model[0].sequence_parallel = False
+    _check_one_parallel_record(ws)
     group = torch.distributed.group.WORLD
     row = ops.Linear(IN, OUT, tensor_parallel_mode="row", tensor_parallel_group=group)
     assert row.weight.shape == (OUT, IN // ws)
     twin = copy.deepcopy(ops.Sequential(row, ops.AllReduce(group)))  # groups kept by name
     assert twin[0].basic_ops()[0].tensor_parallel_group is group
     assert twin[1].process_group is group
+
+
+def _check_one_parallel_record(ws):
+    """Every op keeps its parallel state in one record, ``parallel``, read-only after
+    construction; the constructor's names are read-only views of it; None is "not split"."""
+    linear = ops.BasicLinear(IN, OUT, tensor_parallel_mode="column", sequence_parallel=True)
+    bias, norm = ops.Bias(IN, sequence_parallel=True), ops.RMSNorm(IN, sequence_parallel=True)
+    column_bias, reduce = ops.Bias(OUT, tensor_parallel=True), ops.AllReduce()
+    for op, name in ((linear, "parallel"), (linear, "tensor_parallel_mode"),
+                     (linear, "tensor_parallel_group"), (bias, "tensor_parallel"),
+                     (bias, "sequence_parallel"), (norm, "sequence_parallel"),
+                     (reduce, "process_group"), (reduce, "parallel")):
+        with pytest.raises(AttributeError, match=f"{name} is fixed at construction"):
+            setattr(op, name, getattr(op, name))
+    for op in (linear, bias, norm, column_bias, reduce):
+        assert isinstance(op.parallel, TensorParallel) and op.parallel.world_size == ws
+        assert not any(hasattr(op, old) for old in ("tp", "group", "sequence_parallel_group"))
+    assert (linear.parallel.mode, linear.tensor_parallel_mode) == ("column", "column")
+    assert (bias.parallel.mode, column_bias.parallel.mode, reduce.parallel.mode) == \
+        (None, "column", None)
+    assert ops.BasicLinear(IN, OUT).parallel == NOT_PARALLEL and NOT_PARALLEL.mode is None
+    # one name for gradient reduction: the replicated ops' own hook, on their record
+    assert (bias.grad_reduction() is bias.parallel, norm.grad_reduction() is norm.parallel) \
+        == (ws > 1, ws > 1)
+    assert linear.grad_reduction() is column_bias.grad_reduction() is None
+    assert reduce.grad_reduction() is None
 
 
 def _check_all_gather_then_column(rank, ws):

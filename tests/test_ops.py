@@ -317,7 +317,7 @@ def test_the_feature_split_passes_through_ops_that_keep_features():
     from fusible.planning.passes import check_gated_layouts
 
     class ColumnParallel:  # what the pass reads of a column-parallel layer on 2 ranks
-        tp = TensorParallel("column", False, "g", 2)
+        parallel = TensorParallel("column", False, "g", 2)
         keeps_features = False
 
         def describe(self):

@@ -29,9 +29,11 @@ Tensor = torch.Tensor
 # to the compute dtype for the call, so their own dtype need not match the input's.
 CASTING = threading.local()
 
-# Parallelism settings: set once in a constructor, never changed afterwards.
-_CONSTRUCTION_ONLY = frozenset({"tensor_parallel_mode", "sequence_parallel", "tensor_parallel",
-                                "tensor_parallel_group", "process_group"})
+# An op's parallel state: its ``parallel`` record (``fusible.functional.parallel.
+# TensorParallel``), set once in the constructor, and the read-only views of it named as
+# the constructor's arguments (``tensor_parallel_mode``, ``sequence_parallel``, ...).
+_CONSTRUCTION_ONLY = frozenset({"parallel", "tensor_parallel_mode", "sequence_parallel",
+                                "tensor_parallel", "tensor_parallel_group", "process_group"})
 
 
 class FusibleSpec(nn.Module):
@@ -83,7 +85,8 @@ class FusibleSpec(nn.Module):
         check = type(self).attribute_checks.get(name)
         if check is not None:
             value = check(type(self).__name__, value)
-        if name in _CONSTRUCTION_ONLY and name in self.__dict__:
+        if name in _CONSTRUCTION_ONLY and (name in self.__dict__ or isinstance(
+                getattr(type(self), name, None), property)):
             raise AttributeError(f"{self.describe()}: {name} is fixed at construction (the "
                                  f"parameter shards and collectives depend on it); build a "
                                  f"new operation instead")
@@ -251,11 +254,11 @@ class BasicOperationSpec(FusibleSpec, StageSpec):
         unsplit op's. Default: accepted."""
 
     def grad_reduction(self):
-        """The group over which the fuser all-reduces this op's parameter gradients after
-        its backward stage (a replicated parameter seeing tokens split over the group,
-        ``sequence_parallel=True``), or None."""
-        tp = getattr(self, "sequence_parallel_group", None)
-        return tp if tp is not None and tp.active else None
+        """The group (the op's ``parallel`` record) over which the runtime sums this op's
+        parameter gradients after its backward stage (a replicated parameter seeing tokens
+        split over the group, ``sequence_parallel=True``), or None."""
+        parallel = self.__dict__.get("parallel")
+        return parallel if parallel is not None and parallel.reduces_param_grads else None
 
     def reference(self, x: Tensor, extra_inputs: tuple, params: tuple) -> tuple:
         """The op in plain differentiable PyTorch, for FP64 references.

@@ -42,15 +42,15 @@ class GemmForwardArgs:
     input_format, weight_format : Float8Format or None
         The FP8 formats of the GEMM's operands; None for a high-precision GEMM.
         ``input_format.columnwise``: keep the input's transposed copy for wgrad.
-    tp : TensorParallel
-        How the layer is split over a process group.
+    parallel : TensorParallel
+        How the layer is split over a process group (the layer's ``parallel``).
     """
 
     input: Fp8Able
     weight: Fp8Able  # a Float8Tensor for an FP8 parameter (quantized_model_init)
     input_format: Optional[Float8Format]
     weight_format: Optional[Float8Format]
-    tp: TensorParallel
+    parallel: TensorParallel
 
     @property
     def fp8(self) -> bool:
@@ -75,7 +75,7 @@ class GemmBackwardArgs:
         The FP8 format of ``dy``; None for high-precision GEMMs.
     need_grad_input, need_grad_weight : bool
         Which of dgrad and wgrad to compute.
-    tp : TensorParallel
+    parallel : TensorParallel
     weight_format : Float8Format or None
         Under FP8, the format to quantize a high-precision weight to.
     weight_amax : Tensor or None
@@ -92,7 +92,7 @@ class GemmBackwardArgs:
     grad_format: Optional[Float8Format]
     need_grad_input: bool
     need_grad_weight: bool
-    tp: TensorParallel
+    parallel: TensorParallel
     weight_format: Optional[Float8Format] = None
     weight_amax: Optional[Tensor] = None
     wgrad_dtype: Optional[torch.dtype] = None
@@ -214,7 +214,7 @@ def gemm_forward(gemm: GemmForwardArgs, bias: Optional[Tensor] = None):
     """
     if type(gemm) is not GemmForwardArgs:
         raise _wrong_record(gemm, GemmForwardArgs, "gemm_forward")
-    x, weight, tp, fmt = gemm.input, gemm.weight, gemm.tp, gemm.input_format
+    x, weight, tp, fmt = gemm.input, gemm.weight, gemm.parallel, gemm.input_format
     if tp.active and tp.mode == "row" and bias is not None:
         raise ValueError(f"a row-parallel GEMM cannot add a bias before its reduction ({tp})")
     if fmt is None:
@@ -342,7 +342,7 @@ def gemm_backward(args: GemmBackwardArgs, accumulate_into: Optional[Tensor] = No
     """
     if type(args) is not GemmBackwardArgs:
         raise _wrong_record(args, GemmBackwardArgs, "gemm_backward")
-    dy, x_saved, w_saved, tp = args.grad_output, args.input, args.weight, args.tp
+    dy, x_saved, w_saved, tp = args.grad_output, args.input, args.weight, args.parallel
     need_dgrad, need_wgrad, fmt = args.need_grad_input, args.need_grad_weight, args.grad_format
     if _reduces_dgrad(tp) and accumulate_into is not None:
         raise ValueError(f"a column-parallel dgrad is summed over the group: it cannot "
@@ -387,9 +387,9 @@ def split_gemm_backward(args: GemmBackwardArgs) -> tuple:
     :func:`like_tokens`."""
     if type(args) is not GemmBackwardArgs:
         raise _wrong_record(args, GemmBackwardArgs, "split_gemm_backward")
-    if args.tp.gathers_grad:
+    if args.parallel.gathers_grad:
         raise ValueError(f"a split backward cannot share dy's all-gather between the dgrad "
-                         f"and wgrad GEMMs ({args.tp})")
+                         f"and wgrad GEMMs ({args.parallel})")
     dy = args.grad_output
     if args.grad_format is not None and args.need_grad_weight:
         dy = as_fp8(dy, args.grad_format)

@@ -51,7 +51,7 @@ def forward_aux(gemm: GemmForwardArgs, kept) -> tuple:
 def _kept_by_caller(gemm: GemmForwardArgs) -> bool:
     """The input arrived in FP8 and the GEMM used it as it is (not gathered): its buffers
     are the caller's, so the stage returns none of them."""
-    return handed_in(gemm.input, gemm.input_format) and not gemm.tp.gathers_input
+    return handed_in(gemm.input, gemm.input_format) and not gemm.parallel.gathers_input
 
 
 def save_linear(ctx, gemm: GemmForwardArgs, aux: tuple) -> None:

@@ -17,7 +17,8 @@ from fusible.quantization.format import Float8Format, to_format
 Tensor = torch.Tensor
 
 
-# The arguments the norm ops share, checked on every assignment.
+# The arguments the norm ops share, checked on every assignment (sequence_parallel: in the
+# constructor, a view of the op's parallel record afterwards).
 NORM_CHECKS = {"normalized_shape": checks.int_tuple("normalized_shape"),
                "eps": checks.real("eps", minimum=0.0),
                "sequence_parallel": checks.boolean("sequence_parallel"),

@@ -30,13 +30,15 @@ MODES = (None, "column", "row")
 
 @attrs.frozen
 class TensorParallel:
-    """How one op is split over a process group; hashable, crosses custom ops by value.
+    """How one op is split over a process group: every op's parallel state, its
+    ``parallel`` attribute (read-only after construction); hashable, crosses custom ops by
+    value.
 
     Attributes
     ----------
-    mode : str
-        ``""`` (not split), ``"column"`` or ``"row"``; collectives use only
-        ``sequence_parallel`` (tokens split) with ``mode=""``.
+    mode : {None, "column", "row"}
+        How a linear layer's weight is split (a column-parallel bias: ``"column"``); None
+        for an op whose parameters are not split (a replicated bias or norm, a collective).
     sequence_parallel : bool
         Whether tokens (dim 0) are split over the group outside the op.
     group_name : str
@@ -50,11 +52,15 @@ class TensorParallel:
     scatters_output, gathers_grad : bool
         A linear layer that reduce-scatters its output (row + sequence parallel), and so
         all-gathers the gradient it receives.
+    reduces_param_grads : bool
+        A replicated parameter that sees tokens split over the group (``mode`` None with
+        ``sequence_parallel``): the runtime sums its gradients over the group
+        (``grad_reduction()``).
 
-    The last four are derived once, at construction: they are read on every call.
+    The last five are derived once, at construction: they are read on every call.
     """
 
-    mode: str = ""
+    mode: Optional[str] = None
     sequence_parallel: bool = False
     group_name: str = ""
     world_size: int = 1
@@ -62,14 +68,18 @@ class TensorParallel:
     gathers_input: bool = attrs.field(init=False, eq=False, repr=False)
     scatters_output: bool = attrs.field(init=False, eq=False, repr=False)
     gathers_grad: bool = attrs.field(init=False, eq=False, repr=False)
+    reduces_param_grads: bool = attrs.field(init=False, eq=False, repr=False)
 
     def __attrs_post_init__(self):
+        if self.mode not in MODES:
+            raise ValueError(f"TensorParallel: mode must be one of {MODES}, got {self.mode!r}")
         active = self.world_size > 1
         split = active and self.sequence_parallel
         for name, value in (("active", active),
                             ("gathers_input", split and self.mode == "column"),
                             ("scatters_output", split and self.mode == "row"),
-                            ("gathers_grad", split and self.mode == "row")):
+                            ("gathers_grad", split and self.mode == "row"),
+                            ("reduces_param_grads", split and self.mode is None)):
             object.__setattr__(self, name, value)
 
 
@@ -103,10 +113,11 @@ def tensor_parallel(op_name: str, mode: Optional[str], sequence_parallel: bool,
             raise ValueError(f"{op_name}: tensor_parallel_group given without "
                              f"tensor_parallel_mode or sequence_parallel")
         return NOT_PARALLEL
-    return group_config(op_name, mode or "", bool(sequence_parallel), group)
+    return group_config(op_name, mode, bool(sequence_parallel), group)
 
 
-def group_config(op_name: str, mode: str, sequence_parallel: bool, group) -> TensorParallel:
+def group_config(op_name: str, mode: Optional[str], sequence_parallel: bool,
+                 group) -> TensorParallel:
     """A :class:`TensorParallel` over ``group`` (None: the default group)."""
     pg = resolve_group(op_name, group)
     return TensorParallel(mode, sequence_parallel, pg.group_name, dist.get_world_size(pg))
@@ -120,7 +131,24 @@ def sequence_parallel(op_name: str, enabled: bool, group) -> TensorParallel:
             raise ValueError(f"{op_name}: tensor_parallel_group given without "
                              f"sequence_parallel=True")
         return NOT_PARALLEL
-    return group_config(op_name, "", True, group)
+    return group_config(op_name, None, True, group)
+
+
+class ReplicatedParallelViews:
+    """The read-only views of a replicated op's ``parallel`` record (a norm's), named as its
+    constructor's arguments: mixed into the op class."""
+
+    parallel: TensorParallel
+
+    @property
+    def sequence_parallel(self) -> bool:
+        """Whether the input's tokens are split over the group (its gradients summed)."""
+        return self.parallel.sequence_parallel
+
+    @property
+    def tensor_parallel_group(self):
+        """The group of ``sequence_parallel`` (None without it)."""
+        return group_of(self.parallel)
 
 
 def group_of(tp: TensorParallel):
@@ -222,7 +250,7 @@ def wait(x: Tensor) -> Tensor:
 
 
 @functools.lru_cache(maxsize=None)
-def _tensor_parallel(mode: str, sequence_parallel: bool, group_name: str,
+def _tensor_parallel(mode: Optional[str], sequence_parallel: bool, group_name: str,
                      world_size: int) -> TensorParallel:
     """One TensorParallel per value: rebuilt inside every custom-op call, so cached."""
     return TensorParallel(mode, sequence_parallel, group_name, world_size)

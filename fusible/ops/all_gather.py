@@ -26,16 +26,16 @@ class AllGather(Collective):
     def validate(self, shape, dtype, device, extra_inputs=()):
         if not shape:
             raise ValueError(f"{self.describe()} got a 0-d input; it gathers along dim 0")
-        return (shape[0] * self.group.world_size, *shape[1:])
+        return (shape[0] * self.parallel.world_size, *shape[1:])
 
     @classmethod
     def forward_compute(cls, args, *, in_custom_op=False):
-        return ForwardResult(parallel.all_gather(args.input, args.group))
+        return ForwardResult(parallel.all_gather(args.input, args.parallel))
 
     @classmethod
     def backward_compute(cls, args, *, in_custom_op=False):
         if not args.need_grad_input:
             return BackwardResult(None)
-        mine = parallel.rank_slice(args.group,
-                                   args.grad_output.shape[0] // args.group.world_size)
+        mine = parallel.rank_slice(args.parallel,
+                                   args.grad_output.shape[0] // args.parallel.world_size)
         return BackwardResult(args.grad_output[mine])

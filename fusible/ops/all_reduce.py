@@ -24,7 +24,7 @@ class AllReduce(Collective):
 
     @classmethod
     def forward_compute(cls, args, *, in_custom_op=False):
-        return ForwardResult(parallel.all_reduce(args.input, args.group))
+        return ForwardResult(parallel.all_reduce(args.input, args.parallel))
 
     @classmethod
     def backward_compute(cls, args, *, in_custom_op=False):

@@ -19,7 +19,7 @@ Tensor = torch.Tensor
 class AllToAllForwardArgs:
     input: Tensor
     send_counts: Tensor
-    group: TensorParallel
+    parallel: TensorParallel
 
 
 @attrs.define
@@ -35,7 +35,7 @@ class AllToAllBackwardArgs:
     grad_output: Tensor
     send_counts: Tensor
     recv_counts: Tensor
-    group: TensorParallel
+    parallel: TensorParallel
     need_grad_input: bool
 
 
@@ -72,7 +72,7 @@ class AllToAll(Collective):
 
     def validate(self, shape, dtype, device, extra_inputs=()):
         (counts,) = extra_inputs
-        ws = self.group.world_size
+        ws = self.parallel.world_size
         if not (isinstance(counts, torch.Tensor) and counts.shape == (ws,)
                 and not counts.is_floating_point()):
             got = (f"{counts.dtype} of shape {tuple(counts.shape)}"
@@ -84,7 +84,7 @@ class AllToAll(Collective):
         return (-1, *shape[1:])  # the rows received: known once the counts are exchanged
 
     def forward_args(self, input, params, extra_inputs, ctxs):
-        return AllToAllForwardArgs(input, extra_inputs[0], self.group)
+        return AllToAllForwardArgs(input, extra_inputs[0], self.parallel)
 
     @classmethod
     def forward_compute(cls, args, *, in_custom_op=False):
@@ -92,8 +92,8 @@ class AllToAll(Collective):
         if sum(send) != args.input.shape[0] or min(send) < 0:
             raise ValueError(f"AllToAll: the send counts {send} must be non-negative and add "
                              f"up to the input's {args.input.shape[0]} rows")
-        recv_counts = parallel.all_to_all_equal(args.send_counts, args.group)
-        y = parallel.all_to_all(args.input, send, recv_counts.tolist(), args.group)
+        recv_counts = parallel.all_to_all_equal(args.send_counts, args.parallel)
+        y = parallel.all_to_all(args.input, send, recv_counts.tolist(), args.parallel)
         return ForwardResult(y, (), (recv_counts,))
 
     def compile_unsupported_reason(self, direction):
@@ -107,14 +107,14 @@ class AllToAll(Collective):
     def backward_args(self, grad_output, grad_extra_outputs, ctxs):
         saved = ctxs[0].saved
         return AllToAllBackwardArgs(grad_output, saved.send_counts, saved.recv_counts,
-                                    self.group, ctxs[0].needs.input)
+                                    self.parallel, ctxs[0].needs.input)
 
     @classmethod
     def backward_compute(cls, args, *, in_custom_op=False):
         if not args.need_grad_input:
             return BackwardResult(None, (), (None,))
         dx = parallel.all_to_all(args.grad_output, args.recv_counts.tolist(),
-                                 args.send_counts.tolist(), args.group)
+                                 args.send_counts.tolist(), args.parallel)
         return BackwardResult(dx, (), (None,))
 
     @classmethod
@@ -151,10 +151,10 @@ class AllToAllEqual(Collective):
 
     @classmethod
     def forward_compute(cls, args, *, in_custom_op=False):
-        return ForwardResult(parallel.all_to_all_equal(args.input, args.group))
+        return ForwardResult(parallel.all_to_all_equal(args.input, args.parallel))
 
     @classmethod
     def backward_compute(cls, args, *, in_custom_op=False):
         if not args.need_grad_input:
             return BackwardResult(None)
-        return BackwardResult(parallel.all_to_all_equal(args.grad_output, args.group))
+        return BackwardResult(parallel.all_to_all_equal(args.grad_output, args.parallel))

@@ -25,10 +25,10 @@ from fusible.quantization.params import fp8_parameter
 Tensor = torch.Tensor
 
 
-def parallel_refusal(linear: "BasicLinear", modes=("",), why: str = "") -> "bool | str":
+def parallel_refusal(linear: "BasicLinear", modes=(None,), why: str = "") -> "bool | str":
     """True when a fusion covering ``linear`` handles its tensor-parallel mode (one of
-    ``modes``; ``""`` for none), else the reason for the plan (``why``, or a default)."""
-    tp = linear.tp
+    ``modes``; None for none), else the reason for the plan (``why``, or a default)."""
+    tp = linear.parallel
     if not tp.active or tp.mode in modes:
         return True
     return why or (f"this fusion does not run BasicLinear's collectives "
@@ -79,7 +79,6 @@ class BasicLinear(BasicOperation):
     scaling_state_roles = ("input", "weight", "grad")
     attribute_checks = {"in_features": checks.positive_int("in_features"),
                         "out_features": checks.positive_int("out_features"),
-                        "sequence_parallel": checks.boolean("sequence_parallel"),
                         "accumulate_into_main_grad": checks.boolean("accumulate_into_main_grad")}
     fwd_args_type = GemmForwardArgs
     bwd_args_type = GemmBackwardArgs
@@ -90,14 +89,13 @@ class BasicLinear(BasicOperation):
                  dtype=None, accumulate_into_main_grad: bool = False):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
-        self.sequence_parallel = sequence_parallel
         self.accumulate_into_main_grad = accumulate_into_main_grad
+        sequence_parallel = bool(checks.boolean("sequence_parallel")("BasicLinear", sequence_parallel))
         if sequence_parallel and tensor_parallel_mode is None:
             raise ValueError(f"{self.describe()}: sequence_parallel=True needs "
                              f"tensor_parallel_mode 'column' or 'row'")
-        self.tensor_parallel_mode = tensor_parallel_mode
-        self.tp = parallel.tensor_parallel(self.describe(), tensor_parallel_mode,
-                                              sequence_parallel, tensor_parallel_group)
+        self.parallel = parallel.tensor_parallel(self.describe(), tensor_parallel_mode,
+                                                 sequence_parallel, tensor_parallel_group)
         self.local_in, self.local_out = local_linear_sizes(self)
         self.weight = nn.Parameter(torch.empty(self.local_out, self.local_in, device=device,
                                                dtype=dtype))
@@ -120,12 +118,22 @@ class BasicLinear(BasicOperation):
         return torch.float32 if self.accumulate_into_main_grad else None
 
     @property
+    def tensor_parallel_mode(self):
+        """None, ``"column"`` or ``"row"`` (``parallel.mode``)."""
+        return self.parallel.mode
+
+    @property
+    def sequence_parallel(self) -> bool:
+        """Whether tokens are split over the group outside the layer."""
+        return self.parallel.sequence_parallel
+
+    @property
     def tensor_parallel_group(self):
         """The process group the weight is split over (None when not parallel)."""
-        return parallel.group_of(self.tp)
+        return parallel.group_of(self.parallel)
 
     def describe(self) -> str:
-        tp = getattr(self, "tp", NOT_PARALLEL)
+        tp = self.__dict__.get("parallel", NOT_PARALLEL)
         mode = (f", tensor_parallel_mode={tp.mode!r}, sequence_parallel={tp.sequence_parallel}"
                 if tp.mode else "")
         main = (", accumulate_into_main_grad=True"
@@ -134,7 +142,7 @@ class BasicLinear(BasicOperation):
                 f"{mode}{main})")
 
     def diagram_label(self) -> str:
-        tp = self.tp
+        tp = self.parallel
         mode = f"\n{tp.mode}{' + SP' if tp.sequence_parallel else ''} /{tp.world_size}"
         return f"{self.in_features} \u2192 {self.out_features}" + (mode if tp.mode else "")
 
@@ -163,7 +171,7 @@ class BasicLinear(BasicOperation):
                                  f"fsdp_float8_all_gather), but {type(recipe).__name__} "
                                  f"scales weights {how}; use a current-scaling recipe "
                                  f"(Float8CurrentScaling) or a high-precision weight")
-        tokens = math.prod(shape[:-1]) * (self.tp.world_size if self.tp.gathers_input else 1)
+        tokens = math.prod(shape[:-1]) * (self.parallel.world_size if self.parallel.gathers_input else 1)
         if self.local_in % 16 or self.local_out % 16 or tokens % 16:
             raise ValueError(f"{self.describe()} under an FP8 recipe needs in_features, "
                              f"out_features (of this rank's shard: {self.local_in}, "
@@ -172,7 +180,7 @@ class BasicLinear(BasicOperation):
                              f"fusible.autocast")
 
     def forward_args(self, input, params, extra_inputs, ctxs):
-        return gemm_forward_args(input, params[0], self.tp, ctxs[0])
+        return gemm_forward_args(input, params[0], self.parallel, ctxs[0])
 
     @classmethod
     def forward_compute(cls, args, *, in_custom_op=False):
@@ -183,7 +191,7 @@ class BasicLinear(BasicOperation):
         save_linear(ctxs[0], args, result.aux)
 
     def backward_args(self, grad_output, grad_extra_outputs, ctxs):
-        return gemm_backward_args(ctxs[0], grad_output, self.tp, self.wgrad_dtype)
+        return gemm_backward_args(ctxs[0], grad_output, self.parallel, self.wgrad_dtype)
 
     @classmethod
     def backward_compute(cls, args, *, in_custom_op=False):
@@ -202,17 +210,17 @@ class BasicLinear(BasicOperation):
         return BackwardResult(None, (gemm_backward(args)[1],))
 
     def deferred_params(self, recipe, needs):
-        if self.tp.gathers_grad:
+        if self.parallel.gathers_grad:
             return ("row + sequence parallel all-gathers dy for both GEMMs: a deferred wgrad "
                     "would gather it again")
         return (True,)
 
     def input_format(self, recipe, needs):
         # A layer that all-gathers its input quantizes it after the gather itself.
-        return None if self.tp.gathers_input else gemm_input_format(recipe, needs[0])
+        return None if self.parallel.gathers_input else gemm_input_format(recipe, needs[0])
 
     def grad_format(self, recipe, needs):
-        return None if self.tp.gathers_grad else gemm_grad_format(recipe, needs[0])
+        return None if self.parallel.gathers_grad else gemm_grad_format(recipe, needs[0])
 
     def quantizes(self, recipe, direction):
         return recipe is not None
@@ -225,7 +233,7 @@ class BasicLinear(BasicOperation):
         return Example((cls(32, 48),), (2, 8, 32))
 
     def communication(self, direction, needs=None):
-        tp = self.tp
+        tp = self.parallel
         if not tp.active or (direction == "backward" and needs is not None
                              and not needs.input and tp.mode == "column"):
             return ()  # a column layer's backward communicates only its dgrad
@@ -243,7 +251,7 @@ class BasicLinear(BasicOperation):
 
 def local_linear_sizes(op) -> tuple:
     """``(local in_features, local out_features)``: the weight shard's shape, reversed."""
-    tp, name = op.tp, op.describe()
+    tp, name = op.parallel, op.describe()
     if tp.mode == "column":
         return op.in_features, parallel.shard_size(name, "out_features", op.out_features, tp)
     if tp.mode == "row":
@@ -273,7 +281,7 @@ def init_shard_(param: Tensor, full_shape: tuple, shard: tuple, bound: float) ->
 
 def linear_shard(linear: "BasicLinear") -> tuple:
     """``(rows, columns)`` of the full weight that this rank's shard holds."""
-    tp, everything = linear.tp, slice(None)
+    tp, everything = linear.parallel, slice(None)
     if not tp.active:
         return everything, everything
     if tp.mode == "column":
@@ -284,7 +292,7 @@ def linear_shard(linear: "BasicLinear") -> tuple:
 def parallel_tokens(op, shape) -> tuple:
     """The leading dimensions of a linear layer's output: dim 0 gathered (column + SP)
     or scattered (row + SP) over the group."""
-    tp, lead = op.tp, tuple(shape[:-1])
+    tp, lead = op.parallel, tuple(shape[:-1])
     if not (tp.active and tp.sequence_parallel):
         return lead
     if not lead:

@@ -56,9 +56,7 @@ class Bias(BasicOperation):
     keeps_features = True
 
     param_names = ("bias",)
-    attribute_checks = {"size": checks.positive_int("size"),
-                        "tensor_parallel": checks.boolean("tensor_parallel"),
-                        "sequence_parallel": checks.boolean("sequence_parallel")}
+    attribute_checks = {"size": checks.positive_int("size")}
     fwd_args_type = BiasForwardArgs
     bwd_args_type = BiasBackwardArgs
 
@@ -66,30 +64,40 @@ class Bias(BasicOperation):
                  sequence_parallel: bool = False, device=None, dtype=None):
         super().__init__()
         self.size = size
-        self.tensor_parallel, self.sequence_parallel = tensor_parallel, sequence_parallel
+        tensor_parallel = bool(checks.boolean("tensor_parallel")("Bias", tensor_parallel))
+        sequence_parallel = bool(checks.boolean("sequence_parallel")("Bias", sequence_parallel))
         if tensor_parallel and sequence_parallel:
             raise ValueError(f"Bias({size=}): a column-parallel output (tensor_parallel) has "
                              f"all tokens; sequence_parallel is for a replicated bias after a "
                              f"row-parallel reduce-scatter")
-        self.tp = parallel.tensor_parallel(
-            self.describe(), "column" if tensor_parallel else None, False,
-            tensor_parallel_group if tensor_parallel else None)
-        self.sequence_parallel_group = parallel.sequence_parallel(
-            self.describe(), sequence_parallel, None if tensor_parallel else tensor_parallel_group)
-        self.local_size = (parallel.shard_size(self.describe(), "size", self.size, self.tp)
+        label = _label(size, tensor_parallel, sequence_parallel)
+        if tensor_parallel:  # this rank's slice of a column-parallel output's bias
+            self.parallel = parallel.tensor_parallel(label, "column", False,
+                                                     tensor_parallel_group)
+        else:  # replicated: with sequence parallelism, its gradient is summed over the group
+            self.parallel = parallel.sequence_parallel(label, sequence_parallel,
+                                                       tensor_parallel_group)
+        self.local_size = (parallel.shard_size(label, "size", self.size, self.parallel)
                            if tensor_parallel else self.size)
         self.bias = nn.Parameter(torch.zeros(self.local_size, device=device, dtype=dtype))
 
     @property
+    def tensor_parallel(self) -> bool:
+        """Whether ``bias`` is this rank's slice of a column-parallel output's."""
+        return self.parallel.mode == "column"
+
+    @property
+    def sequence_parallel(self) -> bool:
+        """Whether the input's tokens are split over the group (a replicated bias)."""
+        return self.parallel.sequence_parallel
+
+    @property
     def tensor_parallel_group(self):
         """The group of ``tensor_parallel`` or ``sequence_parallel`` (None without them)."""
-        return parallel.group_of(self.tp if self.tensor_parallel
-                                    else self.sequence_parallel_group)
+        return parallel.group_of(self.parallel)
 
     def describe(self) -> str:
-        flags = "".join(f", {name}=True" for name in ("tensor_parallel", "sequence_parallel")
-                        if getattr(self, name, False))
-        return f"Bias(size={self.size}{flags})"
+        return _label(self.size, self.tensor_parallel, self.sequence_parallel)
 
     def validate(self, shape, dtype, device, extra_inputs=()):
         self._check_last_dim(shape, self.local_size,
@@ -131,3 +139,9 @@ class Bias(BasicOperation):
     def extra_repr(self) -> str:
         return self.describe()[len("Bias("):-1]
 
+
+def _label(size: int, tensor_parallel: bool, sequence_parallel: bool) -> str:
+    flags = "".join(f", {name}=True" for name, on in (("tensor_parallel", tensor_parallel),
+                                                      ("sequence_parallel", sequence_parallel))
+                    if on)
+    return f"Bias(size={size}{flags})"

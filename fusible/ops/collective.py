@@ -33,13 +33,13 @@ Tensor = torch.Tensor
 @attrs.define
 class CollectiveForwardArgs:
     input: Tensor
-    group: TensorParallel
+    parallel: TensorParallel
 
 
 @attrs.define
 class CollectiveBackwardArgs:
     grad_output: Tensor
-    group: TensorParallel
+    parallel: TensorParallel
     need_grad_input: bool
 
 
@@ -63,39 +63,39 @@ class Collective(BasicOperation, abstract=True):
 
     def __init__(self, process_group=None):
         super().__init__()
-        self.group = parallel.group_config(type(self).__name__, "", False, process_group)
+        self.parallel = parallel.group_config(type(self).__name__, None, False, process_group)
 
     @property
     def process_group(self):
         """The group (looked up by name: the op holds only the name)."""
-        return parallel.group_of(self.group)
+        return parallel.group_of(self.parallel)
 
     def describe(self) -> str:
-        return f"{type(self).__name__}(world_size={self.group.world_size})"
+        return f"{type(self).__name__}(world_size={self.parallel.world_size})"
 
     def forward_args(self, input, params, extra_inputs, ctxs):
-        return CollectiveForwardArgs(input, self.group)
+        return CollectiveForwardArgs(input, self.parallel)
 
     def save_for_backward(self, args, result, ctxs):
         pass
 
     def backward_args(self, grad_output, grad_extra_outputs, ctxs):
-        return CollectiveBackwardArgs(grad_output, self.group, ctxs[0].needs.input)
+        return CollectiveBackwardArgs(grad_output, self.parallel, ctxs[0].needs.input)
 
     def communication(self, direction, needs=None):
         name = self.forward_collective if direction == "forward" else self.backward_collective
-        if not (self.group.active and name):
+        if not (self.parallel.active and name):
             return ()
-        return (("is", f"{name} /{self.group.world_size}"),)
+        return (("is", f"{name} /{self.parallel.world_size}"),)
 
     def _check_rows(self, shape) -> None:
-        if not shape or shape[0] % self.group.world_size:
+        if not shape or shape[0] % self.parallel.world_size:
             raise ValueError(f"{self.describe()} splits dim 0 over the group, got input of "
                              f"shape {tuple(shape)}: dim 0 must divide by "
-                             f"{self.group.world_size}")
+                             f"{self.parallel.world_size}")
 
     def reference(self, x, extra_inputs, params):
-        if self.group.world_size != 1:
+        if self.parallel.world_size != 1:
             raise NotImplementedError(f"{self.describe()}: the FP64 reference covers a group "
                                       f"of one (tests/test_parallel.py checks larger groups)")
         return x, ()

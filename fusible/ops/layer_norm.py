@@ -57,7 +57,7 @@ class LayerNormBackwardArgs:
     zero_centered_gamma: bool = False
 
 
-class LayerNorm(BasicOperation):
+class LayerNorm(parallel.ReplicatedParallelViews, BasicOperation):
     """``(x - mean) / sqrt(var + eps) * weight + bias`` over the trailing dimensions.
 
     On CUDA one Triton kernel each way; under an FP8 recipe the forward writes the next
@@ -108,9 +108,10 @@ class LayerNorm(BasicOperation):
                  recompute_output: bool = False, device=None, dtype=None):
         super().__init__()
         self.normalized_shape = normalized_shape
-        self.sequence_parallel = sequence_parallel
-        self.sequence_parallel_group = parallel.sequence_parallel(
-            self.describe(), sequence_parallel, tensor_parallel_group)
+        self.parallel = parallel.sequence_parallel(
+            self.describe(), bool(NORM_CHECKS["sequence_parallel"](type(self).__name__,
+                                                                   sequence_parallel)),
+            tensor_parallel_group)
         self.eps = eps
         self.zero_centered_gamma = zero_centered_gamma
         self.recompute_output = recompute_output

@@ -108,7 +108,7 @@ class Linear(FusibleOperation):
         return self._ops if has_bias else self._ops[:1]
 
     def extra_repr(self) -> str:
-        tp = self._ops[0].tp
+        tp = self._ops[0].parallel
         mode = (f", tensor_parallel_mode={tp.mode!r}, sequence_parallel={tp.sequence_parallel}"
                 if tp.mode else "")
         return (f"in_features={self.in_features}, out_features={self.out_features}, "

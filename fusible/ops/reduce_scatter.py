@@ -24,14 +24,14 @@ class ReduceScatter(Collective):
 
     def validate(self, shape, dtype, device, extra_inputs=()):
         self._check_rows(shape)
-        return (shape[0] // self.group.world_size, *shape[1:])
+        return (shape[0] // self.parallel.world_size, *shape[1:])
 
     @classmethod
     def forward_compute(cls, args, *, in_custom_op=False):
-        return ForwardResult(parallel.reduce_scatter(args.input, args.group))
+        return ForwardResult(parallel.reduce_scatter(args.input, args.parallel))
 
     @classmethod
     def backward_compute(cls, args, *, in_custom_op=False):
         if not args.need_grad_input:
             return BackwardResult(None)
-        return BackwardResult(parallel.all_gather(args.grad_output, args.group))
+        return BackwardResult(parallel.all_gather(args.grad_output, args.parallel))

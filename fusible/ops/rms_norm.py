@@ -51,7 +51,7 @@ class RMSNormBackwardArgs:
     zero_centered_gamma: bool = False
 
 
-class RMSNorm(BasicOperation):
+class RMSNorm(parallel.ReplicatedParallelViews, BasicOperation):
     """``x * rsqrt(mean(x**2) + eps) * weight``, computed in float32 for 16-bit inputs.
 
     On CUDA one Triton kernel each way; under an FP8 recipe the forward writes the next
@@ -102,9 +102,10 @@ class RMSNorm(BasicOperation):
                  recompute_output: bool = False, device=None, dtype=None):
         super().__init__()
         self.normalized_shape = normalized_shape
-        self.sequence_parallel = sequence_parallel
-        self.sequence_parallel_group = parallel.sequence_parallel(
-            self.describe(), sequence_parallel, tensor_parallel_group)
+        self.parallel = parallel.sequence_parallel(
+            self.describe(), bool(NORM_CHECKS["sequence_parallel"](type(self).__name__,
+                                                                   sequence_parallel)),
+            tensor_parallel_group)
         self.eps = eps
         self.zero_centered_gamma = zero_centered_gamma
         self.recompute_output = recompute_output

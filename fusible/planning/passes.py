@@ -42,7 +42,7 @@ def check_sequence_parallel(ops) -> None:
     """Ops with parameters that see tokens split over a group (before a column + SP
     linear layer, after a row + SP one) must all-reduce their gradients: an error names
     any that would not, rather than letting ranks' replicated parameters drift apart."""
-    tps = [getattr(op, "tp", NOT_PARALLEL) for op in ops]
+    tps = [getattr(op, "parallel", NOT_PARALLEL) for op in ops]
     # per op: the group its input's tokens are split over
     split: list[Optional[TensorParallel]] = [None] * len(ops)
     state = None
@@ -74,8 +74,8 @@ def check_gated_layouts(ops) -> None:
     producer = None
     for op in ops:
         if producer is not None:
-            op.check_split_features(producer.describe(), producer.tp.world_size)
-        tp = getattr(op, "tp", NOT_PARALLEL)
+            op.check_split_features(producer.describe(), producer.parallel.world_size)
+        tp = getattr(op, "parallel", NOT_PARALLEL)
         if op.keeps_features:  # a column-parallel bias included: the split goes on
             continue
         producer = op if tp.mode == "column" and tp.active else None
@@ -83,8 +83,8 @@ def check_gated_layouts(ops) -> None:
 
 def _parallel_param_op(op) -> bool:
     """An op whose parameters are shards, or whose gradients the fuser all-reduces."""
-    tp = getattr(op, "tp", None)
-    return op.grad_reduction() is not None or (tp is not None and tp.mode != "")
+    tp = getattr(op, "parallel", None)
+    return op.grad_reduction() is not None or (tp is not None and tp.mode is not None)
 
 
 def hand_off_formats(forward: list, backward: list, needs: tuple, recipe) -> tuple:

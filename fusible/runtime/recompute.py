@@ -82,7 +82,7 @@ class LatestForward:
 
     __slots__ = ("key", "recipe")
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.key: object = _UNSET
         self.recipe = None
 

@@ -78,7 +78,7 @@ def run_entry(target, record, compiled: bool) -> None:
     if len(grads) != st.num_params:
         raise RuntimeError(f"{type(st.op).__name__}.wgrad_compute returned {len(grads)} "
                            f"parameter gradients for the stage's {st.num_params}")
-    sync = dict(split.sync)
+    sync = dict(split.grad_reduction)
     params = target.params()
     with torch.no_grad():
         for k, (p, deferred_k) in enumerate(zip(params, split.deferred)):

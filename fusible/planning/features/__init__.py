@@ -17,7 +17,7 @@ import attrs
 
 from fusible.planning.exec_plan import Preparation
 from fusible.planning.features import channels as _channels
-from fusible.planning.features import grad_sync as _grad_sync
+from fusible.planning.features import grad_reduction as _grad_reduction
 from fusible.planning.features import in_place as _in_place
 from fusible.planning.features import main_grad as _main_grad
 from fusible.planning.features import scaling_states as _scaling_states
@@ -37,7 +37,7 @@ class Features:
     channels: Optional[_channels.Channels] = _feature(_channels.attach)
     in_place: Optional[_in_place.InPlaceExtras] = _feature(_in_place.attach)
     main_grad: Optional[_main_grad.MainGrads] = _feature(_main_grad.attach)
-    grad_sync: Optional[_grad_sync.GradSync] = _feature(_grad_sync.attach)
+    grad_reduction: Optional[_grad_reduction.GradReduction] = _feature(_grad_reduction.attach)
     scaling_states: Optional[_scaling_states.ScalingStates] = _feature(_scaling_states.attach)
     split_backward: Optional[_split_backward.SplitBackward] = _feature(_split_backward.attach)
     stage_ranges: Optional[_stage_ranges.StageRanges] = _feature(_stage_ranges.attach)

@@ -30,8 +30,8 @@ class SplitStage:
         Where the deferred records go, named by its token in compiled graphs.
     into_main_grad : tuple of bool
         Per parameter: whether its gradient goes into ``main_grad``.
-    sync : tuple
-        ``((parameter index, group), ...)`` all-reduced after the wgrad.
+    grad_reduction : tuple
+        ``((parameter index, group), ...)`` summed over their group after the wgrad.
     """
 
     deferred: tuple
@@ -39,7 +39,7 @@ class SplitStage:
     wgrad: Callable[..., Any]
     target: "WgradTarget"
     into_main_grad: tuple
-    sync: tuple = ()
+    grad_reduction: tuple = ()
 
 
 @attrs.frozen
@@ -79,7 +79,7 @@ def attach(prep: Preparation, attached: dict) -> Optional[SplitBackward]:
     deferred wgrad stage, where it can (``deferred_params``)."""
     if not prep.conditions.split_backward:
         return None
-    sync = attached.get("grad_sync")
+    reduction = attached.get("grad_reduction")
     splits, lane, kept = [], [], []
     for st, stage in zip(prep.backward, prep.backward_public):
         wanted = st.grad_mask[1] if st.num_params else ()
@@ -94,7 +94,7 @@ def attach(prep: Preparation, attached: dict) -> Optional[SplitBackward]:
             kept.append((stage, f"{stage.name} defers none of the gradients it computes"))
             continue
         splits.append((st.lo, _split(st, deferred, prep.ops,
-                                     sync.of(st.lo) if sync is not None else ())))
+                                     reduction.of(st.lo) if reduction is not None else ())))
         lane.append(attrs.evolve(stage, direction="wgrad"))
     return SplitBackward(tuple(splits), tuple(lane), tuple(kept))
 
@@ -111,7 +111,7 @@ def _deferral(st: ExecStage, needs: tuple, recipe) -> "tuple | str":
     return verdict
 
 
-def _split(st: ExecStage, deferred: tuple, ops: tuple, sync: tuple) -> SplitStage:
+def _split(st: ExecStage, deferred: tuple, ops: tuple, reduction: tuple) -> SplitStage:
     """How ``st`` splits: its ``deferred`` parameter gradients go to the wgrad lane."""
     cls = st.op.__class__
     dgrad = cls.dgrad_compute
@@ -120,6 +120,6 @@ def _split(st: ExecStage, deferred: tuple, ops: tuple, sync: tuple) -> SplitStag
         dgrad = functools.partial(dgrad, output_format=fmt if fmt.kernel_cast else None)
     target = WgradTarget(ops)
     main = tuple(name in op.main_grad_params for op in st.ops for name in op.param_names)
-    split = SplitStage(deferred, dgrad, cls.wgrad_compute, target, main, sync)
+    split = SplitStage(deferred, dgrad, cls.wgrad_compute, target, main, reduction)
     target.stage, target.split = st, split
     return split

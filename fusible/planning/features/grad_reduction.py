@@ -1,6 +1,6 @@
 """The gradient all-reduce feature's planning pass: replicated parameters that see tokens
 split over a group (``op.grad_reduction()``: sequence parallelism) have their gradients
-summed over it after their backward stage (``runtime/features/grad_sync.py``)."""
+summed over it after their backward stage (``runtime/features/grad_reduction.py``)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from fusible.planning.exec_plan import Preparation
 
 
 @attrs.frozen
-class GradSync:
+class GradReduction:
     """Per backward stage (by its ``lo``): ``((parameter index in the stage, group),
     ...)`` of the gradients to all-reduce."""
 
@@ -23,7 +23,7 @@ class GradSync:
         return dict(self.stages).get(lo, ())
 
 
-def attach(prep: Preparation, attached: dict) -> Optional[GradSync]:
+def attach(prep: Preparation, attached: dict) -> Optional[GradReduction]:
     found = []
     for st in prep.backward:
         sync, offset = [], 0
@@ -34,4 +34,4 @@ def attach(prep: Preparation, attached: dict) -> Optional[GradSync]:
             offset += len(op.param_names)
         if sync:
             found.append((st.lo, tuple(sync)))
-    return GradSync(tuple(found)) if found else None
+    return GradReduction(tuple(found)) if found else None

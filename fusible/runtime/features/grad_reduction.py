@@ -1,6 +1,6 @@
 """Gradient all-reduces at run time: after a backward stage, the gradients of its
 replicated parameters that saw split tokens are summed over their group (functional
-collectives: traced like any op when compiled; ``planning/features/grad_sync.py``)."""
+collectives: traced like any op when compiled; ``planning/features/grad_reduction.py``)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from fusible.functional import parallel
 from fusible.runtime.features.base import RuntimeFeature, StageHooks
 
 
-class GradSyncRuntime(RuntimeFeature):
-    name = "grad_sync"
+class GradReductionRuntime(RuntimeFeature):
+    name = "grad_reduction"
 
     def stage_hooks(self, record, st, direction: str):
         sync = record.of(st.lo) if direction == "backward" else ()
@@ -21,7 +21,7 @@ class GradSyncRuntime(RuntimeFeature):
         return StageHooks(after=(after,))
 
 
-FEATURE = GradSyncRuntime()
+FEATURE = GradReductionRuntime()
 
 
 def all_reduce_grads(grads, sync: tuple) -> tuple:
