@@ -25,7 +25,7 @@ from fusible.core.fused import FusedOperation
 from fusible.core.operation import BasicOperationSpec, FusibleSpec
 from fusible.core.pattern import Match
 from fusible.planning.registry import registered_fusions
-from fusible.quantization.recipe import recipe_for_key
+from fusible.quantization.recipes.autocast import recipe_for_key
 
 
 @attrs.frozen

@@ -15,7 +15,7 @@ from fusible.planning.channels import Channels, channel_of, channels_of
 from fusible.planning.passes import (check_gated_layouts, check_sequence_parallel,
                                      hand_off_formats, idle_needs, op_grad_needs)
 from fusible.planning.planner import GroupPlan, PlanEnvironment, plan_group
-from fusible.quantization.recipe import recipe_for_key
+from fusible.quantization.recipes.autocast import recipe_for_key
 
 
 @attrs.frozen

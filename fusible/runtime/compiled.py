@@ -34,7 +34,7 @@ import torch
 
 from fusible.core import epoch, tokens
 from fusible.core.conditions import PlanConditions, conditions_key
-from fusible.quantization import recipe
+from fusible.quantization.recipes.autocast import current_key
 
 log = logging.getLogger("fusible")
 _warned: set = set()
@@ -120,7 +120,7 @@ def _graph_break(message: str) -> None:
 def compiled_forward(module, x, extra_inputs: tuple):
     """``module(x, *extra_inputs)`` as dynamo should trace it."""
     training = module.training
-    conditions = conditions_key(x, x.device.type, None, extra_inputs, recipe.current_key(),
+    conditions = conditions_key(x, x.device.type, None, extra_inputs, current_key(),
                                 training)
     # dynamo guards on the epoch
     reason, stateful = _prepare(id(module), epoch.current(), conditions)

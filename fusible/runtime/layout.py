@@ -13,7 +13,7 @@ from fusible.core.operation import FusibleSpec
 from fusible.core.results import OpGradNeeds
 from fusible.planning.plan import FusionPlan
 from fusible.planning.planner import Stage
-from fusible.quantization.recipe import recipe_for_key
+from fusible.quantization.recipes.autocast import recipe_for_key
 from fusible.runtime.runner import PipelineRunner
 
 

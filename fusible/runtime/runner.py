@@ -14,7 +14,7 @@ from fusible.core.lanes import splitting
 from fusible.core.operation import CASTING
 from fusible.planning.channels import caller_counts
 from fusible.planning.prepare import ExecPlan, prepare_group, scaling_states
-from fusible.quantization import recipe
+from fusible.quantization.recipes.autocast import current_key
 from fusible.runtime import custom_ops, wgrad
 from fusible.runtime.executor import apply_pipeline, run_forward
 from fusible.runtime.scaling_states import assign_states, check_states, fits
@@ -59,7 +59,7 @@ class PipelineRunner:
         during a backward pass, activation checkpointing's recomputation, which repeats
         the latest forward's (as torch.utils.checkpoint restores torch.autocast's state)."""
         if traced or torch._C._current_graph_task_id() == -1 or self._forward_key is _UNSET:
-            self._forward_key = recipe.current_key()
+            self._forward_key = current_key()
         return self._forward_key
 
     def params(self, ops: "tuple | None" = None) -> list:
