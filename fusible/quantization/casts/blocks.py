@@ -18,7 +18,8 @@ import torch
 import torch.nn.functional as F
 
 from fusible.kernels import fp8_blocks, fp8_cast, plain_eager
-from fusible.quantization.casts.common import FP8_MAX, pack_parts, scale_from_amax, unpack_parts
+from fusible.quantization.casts.common import (FP8_MAX, check_cast, pack_parts, scale_from_amax,
+                                               unpack_parts)
 
 E8M0 = torch.float8_e8m0fnu
 
@@ -58,11 +59,7 @@ def cast_blocks(x2: torch.Tensor, fp8_dtype: torch.dtype, group: int, square: bo
     Where something may be tracing, it runs as the custom op
     ``fusible::cast_to_fp8_blocks``.
     """
-    if fp8_dtype not in FP8_MAX:
-        raise ValueError(f"cast_to_fp8_blocks: fp8_dtype must be one of {list(FP8_MAX)}, got "
-                         f"{fp8_dtype}")
-    if not (rowwise or columnwise):
-        raise ValueError("cast_to_fp8_blocks: asked for neither the data nor its transpose")
+    check_cast("cast_to_fp8_blocks", fp8_dtype, rowwise, columnwise)
     if x2.dim() != 2:
         raise ValueError(f"cast_to_fp8_blocks: takes a 2-D tensor, got shape {tuple(x2.shape)}")
     if not plain_eager(x2):

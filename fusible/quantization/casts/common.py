@@ -26,6 +26,15 @@ def scale_from_amax(amax: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
     return torch.where(amax == 0, torch.ones_like(amax), scale)
 
 
+def check_cast(op: str, fp8_dtype: torch.dtype, rowwise: bool, columnwise: bool) -> None:
+    """ValueError, naming the cast ``op``, for a dtype that is not FP8 or a cast that would
+    keep neither the data nor its transposed copy."""
+    if fp8_dtype not in FP8_MAX:
+        raise ValueError(f"{op}: fp8_dtype must be one of {list(FP8_MAX)}, got {fp8_dtype}")
+    if not (rowwise or columnwise):
+        raise ValueError(f"{op}: asked for neither the data nor its transpose")
+
+
 def pack_parts(parts: list) -> list:
     """``[data, scale_inv, transpose, transpose_scale_inv]`` without its Nones: what a
     cast op returns (a ``Tensor[]`` holds no None)."""

@@ -19,12 +19,8 @@ def cast_delayed(x: torch.Tensor, fp8_dtype: torch.dtype, columnwise: bool,
 
     Parameters
     ----------
-    x : Tensor
-        Any shape, seen as (tokens, features) for the transposed copy.
-    fp8_dtype : torch.dtype
-        ``torch.float8_e4m3fn`` or ``torch.float8_e5m2``.
-    columnwise : bool
-        Also write the (features, tokens) row-major transposed copy.
+    x, fp8_dtype, columnwise
+        As :func:`~fusible.quantization.casts.tensorwise.cast_tensorwise`'s.
     delayed : DelayedCast
         The role's state (updated in place), the history's reduction and margin, and the
         maximum over a process group the amax takes first, if any.

@@ -12,7 +12,7 @@ import math
 import torch
 
 from fusible.kernels import fp8_cast, fp8_rowwise, plain_eager
-from fusible.quantization.casts.common import FP8_MAX, pack_parts, unpack_parts
+from fusible.quantization.casts.common import FP8_MAX, check_cast, pack_parts, unpack_parts
 from fusible.quantization.casts.tensorwise import cast_tensorwise_torch
 
 
@@ -50,11 +50,7 @@ def cast_rowwise(x: torch.Tensor, fp8_dtype: torch.dtype, rowwise: bool = True,
     Where something may be tracing, it runs as the custom op
     ``fusible::cast_to_fp8_rowwise``.
     """
-    if fp8_dtype not in FP8_MAX:
-        raise ValueError(f"cast_to_fp8_rowwise: fp8_dtype must be one of {list(FP8_MAX)}, got "
-                         f"{fp8_dtype}")
-    if not (rowwise or columnwise):
-        raise ValueError("cast_to_fp8_rowwise: asked for neither the data nor its transpose")
+    check_cast("cast_to_fp8_rowwise", fp8_dtype, rowwise, columnwise)
     if not plain_eager(x) or (column_amax is not None and not plain_eager(column_amax)):
         # traced: the op (its fake gives the shapes, no kernel launch)
         flat = _OP(x, fp8_dtype, rowwise, columnwise, column_amax)
