@@ -7,7 +7,7 @@ from torch import nn
 
 from fusible.ops.basic_linear import BasicLinear
 from fusible.ops.linear import Linear
-from fusible.quantization.float8_tensor import Float8Tensor
+from fusible.quantization.tensor.float8_tensor import Float8Tensor
 from fusible.quantization.fsdp_weight import Float8AllGatherWeight
 
 

@@ -18,7 +18,7 @@ from fusible.core.fused import FusedOperation
 from fusible.core.operation import BasicOperationSpec, FusibleSpec
 from fusible.planning.features.channels import caller_counts
 from fusible.planning.plan import FusionPlan
-from fusible.quantization import recipe
+from fusible.quantization.recipes.autocast import current_key, fp8_recipe
 from fusible.runtime.compiled import compiled_forward
 from fusible.runtime.layout import Called, Layout, layout_of, without_layout
 
@@ -73,7 +73,7 @@ class PipelineModule(ReplanOnHooks, nn.Module):
         """
         layout = layout_of(self)
         return layout.plan(_plan_conditions(layout, example_inputs, self.training),
-                           recipe.fp8_recipe())
+                           fp8_recipe())
 
     def _apply(self, fn, recurse=True):
         # .to(), .cuda(), to_empty() may replace parameter objects behind __setattr__.
@@ -96,7 +96,7 @@ def _plan_conditions(layout: Layout, example_inputs: tuple, training: bool) -> P
         if len(extras) != layout.num_extra_inputs:
             raise TypeError(f"plan() got {len(extras)} extra input(s); the Sequential takes "
                             f"{layout.num_extra_inputs}")
-        return PlanConditions.of(x, params, extras, recipe.current_key(), training)
+        return PlanConditions.of(x, params, extras, current_key(), training)
     first = params[0] if params else next(iter(
         p for item in layout.items for p in item.parameters()), None)
     dtype = first.dtype if first is not None else torch.get_default_dtype()
@@ -104,7 +104,7 @@ def _plan_conditions(layout: Layout, example_inputs: tuple, training: bool) -> P
     grad = torch.is_grad_enabled()
     return PlanConditions(dtype, device_type, grad, False,
                           tuple(grad and p.requires_grad for p in params),
-                          (False,) * layout.num_extra_inputs, recipe.current_key(), training,
+                          (False,) * layout.num_extra_inputs, current_key(), training,
                           grad and splitting())
 
 

@@ -259,7 +259,7 @@ def _check_fp8_gather_scaled(rank, ws, granularity):
     from fusible.functional.linear import gather_fp8
     from fusible.functional.parallel import all_gather
     from fusible.quantization import Float8Format
-    from fusible.quantization.float8_tensor import quantize_scaled
+    from fusible.quantization.tensor.quantize import quantize_scaled
     tp = ops.BasicLinear(IN, OUT, tensor_parallel_mode="column", sequence_parallel=True).parallel
     g = torch.Generator().manual_seed(12)
     parts = [torch.randn(128, 256, generator=g, dtype=torch.float64) * 4 ** r

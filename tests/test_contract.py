@@ -4,6 +4,7 @@ records, FP8 formats asked for by consumers, fusions' FP8 declarations, prioriti
 import ast
 import importlib.util
 import pathlib
+import re
 import subprocess
 import sys
 import textwrap
@@ -286,3 +287,13 @@ def test_a_parameter_gradient_of_another_shape_is_an_error(registered):
                                            r"shape \(1, 8\) for Bias\(size=8\)'s bias, whose "
                                            r"shape is \(8,\)"):
         model(x).sum().backward()
+
+
+def test_every_package_is_in_the_distribution():
+    """A package folder missing from pyproject.toml's list is missing from every wheel
+    (an editable install does not notice)."""
+    text = (ROOT / "pyproject.toml").read_text()
+    listed = set(re.findall(r'"([\w.]+)"', text.split("\npackages = [", 1)[1].split("]", 1)[0]))
+    found = {".".join(p.parent.relative_to(ROOT).parts)
+             for p in (ROOT / "fusible").rglob("__init__.py")} | {"fusible.fusions"}
+    assert found == listed, (sorted(found - listed), sorted(listed - found))

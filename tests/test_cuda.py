@@ -176,7 +176,7 @@ def test_fp8_transposed_copy_by_triton_same_bytes_as_pytorch(monkeypatch):
 def test_fp8_cast_triton_same_bits_as_pytorch(dtype, fp8_dtype):
     """Subnormal, saturating and special values included; odd shapes for the masks."""
     from fusible.kernels.fp8_cast import cast_to_fp8_triton
-    from fusible.quantization.cast import cast_to_fp8_torch
+    from fusible.quantization.casts.tensorwise import cast_tensorwise_torch
     torch.manual_seed(0)
     for shape in ((4096, 1024), (3, 77, 200)):
         x = torch.randn(shape, device="cuda") * torch.logspace(-9, 3, shape[-1], device="cuda")
@@ -184,7 +184,7 @@ def test_fp8_cast_triton_same_bits_as_pytorch(dtype, fp8_dtype):
         x = x.to(dtype)
         for columnwise in (False, True):
             ours = cast_to_fp8_triton(x, fp8_dtype, FP8_MAX[fp8_dtype], columnwise)
-            ref = cast_to_fp8_torch(x, fp8_dtype, columnwise)
+            ref = cast_tensorwise_torch(x, fp8_dtype, columnwise)
             assert torch.equal(ours[1], ref[1])
             for a, b in zip(ours[::2], ref[::2]):  # data and transposed copy
                 assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), (shape, columnwise)
@@ -197,7 +197,7 @@ def test_fp8_cast_triton_same_bits_as_pytorch(dtype, fp8_dtype):
         x = x * 1e-38 if special == 1e-38 else x
         x[1, 2] = special
         ours = cast_to_fp8_triton(x, fp8_dtype, FP8_MAX[fp8_dtype], True)
-        ref = cast_to_fp8_torch(x, fp8_dtype, True)
+        ref = cast_tensorwise_torch(x, fp8_dtype, True)
         torch.testing.assert_close(ours[1], ref[1], rtol=0, atol=0, equal_nan=True)
         same_or_both_nan = ((ours[0].view(torch.uint8) == ref[0].view(torch.uint8))
                             | (ours[0].float().isnan() & ref[0].float().isnan()))
@@ -469,7 +469,7 @@ def test_amax_slots_zeroed_again_eagerly_and_zeros_under_capture_on_gpu(monkeypa
     slots wrap around, on the stream that used them; a captured CUDA graph gets fresh
     zeros (captured with it), so each replay scales its own input."""
     from fusible.kernels import fp8_cast
-    from fusible.quantization.cast import cast_to_fp8_torch
+    from fusible.quantization.casts.tensorwise import cast_tensorwise_torch
     monkeypatch.setattr(fp8_cast._ZeroedSlots, "count", 3)
     monkeypatch.setattr(fp8_cast, "_SLOTS", {})
 
@@ -485,7 +485,7 @@ def test_amax_slots_zeroed_again_eagerly_and_zeros_under_capture_on_gpu(monkeypa
         with torch.cuda.stream(stream):
             got = cast(x)
         torch.cuda.current_stream().wait_stream(stream)
-        assert torch.equal(got, cast_to_fp8_torch(x, torch.float8_e4m3fn)[1]), k
+        assert torch.equal(got, cast_tensorwise_torch(x, torch.float8_e4m3fn)[1]), k
     assert len(fp8_cast._SLOTS) == 2  # one set of slots per stream
     static = torch.randn(300, 200, device="cuda")
     cast(static)  # compile the kernels outside the capture
@@ -495,7 +495,7 @@ def test_amax_slots_zeroed_again_eagerly_and_zeros_under_capture_on_gpu(monkeypa
     for k in range(3):
         static.copy_(torch.randn(300, 200, device="cuda") * 2.0 ** -k)
         graph.replay()
-        assert torch.equal(captured, cast_to_fp8_torch(static, torch.float8_e4m3fn)[1]), k
+        assert torch.equal(captured, cast_tensorwise_torch(static, torch.float8_e4m3fn)[1]), k
 
 
 def test_backward_linear_scale_fp8_with_a_negative_scale_on_gpu():
@@ -817,7 +817,7 @@ def test_scaled_glu_kernels_on_gpu():
     import fusible
     from fusible.functional.activations import scaled_glu_backward, scaled_glu_forward
     from fusible.kernels.scaled_glu import scaled_glu_backward_triton, scaled_glu_forward_triton
-    from fusible.quantization.cast import cast_to_fp8
+    from fusible.quantization.casts.tensorwise import cast_tensorwise
     torch.manual_seed(0)
     E4M3 = torch.float8_e4m3fn
     for kind, clamp in (("swiglu", None), ("geglu", None), ("clamped_swiglu", (1.0, 1.702, 1.0))):
@@ -836,7 +836,7 @@ def test_scaled_glu_kernels_on_gpu():
         for fused, plain in ((scaled_glu_forward_triton(x, s, (E4M3, 448.0, True), **layout), y),
                              (scaled_glu_backward_triton(dy, x, s, True, False,
                                                          (E4M3, 448.0, True), **layout)[0], dx)):
-            want = cast_to_fp8(plain, E4M3, True)
+            want = cast_tensorwise(plain, E4M3, True)
             assert all(same_bits(a, b) for a, b in zip(fused, want)), kind
     model = ops.Sequential(ops.GroupedLinear(4, 64, 256), ops.ScaledSwiGLU(),
                            ops.GroupedLinear(4, 128, 64)).to("cuda", torch.bfloat16)
@@ -891,20 +891,19 @@ def test_rowwise_fp8_cast_on_gpu(dtype):
     """The row-wise cast's Triton kernel gives PyTorch's bits on the CPU: data, per-row
     scales, the transposed copy scaled per feature, zero and tiny rows; a NaN stays in its
     row."""
-    from fusible.quantization.cast import cast_to_fp8_rowwise
+    from fusible.quantization.casts.rowwise import cast_rowwise
     torch.manual_seed(0)
     x = torch.randn(300, 1000) * torch.logspace(-6, 6, 300).view(-1, 1)
     x[5] = 0.0
     x[9] = 1e-38
     x = x.to(dtype)
     for fp8_dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
-        got = cast_to_fp8_rowwise(x.cuda(), fp8_dtype, True, True)
-        want = cast_to_fp8_rowwise(x, fp8_dtype, True, True)
+        got = cast_rowwise(x.cuda(), fp8_dtype, True, True)
+        want = cast_rowwise(x, fp8_dtype, True, True)
         for a, b in zip(got, want):
             assert same_bits(a.cpu(), b)
     x[7, 3] = float("nan")  # NaN stays in its row (and its column of the copy)
-    _, scale_inv, _, t_scale_inv = cast_to_fp8_rowwise(x.cuda(), torch.float8_e4m3fn, True,
-                                                       True)
+    _, scale_inv, _, t_scale_inv = cast_rowwise(x.cuda(), torch.float8_e4m3fn, True, True)
     assert scale_inv.isnan().nonzero().tolist() == [[7, 0]]
     assert t_scale_inv.isnan().nonzero().tolist() == [[3, 0]]
 
@@ -914,7 +913,7 @@ def test_block_fp8_casts_on_gpu(dtype):
     """The block casts' Triton kernel (1x128 tiles, 128x128 blocks, MX 1x32) gives
     PyTorch's bits on the CPU: data, scales, transposed copies, on ragged shapes with zero
     and tiny rows; a NaN stays in its block."""
-    from fusible.quantization.block_cast import cast_to_fp8_blocks
+    from fusible.quantization.casts.blocks import cast_blocks
     torch.manual_seed(0)
     x = torch.randn(300, 1000) * torch.logspace(-6, 6, 300).view(-1, 1)
     x[5] = 0.0
@@ -923,13 +922,13 @@ def test_block_fp8_casts_on_gpu(dtype):
     for (group, square, power2), fp8_dtype in zip(
             ((128, False, False), (128, True, False), (32, False, True), (128, False, False)),
             (torch.float8_e4m3fn, torch.float8_e4m3fn, torch.float8_e4m3fn, torch.float8_e5m2)):
-        got = cast_to_fp8_blocks(x.cuda(), fp8_dtype, group, square, power2, True, True)
-        want = cast_to_fp8_blocks(x, fp8_dtype, group, square, power2, True, True)
+        got = cast_blocks(x.cuda(), fp8_dtype, group, square, power2, True, True)
+        want = cast_blocks(x, fp8_dtype, group, square, power2, True, True)
         for a, b in zip(got, want):
             assert same_bits(a.cpu(), b), (group, square, power2, fp8_dtype)
     x[7, 3] = float("nan")
-    _, scale_inv, _, t_scale_inv = cast_to_fp8_blocks(x.cuda(), torch.float8_e4m3fn, 128,
-                                                      False, False, True, True)
+    _, scale_inv, _, t_scale_inv = cast_blocks(x.cuda(), torch.float8_e4m3fn, 128, False,
+                                               False, True, True)
     assert scale_inv.isnan().nonzero().tolist() == [[7, 0]]
     assert t_scale_inv.isnan().nonzero().tolist() == [[3, 0]]
 
@@ -940,7 +939,7 @@ def test_blockwise_gemm_on_gpu_matches_the_emulation():
     the same operands; on a GPU that has it, each of the three takes the native path."""
     from fusible.quantization.gemm import (_block_kinds, _emulated, native_blockwise_gemm,
                                            scaled_gemm)
-    from fusible.quantization.scaling import scaling_named
+    from fusible.quantization.scalings.base import scaling_named
     torch.manual_seed(0)
     tiles, blocks = scaling_named("blockwise_1x128"), scaling_named("blockwise_128x128")
     x = torch.randn(512, 1008, device="cuda", dtype=torch.bfloat16)
@@ -995,7 +994,7 @@ def test_delayed_casts_same_bits_as_pytorch_on_gpu():
     last program; with a reduction, the roll kernel after it) against PyTorch's ops on the
     same state, step after step, on tensors of thousands of programs."""
     from fusible.kernels.fp8_delayed import DelayedCast, cast_delayed_triton, roll_torch
-    from fusible.quantization.cast import cast_to_fp8_torch
+    from fusible.quantization.casts.tensorwise import cast_tensorwise_torch
     torch.manual_seed(0)
     for dtype in (torch.bfloat16, torch.float32):
         for most_recent, margin, reduce in ((False, 0, None), (True, 1, None),
@@ -1005,7 +1004,7 @@ def test_delayed_casts_same_bits_as_pytorch_on_gpu():
                 x = (torch.randn(4096, 3072, device="cuda") * 2.0 ** (step - 2)).to(dtype)
                 got = cast_delayed_triton(x, torch.float8_e4m3fn, 448.0, True,
                                           DelayedCast(ours, most_recent, margin, reduce))
-                want = cast_to_fp8_torch(x, torch.float8_e4m3fn, True, ref[0].clone())
+                want = cast_tensorwise_torch(x, torch.float8_e4m3fn, True, ref[0].clone())
                 roll_torch(ref, x.float().abs().amax(), most_recent, margin)
                 assert torch.equal(ours, ref), (dtype, step, ours[:3], ref[:3])
                 assert all(same_bits(a, b) for a, b in zip(got, want)), (dtype, step)

@@ -12,6 +12,7 @@ import fusible
 from fusible import ops
 from fusible.core.conditions import PlanConditions
 from fusible.planning.features import Features
+from fusible.quantization.recipes.autocast import current_key
 from fusible.runtime.features import RUNTIME
 from fusible.runtime.layout import layout_of
 from fusible.testing import exact_tensor
@@ -37,7 +38,7 @@ def _exec_plan(model, x, *extras):
     """The group's prepared plan for a call on ``x`` (a model of one group)."""
     runner = layout_of(model).single
     key = PlanConditions.of(x, runner.params.read(), extras,
-                            fusible.quantization.recipe.current_key(), model.training)
+                            current_key(), model.training)
     return runner.lookup(key, fusible.quantization.fp8_recipe())
 
 

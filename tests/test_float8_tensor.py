@@ -5,7 +5,7 @@ import torch
 
 import fusible
 from fusible.quantization import Float8CurrentScaling, Float8Tensor, autocast, fp8_recipe, quantize
-from fusible.quantization.float8_tensor import _HANDLERS
+from fusible.quantization.tensor.ops import HANDLERS
 from fp8_formats import E4M3, E5M2, FP8_MAX, MANTISSA_BITS
 
 aten = torch.ops.aten
@@ -40,12 +40,12 @@ def test_quantize_round_trip(fp8_dtype, dtype):
 def test_transposed_copy_alone_and_a_given_amax(dtype, traced):
     """``rowwise=False`` keeps the transposed copy only (what dgrad reads of a weight), with
     the bits and scale of the full cast; an amax handed in scales as the tensor's own."""
-    from fusible.quantization import cast
-    from fusible.quantization.float8_tensor import quantize_raw
+    from fusible.quantization.casts import tensorwise
+    from fusible.quantization.tensor.quantize import quantize_raw
     x = torch.randn(24, 40, dtype=dtype)
-    full = cast.cast_to_fp8_torch(x, E4M3, True)
-    run = cast.cast_to_fp8_op if traced else cast.cast_to_fp8
-    t_only, scale_inv = run(x, E4M3, True, cast.tensor_amax(x), False)
+    full = tensorwise.cast_tensorwise_torch(x, E4M3, True)
+    run = torch.ops.fusible.cast_to_fp8.default if traced else tensorwise.cast_tensorwise
+    t_only, scale_inv = run(x, E4M3, True, tensorwise.tensor_amax(x), False)
     assert t_only.shape == (40, 24) and t_only.is_contiguous()
     assert torch.equal(t_only.view(torch.uint8), full[2].view(torch.uint8))
     assert torch.equal(scale_inv, full[1])
@@ -53,7 +53,7 @@ def test_transposed_copy_alone_and_a_given_amax(dtype, traced):
     assert q.shape == x.shape and q._transpose is not None
     assert torch.equal(q.dequantize(), Float8Tensor(full[0], full[1], dtype).dequantize())
     with pytest.raises(ValueError, match="rowwise=False needs columnwise=True"):
-        cast.cast_to_fp8(x, E4M3, False, None, False)
+        tensorwise.cast_tensorwise(x, E4M3, False, None, False)
     x3 = torch.randn(3, 5, 8, dtype=dtype)  # more than two dimensions: the data keeps x's shape
     q3 = quantize_raw(x3, E4M3, columnwise=True, rowwise=False)
     assert q3.shape == x3.shape
@@ -64,12 +64,12 @@ def test_transposed_copy_alone_and_a_given_amax(dtype, traced):
 def test_cast_op_on_a_row_a_column_and_fewer_dimensions(shape):
     """The custom op's outputs may not alias: with one row or column the transposed copy
     must still be a copy; its fake gives what it gives (a 0-d tensor keeps no copy)."""
-    from fusible.quantization import cast
+    op = torch.ops.fusible.cast_to_fp8.default
     x = torch.randn(shape)
     columnwise = len(shape) > 0
-    torch.library.opcheck(cast.cast_to_fp8_op, (x, E4M3, columnwise))
+    torch.library.opcheck(op, (x, E4M3, columnwise))
     if columnwise:
-        torch.library.opcheck(cast.cast_to_fp8_op, (x, E4M3, True, None, False))
+        torch.library.opcheck(op, (x, E4M3, True, None, False))
 
 
 @pytest.mark.parametrize("fp8_dtype", [E4M3, E5M2], ids=str)
@@ -386,7 +386,7 @@ def _assert_consistent(t: Float8Tensor):
 
 
 def test_every_dispatch_table_entry_has_cases():
-    assert set(_CASES) == set(_HANDLERS)
+    assert set(_CASES) == set(HANDLERS)
 
 
 columnwise = pytest.mark.parametrize("columnwise", [False, True], ids=["rowwise", "columnwise"])

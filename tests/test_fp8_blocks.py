@@ -10,11 +10,13 @@ import torch
 
 import fusible
 
-from fusible.quantization import block_cast
-from fusible.quantization.cast import FP8_MAX, cast_to_fp8_torch, expand_scales, scale_blocks
-from fusible.quantization.float8_tensor import Float8Tensor, quantize_scaled
+from fusible.quantization.casts import blocks as block_cast
+from fusible.quantization.casts.common import FP8_MAX, expand_scales, scale_blocks
+from fusible.quantization.casts.tensorwise import cast_tensorwise_torch
 from fusible.quantization.gemm import scaled_gemm
-from fusible.quantization.scaling import registered_scalings, scaling_named, scaling_of
+from fusible.quantization.scalings.base import registered_scalings, scaling_named, scaling_of
+from fusible.quantization.tensor.float8_tensor import Float8Tensor
+from fusible.quantization.tensor.quantize import quantize_scaled
 from fusible.testing import snr_db
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -38,10 +40,10 @@ def _block_views(x, block):
 @pytest.mark.parametrize("block", [(1, 128), (128, 128)])
 def test_each_block_is_the_per_tensor_cast_of_that_block(block, fp8_dtype):
     x = _outlier_rows(200, 300, 0)  # ragged in both dimensions
-    data, scale_inv = block_cast.cast_blocks_torch(x, fp8_dtype, block)
+    data, scale_inv = block_cast._cast_blocks_torch(x, fp8_dtype, block)
     assert scale_inv.shape == (math.ceil(200 / block[0]), math.ceil(300 / block[1]))
     for (i, j), part in _block_views(x, block):
-        want_data, want_scale_inv = cast_to_fp8_torch(part, fp8_dtype)
+        want_data, want_scale_inv = cast_tensorwise_torch(part, fp8_dtype)
         got = dict(_block_views(data, block))[(i, j)]
         assert torch.equal(got.view(torch.uint8), want_data.view(torch.uint8))
         assert torch.equal(scale_inv[i, j], want_scale_inv)
@@ -52,7 +54,7 @@ def test_mx_scales_are_the_power_of_two_at_or_above_the_block_amax():
     block's largest value lands in [224, 448] and nothing saturates; the data is the values
     divided by that power of two (exact), rounded once."""
     x = _outlier_rows(64, 96, 1)
-    data, scale_inv = block_cast.cast_blocks_torch(x, E4M3, (1, 32), power2=True)
+    data, scale_inv = block_cast._cast_blocks_torch(x, E4M3, (1, 32), power2=True)
     assert scale_inv.dtype == torch.float8_e8m0fnu and scale_inv.shape == (64, 3)
     amax = x.abs().view(64, 3, 32).amax(2).double()
     s = scale_inv.double()
@@ -70,7 +72,7 @@ def test_special_blocks_stay_in_their_block(power2):
     x[0, :128] = 0.0
     x[1, 5] = float("nan")
     x[2, 130] = float("inf")
-    data, scale_inv = block_cast.cast_blocks_torch(x, E4M3, (1, 128), power2)
+    data, scale_inv = block_cast._cast_blocks_torch(x, E4M3, (1, 128), power2)
     s = scale_inv.float()
     assert s[0, 0] == 1.0 and (data[0, :128].float() == 0).all()
     assert s[1, 0].isnan() and data[1, :128].float().isnan().all() and s[1, 1].isfinite()
@@ -82,7 +84,7 @@ def test_special_blocks_stay_in_their_block(power2):
 def test_tiny_blocks_stay_finite():
     x = torch.full((2, 128), 1e-40)
     for power2 in (False, True):
-        data, scale_inv = block_cast.cast_blocks_torch(x, E4M3, (1, 128), power2)
+        data, scale_inv = block_cast._cast_blocks_torch(x, E4M3, (1, 128), power2)
         deq = data.float() * scale_inv.float()
         assert deq.isfinite().all() and (deq > 0).all(), power2
 
@@ -166,22 +168,22 @@ def test_the_fake_cast_has_the_real_shapes():
     """The custom op's fake (what a compiled graph is traced with) against the real op."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     x = torch.randn(200, 300)
+    op = torch.ops.fusible.cast_to_fp8_blocks.default
     for group, square, power2 in ((128, False, False), (128, True, False), (32, False, True)):
-        real = block_cast.cast_to_fp8_blocks_op(x, E4M3, group, square, power2, True, True)
+        real = op(x, E4M3, group, square, power2, True, True)
         with FakeTensorMode() as mode:
-            fake = block_cast.cast_to_fp8_blocks_op(mode.from_tensor(x), E4M3, group, square,
-                                                    power2, True, True)
+            fake = op(mode.from_tensor(x), E4M3, group, square, power2, True, True)
         assert [(t.shape, t.dtype, t.stride()) for t in real] == \
             [(t.shape, t.dtype, t.stride()) for t in fake]
 
 
 def test_bad_block_casts_say_what():
     with pytest.raises(ValueError, match="fp8_dtype must be one of"):
-        block_cast.cast_to_fp8_blocks(torch.randn(4, 4), torch.float16, 128, False, False)
+        block_cast.cast_blocks(torch.randn(4, 4), torch.float16, 128, False, False)
     with pytest.raises(ValueError, match="neither the data nor its transpose"):
-        block_cast.cast_to_fp8_blocks(torch.randn(4, 4), E4M3, 128, False, False, False, False)
+        block_cast.cast_blocks(torch.randn(4, 4), E4M3, 128, False, False, False, False)
     with pytest.raises(ValueError, match="takes a 2-D tensor"):
-        block_cast.cast_to_fp8_blocks(torch.randn(2, 4, 4), E4M3, 128, False, False)
+        block_cast.cast_blocks(torch.randn(2, 4, 4), E4M3, 128, False, False)
     assert FP8_MAX[E4M3] == 448.0
 
 
@@ -216,10 +218,10 @@ def test_mx_scales_of_subnormal_quotients_do_not_saturate():
     """``amax / 448`` below 2^-126 (float32's subnormals): the scale is still the power of
     two at or above it (2^-126 for 1.5 * 2^-127; E8M0's least, 2^-127, below that)."""
     amax = torch.tensor([448 * 1.5 * 2.0 ** -127, 448 * 2.0 ** -127, 448 * 2.0 ** -130])
-    assert block_cast.power2_scale_inv(amax, E4M3).tolist() == [2.0 ** -126, 2.0 ** -127,
+    assert block_cast._power2_scale_inv(amax, E4M3).tolist() == [2.0 ** -126, 2.0 ** -127,
                                                                 2.0 ** -127]
     x = torch.full((1, 32), 448 * 1.5 * 2.0 ** -127)
-    data, scale_inv = block_cast.cast_blocks_torch(x, E4M3, (1, 32), power2=True)
+    data, scale_inv = block_cast._cast_blocks_torch(x, E4M3, (1, 32), power2=True)
     assert (data.float() < 448).all()
 
 

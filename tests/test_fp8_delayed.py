@@ -13,7 +13,8 @@ import torch
 import fusible
 from fusible import ops
 from fusible.kernels import fp8_delayed
-from fusible.quantization.cast import FP8_MAX, cast_to_fp8_torch
+from fusible.quantization.casts.common import FP8_MAX
+from fusible.quantization.casts.tensorwise import cast_tensorwise_torch
 from fusible.testing import snr_db
 from test_kernels import _run_interpreted as run_interpreted
 
@@ -67,7 +68,7 @@ def _linear(w):
 
 def _dequantized(t, amax, fp8_dtype):
     """``t`` cast with the scale of ``amax`` (current scaling's cast), in float64."""
-    data, scale_inv = cast_to_fp8_torch(t, fp8_dtype, False, torch.tensor(amax))[:2]
+    data, scale_inv = cast_tensorwise_torch(t, fp8_dtype, False, torch.tensor(amax))[:2]
     return data.double() * scale_inv.double()
 
 
@@ -237,7 +238,7 @@ _KERNELS_SCRIPT = textwrap.dedent("""
     import torch
     from fusible.kernels import activation_cast, dact_dbias, norms, scaled_glu, swiglu
     from fusible.kernels.fp8_delayed import DelayedCast, cast_delayed_triton, roll_torch
-    from fusible.quantization.cast import cast_to_fp8_torch
+    from fusible.quantization.casts.tensorwise import cast_tensorwise_torch
     E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
     MAX = {E4M3: 448.0, E5M2: 57344.0}
     torch.manual_seed(0)
@@ -269,7 +270,7 @@ _KERNELS_SCRIPT = textwrap.dedent("""
             s, ref = state(), state()
             parts = cast_delayed_triton(x, E4M3, 448.0, True,
                                         DelayedCast(s, most_recent, margin, reduce), 8, 16)
-            want = cast_to_fp8_torch(x, E4M3, True, ref[0])
+            want = cast_tensorwise_torch(x, E4M3, True, ref[0])
             roll_torch(ref, x.abs().amax(), most_recent, margin)
             assert torch.equal(s, ref), (s, ref)
             assert torch.equal(parts[1], want[1])

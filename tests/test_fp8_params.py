@@ -149,7 +149,7 @@ def test_preserve_high_precision_init_val():
 def test_master_weights_loop_of_the_docs():
     """docs/fp8.md's loop: float32 masters keep updates below E4M3's step, and copying
     them back quantizes them into the FP8 weights (the cast of the master's values)."""
-    from fusible.quantization.float8_tensor import quantize_raw
+    from fusible.quantization.tensor.quantize import quantize_raw
     model = _model()
     params = list(model.parameters())
     masters = [torch.nn.Parameter(p.detach().float()) for p in params]

@@ -8,7 +8,7 @@ import torch
 
 import fusible
 from fusible import ops
-from fusible.quantization.cast import expand_scales
+from fusible.quantization.casts.common import expand_scales
 from fusible.testing import snr_db
 
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")

@@ -4,8 +4,9 @@ the transposed copy per row of its own layout; what it gains over one scale per 
 import pytest
 import torch
 
-from fusible.quantization.cast import cast_to_fp8_rowwise, cast_to_fp8_torch
-from fusible.quantization.float8_tensor import quantize_rowwise
+from fusible.quantization.casts.rowwise import cast_rowwise
+from fusible.quantization.casts.tensorwise import cast_tensorwise_torch
+from fusible.quantization.tensor.quantize import quantize_rowwise
 from fusible.testing import snr_db
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -15,16 +16,16 @@ E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 def test_each_row_is_the_per_tensor_cast_of_that_row(fp8_dtype):
     torch.manual_seed(0)
     x = torch.randn(2, 6, 40) * torch.logspace(-4, 4, 6).view(1, 6, 1)
-    data, scale_inv, transpose, t_scale_inv = cast_to_fp8_rowwise(x, fp8_dtype, True, True)
+    data, scale_inv, transpose, t_scale_inv = cast_rowwise(x, fp8_dtype, True, True)
     assert data.shape == x.shape and scale_inv.shape == (12, 1)
     assert transpose.shape == (40, 12) and t_scale_inv.shape == (40, 1)
     rows, cols = x.reshape(12, 40), x.reshape(12, 40).t()
     for i, row in enumerate(rows):
-        d, s = cast_to_fp8_torch(row, fp8_dtype)
+        d, s = cast_tensorwise_torch(row, fp8_dtype)
         assert torch.equal(data.reshape(12, 40)[i].view(torch.uint8), d.view(torch.uint8))
         assert scale_inv[i, 0] == s
     for j, col in enumerate(cols):  # the copy: per feature, not the data transposed
-        d, s = cast_to_fp8_torch(col, fp8_dtype)
+        d, s = cast_tensorwise_torch(col, fp8_dtype)
         assert torch.equal(transpose[j].view(torch.uint8), d.view(torch.uint8))
         assert t_scale_inv[j, 0] == s
     assert scale_inv.max() / scale_inv.min() > 1e6  # the rows' magnitudes, one scale each
@@ -35,19 +36,19 @@ def test_special_rows_stay_in_their_row():
     x[1] = 0.0  # scale 1
     x[2] = 1e-38  # the scale stops at the largest float32: finite
     x[3, 4] = float("nan")  # that row NaN, the others not
-    data, scale_inv, _, _ = cast_to_fp8_rowwise(x, E4M3)
+    data, scale_inv, _, _ = cast_rowwise(x, E4M3)
     assert scale_inv[1, 0] == 1 and not data[1].float().any()
     assert scale_inv[2].isfinite().all() and data[2].float().isfinite().all()
     assert data[3].float().isnan().all() and scale_inv[3].isnan().all()
     kept = [0, 1, 2, 4]
     assert data[kept].float().isfinite().all() and scale_inv[kept].isfinite().all()
-    only_t = cast_to_fp8_rowwise(x[[0, 4]], E4M3, rowwise=False, columnwise=True)
+    only_t = cast_rowwise(x[[0, 4]], E4M3, rowwise=False, columnwise=True)
     assert only_t[0] is None and only_t[1] is None and only_t[2].shape == (16, 2)
     with pytest.raises(ValueError, match="asked for neither"):
-        cast_to_fp8_rowwise(x, E4M3, rowwise=False)
+        cast_rowwise(x, E4M3, rowwise=False)
     with pytest.raises(ValueError, match="fp8_dtype must be one of"):
-        cast_to_fp8_rowwise(x, torch.bfloat16)
-    empty = cast_to_fp8_rowwise(torch.randn(0, 8), E4M3, True, True)
+        cast_rowwise(x, torch.bfloat16)
+    empty = cast_rowwise(torch.randn(0, 8), E4M3, True, True)
     assert empty[0].shape == (0, 8) and empty[3].shape == (8, 1) and (empty[3] == 1).all()
 
 
@@ -57,9 +58,9 @@ def test_rows_of_different_magnitudes_keep_their_precision():
     (about 32)."""
     torch.manual_seed(0)
     x = torch.randn(64, 128) * (2.0 ** torch.randint(-8, 9, (64, 1))).float()
-    data, scale_inv, _, _ = cast_to_fp8_rowwise(x, E4M3)
+    data, scale_inv, _, _ = cast_rowwise(x, E4M3)
     per_row = data.float() * scale_inv
-    d, s = cast_to_fp8_torch(x, E4M3)
+    d, s = cast_tensorwise_torch(x, E4M3)
     per_tensor = d.float() * s
     small = x.abs().amax(1) < 2.0 ** -4
     row_snr = snr_db(per_row[small], x[small])
@@ -98,7 +99,7 @@ def test_rowwise_gemm_runs_scaled_mm_with_row_and_column_scales(monkeypatch):
     """x @ w.T: x per token, w per output feature (its rows), one torch._scaled_mm with
     (M, 1) and (1, N) scales; the result that of the dequantized operands. dx = dy @ w
     reads w's copy (scaled per input feature): also a row-wise GEMM."""
-    from fusible.quantization import float8_tensor
+    from fusible.quantization.tensor import ops as float8_ops
     from fusible.quantization.gemm import native_rowwise_gemm
     native_rowwise_gemm("cpu")  # its one probe GEMM (cached) before the spy: run alone too
     calls = []
@@ -115,7 +116,7 @@ def test_rowwise_gemm_runs_scaled_mm_with_row_and_column_scales(monkeypatch):
     assert calls[-1] == ((24, 1), (1, 64))
     assert snr_db(dx, dy.dequantize().double() @ wq.t().dequantize().double().t()) > 60
     # a scale along the contraction: no scaled_mm, the dequantized product
-    assert float8_tensor.gemm_operands(xq, quantize_rowwise(w.t().contiguous(), E4M3)) is None
+    assert float8_ops.gemm_operands(xq, quantize_rowwise(w.t().contiguous(), E4M3)) is None
     calls.clear()
     z = xq @ quantize_rowwise(w.t().contiguous(), E4M3)
     assert not calls and z.shape == (24, 40)

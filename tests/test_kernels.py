@@ -53,7 +53,7 @@ _CAST_SCRIPT = textwrap.dedent("""
     import torch
     from fusible.kernels.fp8_cast import cast_to_fp8_triton
     from fp8_formats import FP8_MAX
-    from fusible.quantization.cast import cast_to_fp8_torch
+    from fusible.quantization.casts.tensorwise import cast_tensorwise_torch
     torch.manual_seed(0)
     for dtype in (torch.float32, torch.bfloat16):
         for fp8_dtype in FP8_MAX:
@@ -61,7 +61,7 @@ _CAST_SCRIPT = textwrap.dedent("""
                 x = (torch.randn(shape).sign() * (1 + torch.rand(shape))).to(dtype)
                 data, scale_inv, transpose = cast_to_fp8_triton(
                     x, fp8_dtype, FP8_MAX[fp8_dtype], True, block=256, block_m=16, block_n=32)
-                ref = cast_to_fp8_torch(x, fp8_dtype, True)
+                ref = cast_tensorwise_torch(x, fp8_dtype, True)
                 assert data.shape == ref[0].shape and data.dtype == fp8_dtype
                 assert torch.equal(scale_inv, ref[1]), (scale_inv, ref[1])
                 bits = data.view(torch.uint8)
@@ -75,13 +75,13 @@ _CAST_SCRIPT = textwrap.dedent("""
     x = torch.randn(40, 32)
     x[3, 5] = float("inf")  # scale 0, scale_inv inf: every dequantized value NaN
     assert torch.equal(cast_to_fp8_triton(x, torch.float8_e4m3fn, 448.0, False)[1],
-                       cast_to_fp8_torch(x, torch.float8_e4m3fn)[1])
+                       cast_tensorwise_torch(x, torch.float8_e4m3fn)[1])
     x[7, 1] = float("nan")  # a NaN amax: a NaN scale, as in PyTorch
     ours = cast_to_fp8_triton(x, torch.float8_e4m3fn, 448.0, False)
-    assert ours[1].isnan() and cast_to_fp8_torch(x, torch.float8_e4m3fn)[1].isnan()
+    assert ours[1].isnan() and cast_tensorwise_torch(x, torch.float8_e4m3fn)[1].isnan()
     x = torch.full((40, 32), 1e-38)  # tiny: the scale stops at the largest float32
     assert torch.equal(cast_to_fp8_triton(x, torch.float8_e4m3fn, 448.0, False)[1],
-                       cast_to_fp8_torch(x, torch.float8_e4m3fn)[1])
+                       cast_tensorwise_torch(x, torch.float8_e4m3fn)[1])
     print("ok")
 """)
 
@@ -121,18 +121,18 @@ _ZEROED_SLOTS_SCRIPT = textwrap.dedent("""
     import torch
     from fusible.kernels import fp8_cast
     from fusible.kernels.swiglu import swiglu_forward_fp8_triton
-    from fusible.quantization.cast import cast_to_fp8_torch
+    from fusible.quantization.casts.tensorwise import cast_tensorwise_torch
     fp8_cast._ZeroedSlots.count = 3  # the slots wrap around twice below
     torch.manual_seed(0)
     for k in range(8):  # shrinking maxima: a slot not zeroed again keeps a larger one
         x = torch.randn(40, 64) * 2.0 ** -k
         _, scale_inv = fp8_cast.cast_to_fp8_triton(x, torch.float8_e4m3fn, 448.0, False,
                                                    block=256, block_m=16, block_n=32)
-        assert torch.equal(scale_inv, cast_to_fp8_torch(x, torch.float8_e4m3fn)[1]), k
+        assert torch.equal(scale_inv, cast_tensorwise_torch(x, torch.float8_e4m3fn)[1]), k
         y = x[:, :32] * torch.sigmoid(x[:, :32]) * x[:, 32:]
         _, scale_inv = swiglu_forward_fp8_triton(x, torch.float8_e4m3fn, 448.0, False,
                                                  block_m=16, block_n=16)
-        assert torch.equal(scale_inv, cast_to_fp8_torch(y, torch.float8_e4m3fn)[1]), k
+        assert torch.equal(scale_inv, cast_tensorwise_torch(y, torch.float8_e4m3fn)[1]), k
     slots = next(iter(fp8_cast._SLOTS.values()))
     assert slots.buffer.data_ptr() % 16 == 0 and all(
         s.data_ptr() % 16 == 0 for s in slots.slots)
@@ -612,14 +612,14 @@ _GROUPED_GEMM_SCRIPT = textwrap.dedent("""
     # FP8 operands with their scales: as the CPU's loop of torch._scaled_mm computes them
     from fusible.functional.grouped_fp8 import (cast_grouped_weight, fp8_grouped_mm,
                                                 fp8_grouped_wgrad)
-    from fusible.quantization.cast import cast_to_fp8
+    from fusible.quantization.casts.tensorwise import cast_tensorwise
     E4M3 = torch.float8_e4m3fn
     sizes = (16, 0, 32, 16)
     splits = torch.tensor(sizes)
     x, dy = torch.randn(64, 48), torch.randn(64, 40)
     w = torch.randn(4, 40, 48) * torch.tensor([1.0, 8.0, 0.25, 2.0]).view(4, 1, 1)
-    xq, sx, xt = cast_to_fp8(x, E4M3, True)
-    dyq, sdy, dyt = cast_to_fp8(dy, E4M3, True)
+    xq, sx, xt = cast_tensorwise(x, E4M3, True)
+    dyq, sdy, dyt = cast_tensorwise(dy, E4M3, True)
     wq, wt, sw = cast_grouped_weight(w, E4M3, columnwise=True)
     for out_dtype in (torch.float32, torch.float16):
         got = grouped_mm_triton(xq, wq, splits, 16, 16, 16, scales=(sx, sw), out_dtype=out_dtype)
@@ -689,7 +689,7 @@ def test_moe_row_moves_triton_match_pytorch():
 _ROWWISE_CAST_SCRIPT = textwrap.dedent("""
     import torch
     from fusible.kernels.fp8_rowwise import cast_rows_and_columns_triton, cast_rows_triton
-    from fusible.quantization.cast import _cast_rows
+    from fusible.quantization.casts.rowwise import _cast_rows
     torch.manual_seed(0)
     for dtype in (torch.float32, torch.bfloat16):
         for fp8_dtype, fp8_max in ((torch.float8_e4m3fn, 448.0), (torch.float8_e5m2, 57344.0)):
@@ -736,7 +736,7 @@ _BLOCK_CAST_SCRIPT = textwrap.dedent("""
     import itertools
     import torch
     from fusible.kernels.fp8_blocks import cast_blocks_triton
-    from fusible.quantization.block_cast import _cast_torch
+    from fusible.quantization.casts.blocks import _cast_torch
     torch.manual_seed(0)
     sources = ((torch.bfloat16, torch.float8_e4m3fn, 448.0),
                (torch.float32, torch.float8_e5m2, 57344.0))

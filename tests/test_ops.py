@@ -230,7 +230,8 @@ def test_cache_quantized_input_saves_fp8_and_computes_the_backward_from_it():
     """``cache_quantized_input``: the saved input is its E4M3 cast (one byte a value) and
     the backward is the gradient at the dequantized input, bit for bit."""
     from fusible.functional.activations import glu_backward
-    from fusible.quantization.cast import cast_to_fp8, dequantize_fp8
+    from fusible.quantization.casts.dequantize import dequantize
+    from fusible.quantization.casts.tensorwise import cast_tensorwise
     torch.manual_seed(0)
     x = torch.randn(6, 32, dtype=torch.bfloat16, requires_grad=True)
     dy = torch.randn(6, 16, dtype=torch.bfloat16)
@@ -240,8 +241,8 @@ def test_cache_quantized_input_saves_fp8_and_computes_the_backward_from_it():
     assert saved.input is None and saved.input_fp8.dtype == torch.float8_e4m3fn
     assert saved.input_fp8.shape == x.shape and saved.input_scale_inv.dtype == torch.float32
     y.backward(dy)
-    data, scale_inv = cast_to_fp8(x.detach(), torch.float8_e4m3fn)
-    x_q = dequantize_fp8(data, scale_inv, torch.bfloat16)
+    data, scale_inv = cast_tensorwise(x.detach(), torch.float8_e4m3fn)
+    x_q = dequantize(data, scale_inv, torch.bfloat16)
     assert torch.equal(x.grad, glu_backward("swiglu", dy, x_q))
     assert torch.equal(y, ops.Sequential(ops.SwiGLU())(x))  # the forward is untouched
 

@@ -10,7 +10,7 @@ from torch._dynamo.testing import CompileCounter
 
 import fusible
 from fusible import ops
-from fusible.quantization import recipe_base
+from fusible.quantization.recipes import base as recipe_base
 
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 E4M3 = torch.float8_e4m3fn

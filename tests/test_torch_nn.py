@@ -464,8 +464,8 @@ def test_torch_autocast_with_float32_parameters_like_nn_linear(fresh_dynamo):
 def test_fp8_under_torch_autocast_quantizes_the_float32_weights_directly(monkeypatch):
     import fusible.functional.linear as linear
     seen = []
-    real = linear.cast_to_fp8_any  # what the weights' casts call (forward and dgrad)
-    monkeypatch.setattr(linear, "cast_to_fp8_any",
+    real = linear.cast_tensorwise  # what the weights' casts call (forward and dgrad)
+    monkeypatch.setattr(linear, "cast_tensorwise",
                         lambda t, *a, **k: seen.append(t.dtype) or real(t, *a, **k))
     model, _ = _block()
     x = torch.randn(16, 32, requires_grad=True)

@@ -43,14 +43,15 @@ def scaled_mm_checks():
 
 def cast_checks():
     from fusible.kernels.fp8_cast import cast_to_fp8_triton
-    from fusible.quantization.cast import FP8_MAX, cast_to_fp8_torch
+    from fusible.quantization.casts.common import FP8_MAX
+    from fusible.quantization.casts.tensorwise import cast_tensorwise_torch
     torch.manual_seed(0)
     for dtype in (torch.float32, torch.bfloat16):
         for fp8 in FP8_MAX:
             x = (torch.randn(4096, 1024, device="cuda")
                  * torch.logspace(-9, 3, 1024, device="cuda")).to(dtype)
             ours, ref = (cast_to_fp8_triton(x, fp8, FP8_MAX[fp8], True),
-                         cast_to_fp8_torch(x, fp8, True))
+                         cast_tensorwise_torch(x, fp8, True))
             diff = ours[0].view(torch.uint8) != ref[0].view(torch.uint8)
             print(f"cast {dtype}->{fp8}: scale_inv {ours[1].item():.9g} vs {ref[1].item():.9g}, "
                   f"{diff.sum().item()} data bytes differ, transpose differs "

@@ -9,8 +9,8 @@ import time
 import torch
 
 from fusible.kernels import fp8_cast
-from fusible.quantization import cast
-from fusible.quantization.float8_tensor import Float8Tensor
+from fusible.quantization.casts.tensorwise import cast_tensorwise_torch
+from fusible.quantization.tensor.float8_tensor import Float8Tensor
 
 
 def per_call_us(fn, calls=500) -> float:
@@ -42,8 +42,8 @@ def main():
             BLOCK_M=64, BLOCK_N=128),
         "vector_norm inf": lambda: torch.linalg.vector_norm(x, float("inf")),
         "cast_to_fp8_triton": lambda: fp8_cast.cast_to_fp8_triton(x, e4m3, 448.0, True),
-        "cast_to_fp8_torch": lambda: cast.cast_to_fp8_torch(x, e4m3, True),
-        "cast_to_fp8_op (custom op)": lambda: cast.cast_to_fp8_op(x, e4m3, True),
+        "cast_tensorwise_torch": lambda: cast_tensorwise_torch(x, e4m3, True),
+        "cast_to_fp8 (custom op)": lambda: torch.ops.fusible.cast_to_fp8.default(x, e4m3, True),
         "_scaled_mm": lambda: torch._scaled_mm(a, b, scale_a=one, scale_b=one,
                                                out_dtype=torch.bfloat16, use_fast_accum=True),
         "torch.mm bf16": lambda: torch.mm(x, x.t()),

@@ -15,8 +15,9 @@ from fusible.kernels import scaled_glu as scaled_kernels
 from fusible.kernels import swiglu as swiglu_kernels
 from fusible.kernels.swiglu import CLAMP_DEFAULTS
 from fusible.kernels import triton_can_run, triton_imports
-from fusible.quantization.float8_tensor import Float8Tensor, from_cast_parts
 from fusible.quantization.format import Float8Format
+from fusible.quantization.tensor.float8_tensor import Float8Tensor
+from fusible.quantization.tensor.quantize import from_cast_parts
 
 Tensor = torch.Tensor
 aten = torch.ops.aten

@@ -26,7 +26,8 @@ import torch
 from fusible.functional.grouped import _ranges
 from fusible.functional.linear import fp8_gemm
 from fusible.kernels import fp8_cast, grouped_gemm
-from fusible.quantization.cast import FP8_MAX, cast_to_fp8_torch
+from fusible.quantization.casts.common import FP8_MAX
+from fusible.quantization.casts.tensorwise import cast_tensorwise_torch
 
 Tensor = torch.Tensor
 
@@ -78,18 +79,18 @@ def grouped_weight_amax(weight: Tensor) -> Tensor:
 def cast_grouped_weight(weight: Tensor, fp8_dtype: torch.dtype, amax: Optional[Tensor] = None,
                         *, rowwise: bool = True, columnwise: bool = False) -> tuple:
     """``(data, transpose, scale_inv)``: each group ``g`` of ``weight`` (groups, rows,
-    cols) scaled by ``FP8_MAX / amax[g]`` and saturated to FP8 (:func:`~fusible.
-    quantization.cast.scale_from_amax`'s rules), as (groups, rows, cols) where
-    ``rowwise`` (what the forward reads) and as (groups, cols, rows) row-major where
-    ``columnwise`` (what dgrad reads), None where not asked for. ``amax``: given, no
-    reduction. On CUDA one Triton kernel writes both layouts from one read; elsewhere
-    PyTorch ops, the same arithmetic."""
+    cols) scaled by ``FP8_MAX / amax[g]`` and saturated to FP8
+    (:func:`~fusible.quantization.casts.common.scale_from_amax`'s rules), as (groups,
+    rows, cols) where ``rowwise`` (what the forward reads) and as (groups, cols, rows)
+    row-major where ``columnwise`` (what dgrad reads), None where not asked for.
+    ``amax``: given, no reduction. On CUDA one Triton kernel writes both layouts from one
+    read; elsewhere PyTorch ops, the same arithmetic."""
     if amax is None:
         amax = grouped_weight_amax(weight)
     if weight.is_cuda and fp8_cast.triton is not None:
         return fp8_cast.cast_batched_triton(weight, amax, fp8_dtype, FP8_MAX[fp8_dtype],
                                             rowwise, columnwise)
-    data, scale_inv = cast_to_fp8_torch(weight, fp8_dtype, False, amax[:, None, None])
+    data, scale_inv = cast_tensorwise_torch(weight, fp8_dtype, False, amax[:, None, None])
     transpose = data.transpose(-2, -1).contiguous() if columnwise else None
     return data if rowwise else None, transpose, scale_inv.reshape(-1)
 

@@ -20,10 +20,11 @@ import torch
 
 from fusible.functional import parallel
 from fusible.functional.parallel import TensorParallel
-from fusible.quantization.cast import cast_to_fp8_any, tensor_amax
-from fusible.quantization.float8_tensor import Float8Tensor, Fp8Able, requantize
+from fusible.quantization.casts.tensorwise import cast_tensorwise, tensor_amax
 from fusible.quantization.format import Float8Format, to_format
 from fusible.quantization.gemm import scaled_gemm
+from fusible.quantization.tensor.float8_tensor import Float8Tensor, Fp8Able
+from fusible.quantization.tensor.quantize import requantize
 
 Tensor = torch.Tensor
 
@@ -241,7 +242,7 @@ def gemm_forward(gemm: GemmForwardArgs, bias: Optional[Tensor] = None):
         w_data, w_scale_inv = w_format.scaling.cast(weight, w_format.fp8_dtype)[:2]
     else:  # the cast's parts, used once: no Float8Tensor built around them
         w_amax = tensor_amax(weight)
-        w_data, w_scale_inv = cast_to_fp8_any(weight, w_format.fp8_dtype, False, w_amax)[:2]
+        w_data, w_scale_inv = cast_tensorwise(weight, w_format.fp8_dtype, False, w_amax)[:2]
     # The input's dtype is the compute dtype (under torch.autocast the weight may be the
     # float32 parameter, quantized directly). Scales follow their data: the weight's
     # per-row ones become the column scales of its transpose.
@@ -259,7 +260,7 @@ def gather_fp8(x: Tensor, tp: TensorParallel, fmt: Float8Format) -> Float8Tensor
     per tensor is the group's (the absolute maxima all-reduced first); scales per token
     (or per tile of a token) are each rank's own; the transposed copy's scales per
     feature span the group's tokens, their maxima all-reduced first
-    (:meth:`~fusible.quantization.scaling.Scaling.cast_gathered`). An FP8 ``x`` with its
+    (:meth:`~fusible.quantization.scalings.base.Scaling.cast_gathered`). An FP8 ``x`` with its
     own scale is dequantized first.
     """
     if isinstance(x, Float8Tensor):
@@ -324,7 +325,7 @@ def _dgrad_weight(args: GemmBackwardArgs) -> tuple:
     if not fmt.per_tensor:  # the copy scaled per block of its own layout
         _, _, transpose, scale_inv = fmt.scaling.cast(w, fmt.fp8_dtype, False, True)
         return transpose, scale_inv
-    transpose, scale_inv = cast_to_fp8_any(w, fmt.fp8_dtype, True, args.weight_amax,
+    transpose, scale_inv = cast_tensorwise(w, fmt.fp8_dtype, True, args.weight_amax,
                                            rowwise=False)
     return transpose, scale_inv
 

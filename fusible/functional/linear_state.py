@@ -9,8 +9,8 @@ from typing import Optional
 from fusible.functional.linear import (GemmBackwardArgs, GemmForwardArgs, LinearSaved, as_fp8,
                                        handed_in)
 from fusible.functional.parallel import TensorParallel
-from fusible.quantization.float8_tensor import transposed_only
 from fusible.quantization.format import Float8Format, bound_format
+from fusible.quantization.tensor.quantize import transposed_only
 
 
 def gemm_input_format(recipe, needs) -> Optional[Float8Format]:

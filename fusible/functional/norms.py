@@ -9,10 +9,11 @@ import torch
 from fusible.core import checks
 from fusible.kernels import norms as norm_kernels
 from fusible.kernels import triton_can_run
-from fusible.quantization.cast import FP8_MAX, cast_to_fp8_any, tensor_amax
-from fusible.quantization.float8_tensor import (Float8Tensor, from_cast_parts, quantize_raw,
-                                                transposed_only)
+from fusible.quantization.casts.common import FP8_MAX
+from fusible.quantization.casts.tensorwise import cast_tensorwise, tensor_amax
 from fusible.quantization.format import Float8Format, to_format
+from fusible.quantization.tensor.float8_tensor import Float8Tensor
+from fusible.quantization.tensor.quantize import from_cast_parts, quantize_raw, transposed_only
 
 Tensor = torch.Tensor
 
@@ -201,5 +202,5 @@ def norm_output_fp8_again(x: Tensor, weight: Tensor, bias: Optional[Tensor], mea
             True, rowwise=False)
         return transposed_only(transpose, scale_inv, x.dtype)
     y = norm_forward(x, weight, bias, normalized_shape, eps, center)[0]
-    transpose, scale_inv = cast_to_fp8_any(y, fmt.fp8_dtype, True, amax, rowwise=False)
+    transpose, scale_inv = cast_tensorwise(y, fmt.fp8_dtype, True, amax, rowwise=False)
     return transposed_only(transpose, scale_inv, x.dtype)

@@ -1,6 +1,6 @@
 """FP8 cast with one scale per block (``1 x G`` tiles or ``G x G`` blocks), the kernel of
-the blockwise and MX recipes (:mod:`fusible.quantization.block_cast` has the PyTorch
-version, the same bits).
+the blockwise and MX recipes (:mod:`fusible.quantization.casts.blocks` has the
+PyTorch version, the same bits).
 
 Each program reads one ``TILE x TILE`` tile of ``x`` once and writes, from it, the data
 scaled per block of its rows and the transposed copy scaled per block of the copy's
@@ -104,7 +104,7 @@ def cast_blocks_triton(x: torch.Tensor, fp8_dtype: torch.dtype, fp8_max: float, 
                        square: bool, power2: bool, rowwise: bool = True,
                        columnwise: bool = False) -> list:
     """``[data, scale_inv, transpose, transpose_scale_inv]`` of the 2-D ``x`` (M, N), None
-    where not asked for (see :func:`fusible.quantization.block_cast.cast_to_fp8_blocks`);
+    where not asked for (see :func:`fusible.quantization.casts.blocks.cast_blocks`);
     ``group`` divides 128, and is 128 for ``square`` blocks."""
     require_triton("cast_blocks_triton")
     if TILE % group or (square and group != TILE):

@@ -228,10 +228,10 @@ def cast_to_fp8_triton(x: torch.Tensor, fp8_dtype: torch.dtype, fp8_max: float,
                        columnwise: bool, block: int = 4096, block_m: int = 64,
                        block_n: int = 128, amax: torch.Tensor | None = None,
                        rowwise: bool = True) -> list:
-    """``[data, scale_inv]`` (+ ``transpose``) as ``fusible.quantization.cast.cast_to_fp8``;
-    a given ``amax`` (float32, 0-d) skips the amax kernel. Without ``rowwise`` (with
-    ``columnwise``): ``[transpose, scale_inv]``, the data never written where the kernel
-    writes the copy itself."""
+    """``[data, scale_inv]`` (+ ``transpose``) as
+    ``fusible.quantization.casts.tensorwise.cast_tensorwise``; a given ``amax`` (float32,
+    0-d) skips the amax kernel. Without ``rowwise`` (with ``columnwise``): ``[transpose,
+    scale_inv]``, the data never written where the kernel writes the copy itself."""
     require_triton("cast_to_fp8_triton")
     if not (rowwise or columnwise):
         raise ValueError("cast_to_fp8_triton: asked for neither the data nor its transpose")

@@ -19,8 +19,8 @@ from fusible.functional.linear_state import (forward_aux, gemm_backward_args, ge
                                              gemm_grad_format, gemm_input_format, save_linear)
 from fusible.functional.parallel import NOT_PARALLEL
 from fusible.module import BasicOperation
-from fusible.quantization.float8_tensor import Float8Tensor
 from fusible.quantization.params import fp8_parameter
+from fusible.quantization.tensor.float8_tensor import Float8Tensor
 
 Tensor = torch.Tensor
 

@@ -21,7 +21,8 @@ from fusible.core.results import BackwardResult, ForwardResult
 from fusible.functional.activations import glu_backward, glu_forward
 from fusible.kernels.swiglu import CLAMP_DEFAULTS
 from fusible.module import BasicOperation
-from fusible.quantization.cast import cast_to_fp8_any, dequantize_any
+from fusible.quantization.casts.dequantize import dequantize
+from fusible.quantization.casts.tensorwise import cast_tensorwise
 
 Tensor = torch.Tensor
 
@@ -147,7 +148,7 @@ class GatedActivation(BasicOperation, abstract=True):
         y = glu_forward(args.kind, args.input, output_format, args.interleave, args.clamp)
         if not args.cache_quantized:
             return ForwardResult(y)
-        data, scale_inv = cast_to_fp8_any(args.input, torch.float8_e4m3fn, False)
+        data, scale_inv = cast_tensorwise(args.input, torch.float8_e4m3fn, False)
         return ForwardResult(y, (), (data, scale_inv))
 
     def save_for_backward(self, args, result, ctxs):
@@ -170,7 +171,7 @@ class GatedActivation(BasicOperation, abstract=True):
             return BackwardResult(None)
         x = args.input
         if x is None:  # cached in FP8; the output gradient has the input's dtype
-            x = dequantize_any(args.input_fp8, args.input_scale_inv, args.grad_output.dtype)
+            x = dequantize(args.input_fp8, args.input_scale_inv, args.grad_output.dtype)
         return BackwardResult(glu_backward(args.kind, args.grad_output, x, output_format,
                                            args.interleave, args.clamp))
 

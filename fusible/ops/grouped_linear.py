@@ -19,8 +19,9 @@ from fusible.functional.grouped_fp8 import (cast_grouped_weight, check_aligned_s
                                             fp8_grouped_mm, fp8_grouped_wgrad)
 from fusible.functional.linear import as_fp8, handed_in, like_tokens, tokens_2d
 from fusible.module import BasicOperation
-from fusible.quantization.float8_tensor import Float8Tensor, Fp8Able, transposed_only
 from fusible.quantization.format import Float8Format
+from fusible.quantization.tensor.float8_tensor import Float8Tensor, Fp8Able
+from fusible.quantization.tensor.quantize import transposed_only
 
 Tensor = torch.Tensor
 

@@ -10,8 +10,8 @@ from fusible.core import checks
 from fusible.core.example import Example
 from fusible.core.results import BackwardResult, ForwardResult
 from fusible.module import BasicOperation
-from fusible.quantization.float8_tensor import Fp8Able
 from fusible.quantization.format import Float8Format, bound_format, to_format
+from fusible.quantization.tensor.float8_tensor import Fp8Able
 
 
 @attrs.define

@@ -16,9 +16,10 @@ import torch
 from fusible.core.schema import SchemaType, register_schema_type
 from fusible.kernels.fp8_cast import transposed_copy
 from fusible.kernels.fp8_delayed import DelayedCast
-from fusible.quantization.cast import FP8_MAX
-from fusible.quantization.float8_tensor import Float8Tensor, quantize_raw, quantize_scaled
-from fusible.quantization.scaling import Scaling, registered_scalings, scaling_named
+from fusible.quantization.casts.common import FP8_MAX
+from fusible.quantization.scalings.base import Scaling, registered_scalings, scaling_named
+from fusible.quantization.tensor.float8_tensor import Float8Tensor
+from fusible.quantization.tensor.quantize import quantize_raw, quantize_scaled
 
 
 class _StatefulScaling(Protocol):
@@ -40,7 +41,7 @@ class Float8Format:
         operand side needs (wgrad reads the input's and the gradient's).
     granularity : str
         What one scale covers: the name of a registered
-        :class:`~fusible.quantization.scaling.Scaling` (``"tensorwise"``, ``"rowwise"``,
+        :class:`~fusible.quantization.scalings.base.Scaling` (``"tensorwise"``, ``"rowwise"``,
         ``"blockwise_1x128"``, ``"blockwise_128x128"``, ``"mx_1x32"``, a delayed
         scaling's, or a plugin's).
     state : Tensor or None

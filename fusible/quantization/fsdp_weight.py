@@ -7,7 +7,7 @@ high-precision shard (what the optimizer updates and checkpoints save); before e
 all-gather it casts the shard to FP8 with one scale for the whole weight (the absolute
 maxima all-reduced over the shard group: the scale a cast of the gathered weight would
 compute), so that half the bytes of bf16 cross; after it, the gathered bytes become a
-:class:`~fusible.quantization.float8_tensor.Float8Tensor` with its transposed copy (for
+:class:`~fusible.quantization.tensor.float8_tensor.Float8Tensor` with its transposed copy (for
 dgrad), which the linear layers' FP8 GEMMs read as they read an FP8 parameter: no second
 cast. Bit for bit the weight that gathering in high precision and quantizing would give.
 
@@ -23,8 +23,8 @@ import torch.distributed as dist
 import torch.utils._pytree as pytree
 
 from fusible.kernels.fp8_cast import transposed_copy
-from fusible.quantization.cast import cast_to_fp8_any, tensor_amax
-from fusible.quantization.float8_tensor import Float8Tensor
+from fusible.quantization.casts.tensorwise import cast_tensorwise, tensor_amax
+from fusible.quantization.tensor.float8_tensor import Float8Tensor
 
 aten = torch.ops.aten
 
@@ -98,7 +98,7 @@ class Float8AllGatherWeight(torch.Tensor):
         amax = tensor_amax(shard)
         if mesh.size() > 1:
             dist.all_reduce(amax, dist.ReduceOp.MAX, group=mesh.get_group())
-        data, scale_inv = cast_to_fp8_any(shard, self._fp8_dtype, False, amax)[:2]
+        data, scale_inv = cast_tensorwise(shard, self._fp8_dtype, False, amax)[:2]
         rows = -(-outer_size[0] // mesh.size())  # FSDP pads every shard to this many
         if data.shape[0] < rows:
             data = torch.cat([data, data.new_zeros(rows - data.shape[0], *data.shape[1:])])

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.utils._python_dispatch import _disable_current_modes
 
-from fusible.quantization.cast import expand_scales, scale_blocks
+from fusible.quantization.casts.common import expand_scales, scale_blocks
 
 BLOCK = 128  # the blockwise GEMM's block along the contraction
 
@@ -72,7 +72,7 @@ def scaled_gemm(a: torch.Tensor, scale_a: torch.Tensor, b: torch.Tensor, scale_b
                 bias=None, out_dtype: torch.dtype = torch.bfloat16,
                 fast_accum: bool = False) -> torch.Tensor:
     """``(a * scale_a) @ (b * scale_b) (+ bias)`` in ``out_dtype``: ``a`` (M, K) and ``b``
-    (K, N) FP8, each scale blocking its operand (:func:`fusible.quantization.cast.
+    (K, N) FP8, each scale blocking its operand (:func:`fusible.quantization.casts.common.
     scale_blocks`). ``fast_accum`` (Hopper's faster FP8 accumulation) where the GEMM
     takes it: not the blockwise one."""
     m, n = a.shape[0], b.shape[1]

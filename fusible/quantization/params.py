@@ -11,8 +11,8 @@ from typing import Any, Iterator, Optional
 import torch
 from torch import nn
 
-from fusible.quantization.float8_tensor import quantize_raw
-from fusible.quantization.recipe import Float8CurrentScaling
+from fusible.quantization.recipes.current import Float8CurrentScaling
+from fusible.quantization.tensor.quantize import quantize_raw
 
 _STATE = threading.local()
 

@@ -35,7 +35,7 @@ import torch
 
 from fusible.core import epoch, tokens
 from fusible.core.conditions import PlanConditions, conditions_key
-from fusible.quantization import recipe
+from fusible.quantization.recipes.autocast import current_key, fp8_recipe
 from fusible.runtime.features import RUNTIME
 from fusible.runtime.layout import built_layout, layout_of
 
@@ -57,7 +57,7 @@ def _prepare(module_token: int, epoch_now: int, conditions: tuple):
     grad = conditions[2]
     params_rg = tuple(grad and p.requires_grad for p in layout.params())
     conditions_now = PlanConditions(*conditions)._replace(params_requires_grad=params_rg)
-    fp8 = recipe.fp8_recipe()
+    fp8 = fp8_recipe()
     plan = layout.plan(conditions_now, fp8)
     features = tuple(group.hooks.tensor_features
                      for _, _, group, _ in layout.group_plans(conditions_now, fp8)
@@ -125,7 +125,7 @@ def _graph_break(message: str) -> None:
 def compiled_forward(module, x, extra_inputs: tuple):
     """``module(x, *extra_inputs)`` as dynamo should trace it."""
     training = module.training
-    conditions = conditions_key(x, x.device.type, None, extra_inputs, recipe.current_key(),
+    conditions = conditions_key(x, x.device.type, None, extra_inputs, current_key(),
                                 training)
     # dynamo guards on the epoch
     reason, features = _prepare(id(module), epoch.current(), conditions)

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from fusible.core.lanes import splitting
-from fusible.quantization import recipe
+from fusible.quantization.recipes.autocast import current_key
 
 
 @attrs.frozen
@@ -28,7 +28,7 @@ class _Captured:
     inputs: tuple  # (shape, dtype, device, requires_grad) per sample argument
 
     def check(self, name: str, args: tuple) -> None:
-        key = recipe.current_key()
+        key = current_key()
         if key != self.recipe_key:
             raise RuntimeError(
                 f"{name}: captured {_recipe_words(self.recipe_key)}, called "
@@ -97,7 +97,7 @@ def make_graphed_callables(module: nn.Module, sample_args: tuple, *,
                          f"{[_describe(a) for a in sample_args]}")
     if splitting():
         raise _split_refused(name)
-    captured = _Captured(recipe.current_key(), tuple(_describe(a) for a in sample_args))
+    captured = _Captured(current_key(), tuple(_describe(a) for a in sample_args))
     training = module.training
     torch.cuda.make_graphed_callables(module, sample_args, num_warmup_iters=num_warmup_iters)
     graphed_forward = module.forward

@@ -44,8 +44,8 @@ from fusible.core.results import BackwardResult, ForwardResult
 from fusible.core.schema import (flatten_record, record_builder, record_fields, schema_type,
                                  state_parts)
 from fusible.kernels.fp8_cast import fresh_zeros_inside
-from fusible.quantization.boundary import decode_results, encode_results
 from fusible.quantization.format import Float8Format, to_format
+from fusible.quantization.tensor.boundary import decode_results, encode_results
 from fusible.runtime import deferred, recompute
 
 _LIB = torch.library.Library("fusible", "FRAGMENT")

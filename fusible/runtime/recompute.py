@@ -13,8 +13,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from fusible.quantization.recipe import current_key as fp8_recipe_key
-from fusible.quantization.recipe import fp8_recipe
+from fusible.quantization.recipes.autocast import current_key as fp8_recipe_key
+from fusible.quantization.recipes.autocast import fp8_recipe
 
 _FORWARD_FP8: dict = {}  # (op class, parameter data_ptr) -> whether its forward ran FP8
 _LIMIT = 1 << 16         # stale entries (freed parameters) are dropped past this many

@@ -10,7 +10,7 @@ from typing import Iterable
 import torch
 
 from fusible.core.lanes import split_backward
-from fusible.quantization.float8_tensor import Float8Tensor
+from fusible.quantization.tensor.float8_tensor import Float8Tensor
 from fusible.runtime import custom_ops, deferred, wgrad
 from fusible.testing.reference import Rounding, exact_tensor, reference_copy, reference_forward
 

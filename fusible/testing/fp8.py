@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from fusible.quantization.float8_tensor import Float8Tensor
+from fusible.quantization.tensor.float8_tensor import Float8Tensor
 
 # FP8: signal-to-noise bounds derived from the formats ---------------------------------
 

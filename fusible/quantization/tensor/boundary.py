@@ -15,7 +15,7 @@ from typing import Optional
 import torch
 
 from fusible.core.schema import SchemaType, register_schema_type
-from fusible.quantization.float8_tensor import Float8Tensor, Fp8Able
+from fusible.quantization.tensor.float8_tensor import Float8Tensor, Fp8Able
 
 
 def _flatten_fp8able(value) -> list:

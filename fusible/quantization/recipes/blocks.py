@@ -1,6 +1,6 @@
 """Block-scaled recipes: DeepSeek-V3's blockwise scaling and MXFP8, each a recipe class
-over the block scalings of :mod:`fusible.quantization.scaling` (registered as entry
-points of ``fusible.recipes``, like every recipe)."""
+over the block scalings of :mod:`fusible.quantization.scalings.block` (registered as
+entry points of ``fusible.recipes``, like every recipe)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import ClassVar
 
 import attrs
 
-from fusible.quantization.recipe import GranularityRecipe, check_fp8_format
+from fusible.quantization.recipes.granularity import GranularityRecipe, check_fp8_format
 
 
 @attrs.frozen

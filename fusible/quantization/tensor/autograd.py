@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from fusible.quantization.float8_tensor import Float8Tensor, quantize_raw
+from fusible.quantization.tensor.float8_tensor import Float8Tensor
+from fusible.quantization.tensor.quantize import quantize_raw
 
 
 class Quantize(torch.autograd.Function):
