@@ -76,18 +76,9 @@ def run_forward(plan: ExecPlan, x, params, extra_inputs, ctxs, *, save: bool,
         op, op_ctxs = st.op, ctxs[st.lo:st.hi]
         args = op.forward_args(x, params[st.params],
                                call.extras[st.extra_in] if st.num_extra_in else (), op_ctxs)
-        if sh is None or sh.compute is None:
-            result = forward_result(call, st, args, st.output_format)
-        else:
-            result = sh.compute(call, st, args)
+        result = _stage_result(call, st, sh, args, forward_result, _check_forward_counts)
         if save:
             op.save_for_backward(args, result, op_ctxs)
-        if len(result.extra_outputs) != st.num_extra_out:
-            raise RuntimeError(f"{type(op).__name__} returned {len(result.extra_outputs)} extra "
-                               f"outputs for ops {[type(o).__name__ for o in st.ops]}")
-        if sh is not None:
-            for after in sh.after:
-                after(call, st, result)
         x = result.output
         if st.num_extra_out:
             call.outputs.extend(result.extra_outputs)
@@ -150,14 +141,7 @@ def run_backward(plan: ExecPlan, grad_output, grad_extra_outputs, ctxs, traced: 
         op, op_ctxs = st.op, ctxs[st.lo:st.hi]
         args = op.backward_args(dy, call.extras[st.extra_out] if st.num_extra_out else (),
                                 op_ctxs)
-        if sh is None or sh.compute is None:
-            result = backward_result(call, st, args, st.output_format)
-        else:
-            result = sh.compute(call, st, args)
-        _check_counts(st, result)
-        if sh is not None:
-            for after in sh.after:
-                after(call, st, result)
+        result = _stage_result(call, st, sh, args, backward_result, _check_backward_counts)
         dy = result.grad_input
         if st.num_params:
             grad_params[st.params] = result.grad_params
@@ -175,7 +159,28 @@ def run_backward(plan: ExecPlan, grad_output, grad_extra_outputs, ctxs, traced: 
     return (dy if plan.input_needs_grad else None), call.outputs, grad_params
 
 
-def _check_counts(st, result) -> None:
+def _stage_result(call: Call, st, sh, args, compute, check):
+    """The stage's result: ``compute`` (the executor's), or a feature's in its place;
+    checked, then handed to the features' ``after`` hooks."""
+    if sh is None or sh.compute is None:
+        result = compute(call, st, args, st.output_format)
+    else:
+        result = sh.compute(call, st, args)
+    check(st, result)
+    if sh is not None:
+        for after in sh.after:
+            after(call, st, result)
+    return result
+
+
+def _check_forward_counts(st, result) -> None:
+    """A forward stage returns one extra output per covered extra-output slot."""
+    if len(result.extra_outputs) != st.num_extra_out:
+        raise RuntimeError(f"{type(st.op).__name__} returned {len(result.extra_outputs)} extra "
+                           f"outputs for ops {[type(o).__name__ for o in st.ops]}")
+
+
+def _check_backward_counts(st, result) -> None:
     """A backward stage returns one gradient per covered parameter and extra input."""
     for what, got, want in (("parameter", result.grad_params, st.num_params),
                             ("extra-input", result.grad_extra_inputs, st.num_extra_in)):
