@@ -15,7 +15,8 @@ import torch
 
 import fusible
 from fusible import FusedOperation, Op, Pattern, ops, unregister_fusion
-from fusible.functional.linear import GemmForwardArgs, gemm_forward
+from fusible.functional.linear import gemm_forward
+from fusible.functional.linear_records import GemmForwardArgs
 from fusible.ops import BackwardResult, BasicOperation, ForwardResult
 from fusible.testing import check_fusion, exact_tensor, stage_names
 from naive_plugins import ActivationBiasKeepdim, GeluOfLinear, GeluOfLinearWrongLayout

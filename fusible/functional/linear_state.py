@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from typing import Optional
 
-from fusible.functional.linear import (GemmBackwardArgs, GemmForwardArgs, LinearSaved, as_fp8,
-                                       handed_in)
+from fusible.functional.linear import as_fp8, handed_in
+from fusible.functional.linear_records import GemmBackwardArgs, GemmForwardArgs, LinearSaved
 from fusible.functional.parallel import TensorParallel
 from fusible.quantization.float8_tensor import transposed_only
 from fusible.quantization.format import Float8Format, bound_format

@@ -12,9 +12,8 @@ from fusible.core import checks
 from fusible.core.example import Example
 from fusible.core.results import BackwardResult, ForwardResult
 from fusible.functional import parallel
-from fusible.functional.linear import (GemmBackwardArgs, GemmForwardArgs, LinearSaved,
-                                       gemm_backward, gemm_forward, like_tokens,
-                                       split_gemm_backward)
+from fusible.functional.linear import gemm_backward, gemm_forward, like_tokens, split_gemm_backward
+from fusible.functional.linear_records import GemmBackwardArgs, GemmForwardArgs, LinearSaved
 from fusible.functional.linear_state import (forward_aux, gemm_backward_args, gemm_forward_args,
                                              gemm_grad_format, gemm_input_format, save_linear)
 from fusible.functional.parallel import NOT_PARALLEL
