@@ -8,7 +8,10 @@ plugins with ``importlib`` (the one dynamic import), not with import statements.
 """
 
 import ast
+import collections
+import importlib
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -153,3 +156,76 @@ def test_import_fusible_loads_no_heavy_module():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True).stdout.strip()
     assert out == "[]", out
+
+
+# What fusions may import from fusible's internals is declared: each module's __all__
+# (docs/writing_a_fusion.md, "Helpers for fusion authors"). The public faces, fusible and
+# fusible.ops, are documented in the API reference instead.
+PUBLIC_FACES = {"fusible", "fusible.ops"}
+# Modules a fusion imports from that have no __all__ yet: declared with the quantization
+# package's re-layout (a module of that path that gains an __all__ is checked as the rest).
+AWAITING_ALL = {"fusible.quantization.format"}
+FUSION_DOCS = ROOT / "docs" / "writing_a_fusion.md"
+
+
+def _fusion_imports() -> dict:
+    """``{module: {name, ...}}``: what the built-in fusions import from fusible."""
+    found = collections.defaultdict(set)
+    for name, node, _ in STATEMENTS:
+        if name.startswith("fusible.fusions") and isinstance(node, ast.ImportFrom) \
+                and not node.level and (node.module or "").split(".")[0] == "fusible":
+            found[node.module] |= {a.name for a in node.names}
+    return dict(found)
+
+
+def _declared(module: str):
+    """The module's ``__all__``, or None (a module awaiting one)."""
+    declared = getattr(importlib.import_module(module), "__all__", None)
+    assert declared is not None or module in AWAITING_ALL, (
+        f"{module}: a built-in fusion imports from it, so it declares what fusions may "
+        f"import in __all__")
+    return declared
+
+
+def _undeclared(imports: dict) -> dict:
+    """``{module: [name, ...]}`` of the imported names missing from their module's
+    ``__all__``."""
+    return {module: sorted(names - set(declared)) for module, names in imports.items()
+            if (declared := _declared(module)) is not None and names - set(declared)}
+
+
+def test_fusions_import_only_declared_helpers():
+    undeclared = _undeclared(_fusion_imports())
+    assert not undeclared, (f"built-in fusions import names their modules do not declare "
+                            f"in __all__: {undeclared}")
+
+
+def _helper_section() -> str:
+    text = FUSION_DOCS.read_text()
+    start = text.index("## Helpers for fusion authors")
+    end = text.find("\n## ", start + 1)
+    return text[start:end if end >= 0 else None]
+
+
+def test_declared_helpers_are_documented_and_listed():
+    """Each helper of a module fusions import from has its numpydoc (a section such as
+    Parameters or Attributes) and a row in writing_a_fusion.md's helper table."""
+    section = _helper_section()
+    for module, names in sorted(_fusion_imports().items()):
+        if module in PUBLIC_FACES:
+            continue
+        declared = _declared(module)
+        rows = [line for line in section.splitlines() if line.startswith(f"| `{module}` |")]
+        assert rows, f"{module} has no row in the helper table of {FUSION_DOCS.name}"
+        for name in declared or names:
+            assert f"`{name}`" in rows[0], f"{module}.{name} is not in the helper table"
+            doc = getattr(importlib.import_module(module), name).__doc__ or ""
+            assert declared is None or re.search(r"\n\s*-{3,}\n", doc), (
+                f"{module}.{name} has no numpydoc section")
+
+
+def test_the_check_sees_an_undeclared_helper():
+    """The checker itself: a fusion importing a helper its module keeps for itself (one
+    left out of __all__) is reported."""
+    planted = {"fusible.functional.linear": {"gemm_forward", "linear_forward"}}
+    assert _undeclared(planted) == {"fusible.functional.linear": ["linear_forward"]}

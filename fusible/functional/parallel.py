@@ -22,10 +22,14 @@ from fusible.core.schema import SchemaType, register_schema_type
 if TYPE_CHECKING:
     from torch.distributed.distributed_c10d import GroupName
 
+# What fusion authors import (docs/writing_a_fusion.md, "Helpers for fusion authors"); the
+# collectives and group helpers serve the ops.
+__all__ = ["TensorParallel"]
+
 Tensor = torch.Tensor
 _c10d = torch.ops._c10d_functional
 
-MODES = (None, "column", "row")
+_MODES = (None, "column", "row")
 
 
 @attrs.frozen
@@ -96,8 +100,8 @@ def resolve_group(op_name: str, group) -> dist.ProcessGroup:
 def tensor_parallel(op_name: str, mode: Optional[str], sequence_parallel: bool,
                     group) -> TensorParallel:
     """The :class:`TensorParallel` of an op's constructor arguments."""
-    if mode not in MODES:
-        raise ValueError(f"{op_name}: tensor_parallel_mode must be one of {MODES}, got {mode!r}")
+    if mode not in _MODES:
+        raise ValueError(f"{op_name}: tensor_parallel_mode must be one of {_MODES}, got {mode!r}")
     if mode is None and not sequence_parallel:
         if group is not None:
             raise ValueError(f"{op_name}: tensor_parallel_group given without "

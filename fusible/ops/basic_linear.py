@@ -22,12 +22,32 @@ from fusible.quantization.float8_tensor import Float8Tensor
 from fusible.quantization.params import fp8_parameter
 from fusible.quantization.recipe import fp8_recipe
 
+# The op, and what fusions covering it import (docs/writing_a_fusion.md, "Helpers for
+# fusion authors"); the rest serves ops.Linear and the state dicts.
+__all__ = ["BasicLinear", "parallel_refusal"]
+
 Tensor = torch.Tensor
 
 
 def parallel_refusal(linear: "BasicLinear", modes=("",), why: str = "") -> "bool | str":
-    """True when a fusion covering ``linear`` handles its tensor-parallel mode (one of
-    ``modes``; ``""`` for none), else the reason for the plan (``why``, or a default)."""
+    """Whether a fusion covering ``linear`` runs its tensor-parallel collectives: what a
+    fusion's ``accepts`` returns for the layer.
+
+    Parameters
+    ----------
+    linear : BasicLinear
+        The covered layer.
+    modes : tuple of str
+        The tensor-parallel modes the fusion handles (``""``: none, the default).
+    why : str
+        The reason to give otherwise (default: one naming the layer's mode).
+
+    Returns
+    -------
+    bool or str
+        True when the layer communicates nothing or its mode is one of ``modes``, else
+        the reason for the plan.
+    """
     tp = linear.tp
     if not tp.active or tp.mode in modes:
         return True
@@ -98,7 +118,7 @@ class BasicLinear(BasicOperation):
         self.tensor_parallel_mode = tensor_parallel_mode
         self.tp = parallel.tensor_parallel(self.describe(), tensor_parallel_mode,
                                               sequence_parallel, tensor_parallel_group)
-        self.local_in, self.local_out = local_linear_sizes(self)
+        self.local_in, self.local_out = _local_linear_sizes(self)
         self.weight = nn.Parameter(torch.empty(self.local_out, self.local_in, device=device,
                                                dtype=dtype))
         self.reset_parameters()
@@ -148,7 +168,7 @@ class BasicLinear(BasicOperation):
                              f"expected {self.local_in}{shard}")
         self._check_param("weight", self.param("weight"), dtype, device,
                           (self.local_out, self.local_in))
-        return (*parallel_tokens(self, shape), self.local_out)
+        return (*_parallel_tokens(self, shape), self.local_out)
 
     def validate_fp8(self, shape) -> None:
         """FP8 GEMMs (Hopper's) need every dimension divisible by 16; an FP8 weight
@@ -242,7 +262,7 @@ class BasicLinear(BasicOperation):
         return self.describe()[len("BasicLinear("):-1]
 
 
-def local_linear_sizes(op) -> tuple:
+def _local_linear_sizes(op) -> tuple:
     """``(local in_features, local out_features)``: the weight shard's shape, reversed."""
     tp, name = op.tp, op.describe()
     if tp.mode == "column":
@@ -282,7 +302,7 @@ def linear_shard(linear: "BasicLinear") -> tuple:
     return everything, parallel.rank_slice(tp, linear.local_in)
 
 
-def parallel_tokens(op, shape) -> tuple:
+def _parallel_tokens(op, shape) -> tuple:
     """The leading dimensions of a linear layer's output: dim 0 gathered (column + SP)
     or scattered (row + SP) over the group."""
     tp, lead = op.tp, tuple(shape[:-1])
