@@ -1,14 +1,11 @@
 import pathlib
 import sys
 
-import attrs
 import pytest
 import torch
 
-import fusible
-from fusible.core import schema
 from fusible.runtime import deferred, wgrad
-from fusible.testing import reference
+from plugin_registries import Plugins, Registries
 
 # The examples are documentation that tests import.
 sys.path.insert(0, str(pathlib.Path(__file__).parent.parent / "examples"))
@@ -50,51 +47,6 @@ def cuda_graph_recordings(monkeypatch):
 
     monkeypatch.setattr(CUDAGraphTreeManager, "record_function", spy)
     return recorded
-
-
-@attrs.frozen
-class Registries:
-    """What the plugin registries hold: fusions (in planning order), recipes, the types
-    that cross custom ops, the FP64 references of ops."""
-
-    fusions: tuple
-    recipes: dict
-    schema_types: dict
-    references: dict
-
-    @classmethod
-    def now(cls) -> "Registries":
-        # the schema types and references have no public listing: read where they live
-        return cls(fusible.registered_fusions(), fusible.registered_recipes(),
-                   dict(schema._ADAPTERS), dict(reference._REFERENCES))
-
-    def restore(self) -> None:
-        """Back to these registries: what was registered since is removed, what was
-        removed comes back (fusions in their planning order)."""
-        if fusible.registered_fusions() != self.fusions:
-            for cls in fusible.registered_fusions():
-                fusible.unregister_fusion(cls)
-            for cls in self.fusions:  # registered in planning order, they plan in it
-                fusible.register_fusion(cls)
-        for name, cls in fusible.registered_recipes().items():
-            if self.recipes.get(name) is not cls:
-                fusible.unregister_recipe(cls)
-        for cls in self.recipes.values():
-            fusible.register_recipe(cls)
-        for now, then in ((schema._ADAPTERS, self.schema_types),
-                          (reference._REFERENCES, self.references)):
-            if now != then:
-                now.clear()
-                now.update(then)
-
-
-class Plugins:
-    """Registrations for one test (the ``plugins`` fixture), undone after it."""
-
-    fusion = staticmethod(fusible.register_fusion)
-    recipe = staticmethod(fusible.register_recipe)
-    schema_type = staticmethod(fusible.register_schema_type)
-    reference = staticmethod(reference.register_reference)
 
 
 @pytest.fixture

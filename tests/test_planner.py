@@ -4,9 +4,11 @@ import attrs
 import pytest
 import torch
 
+import fusible
 from fusible import Check, FusedOperation, Op, Pattern, ops
 from fusible.ops import BackwardResult, ForwardResult
 from fusible.testing import stage_names
+from plugin_registries import Registries
 
 
 @attrs.frozen
@@ -52,6 +54,19 @@ def test_registration_order_breaks_ties(plugins):
     assert stage_names(plan.forward) == ["FirstPair"]
     second = [c for c in plan.candidates if c.fusion == "SecondPair"]
     assert second[0].status == "superseded" and "FirstPair" in second[0].reason
+
+
+def test_restored_registries_plan_in_their_order():
+    """What the plugins fixture restores after a test: built-ins it removed come back in
+    their planning order, not after the others."""
+    before = Registries.now()
+    first, *_ = removed = before.fusions[:3]
+    for cls in removed:
+        fusible.unregister_fusion(cls)
+    fusible.register_fusion(first)  # now the last registered
+    assert Registries.now() != before
+    before.restore()
+    assert Registries.now() == before
 
 
 def test_backward_is_scanned_from_the_end(plugins):
