@@ -10,11 +10,11 @@ below it (see docs/design.md) and is imported by none of them. The built-in fusi
 """
 
 from fusible import ops, testing
-from fusible.state_dicts import (deinterleave_glu_rows, interleave_glu_rows,
-                                 state_dict_from_torch, state_dict_to_torch)
 from fusible.fsdp import fsdp_float8_all_gather
-from fusible.conversion import ConversionReport, convert, convert_module
-from fusible.model_plan import ModelPlan, plan_model
+from fusible.models.conversion import ConversionReport, convert, convert_module
+from fusible.models.glu_rows import deinterleave_glu_rows, interleave_glu_rows
+from fusible.models.model_plan import ModelPlan, plan_model
+from fusible.models.state_dicts import state_dict_from_torch, state_dict_to_torch
 from fusible.pipelining import pipeline_stage
 from fusible.core import (Check, Example, FusedOperation, Op, OperationContext, Pattern,
                           PlanConditions, register_schema_type)

@@ -6,8 +6,8 @@ import attrs
 import torch
 
 from fusible import Example, FusedOperation, Op, Pattern
-from fusible.functional.linear import (GemmBackwardArgs, gemm_backward, like_tokens,
-                                       split_gemm_backward)
+from fusible.functional.linear import gemm_backward, like_tokens, split_gemm_backward
+from fusible.functional.linear_records import GemmBackwardArgs
 from fusible.functional.linear_state import gemm_backward_args
 from fusible.ops import BackwardResult, BasicLinear, MakeExtraOutput
 from fusible.ops.basic_linear import parallel_refusal

@@ -1,8 +1,8 @@
 """BackwardLinearBias: the whole backward of a linear layer with bias in one stage."""
 
 from fusible import Example, FusedOperation, Op, Pattern
-from fusible.functional.linear import (GemmBackwardArgs, bias_grad, gemm_backward, like_tokens,
-                                       split_gemm_backward)
+from fusible.functional.linear import bias_grad, gemm_backward, like_tokens, split_gemm_backward
+from fusible.functional.linear_records import GemmBackwardArgs
 from fusible.functional.linear_state import gemm_backward_args
 from fusible.ops import BackwardResult, BasicLinear, Bias
 

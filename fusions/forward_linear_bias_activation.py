@@ -4,7 +4,8 @@ import attrs
 import torch
 
 from fusible import Example, FusedOperation, Op, Pattern
-from fusible.functional.linear import GemmForwardArgs, like_tokens, tokens_2d
+from fusible.functional.linear import like_tokens, tokens_2d
+from fusible.functional.linear_records import GemmForwardArgs
 from fusible.functional.linear_state import gemm_forward_args, save_linear
 from fusible.ops import GELU, BasicLinear, Bias, ForwardResult, ReLU
 from fusible.ops.basic_linear import parallel_refusal

@@ -5,7 +5,8 @@ import attrs
 import torch
 
 from fusible import Example, FusedOperation, Op, Pattern
-from fusible.functional.linear import GemmForwardArgs, gemm_forward, like_tokens, tokens_2d
+from fusible.functional.linear import gemm_forward, like_tokens, tokens_2d
+from fusible.functional.linear_records import GemmForwardArgs
 from fusible.functional.linear_state import forward_aux, gemm_forward_args, save_linear
 from fusible.ops import AddExtraInput, BasicLinear, ConstantScale, ForwardResult
 from fusible.ops.basic_linear import parallel_refusal

@@ -7,8 +7,8 @@ import attrs
 import torch
 
 from fusible import Example, FusedOperation, Op, Pattern
-from fusible.functional.linear import (GemmBackwardArgs, GemmForwardArgs, bias_grad,
-                                       gemm_backward, gemm_forward)
+from fusible.functional.linear import bias_grad, gemm_backward, gemm_forward
+from fusible.functional.linear_records import GemmBackwardArgs, GemmForwardArgs
 from fusible.functional.linear_state import gemm_grad_format, gemm_input_format
 from fusible.functional.norms import (effective_gamma, layer_norm_backward, norm_forward,
                                       norm_forward_fp8_keeping_amax, norm_output_fp8_again,

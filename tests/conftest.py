@@ -4,8 +4,8 @@ import sys
 import pytest
 import torch
 
-from fusible import register_fusion, unregister_fusion
 from fusible.runtime import deferred
+from plugin_registries import Plugins, Registries
 
 # The examples are documentation that tests import.
 sys.path.insert(0, str(pathlib.Path(__file__).parent.parent / "examples"))
@@ -49,18 +49,26 @@ def cuda_graph_recordings(monkeypatch):
 
 
 @pytest.fixture
-def registered():
-    """Register fusions for one test and remove them afterwards."""
-    added = []
+def plugins():
+    """For a test that registers plugins (fusions, recipes, schema types, references),
+    through this object's methods, by hand, or by running code that registers (an
+    example, a doc page), or that unregisters built-ins: the registries are restored
+    after it."""
+    before = Registries.now()
+    yield Plugins()
+    before.restore()
 
-    def add(cls):
-        register_fusion(cls)
-        added.append(cls)
-        return cls
 
-    yield add
-    for cls in added:
-        unregister_fusion(cls)
+@pytest.fixture(autouse=True)
+def _registries_unchanged(request):
+    """A test that changes the registries without the ``plugins`` fixture fails (and they
+    are restored): no registration leaks into later tests."""
+    before = Registries.now()
+    yield
+    if Registries.now() != before:
+        before.restore()
+        pytest.fail(f"{request.node.nodeid} changed the plugin registries: request the "
+                    f"plugins fixture, which undoes it", pytrace=False)
 
 
 @pytest.fixture

@@ -6,7 +6,7 @@ import torch
 
 import fusible
 from fusible import ops
-from fusible.functional.linear import LinearSaved
+from fusible.functional.linear_records import LinearSaved
 from fusible.ops.pointwise_activation import ActivationSaved
 
 

@@ -22,7 +22,7 @@ def check_fp8_gather_delayed(rank, ws):
     amax joins the history after a maximum over the group: three steps give the bits of
     gathering in high precision and then casting with one state, and every rank's state
     is that state."""
-    from fusible.functional.linear import gather_fp8
+    from fusible.functional.linear_parallel import gather_fp8
     from fusible.functional.parallel import all_gather
     from fusible.quantization import to_format
     tp = ops.BasicLinear(32, 32, tensor_parallel_mode="column", sequence_parallel=True).parallel

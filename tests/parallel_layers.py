@@ -235,7 +235,7 @@ def _check_linear_fp8(rank, ws, mode, sp, bias):
 
 def _check_fp8_gather(rank, ws):
     """An FP8 all-gather gives the bits of gathering in high precision, then quantizing."""
-    from fusible.functional.linear import gather_fp8
+    from fusible.functional.linear_parallel import gather_fp8
     from fusible.functional.parallel import all_gather
     from fusible.quantization import Float8Format
     tp = ops.BasicLinear(IN, OUT, tensor_parallel_mode="column", sequence_parallel=True).parallel
@@ -256,7 +256,7 @@ def _check_fp8_gather_scaled(rank, ws, granularity):
     tokens and the data and scales are gathered, the transposed copy's per-feature (or
     per 128- / 32-token tile) scales from the group's maxima: the bits of gathering in
     high precision, then quantizing. Ranks hold 128 tokens, 4^rank apart in magnitude."""
-    from fusible.functional.linear import gather_fp8
+    from fusible.functional.linear_parallel import gather_fp8
     from fusible.functional.parallel import all_gather
     from fusible.quantization import Float8Format
     from fusible.quantization.tensor.quantize import quantize_scaled

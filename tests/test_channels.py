@@ -93,11 +93,10 @@ def test_channel_errors_name_the_op():
                        ops.AddExtraInput(channel="r"))(x)
 
 
-def test_a_fusion_covering_a_channels_writer_and_reader_is_refused():
+def test_a_fusion_covering_a_channels_writer_and_reader_is_refused(plugins):
     """The executor passes channels between stages: a plugin fusion covering both ends
     would lose the channel (its gradient silently), so the plan is an error."""
     import attrs
-    import fusible
     from fusible import Example, FusedOperation, Op, Pattern
     from fusible.ops import BackwardResult
 
@@ -122,11 +121,7 @@ def test_a_fusion_covering_a_channels_writer_and_reader_is_refused():
         def example(cls):
             return Example((ops.MakeExtraOutput(), ops.AddExtraInput()), (4, 8), ((4, 8),))
 
-    fusible.register_fusion(BranchAndAdd)
-    try:
-        model = ops.Sequential(ops.MakeExtraOutput(channel="r"), ops.AddExtraInput(channel="r"))
-        with pytest.raises(ValueError, match=r"covers both the writer and a reader of channel "
-                                             r"'r'"):
-            model(torch.randn(4, 8, requires_grad=True))
-    finally:
-        fusible.unregister_fusion(BranchAndAdd)
+    plugins.fusion(BranchAndAdd)
+    model = ops.Sequential(ops.MakeExtraOutput(channel="r"), ops.AddExtraInput(channel="r"))
+    with pytest.raises(ValueError, match=r"covers both the writer and a reader of channel 'r'"):
+        model(torch.randn(4, 8, requires_grad=True))

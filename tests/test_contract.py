@@ -15,8 +15,9 @@ import pytest
 import torch
 
 import fusible
-from fusible import FusedOperation, Op, Pattern, ops, unregister_fusion
-from fusible.functional.linear import GemmForwardArgs, gemm_forward
+from fusible import FusedOperation, Op, Pattern, ops
+from fusible.functional.linear import gemm_forward
+from fusible.functional.linear_records import GemmForwardArgs
 from fusible.ops import BackwardResult, BasicOperation, ForwardResult
 from fusible.testing import check_fusion, exact_tensor, stage_names
 from naive_plugins import ActivationBiasKeepdim, GeluOfLinear, GeluOfLinearWrongLayout
@@ -82,16 +83,16 @@ def test_abstract_bases_may_leave_hooks_to_subclasses():
     assert torch.equal(x.grad, torch.full((3,), 2.0))
 
 
-def test_a_fusion_that_saves_another_layout_is_named(registered):
-    registered(GeluOfLinearWrongLayout)
+def test_a_fusion_that_saves_another_layout_is_named(plugins):
+    plugins.fusion(GeluOfLinearWrongLayout)
     model = ops.Sequential(ops.BasicLinear(16, 16), ops.GELU())
     with pytest.raises(TypeError, match=r"the stage covering BasicLinear\(in_features=16.* saved "
                                         r"a tuple; BasicLinear reads a LinearSaved"):
         model(torch.randn(4, 16, requires_grad=True))
 
 
-def test_fp8_plugin_contract_refuses_an_undeclared_fusion_under_a_recipe(registered):
-    registered(GeluOfLinear)
+def test_fp8_plugin_contract_refuses_an_undeclared_fusion_under_a_recipe(plugins):
+    plugins.fusion(GeluOfLinear)
     model = ops.Sequential(ops.BasicLinear(16, 16), ops.GELU())
     x = torch.randn(16, 16)
     with torch.no_grad():
@@ -107,22 +108,19 @@ def test_fp8_plugin_contract_refuses_an_undeclared_fusion_under_a_recipe(registe
     assert y.shape == (16, 16)
 
 
-def test_a_fusion_over_ops_that_do_not_quantize_needs_no_declaration():
+def test_a_fusion_over_ops_that_do_not_quantize_needs_no_declaration(plugins):
     """The documentation's plugin (examples/plugin_fusion.py) declares no formats and is
     still chosen under FP8: ConstantScale and Bias quantize nothing."""
     spec = importlib.util.spec_from_file_location("plugin_fusion_copy",
                                                   ROOT / "examples" / "plugin_fusion.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)  # registers ForwardScaleBias
-    try:
-        model = ops.Sequential(ops.ConstantScale(0.5), ops.Bias(16), ops.BasicLinear(16, 16))
-        x = torch.randn(16, 16, requires_grad=True)
-        with fusible.autocast():
-            assert stage_names(model.plan(x).forward) == ["ForwardScaleBias", "BasicLinear"]
-            model(x).sum().backward()
-        assert torch.isfinite(x.grad).all()
-    finally:
-        unregister_fusion(module.ForwardScaleBias)
+    model = ops.Sequential(ops.ConstantScale(0.5), ops.Bias(16), ops.BasicLinear(16, 16))
+    x = torch.randn(16, 16, requires_grad=True)
+    with fusible.autocast():
+        assert stage_names(model.plan(x).forward) == ["ForwardScaleBias", "BasicLinear"]
+        model(x).sum().backward()
+    assert torch.isfinite(x.grad).all()
 
 
 class _ToFp8Identity(ops.Identity):
@@ -167,7 +165,7 @@ def test_gemm_helpers_take_their_typed_record_in_every_precision():
         GemmForwardArgs(torch.randn(2, 4), torch.randn(3, 4))
 
 
-def test_priority_breaks_ties_before_registration_order(registered):
+def test_priority_breaks_ties_before_registration_order(plugins):
     def pair(name, priority):
         body = dict(direction="forward", priority=priority,
                     pattern=Pattern(Op(ops.Identity), Op(ops.Identity)), fwd_args_type=_Args,
@@ -177,8 +175,8 @@ def test_priority_breaks_ties_before_registration_order(registered):
                     save_for_backward=lambda self, a, r, c: None)
         return type(name, (FusedOperation,), body)
 
-    registered(pair("First", 0))
-    registered(pair("Urgent", 5))
+    plugins.fusion(pair("First", 0))
+    plugins.fusion(pair("Urgent", 5))
     plan = ops.Sequential(ops.Identity(), ops.Identity()).plan()
     assert stage_names(plan.forward) == ["Urgent"]
     (first,) = [c for c in plan.candidates if c.fusion == "First"]
@@ -277,9 +275,9 @@ def test_saved_records_may_be_frozen():
     assert torch.allclose(h.grad, h.exp())
 
 
-def test_a_parameter_gradient_of_another_shape_is_an_error(registered):
+def test_a_parameter_gradient_of_another_shape_is_an_error(plugins):
     """Autograd would sum a (1, n) gradient down to the (n,) bias silently."""
-    registered(ActivationBiasKeepdim)
+    plugins.fusion(ActivationBiasKeepdim)
     model = ops.Sequential(ops.Bias(8), ops.ReLU())
     x = torch.randn(4, 8, requires_grad=True)
     assert stage_names(model.plan(x).backward) == ["ActivationBiasKeepdim"]

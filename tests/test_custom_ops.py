@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from fusible import ops
-from fusible.core.schema import SchemaType, register_schema_type, unflatten_record
+from fusible.core.schema import SchemaType, unflatten_record
 from fusible.ops import BackwardResult, BasicOperation, ForwardResult
 from fusible.quantization.format import Float8Format
 from fusible.runtime import custom_ops
@@ -29,8 +29,13 @@ class Pair:
         self.a, self.b = a, b
 
 
-register_schema_type(Pair, SchemaType(("Tensor", "Tensor"), lambda p: [p.a, p.b],
-                                      lambda vals: Pair(*vals)))
+PAIR = SchemaType(("Tensor", "Tensor"), lambda p: [p.a, p.b], lambda vals: Pair(*vals))
+
+
+@pytest.fixture(autouse=True)
+def pair_crosses_custom_ops(plugins):
+    """Pair taught to the schema derivation for each test (undone after it)."""
+    plugins.schema_type(Pair, PAIR)
 
 
 @attrs.define

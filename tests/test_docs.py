@@ -28,7 +28,6 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import fusible
 from fusible.testing.distributed import run_distributed
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -46,21 +45,10 @@ def blocks(page: pathlib.Path) -> list:
     return [(m.lastgroup, m.group(m.lastgroup)) for m in TOKEN.finditer(page.read_text())]
 
 
-@pytest.fixture
-def registries_restored():
-    """What a page registers (its example fusion, its example recipe) is gone after it:
-    later tests see only the built-ins and their own."""
-    fusions, recipes = set(fusible.registered_fusions()), set(fusible.registered_recipes())
-    yield
-    for cls in set(fusible.registered_fusions()) - fusions:
-        fusible.unregister_fusion(cls)
-    for name, cls in fusible.registered_recipes().items():
-        if name not in recipes:
-            fusible.unregister_recipe(cls)
-
-
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
-def test_every_code_block_runs(page, tmp_path, monkeypatch, fresh_dynamo, registries_restored):
+def test_every_code_block_runs(page, tmp_path, monkeypatch, fresh_dynamo, plugins):
+    """What a page registers (its example fusion, its example recipe) is gone after it
+    (``plugins``): later tests see only the built-ins and their own."""
     if ".render(" in page.read_text() and shutil.which("dot") is None:
         pytest.skip("the page renders a diagram: needs graphviz's dot")
     monkeypatch.chdir(tmp_path)  # what the blocks write (diagrams) lands here

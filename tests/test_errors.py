@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import fusible
-from fusible import FusedOperation, Op, Pattern, ops, register_fusion
+from fusible import FusedOperation, Op, Pattern, ops
 
 
 def test_wrong_feature_size():
@@ -112,19 +112,19 @@ class _NotAFusion:
       "backward_args": lambda *a: None, "backward_compute": classmethod(lambda *a: None)},
      "args type must be an attrs class"),
 ])
-def test_invalid_fusion_plugins(body, message):
+def test_invalid_fusion_plugins(body, message, plugins):
     cls = type("BadFusion", (FusedOperation,), body)
     with pytest.raises((TypeError, ValueError), match=f"fusion BadFusion.*{message}"):
-        register_fusion(cls)
+        plugins.fusion(cls)
 
 
-def test_register_non_fusion_and_duplicate_name():
+def test_register_non_fusion_and_duplicate_name(plugins):
     with pytest.raises(TypeError, match="needs a subclass of fusible.FusedOperation"):
-        register_fusion(_NotAFusion)
+        plugins.fusion(_NotAFusion)
     from fusible.fusions.forward_linear_bias import ForwardLinearBias
     clone = type("ForwardLinearBias", (ForwardLinearBias,), {})
     with pytest.raises(ValueError, match="fusion name 'ForwardLinearBias' is taken"):
-        register_fusion(clone)
+        plugins.fusion(clone)
 
 
 @pytest.mark.parametrize("make,message", [
@@ -145,9 +145,8 @@ def test_non_tensor_extra_input():
         model(torch.randn(2, 4), 3.0)
 
 
-def test_wrong_number_of_extra_input_gradients_from_a_plugin():
+def test_wrong_number_of_extra_input_gradients_from_a_plugin(plugins):
     import attrs
-    from fusible import unregister_fusion
     from fusible.ops import BackwardResult
 
     @attrs.define
@@ -166,14 +165,11 @@ def test_wrong_number_of_extra_input_gradients_from_a_plugin():
         def backward_compute(cls, args, *, in_custom_op=False):
             return BackwardResult(args.grad_output * 2)  # forgets the extra input's gradient
 
-    register_fusion(ForgetfulAdd)
-    try:
-        model = ops.Sequential(ops.ConstantScale(2.0), ops.AddExtraInput())
-        y = model(torch.randn(2, requires_grad=True), torch.randn(2, requires_grad=True))
-        with pytest.raises(RuntimeError, match="ForgetfulAdd returned 0 extra-input gradients"):
-            y.sum().backward()
-    finally:
-        unregister_fusion(ForgetfulAdd)
+    plugins.fusion(ForgetfulAdd)
+    model = ops.Sequential(ops.ConstantScale(2.0), ops.AddExtraInput())
+    y = model(torch.randn(2, requires_grad=True), torch.randn(2, requires_grad=True))
+    with pytest.raises(RuntimeError, match="ForgetfulAdd returned 0 extra-input gradients"):
+        y.sum().backward()
 
 
 def test_failing_entry_point_plugin_is_reported(broken_plugin):

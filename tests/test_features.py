@@ -5,7 +5,6 @@ import importlib
 import pathlib
 
 import attrs
-import pytest
 import torch
 
 import fusible

@@ -184,11 +184,11 @@ class _DoubleTwice(FusedOperation):
         return BackwardResult(args.input * 4, ())
 
 
-def test_a_joint_fusion_needs_a_saved_type_and_saves_in_its_first_context(registered):
+def test_a_joint_fusion_needs_a_saved_type_and_saves_in_its_first_context(plugins):
     no_record = type("NoRecord", (_DoubleTwice,), {"saved_type": None})
     with pytest.raises(TypeError, match="joint fusion NoRecord must set saved_type"):
-        fusible.register_fusion(no_record)
-    registered(_DoubleTwice)
+        plugins.fusion(no_record)
+    plugins.fusion(_DoubleTwice)
     model = ops.Sequential(ops.ConstantScale(2.0), ops.ConstantScale(2.0))
     x = torch.ones(3, requires_grad=True)
     assert stage_names(model.plan(x).backward) == ["_DoubleTwice"]
@@ -203,7 +203,7 @@ def test_a_joint_fusion_needs_a_saved_type_and_saves_in_its_first_context(regist
         _DoubleTwice.into_second = False
 
 
-def test_a_joint_fusion_in_an_fp8_plan_hands_its_output_on_quantized(registered):
+def test_a_joint_fusion_in_an_fp8_plan_hands_its_output_on_quantized(plugins):
     """Under FP8 the joint stage's output is quantized for the linear layer after it, as
     any stage's: the same bits as the plan without the joint fusion."""
     def run():
@@ -218,7 +218,7 @@ def test_a_joint_fusion_in_an_fp8_plan_hands_its_output_on_quantized(registered)
         return names, [y.detach(), x.grad, model[2].weight.grad]
 
     plain_names, plain = run()
-    registered(_DoubleTwice)
+    plugins.fusion(_DoubleTwice)
     names, joint = run()
     assert names == ["BasicLinear", "_DoubleTwice"] and "_DoubleTwice" not in plain_names
     for a, b in zip(joint, plain):

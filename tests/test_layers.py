@@ -8,7 +8,10 @@ plugins with ``importlib`` (the one dynamic import), not with import statements.
 """
 
 import ast
+import collections
+import importlib
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -21,15 +24,19 @@ LAYERS = [
     ("fusible.kernels",),
     ("fusible.quantization",),
     ("fusible.functional",),
+    ("fusible.moe",),  # token routing: functional's row moves, for GroupedLinear layers
     ("fusible.planning",),
     ("fusible.runtime",),
     ("fusible.module",),
     ("fusible.ops",),
-    ("fusible.traced_forward",),  # the forward a rewrite installs
-    ("fusible.rewrites",),  # convert's in-place rewrites (checkpoint names, residual adds)
-    ("fusible.conversion", "fusible.fsdp", "fusible.model_plan", "fusible.state_dicts",
-     "fusible.pipelining",
-     "fusible.testing"),
+    # the whole-model tools (fusible.models): independent pieces, then what combines them;
+    # a module added to the package falls in the lowest of them until it is listed
+    ("fusible.models", "fusible.models.checkpoint_names", "fusible.models.glu_rows",
+     "fusible.models.layer_pairing", "fusible.models.model_plan_dot",
+     "fusible.models.traced_forward"),
+    ("fusible.models.gated_mlps", "fusible.models.model_plan",
+     "fusible.models.residual_adds", "fusible.models.state_dicts"),
+    ("fusible.models.conversion", "fusible.fsdp", "fusible.pipelining", "fusible.testing"),
     ("fusible",),  # the facade, fusible/__init__.py
     ("fusible.cli",),  # the command line, on top of the facade
     ("fusible.fusions",),
@@ -93,8 +100,11 @@ STATEMENTS = list(_statements())
 
 
 def test_every_module_is_in_a_layer():
+    """Listed, not left to the facade's layer by default (as fusible.moe once was)."""
     assert all(_unit(m) in UNITS for m in MODULES)
     assert {"fusible.core.operation", "fusible.fusions.forward_linear_bias"} <= set(MODULES)
+    unlisted = sorted(m for m in MODULES if _unit(m) == "fusible" and m != "fusible")
+    assert not unlisted, f"modules in no layer of LAYERS: {unlisted}"
 
 
 # Heavy third-party modules that load when first used, not with `import fusible` (which
@@ -218,3 +228,76 @@ def test_the_check_sees_a_private_reach():
     (found,) = _private_reaches(sources)
     assert found.startswith("fusible.runtime.compiled:2 reads ._layout, private to "
                             "fusible.module")
+
+
+# What fusions may import from fusible's internals is declared: each module's __all__
+# (docs/writing_a_fusion.md, "Helpers for fusion authors"). The public faces, fusible and
+# fusible.ops, are documented in the API reference instead.
+PUBLIC_FACES = {"fusible", "fusible.ops"}
+# Modules a fusion imports from that have no __all__ yet (none now; a module listed here
+# that gains an __all__ is checked as the rest).
+AWAITING_ALL: set = set()
+FUSION_DOCS = ROOT / "docs" / "writing_a_fusion.md"
+
+
+def _fusion_imports() -> dict:
+    """``{module: {name, ...}}``: what the built-in fusions import from fusible."""
+    found = collections.defaultdict(set)
+    for name, node, _ in STATEMENTS:
+        if name.startswith("fusible.fusions") and isinstance(node, ast.ImportFrom) \
+                and not node.level and (node.module or "").split(".")[0] == "fusible":
+            found[node.module] |= {a.name for a in node.names}
+    return dict(found)
+
+
+def _declared(module: str):
+    """The module's ``__all__``, or None (a module awaiting one)."""
+    declared = getattr(importlib.import_module(module), "__all__", None)
+    assert declared is not None or module in AWAITING_ALL, (
+        f"{module}: a built-in fusion imports from it, so it declares what fusions may "
+        f"import in __all__")
+    return declared
+
+
+def _undeclared(imports: dict) -> dict:
+    """``{module: [name, ...]}`` of the imported names missing from their module's
+    ``__all__``."""
+    return {module: sorted(names - set(declared)) for module, names in imports.items()
+            if (declared := _declared(module)) is not None and names - set(declared)}
+
+
+def test_fusions_import_only_declared_helpers():
+    undeclared = _undeclared(_fusion_imports())
+    assert not undeclared, (f"built-in fusions import names their modules do not declare "
+                            f"in __all__: {undeclared}")
+
+
+def _helper_section() -> str:
+    text = FUSION_DOCS.read_text()
+    start = text.index("## Helpers for fusion authors")
+    end = text.find("\n## ", start + 1)
+    return text[start:end if end >= 0 else None]
+
+
+def test_declared_helpers_are_documented_and_listed():
+    """Each helper of a module fusions import from has its numpydoc (a section such as
+    Parameters or Attributes) and a row in writing_a_fusion.md's helper table."""
+    section = _helper_section()
+    for module, names in sorted(_fusion_imports().items()):
+        if module in PUBLIC_FACES:
+            continue
+        declared = _declared(module)
+        rows = [line for line in section.splitlines() if line.startswith(f"| `{module}` |")]
+        assert rows, f"{module} has no row in the helper table of {FUSION_DOCS.name}"
+        for name in declared or names:
+            assert f"`{name}`" in rows[0], f"{module}.{name} is not in the helper table"
+            doc = getattr(importlib.import_module(module), name).__doc__ or ""
+            assert declared is None or re.search(r"\n\s*-{3,}\n", doc), (
+                f"{module}.{name} has no numpydoc section")
+
+
+def test_the_check_sees_an_undeclared_helper():
+    """The checker itself: a fusion importing a helper its module keeps for itself (one
+    left out of __all__) is reported."""
+    planted = {"fusible.functional.linear": {"gemm_forward", "linear_forward"}}
+    assert _undeclared(planted) == {"fusible.functional.linear": ["linear_forward"]}

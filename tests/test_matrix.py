@@ -176,7 +176,10 @@ def test_freezing_any_parameter_or_input_between_calls(case):
                     assert p.grad is None, f"{name} frozen but got a gradient"
 
 
-RECIPES = ["rowwise", "blockwise", "mxfp8", "delayed"]
+# Every registered recipe (a new built-in joins by its entry point) but per-tensor current
+# scaling, the default, which the tests above run every example under.
+RECIPES = sorted(name for name, cls in fusible.registered_recipes().items()
+                 if cls is not fusible.Float8CurrentScaling)
 
 
 def _scaling_states(model) -> dict:

@@ -4,9 +4,11 @@ import attrs
 import pytest
 import torch
 
-from fusible import Check, FusedOperation, Op, Pattern, ops, unregister_fusion
+import fusible
+from fusible import Check, FusedOperation, Op, Pattern, ops
 from fusible.ops import BackwardResult, ForwardResult
 from fusible.testing import stage_names
+from plugin_registries import Registries
 
 
 @attrs.frozen
@@ -33,9 +35,9 @@ def make_fusion(name, pattern, direction="forward", accepts=None):
     return type(name, (FusedOperation,), body)
 
 
-def test_longer_match_wins(registered):
-    registered(make_fusion("TwoIds", Pattern(Op(ops.Identity), Op(ops.Identity))))
-    registered(make_fusion("ThreeIds", Pattern(Op(ops.Identity), Op(ops.Identity),
+def test_longer_match_wins(plugins):
+    plugins.fusion(make_fusion("TwoIds", Pattern(Op(ops.Identity), Op(ops.Identity))))
+    plugins.fusion(make_fusion("ThreeIds", Pattern(Op(ops.Identity), Op(ops.Identity),
                                                Op(ops.Identity))))
     plan = ops.Sequential(*[ops.Identity() for _ in range(4)]).plan()
     assert [(s.name, s.indices) for s in plan.forward] == [("ThreeIds", (0, 1, 2)),
@@ -45,18 +47,31 @@ def test_longer_match_wins(registered):
     assert statuses[("ThreeIds", (0, 1, 2))] == "chosen"
 
 
-def test_registration_order_breaks_ties(registered):
-    registered(make_fusion("FirstPair", Pattern(Op(ops.Identity), Op(ops.Identity))))
-    registered(make_fusion("SecondPair", Pattern(Op(ops.Identity), Op(ops.Identity))))
+def test_registration_order_breaks_ties(plugins):
+    plugins.fusion(make_fusion("FirstPair", Pattern(Op(ops.Identity), Op(ops.Identity))))
+    plugins.fusion(make_fusion("SecondPair", Pattern(Op(ops.Identity), Op(ops.Identity))))
     plan = ops.Sequential(ops.Identity(), ops.Identity()).plan()
     assert stage_names(plan.forward) == ["FirstPair"]
     second = [c for c in plan.candidates if c.fusion == "SecondPair"]
     assert second[0].status == "superseded" and "FirstPair" in second[0].reason
 
 
-def test_backward_is_scanned_from_the_end(registered):
-    registered(make_fusion("FwdPair", Pattern(Op(ops.Identity), Op(ops.Identity))))
-    registered(make_fusion("BwdPair", Pattern(Op(ops.Identity), Op(ops.Identity)), "backward"))
+def test_restored_registries_plan_in_their_order():
+    """What the plugins fixture restores after a test: built-ins it removed come back in
+    their planning order, not after the others."""
+    before = Registries.now()
+    first, *_ = removed = before.fusions[:3]
+    for cls in removed:
+        fusible.unregister_fusion(cls)
+    fusible.register_fusion(first)  # now the last registered
+    assert Registries.now() != before
+    before.restore()
+    assert Registries.now() == before
+
+
+def test_backward_is_scanned_from_the_end(plugins):
+    plugins.fusion(make_fusion("FwdPair", Pattern(Op(ops.Identity), Op(ops.Identity))))
+    plugins.fusion(make_fusion("BwdPair", Pattern(Op(ops.Identity), Op(ops.Identity)), "backward"))
     model = ops.Sequential(*[ops.Identity() for _ in range(3)])
     plan = model.plan(torch.ones(2, requires_grad=True))
     assert [s.indices for s in plan.forward] == [(0, 1), (2,)]
@@ -83,8 +98,8 @@ def test_optional_tries_longer_first():
     assert [m[0] for m in pattern.matches([ops.Identity(), ops.Identity()], 0)] == [2, 1]
 
 
-def test_attribute_and_where_checks_give_refusal_reasons(registered):
-    registered(make_fusion("TanhOnly", Pattern(
+def test_attribute_and_where_checks_give_refusal_reasons(plugins):
+    plugins.fusion(make_fusion("TanhOnly", Pattern(
         Op(ops.GELU, approximate="tanh"),
         Op(ops.ConstantScale, where=Check(lambda op: op.scale > 0, "a positive scale")))))
     plan = ops.Sequential(ops.GELU(), ops.ConstantScale(-1.0)).plan()
@@ -95,13 +110,13 @@ def test_attribute_and_where_checks_give_refusal_reasons(registered):
     assert "TanhOnly" in plan.explain() and "a positive scale" in plan.explain()
 
 
-def test_accepts_reason_and_bad_verdict(registered):
-    registered(make_fusion("Picky", Pattern(Op(ops.Identity), Op(ops.Identity)),
+def test_accepts_reason_and_bad_verdict(plugins):
+    plugins.fusion(make_fusion("Picky", Pattern(Op(ops.Identity), Op(ops.Identity)),
                            accepts=lambda cls, m, env: "not on Tuesdays"))
     plan = ops.Sequential(ops.Identity(), ops.Identity()).plan()
     assert stage_names(plan.forward) == ["Identity", "Identity"]
     assert [c.reason for c in plan.candidates] == ["not on Tuesdays"]
-    registered(make_fusion("Vague", Pattern(Op(ops.Identity), Op(ops.Identity)),
+    plugins.fusion(make_fusion("Vague", Pattern(Op(ops.Identity), Op(ops.Identity)),
                            accepts=lambda cls, m, env: False))
     with pytest.raises(TypeError, match="Vague.accepts.. must return True or a non-empty"):
         ops.Sequential(ops.Identity(), ops.Identity()).plan()
@@ -140,22 +155,22 @@ def test_plan_depends_on_device_type():
     assert any("no GEMM activation epilogue on meta" in c.reason for c in plan.candidates)
 
 
-def test_new_registration_replans(registered):
+def test_new_registration_replans(plugins):
     model = ops.Sequential(ops.Identity(), ops.ConstantScale(2.0))
     assert stage_names(model.plan().forward) == ["Identity", "ConstantScale"]
-    registered(make_fusion("IdScale", Pattern(Op(ops.Identity), Op(ops.ConstantScale))))
+    plugins.fusion(make_fusion("IdScale", Pattern(Op(ops.Identity), Op(ops.ConstantScale))))
     assert stage_names(model.plan().forward) == ["IdScale"]
 
 
-def test_plan_must_flatten_back(registered):
+def test_plan_must_flatten_back(plugins):
     cls = make_fusion("Liar", Pattern(Op(ops.Identity), Op(ops.Identity)))
     cls.basic_ops = lambda self: self.match.ops[:1]
-    registered(cls)
+    plugins.fusion(cls)
     with pytest.raises(RuntimeError, match="does not flatten back.*Liar"):
         ops.Sequential(ops.Identity(), ops.Identity()).plan()
 
 
-def test_entry_point_plugins_are_loaded(monkeypatch):
+def test_entry_point_plugins_are_loaded(monkeypatch, plugins):
     import fusible.planning.registry as registry
     plugin = make_fusion("FromEntryPoint", Pattern(Op(ops.Identity), Op(ops.ReLU)))
 
@@ -168,11 +183,8 @@ def test_entry_point_plugins_are_loaded(monkeypatch):
     monkeypatch.setitem(registry._state, "loaded", False)
     monkeypatch.setattr(registry.importlib.metadata, "entry_points",
                         lambda group: [FakeEntryPoint()] if group == "fusible.fusions" else [])
-    try:
-        plan = ops.Sequential(ops.Identity(), ops.ReLU()).plan()
-        assert stage_names(plan.forward) == ["FromEntryPoint"]
-    finally:
-        unregister_fusion(plugin)
+    plan = ops.Sequential(ops.Identity(), ops.ReLU()).plan()
+    assert stage_names(plan.forward) == ["FromEntryPoint"]
 
 
 _PLAN_SCRIPT = """

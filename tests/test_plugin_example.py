@@ -5,19 +5,19 @@ import pathlib
 
 import pytest
 
-from fusible import ops, unregister_fusion
+from fusible import ops
 from fusible.testing import check_fusion, exact_parameters_, exact_tensor
 
 EXAMPLE = pathlib.Path(__file__).parent.parent / "examples" / "plugin_fusion.py"
 
 
-@pytest.fixture(scope="module")
-def plugin():
+@pytest.fixture
+def plugin(plugins):
+    """The example's fusion, registered by running the example (undone after the test)."""
     spec = importlib.util.spec_from_file_location("plugin_fusion", EXAMPLE)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    yield module.ForwardScaleBias
-    unregister_fusion(module.ForwardScaleBias)
+    return module.ForwardScaleBias
 
 
 def test_plugin_fusion_is_chosen_and_correct(plugin, dtype):

@@ -353,8 +353,8 @@ class _SlightlyWrongScaleBias(fusible.FusedOperation):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_check_fusion_catches_a_wrong_fusion(dtype, registered):
-    registered(_SlightlyWrongScaleBias)
+def test_check_fusion_catches_a_wrong_fusion(dtype, plugins):
+    plugins.fusion(_SlightlyWrongScaleBias)
     model = ops.Sequential(ops.BasicLinear(16, 16), ops.ConstantScale(0.5), ops.Bias(16))
     model = model.to(dtype)
     x = torch.randn(8, 16).to(dtype).requires_grad_()

@@ -19,6 +19,10 @@ from fusible.quantization.format import Float8Format
 from fusible.quantization.tensor.float8_tensor import Float8Tensor
 from fusible.quantization.tensor.quantize import from_cast_parts
 
+# What fusion authors import (docs/writing_a_fusion.md, "Helpers for fusion authors"); the
+# rest serves the activation and gated-unit ops.
+__all__ = ["dact_dbias"]
+
 Tensor = torch.Tensor
 aten = torch.ops.aten
 
@@ -95,12 +99,28 @@ def saves_output(kind: str) -> bool:
 
 def dact_dbias(kind: str, grad_output: Tensor, saved: Tensor,
                output_format: Optional[Float8Format] = None):
-    """``(dact, dbias)`` for the pointwise activation ``kind``.
+    """A pointwise activation's input gradient and the gradient of the bias before it.
 
-    On CUDA, from ``kernels.TRITON_MIN_NUMEL`` elements, one Triton kernel; with
-    ``output_format`` it returns ``dact`` as that Float8Tensor, never written in high
-    precision. Elsewhere the PyTorch ops, and ``dact`` in high precision (the caller
-    quantizes it).
+    On CUDA, from ``kernels.TRITON_MIN_NUMEL`` elements, one Triton kernel; elsewhere the
+    PyTorch ops.
+
+    Parameters
+    ----------
+    kind : str
+        The activation (``op.kind``: a key of :data:`ACTIVATIONS`).
+    grad_output : Tensor
+        The activation output's gradient.
+    saved : Tensor
+        The tensor the activation saved (its input, or its output for ReLU:
+        :class:`~fusible.ops.pointwise_activation.ActivationSaved`).
+    output_format : Float8Format, optional
+        On CUDA, ``dact`` comes as that Float8Tensor, never written in high precision;
+        elsewhere ``dact`` comes in high precision (the caller quantizes it).
+
+    Returns
+    -------
+    tuple
+        ``(dact, dbias)``.
     """
     if (kind in kernels.KINDS and grad_output.is_cuda
             and grad_output.numel() >= kernels.TRITON_MIN_NUMEL

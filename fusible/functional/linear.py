@@ -1,8 +1,9 @@
 """The GEMMs of a linear layer, in high precision or FP8, shared by BasicLinear and fusions.
 
-A linear layer's GEMMs take typed records (:class:`GemmForwardArgs`,
-:class:`GemmBackwardArgs`): a fusion nests one in its own args, so a missing field is
-an error when the record is built, in every precision.
+A linear layer's GEMMs take typed records
+(:class:`~fusible.functional.linear_records.GemmForwardArgs`,
+:class:`~fusible.functional.linear_records.GemmBackwardArgs`): a fusion nests one in its
+own args, so a missing field is an error when the record is built, in every precision.
 
 FP8 GEMMs use ``torch._scaled_mm`` with the layouts Hopper needs: the first
 operand row-major, the second column-major. The forward reads ``x`` and
@@ -19,94 +20,22 @@ import attrs
 import torch
 
 from fusible.functional import parallel
-from fusible.functional.parallel import TensorParallel
+from fusible.functional.linear_parallel import (finish_dgrad_reduction, gather_fp8,
+                                                gathered_lead, reduce_output, reduces_dgrad,
+                                                start_dgrad_reduction)
+from fusible.functional.linear_records import GemmBackwardArgs, GemmForwardArgs
 from fusible.quantization.casts.tensorwise import cast_tensorwise, tensor_amax
 from fusible.quantization.format import Float8Format, to_format
 from fusible.quantization.gemm import scaled_gemm
 from fusible.quantization.tensor.float8_tensor import Float8Tensor, Fp8Able
 from fusible.quantization.tensor.quantize import requantize
 
+# What fusion authors import (docs/writing_a_fusion.md, "Helpers for fusion authors"); the
+# rest serves BasicLinear, GroupedLinear and the benchmarks' timers.
+__all__ = ["bias_grad", "gemm_backward", "gemm_forward", "like_tokens", "split_gemm_backward",
+           "tokens_2d"]
+
 Tensor = torch.Tensor
-
-
-@attrs.define
-class GemmForwardArgs:
-    """A linear layer's forward GEMM, ``y = x @ weight.T``.
-
-    Attributes
-    ----------
-    input : Tensor or Float8Tensor
-        ``x`` (a Float8Tensor when the stage before handed it over quantized).
-    weight : Tensor or Float8Tensor
-        The (local shard of the) weight parameter; a Float8Tensor for an FP8 parameter
-        (``quantized_model_init``), which FP8 GEMMs read as it is.
-    input_format, weight_format : Float8Format or None
-        The FP8 formats of the GEMM's operands; None for a high-precision GEMM.
-        ``input_format.columnwise``: keep the input's transposed copy for wgrad.
-    parallel : TensorParallel
-        How the layer is split over a process group (the layer's ``parallel``).
-    """
-
-    input: Fp8Able
-    weight: Fp8Able  # a Float8Tensor for an FP8 parameter (quantized_model_init)
-    input_format: Optional[Float8Format]
-    weight_format: Optional[Float8Format]
-    parallel: TensorParallel
-
-    @property
-    def fp8(self) -> bool:
-        return self.input_format is not None
-
-
-@attrs.define
-class GemmBackwardArgs:
-    """A linear layer's backward GEMMs: dgrad ``dy @ weight`` and wgrad ``dy.T @ x``.
-
-    Attributes
-    ----------
-    grad_output : Tensor or Float8Tensor
-        ``dy``.
-    input, weight : Tensor, Float8Tensor or None
-        As saved (:class:`LinearSaved`). None where the gradient that reads it is not
-        needed. Under FP8 a high-precision weight is quantized by :func:`gemm_backward`
-        itself, into the transposed copy dgrad reads, and dropped before the wgrad GEMM:
-        the FP8 copy and the weight gradient are never alive together (the 70B FFN's W13
-        at 2048 tokens: 0.44 GiB of peak).
-    grad_format : Float8Format or None
-        The FP8 format of ``dy``; None for high-precision GEMMs.
-    need_grad_input, need_grad_weight : bool
-        Which of dgrad and wgrad to compute.
-    parallel : TensorParallel
-    weight_format : Float8Format or None
-        Under FP8, the format to quantize a high-precision weight to.
-    weight_amax : Tensor or None
-        The forward's absolute maximum of the weight (the same scale, bits and no second
-        amax pass); None: computed.
-    wgrad_dtype : torch.dtype or None
-        The dtype of the weight gradient (float32 where it goes into ``main_grad``);
-        None: ``dy``'s.
-    """
-
-    grad_output: Fp8Able
-    input: Optional[Fp8Able]
-    weight: Optional[Fp8Able]
-    grad_format: Optional[Float8Format]
-    need_grad_input: bool
-    need_grad_weight: bool
-    parallel: TensorParallel
-    weight_format: Optional[Float8Format] = None
-    weight_amax: Optional[Tensor] = None
-    wgrad_dtype: Optional[torch.dtype] = None
-
-
-@attrs.define
-class LinearSaved:
-    """BasicLinear's saved record: the input for wgrad (under FP8 its transposed copy
-    only), the weight parameter itself for dgrad; None where not needed."""
-
-    input: Optional[Fp8Able]
-    weight: Optional[Tensor]
-    weight_amax: Optional[Tensor] = None  # under FP8: the forward's, reused by the backward
 
 
 def _wrong_record(args, record_type, where: str) -> TypeError:
@@ -115,12 +44,36 @@ def _wrong_record(args, record_type, where: str) -> TypeError:
 
 
 def tokens_2d(t: Tensor) -> Tensor:
-    """View a (..., features) tensor as (tokens, features) for a GEMM."""
+    """View a (..., features) tensor as (tokens, features) for a GEMM.
+
+    Parameters
+    ----------
+    t : Tensor
+        Of shape (..., features).
+
+    Returns
+    -------
+    Tensor
+        ``t`` itself when 2-D, else a (tokens, features) view or copy.
+    """
     return t if t.dim() == 2 else t.reshape(-1, t.shape[-1])
 
 
 def like_tokens(y2: Tensor, t: Tensor) -> Tensor:
-    """View a (tokens, features) GEMM result with the leading dimensions of ``t``."""
+    """View a (tokens, features) GEMM result with the leading dimensions of ``t``.
+
+    Parameters
+    ----------
+    y2 : Tensor
+        Of shape (tokens, features).
+    t : Tensor
+        The GEMM's input, whose leading dimensions ``y2`` gets.
+
+    Returns
+    -------
+    Tensor
+        Of shape (``*t.shape[:-1]``, features).
+    """
     return y2 if t.dim() == 2 else y2.view(*t.shape[:-1], y2.shape[-1])
 
 
@@ -169,7 +122,18 @@ def _scaled_product(a: Tensor, b: Tensor, alpha: float,
 
 
 def bias_grad(grad_output: Tensor) -> Tensor:
-    """A bias's gradient: the sum of ``grad_output`` over all tokens."""
+    """A bias's gradient: the sum of ``grad_output`` over all tokens.
+
+    Parameters
+    ----------
+    grad_output : Tensor
+        Of shape (..., features).
+
+    Returns
+    -------
+    Tensor
+        Of shape (features,).
+    """
     return tokens_2d(grad_output).sum(0)
 
 
@@ -204,14 +168,35 @@ def fp8_gemm(a: Tensor, a_scale_inv: Tensor, b: Tensor, b_scale_inv: Tensor,
 
 
 def gemm_forward(gemm: GemmForwardArgs, bias: Optional[Tensor] = None):
-    """``(y, kept)``, ``kept`` being what :func:`~fusible.functional.linear_state.forward_aux`
-    takes: in high precision the gathered input (column + sequence parallel) or None;
-    under FP8 ``(the FP8 input, the weight's amax)`` (the backward quantizes the weight
-    again with that amax: the same bits, without reading the weight for it).
+    """A linear layer's forward GEMM, ``y = x @ weight.T (+ bias)``, in high precision or
+    FP8 (the record's formats), with its tensor-parallel collectives.
 
     Tensor parallelism: column + sequence parallel all-gathers ``x`` first; row sums
     the output over the group (all-reduce, or reduce-scatter with sequence parallel),
     so a row-parallel ``bias`` would be added on every rank: callers refuse it.
+
+    Parameters
+    ----------
+    gemm : GemmForwardArgs
+        The record (:func:`~fusible.functional.linear_state.gemm_forward_args`).
+    bias : Tensor, optional
+        Added in the GEMM's epilogue.
+
+    Returns
+    -------
+    tuple
+        ``(y, kept)``, ``kept`` being what
+        :func:`~fusible.functional.linear_state.forward_aux` takes: in high precision the
+        gathered input (column + sequence parallel) or None; under FP8 ``(the FP8 input,
+        the weight's amax)`` (the backward quantizes the weight again with that amax: the
+        same bits, without reading the weight for it).
+
+    Raises
+    ------
+    TypeError
+        If ``gemm`` is not a GemmForwardArgs.
+    ValueError
+        For a bias on a row-parallel GEMM.
     """
     if type(gemm) is not GemmForwardArgs:
         raise _wrong_record(gemm, GemmForwardArgs, "gemm_forward")
@@ -220,10 +205,10 @@ def gemm_forward(gemm: GemmForwardArgs, bias: Optional[Tensor] = None):
         raise ValueError(f"a row-parallel GEMM cannot add a bias before its reduction ({tp})")
     if fmt is None:
         x = parallel.all_gather(x, tp) if tp.gathers_input else x
-        return (_reduce_output(linear_forward(x, weight, bias), tp),
+        return (reduce_output(linear_forward(x, weight, bias), tp),
                 x if tp.gathers_input else None)
     if tp.gathers_input:
-        x_q, lead = gather_fp8(x, tp, fmt), _gathered_lead(x, tp)
+        x_q, lead = gather_fp8(x, tp, fmt), gathered_lead(x, tp)
     else:
         x_q, lead = as_fp8(x, fmt if not handed_in(x, fmt) else fmt.rowwise()), x.shape[:-1]
     w_format = gemm.weight_format
@@ -248,60 +233,7 @@ def gemm_forward(gemm: GemmForwardArgs, bias: Optional[Tensor] = None):
     # per-row ones become the column scales of its transpose.
     y = fp8_gemm(x_q._data, x_q._scale_inv, w_data.t(), w_scale_inv.t(), bias, x_q.dtype,
                  fast_accum=True)
-    return _reduce_output(y.view(*lead, y.shape[-1]), tp), (x_q, w_amax)
-
-
-def gather_fp8(x: Tensor, tp: TensorParallel, fmt: Float8Format) -> Float8Tensor:
-    """All-gather ``x`` along dim 0 in FP8 (``fmt``), as a 2-D Float8Tensor (tokens,
-    features).
-
-    Each rank casts its own tokens and the FP8 bytes are gathered (half of bf16's) with
-    their scales, the bits of gathering in high precision and then quantizing: one scale
-    per tensor is the group's (the absolute maxima all-reduced first); scales per token
-    (or per tile of a token) are each rank's own; the transposed copy's scales per
-    feature span the group's tokens, their maxima all-reduced first
-    (:meth:`~fusible.quantization.scalings.base.Scaling.cast_gathered`). An FP8 ``x`` with its
-    own scale is dequantized first.
-    """
-    if isinstance(x, Float8Tensor):
-        x = x._dequantize_raw()
-    parts = fmt.scaling.cast_gathered(tokens_2d(x), fmt.fp8_dtype, fmt.columnwise,
-                                      lambda t: parallel.all_gather(t, tp),
-                                      lambda t: parallel.all_reduce(t, tp, "max"),
-                                      state=fmt.state)
-    data, scale_inv, transpose, t_scale_inv = parts
-    return Float8Tensor(data, scale_inv, x.dtype, transpose, transpose_scale_inv=t_scale_inv)
-
-
-def _gathered_lead(x: Tensor, tp: TensorParallel) -> tuple:
-    """The leading dimensions of ``x`` gathered along dim 0."""
-    return (x.shape[0] * tp.world_size, *x.shape[1:-1])
-
-
-def _reduce_output(y: Tensor, tp: TensorParallel) -> Tensor:
-    """A row-parallel output summed over the group; others unchanged."""
-    if not (tp.active and tp.mode == "row"):
-        return y
-    return parallel.sum_over_group(y, tp)
-
-
-def _reduces_dgrad(tp: TensorParallel) -> bool:
-    """Whether the dgrad is a partial sum, summed over the group (column parallel)."""
-    return tp.active and tp.mode == "column"
-
-
-def _start_dgrad_reduction(dx: Optional[Tensor], tp: TensorParallel) -> Optional[Tensor]:
-    """Start summing a column-parallel dgrad (a partial sum) over the group; the caller
-    issues the wgrad GEMM, which overlaps with it, then :func:`_finish`."""
-    if dx is None or not _reduces_dgrad(tp):
-        return dx
-    return parallel.sum_over_group(dx, tp, wait=False)
-
-
-def _finish(dx: Optional[Tensor], tp: TensorParallel) -> Optional[Tensor]:
-    """The dgrad, once its reduction (if one was started) is done: no wait op otherwise
-    (an op call of host time in every backward)."""
-    return parallel.wait(dx) if dx is not None and _reduces_dgrad(tp) else dx
+    return reduce_output(y.view(*lead, y.shape[-1]), tp), (x_q, w_amax)
 
 
 def _needed(t: Optional[Fp8Able]) -> Fp8Able:
@@ -332,32 +264,51 @@ def _dgrad_weight(args: GemmBackwardArgs) -> tuple:
 
 def gemm_backward(args: GemmBackwardArgs, accumulate_into: Optional[Tensor] = None,
                   grad_scale: float = 1.0):
-    """``(dgrad or None, wgrad or None)`` from the saved input and weight (under FP8,
-    Float8Tensors with their transposed copies).
+    """A linear layer's backward GEMMs from the saved input and weight (under FP8,
+    Float8Tensors with their transposed copies), with their tensor-parallel collectives
+    (row + sequence parallel all-gathers ``dy`` first).
 
-    ``accumulate_into`` is added to the dgrad (in the GEMM in high precision); not with
-    a column-parallel ``tp``, whose dgrad is summed over the group afterwards. Row +
-    sequence parallel all-gathers ``dy`` first. ``grad_scale`` multiplies ``dy`` inside
-    both GEMMs (their epilogue in high precision, ``dy``'s FP8 scale under FP8): a
-    constant scale after the layer, without a pass over ``dy``.
+    Parameters
+    ----------
+    args : GemmBackwardArgs
+        The record (:func:`~fusible.functional.linear_state.gemm_backward_args`, or one
+        half of :func:`split_gemm_backward`).
+    accumulate_into : Tensor, optional
+        Added to the dgrad (in the GEMM in high precision); not with a column-parallel
+        ``tp``, whose dgrad is summed over the group afterwards.
+    grad_scale : float
+        Multiplies ``dy`` inside both GEMMs (their epilogue in high precision, ``dy``'s
+        FP8 scale under FP8): a constant scale after the layer, without a pass over ``dy``.
+
+    Returns
+    -------
+    tuple
+        ``(dgrad or None, wgrad or None)``, None where the record says it is not needed.
+
+    Raises
+    ------
+    TypeError
+        If ``args`` is not a GemmBackwardArgs.
+    ValueError
+        For ``accumulate_into`` with a column-parallel dgrad.
     """
     if type(args) is not GemmBackwardArgs:
         raise _wrong_record(args, GemmBackwardArgs, "gemm_backward")
     dy, x_saved, w_saved, tp = args.grad_output, args.input, args.weight, args.parallel
     need_dgrad, need_wgrad, fmt = args.need_grad_input, args.need_grad_weight, args.grad_format
-    if _reduces_dgrad(tp) and accumulate_into is not None:
+    if reduces_dgrad(tp) and accumulate_into is not None:
         raise ValueError(f"a column-parallel dgrad is summed over the group: it cannot "
                          f"accumulate into a local tensor ({tp})")
     if fmt is None:
         dy = parallel.all_gather(dy, tp) if tp.gathers_grad else dy
         dx = (linear_dgrad(dy, _needed(w_saved), accumulate_into, grad_scale)
               if need_dgrad else None)
-        dx = _start_dgrad_reduction(dx, tp)
+        dx = start_dgrad_reduction(dx, tp)
         dw = (linear_wgrad(dy, _needed(x_saved), grad_scale, args.wgrad_dtype)
               if need_wgrad else None)
-        return _finish(dx, tp), dw
+        return finish_dgrad_reduction(dx, tp), dw
     if tp.gathers_grad:
-        dy_q, lead = gather_fp8(dy, tp, fmt), _gathered_lead(dy, tp)
+        dy_q, lead = gather_fp8(dy, tp, fmt), gathered_lead(dy, tp)
     else:
         dy_q, lead = as_fp8(dy, fmt), dy.shape[:-1]
     dx = dw = None
@@ -369,23 +320,43 @@ def gemm_backward(args: GemmBackwardArgs, accumulate_into: Optional[Tensor] = No
         dx = dx.view(*lead, dx.shape[-1])
         if accumulate_into is not None:
             dx = dx + accumulate_into.reshape(dx.shape)  # dy may come flat
-    dx = _start_dgrad_reduction(dx, tp)
+    dx = start_dgrad_reduction(dx, tp)
     if need_wgrad:
         x_saved = cast(Float8Tensor, x_saved)  # under FP8 its transposed copy (LinearSaved)
         assert dy_q._transpose is not None and x_saved._transpose is not None  # columnwise
         dw = fp8_gemm(dy_q._transpose, _times(dy_q.transpose_scale_inv, grad_scale),
                       x_saved._transpose.t(), x_saved.transpose_scale_inv.t(), None,
                       args.wgrad_dtype or dy_q.dtype)
-    return _finish(dx, tp), dw
+    return finish_dgrad_reduction(dx, tp), dw
 
 
 def split_gemm_backward(args: GemmBackwardArgs) -> tuple:
-    """``(dgrad record, wgrad record)``: a linear layer's backward GEMMs as two calls of
-    :func:`gemm_backward` (a split backward). Under FP8 ``dy`` is quantized here, once,
-    with both copies (the cast :func:`gemm_backward` would make), and both records read
-    it: the wgrad record keeps its transposed copy and the saved input, the dgrad record
-    the weight. The dgrad then has ``dy``'s tokens as one dimension: see
-    :func:`like_tokens`."""
+    """A linear layer's backward GEMMs as two calls of :func:`gemm_backward` (a split
+    backward, ``fusible.split_backward()``).
+
+    Under FP8 ``dy`` is quantized here, once, with both copies (the cast
+    :func:`gemm_backward` would make), and both records read it: the wgrad record keeps
+    its transposed copy and the saved input, the dgrad record the weight. The dgrad then
+    has ``dy``'s tokens as one dimension: see :func:`like_tokens`.
+
+    Parameters
+    ----------
+    args : GemmBackwardArgs
+        The one-call record.
+
+    Returns
+    -------
+    tuple
+        ``(dgrad record, wgrad record)``, both GemmBackwardArgs.
+
+    Raises
+    ------
+    TypeError
+        If ``args`` is not a GemmBackwardArgs.
+    ValueError
+        Where ``dy`` is all-gathered (row + sequence parallel): the two GEMMs cannot share
+        the gather.
+    """
     if type(args) is not GemmBackwardArgs:
         raise _wrong_record(args, GemmBackwardArgs, "split_gemm_backward")
     if args.parallel.gathers_grad:

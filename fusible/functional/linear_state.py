@@ -6,26 +6,74 @@ from __future__ import annotations
 
 from typing import Optional
 
-from fusible.functional.linear import (GemmBackwardArgs, GemmForwardArgs, LinearSaved, as_fp8,
-                                       handed_in)
+from fusible.functional.linear import as_fp8, handed_in
+from fusible.functional.linear_records import GemmBackwardArgs, GemmForwardArgs, LinearSaved
 from fusible.functional.parallel import TensorParallel
 from fusible.quantization.format import Float8Format, bound_format
 from fusible.quantization.tensor.quantize import transposed_only
 
+# Declared for fusion authors (docs/writing_a_fusion.md, "Helpers for fusion authors").
+__all__ = ["forward_aux", "gemm_backward_args", "gemm_forward_args", "gemm_grad_format",
+           "gemm_input_format", "save_linear"]
+
 
 def gemm_input_format(recipe, needs) -> Optional[Float8Format]:
-    """The format a linear layer's GEMM reads its input in under ``recipe`` (None: no
-    recipe); with the transposed copy when wgrad needs it (``needs.params[0]``)."""
+    """The format a linear layer's GEMM reads its input in: what a fusion starting with a
+    linear layer returns from ``input_format``.
+
+    Parameters
+    ----------
+    recipe : Recipe or None
+        The FP8 recipe in effect.
+    needs : OpGradNeeds
+        The linear layer's gradient needs: with the transposed copy when wgrad needs it
+        (``needs.params[0]``).
+
+    Returns
+    -------
+    Float8Format or None
+        None without a recipe.
+    """
     return None if recipe is None else recipe.input_format(columnwise=needs.params[0])
 
 
 def gemm_grad_format(recipe, needs) -> Optional[Float8Format]:
-    """The format a linear layer's backward GEMMs read ``dy`` in (None: no recipe)."""
+    """The format a linear layer's backward GEMMs read ``dy`` in: what a backward fusion
+    ending with a linear layer returns from ``grad_format``.
+
+    Parameters
+    ----------
+    recipe : Recipe or None
+        The FP8 recipe in effect.
+    needs : OpGradNeeds
+        The linear layer's gradient needs: with the transposed copy when wgrad needs it.
+
+    Returns
+    -------
+    Float8Format or None
+        None without a recipe.
+    """
     return None if recipe is None else recipe.grad_format(columnwise=needs.params[0])
 
 
 def gemm_forward_args(input, weight, tp: TensorParallel, ctx) -> GemmForwardArgs:
-    """The forward GEMM record of a linear layer from its context (recipe, needs)."""
+    """The forward GEMM record of a linear layer, its FP8 formats from its context.
+
+    Parameters
+    ----------
+    input : Tensor or Float8Tensor
+        The GEMM's input.
+    weight : Tensor or Float8Tensor
+        The layer's weight parameter (its local shard).
+    tp : TensorParallel
+        The layer's ``tp``.
+    ctx : OperationContext
+        The linear layer's context (its ``recipe`` and ``needs``).
+
+    Returns
+    -------
+    GemmForwardArgs
+    """
     recipe = ctx.recipe
     if recipe is None:
         return GemmForwardArgs(input, weight, None, None, tp)
@@ -35,11 +83,25 @@ def gemm_forward_args(input, weight, tp: TensorParallel, ctx) -> GemmForwardArgs
 
 
 def forward_aux(gemm: GemmForwardArgs, kept) -> tuple:
-    """The aux tensors a forward GEMM stage returns, from ``gemm_forward``'s ``kept``: in
-    high precision the gathered input (column + sequence parallel) if any; under FP8 the
-    input's transposed copy and scale and the weight's amax, ``(x_t, x_scale_inv,
-    w_amax)`` (None where not kept). An input that arrived in FP8 is the caller's to save
-    (see :func:`~fusible.functional.linear.handed_in`): then ``(w_amax,)``."""
+    """The aux tensors a forward GEMM stage returns (``ForwardResult.aux``), which
+    :func:`save_linear` reads.
+
+    Parameters
+    ----------
+    gemm : GemmForwardArgs
+        The record the GEMM ran.
+    kept
+        What :func:`~fusible.functional.linear.gemm_forward` returned beside ``y``.
+
+    Returns
+    -------
+    tuple
+        In high precision the gathered input (column + sequence parallel) if any; under
+        FP8 the input's transposed copy and scale and the weight's amax, ``(x_t,
+        x_scale_inv, w_amax)`` (None where not kept). An input that arrived in FP8 is the
+        caller's to save (see :func:`~fusible.functional.linear.handed_in`): then
+        ``(w_amax,)``.
+    """
     if gemm.input_format is None:
         return () if kept is None else (kept,)
     x_q, w_amax = kept
@@ -55,11 +117,28 @@ def _kept_by_caller(gemm: GemmForwardArgs) -> bool:
 
 
 def save_linear(ctx, gemm: GemmForwardArgs, aux: tuple) -> None:
-    """Set ``ctx.saved`` to the linear layer's :class:`LinearSaved`: the input for wgrad,
-    the weight for dgrad. Under FP8 the input is kept as its transposed FP8 copy only
-    (all wgrad reads), from the forward result's aux (see :func:`forward_aux`); the weight
-    is kept as the parameter itself and quantized again in the backward, with the
-    forward's amax."""
+    """Set ``ctx.saved`` to the linear layer's
+    :class:`~fusible.functional.linear_records.LinearSaved`, as BasicLinear saves it: the
+    input for wgrad, the weight for dgrad.
+
+    Under FP8 the input is kept as its transposed FP8 copy only (all wgrad reads), from
+    the forward result's aux; the weight is kept as the parameter itself and quantized
+    again in the backward, with the forward's amax.
+
+    Parameters
+    ----------
+    ctx : OperationContext
+        The linear layer's context.
+    gemm : GemmForwardArgs
+        The record the GEMM ran.
+    aux : tuple
+        The stage's ``ForwardResult.aux``: exactly :func:`forward_aux`'s tuple.
+
+    Raises
+    ------
+    TypeError
+        Under FP8, for an ``aux`` that is not :func:`forward_aux`'s.
+    """
     needs = ctx.needs
     x = None
     w_amax = _weight_amax(gemm, aux) if gemm.input_format is not None and needs.input else None
@@ -91,15 +170,29 @@ def _weight_amax(gemm: GemmForwardArgs, aux: tuple):
 
 def gemm_backward_args(ctx, grad_output, tp: TensorParallel,
                        wgrad_dtype=None) -> GemmBackwardArgs:
-    """The backward GEMM record of a linear layer from its context and saved record;
-    ``wgrad_dtype``: the layer's (``BasicLinear.wgrad_dtype``: float32 where the weight
-    gradient goes into ``main_grad``).
+    """The backward GEMM record of a linear layer from its context and saved record.
 
     Under FP8 the weight goes in high precision with the forward's amax:
     :func:`~fusible.functional.linear.gemm_backward` quantizes it into the transposed copy
     dgrad reads, the same bits as in the forward (current scaling of an unchanged
     parameter; autograd checks its version), and no FP8 copy of every weight is held
     between the passes.
+
+    Parameters
+    ----------
+    ctx : OperationContext
+        The linear layer's context, its ``saved`` a LinearSaved.
+    grad_output : Tensor or Float8Tensor
+        ``dy``.
+    tp : TensorParallel
+        The layer's ``tp``.
+    wgrad_dtype : torch.dtype, optional
+        The layer's ``BasicLinear.wgrad_dtype`` (float32 where the weight gradient goes
+        into ``main_grad``).
+
+    Returns
+    -------
+    GemmBackwardArgs
     """
     saved, recipe, needs = ctx.saved, ctx.recipe, ctx.needs
     if recipe is None:

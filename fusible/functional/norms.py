@@ -15,6 +15,11 @@ from fusible.quantization.format import Float8Format, to_format
 from fusible.quantization.tensor.float8_tensor import Float8Tensor
 from fusible.quantization.tensor.quantize import from_cast_parts, quantize_raw, transposed_only
 
+# What fusion authors import (docs/writing_a_fusion.md, "Helpers for fusion authors"); the
+# rest serves the norm ops.
+__all__ = ["effective_gamma", "layer_norm_backward", "norm_forward",
+           "norm_forward_fp8_keeping_amax", "norm_output_fp8_again", "rms_norm_backward"]
+
 Tensor = torch.Tensor
 
 
@@ -54,9 +59,21 @@ def _cpu_float_copies(*tensors):
 
 
 def effective_gamma(weight: Tensor, zero_centered: bool) -> Tensor:
-    """What a norm multiplies by: ``weight``, or for a zero-centred gamma
-    (TransformerEngine's ``zero_centered_gamma``) ``1 + weight`` computed in float32
-    (float64 for a float64 weight), as TransformerEngine's kernels compute it."""
+    """What a norm multiplies by.
+
+    Parameters
+    ----------
+    weight : Tensor
+        The norm's weight.
+    zero_centered : bool
+        The norm's ``zero_centered_gamma`` (TransformerEngine's).
+
+    Returns
+    -------
+    Tensor
+        ``weight``, or for a zero-centred gamma ``1 + weight`` computed in float32
+        (float64 for a float64 weight), as TransformerEngine's kernels compute it.
+    """
     if not zero_centered:
         return weight
     return weight.to(torch.float64 if weight.dtype == torch.float64 else torch.float32) + 1
@@ -89,8 +106,26 @@ def layer_norm_forward(x: Tensor, weight: Tensor, bias: Tensor, normalized_shape
 
 def layer_norm_backward(dy: Tensor, x: Tensor, mean: Tensor, rstd: Tensor, weight: Tensor,
                         bias: Tensor, normalized_shape: list, mask: list) -> tuple:
-    """``(dx, dweight, dbias)``, each None where ``mask`` says it is not needed (one
-    Triton kernel on CUDA)."""
+    """LayerNorm's backward (one Triton kernel on CUDA).
+
+    Parameters
+    ----------
+    dy, x : Tensor
+        The output's gradient and the norm's input.
+    mean, rstd : Tensor
+        The forward's statistics.
+    weight, bias : Tensor
+        The norm's (the effective gamma: :func:`effective_gamma`).
+    normalized_shape : list of int
+        The trailing dimensions normalised over.
+    mask : list of bool
+        Which of ``(dx, dweight, dbias)`` are needed.
+
+    Returns
+    -------
+    tuple
+        ``(dx, dweight, dbias)``, each None where ``mask`` says it is not needed.
+    """
     if triton_can_run(dy, x, weight):
         return norm_kernels.norm_backward_triton(dy, x, mean, rstd, weight, True, *mask)
     dyc, xc, w, b = _cpu_float_copies(dy, x, weight, bias)
@@ -128,9 +163,28 @@ def rms_norm_backward(dy: Tensor, x: Tensor, rstd: Tensor, weight: Tensor,
                       normalized_shape: list, need_dx: bool, need_dw: bool,
                       accumulate_into: Optional[Tensor] = None
                       ) -> tuple[Optional[Tensor], Optional[Tensor]]:
-    """``(dx, dweight)``, each None where not needed (one Triton kernel on CUDA);
-    ``accumulate_into`` is added to ``dx`` before its one rounding (a residual branch's
-    gradient)."""
+    """RMSNorm's backward (one Triton kernel on CUDA).
+
+    Parameters
+    ----------
+    dy, x : Tensor
+        The output's gradient and the norm's input.
+    rstd : Tensor
+        The forward's statistic.
+    weight : Tensor
+        The norm's (the effective gamma: :func:`effective_gamma`).
+    normalized_shape : list of int
+        The trailing dimensions normalised over.
+    need_dx, need_dw : bool
+        Which gradients to compute.
+    accumulate_into : Tensor, optional
+        Added to ``dx`` before its one rounding (a residual branch's gradient).
+
+    Returns
+    -------
+    tuple
+        ``(dx, dweight)``, each None where not needed.
+    """
     if triton_can_run(dy, x, weight):
         dx, dw, _ = norm_kernels.norm_backward_triton(dy, x, None, rstd, weight, False, need_dx,
                                                       need_dw, accumulate_into=accumulate_into)
@@ -152,8 +206,27 @@ def rms_norm_backward(dy: Tensor, x: Tensor, rstd: Tensor, weight: Tensor,
 
 def norm_forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], normalized_shape: list,
                  eps: float, center: bool) -> tuple:
-    """``(y, mean or None, rstd)``: LayerNorm with ``center`` (``bias`` added), RMSNorm
-    without; the kernels of the norm ops."""
+    """A norm's forward in high precision, with the kernels of the norm ops.
+
+    Parameters
+    ----------
+    x : Tensor
+        The input.
+    weight : Tensor
+        The effective gamma (:func:`effective_gamma`).
+    bias : Tensor or None
+        LayerNorm's bias (with ``center``).
+    normalized_shape : list of int
+        The trailing dimensions normalised over.
+    eps : float
+    center : bool
+        LayerNorm (the mean subtracted, ``bias`` added); RMSNorm without.
+
+    Returns
+    -------
+    tuple
+        ``(y, mean or None, rstd)``.
+    """
     if center:
         assert bias is not None  # LayerNorm's
         return layer_norm_forward(x, weight, bias, normalized_shape, eps)
@@ -164,10 +237,23 @@ def norm_forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], normalized_s
 def norm_forward_fp8_keeping_amax(x: Tensor, weight: Tensor, bias: Optional[Tensor],
                                   normalized_shape: list, eps: float, center: bool,
                                   fmt: Float8Format) -> tuple:
-    """``(Float8Tensor y, mean, rstd, amax)``: the norm with ``y`` in ``fmt``, the same bits
-    as the norm op's FP8 forward (or its output quantized after it), and ``y``'s absolute
-    maximum in a tensor of its own, which :func:`norm_output_fp8_again` takes (a stateful
-    format's: the amax its state scales this cast by)."""
+    """A norm's forward with ``y`` in FP8, the same bits as the norm op's FP8 forward (or
+    its output quantized after it), keeping what casting ``y`` again takes.
+
+    Parameters
+    ----------
+    x, weight, bias, normalized_shape, eps, center
+        As for :func:`norm_forward`.
+    fmt : Float8Format
+        The format of ``y`` (bound to its op's state where stateful).
+
+    Returns
+    -------
+    tuple
+        ``(Float8Tensor y, mean, rstd, amax)``: ``amax``, ``y``'s absolute maximum in a
+        tensor of its own (a stateful format's: the amax its state scales this cast by),
+        is what :func:`norm_output_fp8_again` takes.
+    """
     if fmt.stateful:
         assert fmt.state is not None  # a stateful format is bound to its op's state
         amax = fmt.state[0].clone()
@@ -193,8 +279,26 @@ def norm_output_fp8_again(x: Tensor, weight: Tensor, bias: Optional[Tensor], mea
                           amax: Tensor, normalized_shape: list, eps: float, center: bool,
                           fmt: Float8Format) -> Float8Tensor:
     """The ``y`` of :func:`norm_forward_fp8_keeping_amax` once more, bit for bit (the same
-    statistics, the same scale), as its transposed copy only: what a weight gradient
-    reads."""
+    statistics, the same scale): a norm's output recomputed for a weight gradient.
+
+    Parameters
+    ----------
+    x, weight, bias
+        As for :func:`norm_forward`.
+    mean, rstd : Tensor
+        The forward's statistics (``mean`` None for RMSNorm).
+    amax : Tensor
+        The forward's, from :func:`norm_forward_fp8_keeping_amax`.
+    normalized_shape, eps, center
+        As for :func:`norm_forward`.
+    fmt : Float8Format
+        The forward's format of ``y``.
+
+    Returns
+    -------
+    Float8Tensor
+        ``y``'s transposed copy only: what a weight gradient reads.
+    """
     kernels = (x, weight) if bias is None else (x, weight, bias)
     if triton_can_run(*kernels) and x.numel():
         transpose, scale_inv = norm_kernels.norm_cast_fp8_triton(

@@ -22,10 +22,14 @@ from fusible.core.schema import SchemaType, register_schema_type
 if TYPE_CHECKING:
     from torch.distributed.distributed_c10d import GroupName
 
+# What fusion authors import (docs/writing_a_fusion.md, "Helpers for fusion authors"); the
+# collectives and group helpers serve the ops.
+__all__ = ["TensorParallel"]
+
 Tensor = torch.Tensor
 _c10d = torch.ops._c10d_functional
 
-MODES = (None, "column", "row")
+_MODES = (None, "column", "row")
 
 
 @attrs.frozen
@@ -71,8 +75,8 @@ class TensorParallel:
     reduces_param_grads: bool = attrs.field(init=False, eq=False, repr=False)
 
     def __attrs_post_init__(self):
-        if self.mode not in MODES:
-            raise ValueError(f"TensorParallel: mode must be one of {MODES}, got {self.mode!r}")
+        if self.mode not in _MODES:
+            raise ValueError(f"TensorParallel: mode must be one of {_MODES}, got {self.mode!r}")
         active = self.world_size > 1
         split = active and self.sequence_parallel
         for name, value in (("active", active),
@@ -106,8 +110,8 @@ def resolve_group(op_name: str, group) -> dist.ProcessGroup:
 def tensor_parallel(op_name: str, mode: Optional[str], sequence_parallel: bool,
                     group) -> TensorParallel:
     """The :class:`TensorParallel` of an op's constructor arguments."""
-    if mode not in MODES:
-        raise ValueError(f"{op_name}: tensor_parallel_mode must be one of {MODES}, got {mode!r}")
+    if mode not in _MODES:
+        raise ValueError(f"{op_name}: tensor_parallel_mode must be one of {_MODES}, got {mode!r}")
     if mode is None and not sequence_parallel:
         if group is not None:
             raise ValueError(f"{op_name}: tensor_parallel_group given without "

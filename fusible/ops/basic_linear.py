@@ -12,9 +12,8 @@ from fusible.core import checks
 from fusible.core.example import Example
 from fusible.core.results import BackwardResult, ForwardResult
 from fusible.functional import parallel
-from fusible.functional.linear import (GemmBackwardArgs, GemmForwardArgs, LinearSaved,
-                                       gemm_backward, gemm_forward, like_tokens,
-                                       split_gemm_backward)
+from fusible.functional.linear import gemm_backward, gemm_forward, like_tokens, split_gemm_backward
+from fusible.functional.linear_records import GemmBackwardArgs, GemmForwardArgs, LinearSaved
 from fusible.functional.linear_state import (forward_aux, gemm_backward_args, gemm_forward_args,
                                              gemm_grad_format, gemm_input_format, save_linear)
 from fusible.functional.parallel import NOT_PARALLEL
@@ -22,12 +21,32 @@ from fusible.module import BasicOperation
 from fusible.quantization.params import fp8_parameter
 from fusible.quantization.tensor.float8_tensor import Float8Tensor
 
+# The op, and what fusions covering it import (docs/writing_a_fusion.md, "Helpers for
+# fusion authors"); the rest serves ops.Linear and the state dicts.
+__all__ = ["BasicLinear", "parallel_refusal"]
+
 Tensor = torch.Tensor
 
 
 def parallel_refusal(linear: "BasicLinear", modes=(None,), why: str = "") -> "bool | str":
-    """True when a fusion covering ``linear`` handles its tensor-parallel mode (one of
-    ``modes``; None for none), else the reason for the plan (``why``, or a default)."""
+    """Whether a fusion covering ``linear`` runs its tensor-parallel collectives: what a
+    fusion's ``accepts`` returns for the layer.
+
+    Parameters
+    ----------
+    linear : BasicLinear
+        The covered layer.
+    modes : tuple of (str or None)
+        The tensor-parallel modes the fusion handles (None: none, the default).
+    why : str
+        The reason to give otherwise (default: one naming the layer's mode).
+
+    Returns
+    -------
+    bool or str
+        True when the layer communicates nothing or its mode is one of ``modes``, else
+        the reason for the plan.
+    """
     tp = linear.parallel
     if not tp.active or tp.mode in modes:
         return True
@@ -96,7 +115,7 @@ class BasicLinear(BasicOperation):
                              f"tensor_parallel_mode 'column' or 'row'")
         self.parallel = parallel.tensor_parallel(self.describe(), tensor_parallel_mode,
                                                  sequence_parallel, tensor_parallel_group)
-        self.local_in, self.local_out = local_linear_sizes(self)
+        self.local_in, self.local_out = _local_linear_sizes(self)
         self.weight = nn.Parameter(torch.empty(self.local_out, self.local_in, device=device,
                                                dtype=dtype))
         self.reset_parameters()
@@ -156,7 +175,7 @@ class BasicLinear(BasicOperation):
                              f"expected {self.local_in}{shard}")
         self._check_param("weight", self.param("weight"), dtype, device,
                           (self.local_out, self.local_in))
-        return (*parallel_tokens(self, shape), self.local_out)
+        return (*_parallel_tokens(self, shape), self.local_out)
 
     def validate_fp8(self, shape, recipe) -> None:
         """FP8 GEMMs (Hopper's) need every dimension divisible by 16; an FP8 weight
@@ -249,7 +268,7 @@ class BasicLinear(BasicOperation):
         return self.describe()[len("BasicLinear("):-1]
 
 
-def local_linear_sizes(op) -> tuple:
+def _local_linear_sizes(op) -> tuple:
     """``(local in_features, local out_features)``: the weight shard's shape, reversed."""
     tp, name = op.parallel, op.describe()
     if tp.mode == "column":
@@ -289,7 +308,7 @@ def linear_shard(linear: "BasicLinear") -> tuple:
     return everything, parallel.rank_slice(tp, linear.local_in)
 
 
-def parallel_tokens(op, shape) -> tuple:
+def _parallel_tokens(op, shape) -> tuple:
     """The leading dimensions of a linear layer's output: dim 0 gathered (column + SP)
     or scattered (row + SP) over the group."""
     tp, lead = op.parallel, tuple(shape[:-1])

@@ -11,6 +11,10 @@ from fusible.core.results import BackwardResult, ForwardResult
 from fusible.functional.activations import activation_backward, activation_forward, saves_output
 from fusible.module import BasicOperation
 
+# The base op, and what fusions covering an activation save and read
+# (docs/writing_a_fusion.md, "Helpers for fusion authors").
+__all__ = ["ActivationSaved", "PointwiseActivation", "save_activation"]
+
 Tensor = torch.Tensor
 
 
@@ -30,8 +34,14 @@ class ActivationBackwardArgs:
 
 @attrs.define
 class ActivationSaved:
-    """A pointwise activation's saved record: its input, or its output where the
-    gradient needs only that (ReLU); None when the input needs no gradient."""
+    """A pointwise activation's saved record.
+
+    Attributes
+    ----------
+    tensor : Tensor or None
+        Its input, or its output where the gradient needs only that (ReLU); None when
+        the input needs no gradient.
+    """
 
     tensor: Optional[Tensor]
 
@@ -85,5 +95,16 @@ class PointwiseActivation(BasicOperation, abstract=True):
 
 
 def save_activation(op: PointwiseActivation, ctx, x: Tensor, y: Tensor) -> None:
-    """A pointwise activation's saved record: the input, or the output for ReLU."""
+    """Set ``ctx.saved`` to the activation's :class:`ActivationSaved`, as the op saves it.
+
+    Parameters
+    ----------
+    op : PointwiseActivation
+        The covered activation.
+    ctx : OperationContext
+        Its context.
+    x, y : Tensor
+        Its input and output: the input is saved, or the output for ReLU (nothing where
+        the input needs no gradient).
+    """
     ctx.saved = ActivationSaved((y if op.saves_output else x) if ctx.needs.input else None)

@@ -17,6 +17,10 @@ from fusible.functional.norms import (NORM_CHECKS, check_trailing, effective_gam
                                       norm_options, rms_norm_backward, rms_norm_forward)
 from fusible.module import BasicOperation
 
+# The op, and the records fusions covering it read and build (docs/writing_a_fusion.md,
+# "Helpers for fusion authors").
+__all__ = ["RMSNorm", "RMSNormBackwardArgs", "RMSNormSaved"]
+
 Tensor = torch.Tensor
 
 
@@ -31,8 +35,17 @@ class RMSNormForwardArgs:
 
 @attrs.define
 class RMSNormSaved:
-    """RMSNorm's saved record (when any gradient is needed); ``rstd`` is float32 for
-    16-bit inputs."""
+    """RMSNorm's saved record (when any gradient is needed).
+
+    Attributes
+    ----------
+    input : Tensor
+        The norm's input.
+    rstd : Tensor
+        ``rsqrt(mean(x**2) + eps)``, float32 for 16-bit inputs.
+    weight : Tensor
+        The weight parameter.
+    """
 
     input: Tensor
     rstd: Tensor
@@ -41,6 +54,23 @@ class RMSNormSaved:
 
 @attrs.define
 class RMSNormBackwardArgs:
+    """RMSNorm's backward: what :func:`~fusible.functional.norms.rms_norm_backward` takes
+    (a fusion over the norm's backward nests one in its own args).
+
+    Attributes
+    ----------
+    grad_output : Tensor
+        ``dy``.
+    input, rstd, weight : Tensor or None
+        As saved (:class:`RMSNormSaved`); None when no gradient is needed.
+    normalized_shape : list of int
+        The trailing dimensions normalised over.
+    need_grad_input, need_grad_weight : bool
+        Which gradients to compute.
+    zero_centered_gamma : bool
+        The norm multiplies by ``1 + weight``.
+    """
+
     grad_output: Tensor
     input: Optional[Tensor]
     rstd: Optional[Tensor]

@@ -21,6 +21,9 @@ from fusible.quantization.scalings.base import Scaling, registered_scalings, sca
 from fusible.quantization.tensor.float8_tensor import Float8Tensor
 from fusible.quantization.tensor.quantize import quantize_raw, quantize_scaled
 
+# Declared for fusion authors (docs/writing_a_fusion.md, "Helpers for fusion authors").
+__all__ = ["Float8Format", "bound_format"]
+
 
 class _StatefulScaling(Protocol):
     """What a stateful scaling adds for the fused kernels (DelayedTensorScaling's)."""
@@ -139,7 +142,27 @@ def to_format(t, fmt: Optional[Float8Format]):
 
 def bound_format(fmt: Optional[Float8Format], ctx, role: str) -> Optional[Float8Format]:
     """``fmt`` bound to the op context ``ctx``'s state of tensor ``role`` where it is
-    stateful (an op's own casts under delayed scaling); else ``fmt`` itself."""
+    stateful (an op's own casts under delayed scaling); else ``fmt`` itself.
+
+    Parameters
+    ----------
+    fmt : Float8Format or None
+        The format an op casts one of its own tensors in (None: no cast).
+    ctx : OperationContext
+        The op's context for the call, whose ``states`` hold its scaling states.
+    role : {"input", "weight", "grad"}
+        The tensor's role.
+
+    Returns
+    -------
+    Float8Format or None
+        ``fmt``, bound to the state when it is stateful.
+
+    Raises
+    ------
+    RuntimeError
+        If ``fmt`` is stateful and the op keeps no state for ``role``.
+    """
     if fmt is None or not fmt.stateful:
         return fmt
     state = ctx.states.get(role)

@@ -9,7 +9,7 @@ import attrs
 import torch
 
 from fusible.core.schema import record_fields
-from fusible.functional.linear import GemmBackwardArgs, GemmForwardArgs
+from fusible.functional.linear_records import GemmBackwardArgs, GemmForwardArgs
 from fusible.runtime.custom_ops import stage_op_named
 
 

@@ -1,6 +1,7 @@
-"""The forward of a module rewritten in place by :func:`fusible.rewrites.
-fuse_residual_adds`: the code ``torch.fx`` generated from its trace, installed on the
-instance so that the module keeps its class, attributes and methods."""
+"""The forward of a module rewritten in place by
+:func:`fusible.models.residual_adds.fuse_residual_adds`: the code ``torch.fx`` generated
+from its trace, installed on the instance so that the module keeps its class, attributes
+and methods."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""Rewriting converted modules in place: checkpoint names kept by state-dict hooks, and a
-Python forward whose ``x + linear(y)`` adds are fused into the linear layer's pipeline.
+"""Rewriting a converted module's Python forward in place: its ``x + linear(y)`` adds
+fused into the linear layer's pipeline.
 
 :func:`fuse_residual_adds` traces a module's forward one level deep with ``torch.fx``
 (every submodule a leaf), finds adds of a residual and the output of a fusible child that
@@ -14,7 +14,6 @@ the add would broadcast; another dtype, which it would promote, as under
 from __future__ import annotations
 
 import collections
-import functools
 import operator
 import types
 from typing import Any, Optional, cast
@@ -23,53 +22,15 @@ import attrs
 import torch
 from torch import fx, nn
 
+from fusible.models.checkpoint_names import CheckpointNames
+from fusible.models.traced_forward import TracedForward
 from fusible.module import PipelineModule, Sequential
 from fusible.ops.add_extra_input import AddExtraInput
 from fusible.ops.basic_linear import BasicLinear, parallel_refusal
 from fusible.ops.bias import Bias
 from fusible.ops.make_extra_output import MakeExtraOutput
-from fusible.traced_forward import TracedForward
 
 Tensor = torch.Tensor
-
-
-@attrs.frozen
-class CheckpointNames:
-    """State-dict hooks that keep a rewritten module's checkpoints under its original names.
-
-    Each entry ``(key, originals, rows)`` saves the state ``key`` as the keys
-    ``originals`` (split along dim 0 into ``rows`` where there are several) and loads
-    them back joined. Hooks of module-level functions, not closures: the model pickles.
-    """
-
-    entries: tuple  # ((key, (original, ...), (rows, ...)), ...), keys relative to the module
-
-    def install(self, module: nn.Module) -> None:
-        # partials, not bound methods: torch marks its hooks with an attribute
-        module.register_state_dict_post_hook(functools.partial(_save_originals, self.entries))
-        module.register_load_state_dict_pre_hook(
-            functools.partial(_load_originals, self.entries))
-
-
-def _save_originals(entries: tuple, module, state, prefix, local_metadata) -> None:
-    for key, originals, rows in entries:
-        if prefix + key not in state:  # e.g. a bias set to None since
-            continue
-        value = state.pop(prefix + key)
-        parts = value.split(list(rows)) if len(originals) > 1 else (value,)
-        for name, part in zip(originals, parts):
-            state[prefix + name] = part
-
-
-def _load_originals(entries: tuple, module, state, prefix, *args) -> None:
-    for key, originals, _ in entries:
-        names = [prefix + name for name in originals]
-        if all(n in state for n in names):
-            parts = [state.pop(n) for n in names]
-            state[prefix + key] = torch.cat(parts) if len(parts) > 1 else parts[0]
-
-
-# Finding the adds -------------------------------------------------------------------
 
 FUSED = "Linear + residual"
 _ADDS = {("call_function", operator.add), ("call_function", torch.add),

@@ -14,10 +14,10 @@ import re
 from typing import Any, Optional, cast
 
 import attrs
-import torch
 from torch import nn
 
 from fusible.core.operation import FusibleSpec
+from fusible.models.model_plan_dot import model_plan_dot
 from fusible.module import Sequential, outermost_fusible
 from fusible.planning.passes import op_communication
 from fusible.planning.plan import FusionPlan, describe_op
@@ -136,7 +136,7 @@ class ModelPlan:
         """Graphviz DOT source: top to bottom, a cluster per block labelled by its path
         (a repeated block once, with its count), a node per fusible group listing its
         forward and backward stages (fusions in bold)."""
-        return _model_dot(self)
+        return model_plan_dot(self)
 
     def render(self, path: str, format: str = "svg") -> str:
         """Write the diagram to ``path`` (extension added) and return the file's path."""
@@ -188,7 +188,6 @@ def plan_model(model: nn.Module, *example_inputs: Any, **example_kwargs: Any) ->
 
 def _is_fusible(module) -> bool:
     return isinstance(module, (Sequential, FusibleSpec))
-
 
 
 def _ordinary_leaves(model) -> list:
@@ -243,7 +242,6 @@ def _stages_key(stages) -> tuple:
     return tuple((s.name, s.indices) for s in stages)
 
 
-
 def _item_lines(item, indent: str) -> list:
     name = item.path or "(the model)"
     if not item.fusible:
@@ -260,50 +258,3 @@ def _item_lines(item, indent: str) -> list:
 def _stage_text(stage) -> str:
     note = " (eager only)" if stage.compile_reason is not None else ""
     return f"{stage.name}{list(stage.indices)}{note}"
-
-
-def _quote(text: str) -> str:
-    return '"' + text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\l") + '\\l"'
-
-
-def _model_dot(plan: ModelPlan) -> str:
-    totals = plan.totals()
-    title = (f"ModelPlan  |  {totals['fusible groups']} fusible groups, "
-             f"{totals['ordinary modules']} ordinary modules, {totals['FP8 GEMMs']} FP8 GEMMs")
-    lines = ["digraph ModelPlan {", "  rankdir=TB; nodesep=0.3; ranksep=0.25;",
-             f'  label="{title}"; labelloc=t; fontname=Helvetica; fontsize=16;',
-             '  node [shape=box, style="rounded,filled", fillcolor=white, fontname=Helvetica, '
-             'fontsize=10];']
-    previous = None
-    for k, block in enumerate(plan.blocks):
-        nodes = [f"n{k}_{j}" for j in range(len(block.items))]
-        if block.prefix:
-            label = block.label + (f"  (x{block.count}, identical plans)" if block.count > 1
-                                   else "")
-            lines += [f"  subgraph cluster_{k} {{", f'    label="{label}"; labeljust=l;',
-                      '    style="rounded,filled"; fillcolor="#f4f6fa"; color="#888888";',
-                      "    fontsize=12;"]
-        for node, item in zip(nodes, block.items):
-            lines.append(f"    {node} [label={_quote(_node_text(item))}"
-                         + (', fillcolor="#cfe2ff"' if item.fusible else
-                            ', fillcolor="#eeeeee", shape=box3d') + "];")
-        if block.prefix:
-            lines.append("  }")
-        for node in nodes:
-            if previous is not None:
-                lines.append(f"  {previous} -> {node};")
-            previous = node
-    lines.append("}")
-    return "\n".join(lines) + "\n"
-
-
-def _node_text(item) -> str:
-    name = item.path or "(the model)"
-    if not item.fusible:
-        return f"{name}: {item.kind}"
-    plan = item.plan
-    text = [f"{name}: {item.kind}"]
-    for title, stages in (("fwd", plan.forward), ("bwd", plan.backward)):
-        if stages:
-            text.append(f"{title}: " + ", ".join(s.name for s in stages))
-    return "\n".join(text)
