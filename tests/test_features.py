@@ -53,7 +53,7 @@ def test_a_plan_without_features_binds_no_hooks():
     assert plan.features.active() == []
     assert hooks.begin_forward == hooks.end_forward == hooks.forward_node == ()
     assert hooks.begin_backward == hooks.end_backward == hooks.tensors == ()
-    assert set(hooks.forward) == set(hooks.backward) == {None}
+    assert set(hooks.forward) == set(hooks.backward) == {None} and not hooks.active
 
 
 def test_a_plan_holds_the_records_of_the_features_its_group_uses():

@@ -16,6 +16,7 @@ from fusible.kernels import fp8_delayed
 from fusible.quantization.casts.common import FP8_MAX
 from fusible.quantization.casts.tensorwise import cast_tensorwise_torch
 from fusible.testing import snr_db
+from test_kernels import _GPU_COVERS
 from test_kernels import _run_interpreted as run_interpreted
 
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")
@@ -313,6 +314,7 @@ _KERNELS_SCRIPT = textwrap.dedent("""
 """)
 
 
+@_GPU_COVERS  # test_cuda.py's test_delayed_* run these kernels compiled on the GPU
 def test_triton_kernels_record_and_roll_as_the_rule_says():
     """Under Triton's interpreter (it rounds to FP8 its own way, so fused kernels are
     checked against the plain kernel's values cast by the delayed cast kernel): each

@@ -15,7 +15,9 @@ features runs the loops below and nothing else.
 
 from __future__ import annotations
 
+import types
 import weakref
+from typing import Any
 
 import torch
 
@@ -25,6 +27,11 @@ from fusible.quantization.format import to_format
 from fusible.runtime import custom_ops
 from fusible.runtime.saved import restore_saved, stash_saved
 from fusible.runtime.validate import validate
+
+
+# What a pass of a plan whose features keep nothing per pass (``RuntimeFeature.uses_store``)
+# gets as its store: read-only, so that a feature writing into it fails loudly
+_NO_STORE = types.MappingProxyType({})
 
 
 class Call:
@@ -44,12 +51,13 @@ class Call:
     __slots__ = ("plan", "ctxs", "traced", "input", "extras", "outputs", "grad_params",
                  "given", "store", "tensors")
 
-    def __init__(self, plan, ctxs, traced: bool, input, extras, outputs: list, tensors: dict,
-                 given: tuple = ()):
+    def __init__(self, plan, ctxs, traced: bool, input, extras, outputs: list,
+                 tensors: "dict | None", given: tuple = ()):
         self.plan, self.ctxs, self.traced, self.input = plan, ctxs, traced, input
-        self.extras, self.outputs, self.tensors, self.given = extras, outputs, tensors, given
+        self.extras, self.outputs, self.given = extras, outputs, given
+        self.tensors: dict = tensors or {}
         self.grad_params: list = []
-        self.store: dict = {}
+        self.store: Any = {} if plan.hooks.uses_store else _NO_STORE
 
 
 def run_forward(plan: ExecPlan, x, params, extra_inputs, ctxs, *, save: bool,
@@ -65,34 +73,49 @@ def run_forward(plan: ExecPlan, x, params, extra_inputs, ctxs, *, save: bool,
     # bits can depend on the input's strides, which a compiled graph may change.
     x = x.contiguous()
     extras = tuple(e.contiguous() for e in extra_inputs) if extra_inputs else ()
-    call = Call(plan, ctxs, traced, x, extras, [], tensors or {}, extra_inputs)
-    hooks = plan.hooks
-    for begin in hooks.begin_forward:
-        begin(call)
+    outputs: list = []
+    hooks, call = plan.hooks, None
+    if hooks.active:  # features act on this plan: they see the pass as a Call
+        call = Call(plan, ctxs, traced, x, extras, outputs, tensors, extra_inputs)
+        for begin in hooks.begin_forward:
+            begin(call)
+        extras, outputs = call.extras, call.outputs
     for st, sh in zip(plan.forward, hooks.forward):
         if sh is not None:
             for before in sh.before:
                 before(call, st)
         op, op_ctxs = st.op, ctxs[st.lo:st.hi]
-        args = op.forward_args(x, params[st.params],
-                               call.extras[st.extra_in] if st.num_extra_in else (), op_ctxs)
-        result = _stage_result(call, st, sh, args, forward_result, _check_forward_counts)
+        args = op.forward_args(x, params[st.params], extras[st.extra_in] if st.num_extra_in
+                               else (), op_ctxs)
+        if sh is None and not traced:  # the common case: eager, no feature on this stage
+            result = st.compute(args)
+            if st.output_format is not None:  # what the custom op does inside, compiled
+                result.output = to_format(result.output, st.output_format)
+            if len(result.extra_outputs) != st.num_extra_out:
+                _check_forward_counts(st, result)
+        elif sh is None:
+            result = forward_result(plan, traced, st, args, st.output_format)
+            if len(result.extra_outputs) != st.num_extra_out:
+                _check_forward_counts(st, result)
+        else:
+            result = _featured_result(call, st, sh, args, forward_result, _check_forward_counts)
         if save:
             op.save_for_backward(args, result, op_ctxs)
         x = result.output
         if st.num_extra_out:
-            call.outputs.extend(result.extra_outputs)
+            outputs.extend(result.extra_outputs)
         del args, result  # free this stage's temporaries before the next stage allocates
-    for end in hooks.end_forward:
-        end(call)
-    return x, tuple(call.outputs)
+    if call is not None:
+        for end in hooks.end_forward:
+            end(call)
+        outputs = call.outputs
+    return x, tuple(outputs)
 
 
-def forward_result(call: Call, st, args, fmt):
+def forward_result(plan: ExecPlan, traced: bool, st, args, fmt):
     """A forward stage's result, its output handed on in ``fmt`` (the stage's format, or a
-    feature's binding of it): the custom op when traced, else the compute method."""
-    plan = call.plan
-    if call.traced and not st.op.inline_when_compiled("forward"):
+    feature's binding of it): the custom op when ``traced``, else the compute method."""
+    if traced and not st.op.inline_when_compiled("forward"):
         return custom_ops.call_forward(st, args, plan.quantized_results, plan.outer_dtype, fmt)
     result = st.compute(args) if fmt is st.output_format else _compute_with(st, args, fmt)
     if fmt is not None:  # what the custom op does inside, when compiled
@@ -100,10 +123,9 @@ def forward_result(call: Call, st, args, fmt):
     return result
 
 
-def backward_result(call: Call, st, args, fmt):
+def backward_result(plan: ExecPlan, traced: bool, st, args, fmt):
     """A backward stage's result, as :func:`forward_result`."""
-    plan = call.plan
-    if call.traced and not st.op.inline_when_compiled("backward"):
+    if traced and not st.op.inline_when_compiled("backward"):
         return custom_ops.call_backward(st, args, plan.quantized_results, plan.outer_dtype,
                                         fmt)
     result = st.compute(args) if fmt is st.output_format else _compute_with(st, args, fmt)
@@ -128,25 +150,34 @@ def run_backward(plan: ExecPlan, grad_output, grad_extra_outputs, ctxs, traced: 
     """
     dy = grad_output.contiguous()  # e.g. the expanded gradient of .sum(): see run_forward
     extras = tuple(g.contiguous() for g in grad_extra_outputs) if grad_extra_outputs else ()
-    call = Call(plan, ctxs, traced, dy, extras, [None] * plan.num_extra_inputs,
-                tensors or {})
-    call.grad_params = grad_params = [None] * plan.num_params
-    hooks = plan.hooks
-    for begin in hooks.begin_backward:
-        begin(call)
+    outputs: list = [None] * plan.num_extra_inputs
+    grad_params: list = [None] * plan.num_params
+    hooks, call = plan.hooks, None
+    if hooks.active:
+        call = Call(plan, ctxs, traced, dy, extras, outputs, tensors)
+        call.grad_params = grad_params
+        for begin in hooks.begin_backward:
+            begin(call)
+        extras, outputs = call.extras, call.outputs
     for st, sh in zip(plan.backward, hooks.backward):
         if sh is not None:
             for before in sh.before:
                 before(call, st)
         op, op_ctxs = st.op, ctxs[st.lo:st.hi]
-        args = op.backward_args(dy, call.extras[st.extra_out] if st.num_extra_out else (),
-                                op_ctxs)
-        result = _stage_result(call, st, sh, args, backward_result, _check_backward_counts)
+        args = op.backward_args(dy, extras[st.extra_out] if st.num_extra_out else (), op_ctxs)
+        if sh is None:
+            result = backward_result(plan, traced, st, args, st.output_format)
+            if len(result.grad_params) != st.num_params \
+                    or len(result.grad_extra_inputs) != st.num_extra_in:
+                _check_backward_counts(st, result)
+        else:
+            result = _featured_result(call, st, sh, args, backward_result,
+                                      _check_backward_counts)
         dy = result.grad_input
         if st.num_params:
             grad_params[st.params] = result.grad_params
         if st.num_extra_in:
-            call.outputs[st.extra_in] = result.grad_extra_inputs
+            outputs[st.extra_in] = result.grad_extra_inputs
         for c in op_ctxs:
             c.clear()
         # The next stage's backward_args may allocate (an FP8 weight cast): this stage's
@@ -154,22 +185,23 @@ def run_backward(plan: ExecPlan, grad_output, grad_extra_outputs, ctxs, traced: 
         del args, result
     if shapes:
         _check_grad_shapes(plan, grad_params, shapes)
-    for end in hooks.end_backward:
-        end(call)
-    return (dy if plan.input_needs_grad else None), call.outputs, grad_params
+    if call is not None:
+        for end in hooks.end_backward:
+            end(call)
+        outputs = call.outputs
+    return (dy if plan.input_needs_grad else None), outputs, grad_params
 
 
-def _stage_result(call: Call, st, sh, args, compute, check):
-    """The stage's result: ``compute`` (the executor's), or a feature's in its place;
-    checked, then handed to the features' ``after`` hooks."""
-    if sh is None or sh.compute is None:
-        result = compute(call, st, args, st.output_format)
+def _featured_result(call: Call, st, sh, args, compute, check):
+    """The result of a stage features act on: ``compute`` (the executor's), or a feature's
+    in its place; checked, then handed to the features' ``after`` hooks."""
+    if sh.compute is None:
+        result = compute(call.plan, call.traced, st, args, st.output_format)
     else:
         result = sh.compute(call, st, args)
     check(st, result)
-    if sh is not None:
-        for after in sh.after:
-            after(call, st, result)
+    for after in sh.after:
+        after(call, st, result)
     return result
 
 

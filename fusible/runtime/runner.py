@@ -69,11 +69,12 @@ class PipelineRunner:
         plan = self._plans.get(conditions) or self.lookup(PlanConditions(*conditions), recipe)
         if tensors is None:  # eager: the features read theirs from the ops
             tensors = [t for _, feature, record, _ in plan.hooks.tensors
-                       for t in feature.call_tensors(record, plan, self, x)]
+                       for t in feature.call_tensors(record, plan, self, x)] \
+                if plan.hooks.tensors else ()
         if not plan.needs_backward:
-            found = feature_tensors(plan, tensors) if tensors else None
             return run_forward(plan, x, params, extra_inputs, plan.idle_ctxs, save=False,
-                               traced=traced, tensors=found)
+                               traced=traced,
+                               tensors=feature_tensors(plan, tensors) if tensors else None)
         outputs = apply_pipeline(plan, traced, x, *extra_inputs, *params, *tensors)
         if self.num_extra_outputs == 0:
             return outputs, ()

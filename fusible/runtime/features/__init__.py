@@ -32,7 +32,9 @@ def _load() -> dict:
 
 
 RUNTIME = _load()
-GUARDS = tuple(f.guard for f in RUNTIME.values() if f.guard is not None)
+# The guards of the features some plan has used so far: every eager call runs them (none
+# until a plan uses a feature with a guard, so that unused features cost nothing).
+GUARDS: list = []
 
 
 @attrs.frozen
@@ -48,6 +50,10 @@ class Hooks:
     tensors : tuple
         ``(name, RuntimeFeature, record, count)`` of the features whose tensors the
         plan's node takes, in the order they are passed.
+    uses_store : bool
+        Whether some feature keeps something in a pass's ``call.store``.
+    active : bool
+        Whether any hook is bound (else the executor runs the plan without a ``Call``).
     """
 
     begin_forward: tuple = ()
@@ -58,6 +64,14 @@ class Hooks:
     forward: tuple = ()
     backward: tuple = ()
     tensors: tuple = ()
+    uses_store: bool = False
+    active: bool = attrs.field(init=False)
+
+    def __attrs_post_init__(self):
+        bound = (self.begin_forward, self.end_forward, self.forward_node, self.begin_backward,
+                 self.end_backward, self.tensors)
+        object.__setattr__(self, "active", any(bound) or any(h is not None for h in
+                                                             self.forward + self.backward))
 
     @property
     def tensor_features(self) -> tuple:
@@ -70,13 +84,15 @@ def bind(plan: ExecPlan) -> ExecPlan:
     active = [(RUNTIME[name], record) for name, record in plan.features.active()]
     for feature, record in active:
         plan = feature.planned(record, plan)
+        if feature.guard is not None and feature.guard not in GUARDS:
+            GUARDS.append(feature.guard)
     node = {hook: tuple(functools.partial(getattr(f, hook), r) for f, r in active
                         if overrides(f, hook)) for hook in NODE_HOOKS}
     tensors = tuple((f.name, f, r, f.count(r)) for f, r in active if f.count(r))
     return attrs.evolve(plan, hooks=Hooks(
         **node, forward=tuple(_stage(active, st, "forward") for st in plan.forward),
         backward=tuple(_stage(active, st, "backward") for st in plan.backward),
-        tensors=tensors))
+        tensors=tensors, uses_store=any(f.uses_store for f, _ in active)))
 
 
 def _stage(active: list, st, direction: str):

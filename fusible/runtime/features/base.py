@@ -31,11 +31,15 @@ class RuntimeFeature:
     """How one execution feature runs (``runtime/features/<name>.py``'s ``FEATURE``).
 
     ``name`` is the :class:`~fusible.planning.features.Features` field holding its record;
-    ``guard`` (optional) runs before every eager call of any group, plan or not.
+    ``guard`` (optional) runs before every eager call of any group, plan or not, once a
+    plan with the feature has been made (until then nothing of it can be pending);
+    ``uses_store`` says that its hooks keep something in the pass's ``call.store`` (a pass
+    of a plan whose features keep nothing there gets a read-only empty one).
     """
 
     name: str = ""
     guard: Optional[Callable[[Any], None]] = None
+    uses_store = False  # whether its hooks keep something in the pass's ``call.store``
 
     def count(self, record) -> int:
         """How many feature tensors (buffers the stages read or write: graph inputs when

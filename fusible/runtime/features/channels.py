@@ -13,6 +13,7 @@ class ChannelsRuntime(RuntimeFeature):
     first, and the caller's results picked from them last."""
 
     name = "channels"
+    uses_store = True
 
     def begin_forward(self, ch, call: Call) -> None:
         call.extras = _spread(call.extras, ch.caller_in, len(ch.in_names))  # store: name ->

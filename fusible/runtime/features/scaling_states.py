@@ -55,7 +55,7 @@ class ScalingStatesRuntime(RuntimeFeature):
 
         def compute(call: Call, st, args):
             fmt = st.output_format.bound(call.ctxs[index].states[role])
-            return result(call, st, args, fmt)
+            return result(call.plan, call.traced, st, args, fmt)
         return StageHooks(compute=compute)
 
 

@@ -10,6 +10,7 @@ from fusible.runtime.features.base import RuntimeFeature, StageHooks
 
 class StageRangesRuntime(RuntimeFeature):
     name = "stage_ranges"
+    uses_store = True
 
     def stage_hooks(self, record, st, direction: str):
         label = dict(record.forward if direction == "forward" else record.backward)[st.lo]
