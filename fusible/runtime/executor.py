@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import types
 import weakref
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -31,7 +31,7 @@ from fusible.runtime.validate import validate
 
 # What a pass of a plan whose features keep nothing per pass (``RuntimeFeature.uses_store``)
 # gets as its store: read-only, so that a feature writing into it fails loudly
-_NO_STORE = types.MappingProxyType({})
+_NO_STORE: types.MappingProxyType = types.MappingProxyType({})
 
 
 class Call:
@@ -74,7 +74,7 @@ def run_forward(plan: ExecPlan, x, params, extra_inputs, ctxs, *, save: bool,
     x = x.contiguous()
     extras = tuple(e.contiguous() for e in extra_inputs) if extra_inputs else ()
     outputs: list = []
-    hooks, call = plan.hooks, None
+    hooks, call = plan.hooks, cast(Call, None)  # a Call wherever a hook is bound
     if hooks.active:  # features act on this plan: they see the pass as a Call
         call = Call(plan, ctxs, traced, x, extras, outputs, tensors, extra_inputs)
         for begin in hooks.begin_forward:
@@ -152,7 +152,7 @@ def run_backward(plan: ExecPlan, grad_output, grad_extra_outputs, ctxs, traced: 
     extras = tuple(g.contiguous() for g in grad_extra_outputs) if grad_extra_outputs else ()
     outputs: list = [None] * plan.num_extra_inputs
     grad_params: list = [None] * plan.num_params
-    hooks, call = plan.hooks, None
+    hooks, call = plan.hooks, cast(Call, None)  # a Call wherever a hook is bound
     if hooks.active:
         call = Call(plan, ctxs, traced, dy, extras, outputs, tensors)
         call.grad_params = grad_params
