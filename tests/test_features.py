@@ -5,6 +5,7 @@ import importlib
 import pathlib
 
 import attrs
+import pytest
 import torch
 
 import fusible
@@ -102,3 +103,32 @@ def test_stage_ranges_name_each_eager_stage_in_profiles(monkeypatch):
     assert torch.equal(compiled(x), y)  # compiled stages are named custom ops already
     monkeypatch.delenv("FUSIBLE_STAGE_RANGES")
     assert _active(ops.Sequential(ops.Linear(16, 16)), x) == []
+
+
+class _StatefulTaker(ops.Identity):
+    """A parameterless op that asks for its input in the recipe's format, and keeps no
+    FP8 state of its own."""
+
+    def input_format(self, recipe, needs):
+        return recipe.input_format()
+
+
+def test_a_stateful_hand_off_without_an_owner_is_refused_when_planned():
+    """Under delayed scaling the stage before must cast with the taker's input state: a
+    taker that keeps none is an error naming it, when the plan is made."""
+    model = ops.Sequential(ops.GELU(), _StatefulTaker())
+    x = torch.randn(16, 16, requires_grad=True)
+    with fusible.autocast(recipe=fusible.DelayedScaling()):
+        with pytest.raises(ValueError, match=r"the stage _StatefulTaker \[1\].* asks for its "
+                                             r"input in a stateful FP8 format.* covers 0"):
+            model.plan(x)
+
+
+def test_a_plan_is_made_for_the_recipe_its_key_names():
+    model = ops.Sequential(ops.Linear(16, 16))
+    x = torch.randn(4, 16)
+    runner = layout_of(model).single
+    key = PlanConditions.of(x, runner.params.read(), (), fusible.Float8CurrentScaling().key,
+                            True)
+    with pytest.raises(RuntimeError, match="planned for the FP8 recipe key"):
+        runner.lookup(key, fusible.DelayedScaling())

@@ -147,7 +147,3 @@ class Preparation:
     forward: tuple
     backward: tuple
     backward_public: tuple
-
-    def stage_params(self, st: ExecStage) -> list:
-        """``(op, name)`` of each parameter of ``st``, in the stage's order."""
-        return [(op, name) for op in st.ops for name in op.param_names]

@@ -27,11 +27,6 @@ def queue() -> list:
         return _entries[:]
 
 
-def pending() -> bool:
-    """Whether any entry is queued."""
-    return bool(_entries)
-
-
 def defer(token: int, record, compiled: bool) -> None:
     """Queue one deferred wgrad."""
     with _lock:

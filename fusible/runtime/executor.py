@@ -7,17 +7,16 @@ Only the gradients that are needed are computed (the plan knows what requires
 grad), and each op's saved tensors are dropped as soon as its backward stage
 has run, so intermediates are freed during the backward pass.
 
-Execution features (named channels, in-place extras, ``main_grad``, gradient
-all-reduces, scaling states, the split backward) run through the hooks the runtime
-bound into the plan (``plan.hooks``, :mod:`fusible.runtime.features`): a plan without
-features runs the loops below and nothing else.
+Execution features run through the hooks the runtime bound into the plan (``plan.hooks``,
+:mod:`fusible.runtime.features`): a plan without features runs the loops below and
+nothing else.
 """
 
 from __future__ import annotations
 
 import types
 import weakref
-from typing import Any, cast
+from typing import Any, Optional, Sequence, cast
 
 import torch
 
@@ -74,7 +73,7 @@ def run_forward(plan: ExecPlan, x, params, extra_inputs, ctxs, *, save: bool,
     x = x.contiguous()
     extras = tuple(e.contiguous() for e in extra_inputs) if extra_inputs else ()
     outputs: list = []
-    hooks, call = plan.hooks, cast(Call, None)  # a Call wherever a hook is bound
+    hooks, call = plan.hooks, None
     if hooks.active:  # features act on this plan: they see the pass as a Call
         call = Call(plan, ctxs, traced, x, extras, outputs, tensors, extra_inputs)
         for begin in hooks.begin_forward:
@@ -98,7 +97,8 @@ def run_forward(plan: ExecPlan, x, params, extra_inputs, ctxs, *, save: bool,
             if len(result.extra_outputs) != st.num_extra_out:
                 _check_forward_counts(st, result)
         else:
-            result = _featured_result(call, st, sh, args, forward_result, _check_forward_counts)
+            result = _featured_result(cast(Call, call), st, sh, args, forward_result,
+                                      _check_forward_counts)
         if save:
             op.save_for_backward(args, result, op_ctxs)
         x = result.output
@@ -143,7 +143,7 @@ def _compute_with(st, args, fmt):
 
 
 def run_backward(plan: ExecPlan, grad_output, grad_extra_outputs, ctxs, traced: bool = False,
-                 tensors: "dict | None" = None, shapes: tuple = ()):
+                 tensors: "dict | None" = None, shapes: Sequence = ()):
     """Run the backward stages; returns (grad_input, grad_extra_inputs, grad_params).
 
     ``shapes``: the parameters' shapes, which their gradients must have.
@@ -152,7 +152,7 @@ def run_backward(plan: ExecPlan, grad_output, grad_extra_outputs, ctxs, traced: 
     extras = tuple(g.contiguous() for g in grad_extra_outputs) if grad_extra_outputs else ()
     outputs: list = [None] * plan.num_extra_inputs
     grad_params: list = [None] * plan.num_params
-    hooks, call = plan.hooks, cast(Call, None)  # a Call wherever a hook is bound
+    hooks, call = plan.hooks, None
     if hooks.active:
         call = Call(plan, ctxs, traced, dy, extras, outputs, tensors)
         call.grad_params = grad_params
@@ -171,7 +171,7 @@ def run_backward(plan: ExecPlan, grad_output, grad_extra_outputs, ctxs, traced: 
                     or len(result.grad_extra_inputs) != st.num_extra_in:
                 _check_backward_counts(st, result)
         else:
-            result = _featured_result(call, st, sh, args, backward_result,
+            result = _featured_result(cast(Call, call), st, sh, args, backward_result,
                                       _check_backward_counts)
         dy = result.grad_input
         if st.num_params:
@@ -264,7 +264,8 @@ class _PipelineFunction(torch.autograd.Function):
         # Feature tensors (main_grad buffers, FP8 scaling states): held as they are (no
         # version check: other groups add into main_grad buffers between this forward and
         # its backward, e.g. microbatches; the stages update scaling states)
-        features = feature_tensors(plan, tensors[params_end:]) if plan.hooks.tensors else {}
+        features = feature_tensors(plan, tensors[params_end:]) \
+            if plan.hooks.tensors or len(tensors) > params_end else {}
         ctxs = [OperationContext(n, plan.recipe) for n in plan.needs]
         y, extra_outputs = run_forward(plan, x, params, extra_inputs, ctxs, save=True,
                                        traced=traced, tensors=features)

@@ -28,8 +28,8 @@ class PipelineRunner:
     params : GroupParams
         Reads the parameters the ops compute with, afresh each call.
     memory : dict
-        What execution features remember across the group's calls (their runtime
-        modules' own entries).
+        What the runtime remembers across the group's calls, each module under its own
+        keys (the scaling states' snapshot, autocast's quantized parameters).
     """
 
     def __init__(self, ops: tuple, start: int):
@@ -74,7 +74,8 @@ class PipelineRunner:
         if not plan.needs_backward:
             return run_forward(plan, x, params, extra_inputs, plan.idle_ctxs, save=False,
                                traced=traced,
-                               tensors=feature_tensors(plan, tensors) if tensors else None)
+                               tensors=feature_tensors(plan, tensors)
+                               if tensors or plan.hooks.tensors else None)
         outputs = apply_pipeline(plan, traced, x, *extra_inputs, *params, *tensors)
         if self.num_extra_outputs == 0:
             return outputs, ()
@@ -85,6 +86,9 @@ class PipelineRunner:
         the FP8 recipe ``conditions.recipe_key`` names)."""
         plan = self._plans.get(conditions)
         if plan is None:
+            if (None if recipe is None else recipe.key) != conditions.recipe_key:
+                raise RuntimeError(f"{self.name()}: planned for the FP8 recipe key "
+                                   f"{conditions.recipe_key!r} with the recipe {recipe!r}")
             plan = self._plans[conditions] = bind(with_compile_reasons(
                 prepare_group(self.ops, self.start, conditions, recipe)))
         return plan

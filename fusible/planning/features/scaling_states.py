@@ -36,14 +36,15 @@ class ScalingStates:
 
 
 def attach(prep: Preparation, attached: dict) -> Optional[ScalingStates]:
+    # every stateful hand-off needs its owner, states or not (an error names the stage)
+    forward, backward = _bound_outputs(prep.forward, "input"), _bound_outputs(prep.backward,
+                                                                               "grad")
     recipe = prep.recipe
     slots = make_states(prep.ops, recipe, prep.conditions.device_type)
     if not slots:
         return None
     return ScalingStates(slots, tuple(recipe.role_format(role).scaling.state_size
-                                      for _, role in slots),
-                         _bound_outputs(prep.forward, "input"),
-                         _bound_outputs(prep.backward, "grad"))
+                                      for _, role in slots), forward, backward)
 
 
 def state_owners(ops, recipe) -> tuple:

@@ -13,6 +13,7 @@ import attrs
 
 from fusible.core import tokens
 from fusible.planning.exec_plan import ExecStage, Preparation
+from fusible.planning.features import grad_reduction
 
 
 @attrs.frozen
@@ -79,7 +80,8 @@ def attach(prep: Preparation, attached: dict) -> Optional[SplitBackward]:
     deferred wgrad stage, where it can (``deferred_params``)."""
     if not prep.conditions.split_backward:
         return None
-    reduction = attached.get("grad_reduction")
+    # the deferred gradients' all-reduces: read from their pass, whatever the fields' order
+    reduction = grad_reduction.attach(prep, {})
     splits, lane, kept = [], [], []
     for st, stage in zip(prep.backward, prep.backward_public):
         wanted = st.grad_mask[1] if st.num_params else ()

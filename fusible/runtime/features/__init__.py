@@ -81,11 +81,13 @@ class Hooks:
 
 def bind(plan: ExecPlan) -> ExecPlan:
     """``plan`` with the hooks of its features, after each feature's ``planned``."""
-    active = [(RUNTIME[name], record) for name, record in plan.features.active()]
-    for feature, record in active:
+    for name, record in plan.features.active():
+        feature = RUNTIME[name]
         plan = feature.planned(record, plan)
         if feature.guard is not None and feature.guard not in GUARDS:
             GUARDS.append(feature.guard)
+    # the records as planned left them
+    active = [(RUNTIME[name], record) for name, record in plan.features.active()]
     node = {hook: tuple(functools.partial(getattr(f, hook), r) for f, r in active
                         if overrides(f, hook)) for hook in NODE_HOOKS}
     tensors = tuple((f.name, f, r, f.count(r)) for f, r in active if f.count(r))

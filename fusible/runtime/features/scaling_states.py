@@ -51,11 +51,11 @@ class ScalingStatesRuntime(RuntimeFeature):
         if st.lo not in owners:
             return None
         index, role = owners[st.lo]
-        result = forward_result if direction == "forward" else backward_result
+        compute_stage = forward_result if direction == "forward" else backward_result
 
         def compute(call: Call, st, args):
             fmt = st.output_format.bound(call.ctxs[index].states[role])
-            return result(call.plan, call.traced, st, args, fmt)
+            return compute_stage(call.plan, call.traced, st, args, fmt)
         return StageHooks(compute=compute)
 
 

@@ -35,8 +35,8 @@ class SplitBackwardRuntime(RuntimeFeature):
         features = attrs.evolve(plan.features, split_backward=attrs.evolve(record, lane=lane))
         return attrs.evolve(plan, features=features)
 
-    def stage_hooks(self, record, st, direction: str):
-        split = record.of(st.lo) if direction == "backward" else None
+    def stage_hooks(self, splits, st, direction: str):
+        split = splits.of(st.lo) if direction == "backward" else None
         if split is None:
             return None
 
@@ -45,10 +45,10 @@ class SplitBackwardRuntime(RuntimeFeature):
             if call.traced:
                 return custom_ops.call_dgrad(st, split, args, plan.quantized_results,
                                              plan.outer_dtype, fmt)
-            result, kept = split.dgrad(args)
+            result, record = split.dgrad(args)
             if fmt is not None and result.grad_input is not None:
                 result.grad_input = to_format(result.grad_input, fmt)
-            deferred.defer(split.target.token, kept, compiled=False)
+            deferred.defer(split.target.token, record, compiled=False)
             return result
         return StageHooks(compute=compute)
 

@@ -1,4 +1,7 @@
-"""Profiler ranges around eager stages (``planning/features/stage_ranges.py``)."""
+"""Profiler ranges around eager stages (``planning/features/stage_ranges.py``). A stage that
+raises leaves its range open until the pass's record of it is freed (the profiler's
+RecordFunction ends when it is destroyed), as an exception inside a ``with
+record_function`` block would not: a debugging aid, not a guarantee."""
 
 from __future__ import annotations
 
