@@ -260,7 +260,9 @@ def _tensor_parallel(mode: Optional[str], sequence_parallel: bool, group_name: s
     return TensorParallel(mode, sequence_parallel, group_name, world_size)
 
 
-# A TensorParallel crosses custom ops as four arguments: the group by name.
+# A TensorParallel crosses custom ops as four arguments: the group by name. None of them is
+# a tensor or an int a graph may make symbolic, so all four travel in the call's constants
+# (JSON), where a mode of None is null.
 register_schema_type(TensorParallel, SchemaType(
     ("str", "bool", "str", "int"),
     lambda tp: [tp.mode, tp.sequence_parallel, tp.group_name, tp.world_size],
