@@ -335,3 +335,39 @@ def test_a_forward_reading_its_attributes_keeps_them_honest():
     model.scale = 3.0  # the trace holds 2.0
     with pytest.raises(RuntimeError, match=r"Scaled.scale changed since fusible.convert"):
         model(x)
+
+
+class _DropoutBlock(nn.Module):
+    """Dropout in every place a converted module can stand: a leaf, an nn.Sequential, and
+    after a Linear whose residual add is fused."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.LayerNorm(16)
+        self.seq = nn.Sequential(nn.Linear(16, 16), nn.GELU(), nn.Dropout(0.5))
+        self.drop = nn.Dropout(0.5)
+        self.fc = nn.Linear(16, 16)
+
+    def forward(self, x):
+        return x + self.fc(self.drop(self.seq(self.norm(x))))
+
+
+@pytest.mark.parametrize("merge", [False, True])
+def test_converted_modules_take_the_mode_of_what_they_replace(merge):
+    """A model from from_pretrained is in eval mode: converting it must not turn dropout
+    back on (nor a training model's off)."""
+    for training in (False, True):
+        torch.manual_seed(0)
+        model = nn.ModuleDict({"block": _DropoutBlock(), "llama": wm.TorchLlama(layers=1)})
+        model.train(training)
+        twin = copy.deepcopy(model)
+        report = fusible.convert(model, merge_gated_mlps=merge)
+        assert ("block.fc", "Linear + residual", "AddExtraInput fused") in report.converted
+        assert {m.training for m in model.modules()} == {training}
+        if not training:
+            x, tokens = torch.randn(4, 16), data()[0]
+            assert torch.equal(model["block"](x), model["block"](x))
+            torch.testing.assert_close(model["block"](x), twin["block"](x), rtol=2e-6,
+                                       atol=2e-6)
+            torch.testing.assert_close(model["llama"](tokens), twin["llama"](tokens),
+                                       rtol=2e-6, atol=2e-6)

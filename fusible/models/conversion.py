@@ -127,10 +127,14 @@ def convert_module(module: nn.Module) -> Optional[nn.Module]:
         children = [convert_module(c) for c in module]
         if not children or any(c is None for c in children):
             return None
-        return Sequential(collections.OrderedDict(  # type: ignore[arg-type]
+        seq = Sequential(collections.OrderedDict(  # type: ignore[arg-type]
             zip(module._modules, children)))  # the same child names
+        seq.training = module.training  # its children took their own modes
+        return seq
     make = _LEAVES.get(type(module))
-    return None if make is None else make(module)
+    new = None if make is None else make(module)
+    # the mode of what it replaces (a model from from_pretrained is in eval mode)
+    return None if new is None else new.train(module.training)
 
 
 def _convert_children(module, path, converted, left, options: _Options) -> None:
@@ -148,7 +152,7 @@ def _convert_children(module, path, converted, left, options: _Options) -> None:
                              f"one fusible SwiGLU block (a new parameter: build the optimizer "
                              f"after it); its projections are converted one by one"))
             else:
-                new = merged_gated_mlp(child, gated)
+                new = merged_gated_mlp(child, gated).train(child.training)
         if new is not None:
             setattr(module, name, new)
             converted.append((where, type(child).__name__, type(new).__name__))

@@ -245,12 +245,14 @@ def _rewrite(graph: fx.Graph, matches: list, path: str, out_features: dict) -> N
 def _with_residual_add(child: PipelineModule) -> Sequential:
     """``child`` ending in an ``AddExtraInput``: a Sequential gets it appended (its names
     stay); another op is wrapped, its checkpoints kept under its names by hooks."""
+    add = AddExtraInput().train(child.training)  # the mode of the module it joins
     if isinstance(child, Sequential):
         name = str(len(child))
-        child.add_module(name if name not in child._modules else "residual_add", AddExtraInput())
+        child.add_module(name if name not in child._modules else "residual_add", add)
         return child
     block = Sequential(collections.OrderedDict(  # type: ignore[arg-type]
-        [("linear", child), ("residual_add", AddExtraInput())]))
+        [("linear", child), ("residual_add", add)]))
+    block.training = child.training
     CheckpointNames(tuple((f"linear.{key}", (key,), ()) for key in child.state_dict())
                     ).install(block)
     return block
