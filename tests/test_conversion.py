@@ -371,3 +371,43 @@ def test_converted_modules_take_the_mode_of_what_they_replace(merge):
                                        atol=2e-6)
             torch.testing.assert_close(model["llama"](tokens), twin["llama"](tokens),
                                        rtol=2e-6, atol=2e-6)
+
+
+def test_an_optimizer_built_before_the_merge_is_refused_at_its_first_step():
+    """Its gate and up weights are no longer the model's: they would silently not train."""
+    model = wm.TorchLlama(layers=1)
+    early = torch.optim.SGD(model.parameters(), lr=0.1)
+    fusible.convert(model, merge_gated_mlps=True)
+    late = torch.optim.SGD(model.parameters(), lr=0.1)
+    model(data()[0][:1]).sum().backward()
+    late.step()  # built after convert: it holds the merged parameter
+    with pytest.raises(RuntimeError, match=r"SGD.step\(\): it holds layers.0.mlp.gate_proj"
+                                           r".weight, which fusible.convert.*Build the "
+                                           r"optimizer after convert"):
+        early.step()
+
+
+def test_a_partial_checkpoint_loads_into_the_merged_rows_and_names_what_is_missing():
+    torch.manual_seed(0)
+    original = wm.TorchLlama(layers=1)
+    model = copy.deepcopy(original)
+    for p in model.parameters():
+        torch.nn.init.zeros_(p)
+    fusible.convert(model, merge_gated_mlps=True)
+    partial = {k: v for k, v in original.state_dict().items() if "up_proj" not in k}
+    result = model.load_state_dict(partial, strict=False)
+    assert result.missing_keys == ["layers.0.mlp.up_proj.weight"]
+    assert result.unexpected_keys == []
+    merged = model.layers[0].mlp.gate_up.weight
+    gate = original.layers[0].mlp.gate_proj.weight
+    assert torch.equal(merged[:gate.shape[0]], gate)  # the gate's rows loaded
+    assert not merged[gate.shape[0]:].any()  # the up rows as they were
+    with pytest.raises(RuntimeError, match=r"Missing key\(s\) in state_dict: "
+                                           r"\"layers.0.mlp.up_proj.weight\""):
+        model.load_state_dict(partial)
+    wrong = dict(original.state_dict())
+    wrong["layers.0.mlp.up_proj.weight"] = torch.zeros(3, 32)
+    with pytest.raises(RuntimeError, match=r"size mismatch for layers.0.mlp.up_proj.weight: "
+                                           r"copying a param with shape \(3, 32\)") as error:
+        model.load_state_dict(wrong)
+    assert "gate_up" not in str(error.value)

@@ -39,9 +39,58 @@ def _save_originals(entries: tuple, module, state, prefix, local_metadata) -> No
             state[prefix + name] = part
 
 
-def _load_originals(entries: tuple, module, state, prefix, *args) -> None:
-    for key, originals, _ in entries:
+def _load_originals(entries: tuple, module, state, prefix, local_metadata, strict,
+                    missing_keys, unexpected_keys, error_msgs) -> None:
+    """Join the originals into the module's state, speaking of them by their names: a
+    checkpoint missing one (``strict=False``) loads the others into their rows and reports
+    the missing ones; a wrong shape is an error naming the original key."""
+    for key, originals, rows in entries:
         names = [prefix + name for name in originals]
-        if all(n in state for n in names):
-            parts = [state.pop(n) for n in names]
-            state[prefix + key] = torch.cat(parts) if len(parts) > 1 else parts[0]
+        present = [n in state for n in names]
+        if not any(present):
+            continue  # torch reports the key missing, as for any module
+        current = _current(module, key)
+        if current is None:  # a bias set to None since: nothing to load into
+            continue
+        if len(originals) == 1:  # a rename: torch loads it (FP8, DTensors alike)
+            part = state.pop(names[0])
+            if tuple(part.shape) != tuple(current.shape):
+                error_msgs.append(_mismatch(names[0], part.shape, current.shape))
+                part = current  # no second message under the internal name
+            state[prefix + key] = part
+            continue
+        slices = _rows(rows)
+        value, wrong = current.detach().clone(), False
+        for name, here, (start, stop) in zip(names, present, slices):
+            if not here:
+                missing_keys.append(name)
+                continue
+            part, want = state.pop(name), (stop - start, *current.shape[1:])
+            if tuple(part.shape) != want:
+                error_msgs.append(_mismatch(name, part.shape, want))
+                wrong = True
+                continue
+            value[start:stop] = part
+        state[prefix + key] = current if wrong else value  # wrong: loads nothing
+
+
+def _current(module, key: str):
+    """The module's tensor at the dotted ``key`` (None where it is missing)."""
+    owner, _, name = key.rpartition(".")
+    holder = module.get_submodule(owner) if owner else module
+    return getattr(holder, name, None)
+
+
+def _rows(rows: tuple) -> list:
+    """``(start, stop)`` of each original's rows in the joined tensor."""
+    bounds, start = [], 0
+    for n in rows:
+        bounds.append((start, start + n))
+        start += n
+    return bounds
+
+
+def _mismatch(name: str, got, want) -> str:
+    """torch's message for a checkpoint tensor of another shape, under the original name."""
+    return (f"size mismatch for {name}: copying a param with shape {tuple(got)} from "
+            f"checkpoint, the shape in current model is {tuple(want)}.")

@@ -152,7 +152,7 @@ def _convert_children(module, path, converted, left, options: _Options) -> None:
                              f"one fusible SwiGLU block (a new parameter: build the optimizer "
                              f"after it); its projections are converted one by one"))
             else:
-                new = merged_gated_mlp(child, gated).train(child.training)
+                new = merged_gated_mlp(child, gated, where).train(child.training)
         if new is not None:
             setattr(module, name, new)
             converted.append((where, type(child).__name__, type(new).__name__))

@@ -10,6 +10,8 @@ from typing import Optional, cast
 
 import torch
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.utils.weak import WeakIdKeyDictionary
 
 from fusible.models.checkpoint_names import CheckpointNames
 from fusible.module import PipelineModule, Sequential
@@ -49,11 +51,23 @@ def gated_mlp_names(module) -> Optional[tuple]:
     return None
 
 
-def merged_gated_mlp(module, names: tuple) -> Sequential:
-    """``ops.Sequential(gate_up, act, down)`` computing ``module``, whose state dict keeps
-    ``module``'s names."""
+# The parameters a merge replaced, by their name in the model: an optimizer built before
+# the merge holds them and not the merged one, so they would silently stop training.
+# (keyed by identity: a tensor's == is elementwise)
+_REPLACED = WeakIdKeyDictionary()
+_HOOK: list = []
+
+
+def merged_gated_mlp(module, names: tuple, path: str = "") -> Sequential:
+    """``ops.Sequential(gate_up, act, down)`` computing ``module`` (at ``path`` in its
+    model), whose state dict keeps ``module``'s names. The gate and up weights it replaces
+    are refused by every optimizer step from now on (:func:`_refuse_replaced`)."""
     gate_name, up_name, down_name = names
     gate, up, down = (getattr(module, n) for n in names)
+    for name, layer in ((gate_name, gate), (up_name, up)):
+        _REPLACED[layer.weight] = f"{path}.{name}.weight" if path else f"{name}.weight"
+    if not _HOOK:
+        _HOOK.append(register_optimizer_step_pre_hook(_refuse_replaced))
     merged = BasicLinear(gate.in_features, 2 * gate.out_features, device="meta",
                          dtype=gate.weight.dtype)
     merged.weight = nn.Parameter(torch.cat([gate.weight.detach(), up.weight.detach()]),
@@ -67,3 +81,21 @@ def merged_gated_mlp(module, names: tuple) -> Sequential:
     CheckpointNames((("gate_up.weight", (f"{gate_name}.weight", f"{up_name}.weight"),
                       (split, split)),)).install(block)
     return block
+
+
+def _refuse_replaced(optimizer, args, kwargs) -> None:
+    """An optimizer step over a parameter a merge replaced: it trains nothing the model
+    computes with, and the merged parameter, which does, gets no step."""
+    if not _REPLACED:
+        return
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            name = _REPLACED.get(p)
+            if name is not None:
+                raise RuntimeError(
+                    f"{type(optimizer).__name__}.step(): it holds {name}, which "
+                    f"fusible.convert(..., merge_gated_mlps=True) replaced by the merged "
+                    f"gate/up parameter of a fused SwiGLU block; that parameter is not in "
+                    f"this optimizer, so the model's gate and up projections would not train. "
+                    f"Build the optimizer after convert (model.parameters() then holds the "
+                    f"merged one)")
