@@ -1,5 +1,7 @@
 """GPU checks, run on the device machine (skipped without CUDA)."""
 
+import math
+
 import pytest
 import torch
 
@@ -1004,6 +1006,26 @@ def test_delayed_casts_same_bits_as_pytorch_on_gpu():
                 roll_torch(ref, x.float().abs().amax(), most_recent, margin)
                 assert torch.equal(ours, ref), (dtype, step, ours[:3], ref[:3])
                 assert all(same_bits(a, b) for a, b in zip(got, want)), (dtype, step)
+
+
+def test_delayed_casts_keep_non_finite_values_on_gpu():
+    """An inf scaled by a finite scale from history becomes NaN (E4M3 has no infinity, and
+    the GPU's conversions saturate one), in the kernel as in PyTorch's ops."""
+    from fusible.kernels.fp8_delayed import DelayedCast, cast_delayed_triton
+    from fusible.quantization.casts.tensorwise import cast_tensorwise_torch
+    for fp8, fp8_max in ((torch.float8_e4m3fn, 448.0), (torch.float8_e5m2, 57344.0)):
+        x = torch.randn(1024, 768, device="cuda", dtype=torch.bfloat16)
+        x[1, 2], x[3, 4], x[5, 6] = float("inf"), -float("inf"), float("nan")
+        state = torch.zeros(2 + 4, device="cuda")
+        state[0] = 4.0
+        got = cast_delayed_triton(x, fp8, fp8_max, True, DelayedCast(state, False, 0))
+        want = cast_tensorwise_torch(x, fp8, True, torch.tensor(4.0, device="cuda"))
+        for a, b in zip(got, want):  # the same bits, but NaN's payload
+            nan = a.float().isnan()
+            assert torch.equal(nan, b.float().isnan()), fp8
+            assert same_bits(torch.where(nan, 0, a.float()), torch.where(nan, 0, b.float())), fp8
+        bad = got[0].float()[[1, 3, 5], [2, 4, 6]].tolist()
+        assert all(math.isnan(v) for v in bad), (fp8, bad)
 
 
 def test_delayed_fused_casts_same_bits_as_kernel_then_cast_on_gpu():

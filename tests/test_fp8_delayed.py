@@ -310,6 +310,14 @@ _KERNELS_SCRIPT = textwrap.dedent("""
                   dy, g, r, True, need_ds, (E5M2, MAX[E5M2], True, d), 8, 16)[0],
               scaled_glu.scaled_glu_backward_triton(dy, g, r, True, False, None, 8, 16)[0],
               E5M2)
+    # an inf scaled by a finite scale from history becomes NaN, not the largest value (in
+    # E5M2 here; E4M3 on the GPU, test_cuda.py: the interpreter converts NaN to E4M3 wrongly)
+    x = torch.randn(16, 32)
+    x[1, 2], x[3, 4] = float("inf"), -float("inf")
+    data = cast_delayed_triton(x, E5M2, MAX[E5M2], False, DelayedCast(state(), False, 0),
+                               8, 16)[0].float()
+    assert data[[1, 3], [2, 4]].isnan().all(), data[[1, 3], [2, 4]]
+    assert torch.isfinite(data[~x.isinf()]).all()
     print("ok")
 """)
 
@@ -382,3 +390,25 @@ def test_an_op_standing_twice_is_refused():
     with pytest.raises(NotImplementedError, match="stands twice in one pipeline"):
         _grads(linear, ops.Sequential(linear, linear), torch.randn(16, 32),
                fusible.DelayedScaling())
+
+
+@pytest.mark.parametrize("fp8_format", ["hybrid", "e4m3"])
+def test_non_finite_values_propagate_as_in_high_precision(fp8_format):
+    """A scale from history is finite, so an inf scaled by it is inf: it must not become
+    the largest FP8 value, or a "skip the step on a non-finite loss" guard never fires
+    (the FP8 data holds NaN for it)."""
+    torch.manual_seed(0)
+    model = ops.Sequential(ops.Linear(32, 32), ops.GELU(), ops.Linear(32, 32))
+    x = torch.randn(16, 32)
+    recipe = fusible.DelayedScaling(fp8_format=fp8_format)
+    with fusible.autocast(recipe=recipe):
+        model(x).sum().backward()  # a finite step fills the histories
+        bad = x.clone()
+        bad[0, 0] = float("inf")
+        y = model(bad.requires_grad_())
+        assert not torch.isfinite(y[0]).any() and torch.isfinite(y[1:]).all()
+        dy = torch.ones_like(y)
+        dy[3, 2] = float("inf")
+        y = model(x.clone().requires_grad_())
+        y.backward(dy)
+    assert not torch.isfinite(model[0].weight.grad).all()  # dW sums dy's inf in

@@ -77,9 +77,12 @@ def quantize_tile(x, scale, scale_inv_ptr, FP8_MAX):
 
 @jit
 def saturate(v, FP8_MAX):
-    """``v`` clamped to +-FP8_MAX, NaN kept."""
-    v = tl.maximum(v, -FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
-    return tl.minimum(v, FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
+    """``v`` clamped to +-FP8_MAX, NaN kept and infinities made NaN: a scale from history
+    must not turn an overflow to inf into the largest finite value (NaN: E4M3 has no
+    infinity, and the conversions saturate one)."""
+    clamped = tl.maximum(v, -FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
+    clamped = tl.minimum(clamped, FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
+    return tl.where(tl.abs(v) == float("inf"), float("nan"), clamped)
 
 
 @jit

@@ -18,8 +18,8 @@ import torch
 import torch.nn.functional as F
 
 from fusible.kernels import fp8_blocks, fp8_cast, plain_eager
-from fusible.quantization.casts.common import (FP8_MAX, check_cast, pack_parts, scale_from_amax,
-                                               unpack_parts)
+from fusible.quantization.casts.common import (FP8_MAX, check_cast, pack_parts, saturate,
+                                               scale_from_amax, unpack_parts)
 
 E8M0 = torch.float8_e8m0fnu
 
@@ -112,8 +112,7 @@ def _cast_blocks_torch(x2: torch.Tensor, fp8_dtype: torch.dtype, block: tuple,
     else:
         amax = xf.new_zeros((nr, nc))
     scale, scale_inv = _block_scales(amax, fp8_dtype, power2)
-    limit = FP8_MAX[fp8_dtype]
-    data = (tiles * scale[:, None, :, None]).clamp_(-limit, limit).to(fp8_dtype)
+    data = saturate(tiles * scale[:, None, :, None], fp8_dtype).to(fp8_dtype)
     data = data.view(nr * br, nc * bc)[:rows, :cols].contiguous()
     return data, scale_inv.to(E8M0) if power2 else scale_inv
 

@@ -26,6 +26,16 @@ def scale_from_amax(amax: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
     return torch.where(amax == 0, torch.ones_like(amax), scale)
 
 
+def saturate(v: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
+    """``v`` (scaled float32 values) clamped to the finite range of ``fp8_dtype``, NaN kept
+    and infinities made NaN, so that non-finite values reach the FP8 data as they do under
+    current scaling: a scale from history (delayed scaling) must not turn an overflow to
+    inf into the largest finite value. (NaN, as E4M3 has no infinity and the GPU's
+    conversions saturate one.) ``kernels.fp8_cast.saturate`` is the kernels' twin."""
+    limit = FP8_MAX[fp8_dtype]
+    return torch.where(v.isinf(), torch.full_like(v, float("nan")), v.clamp(-limit, limit))
+
+
 def check_cast(op: str, fp8_dtype: torch.dtype, rowwise: bool, columnwise: bool) -> None:
     """ValueError, naming the cast ``op``, for a dtype that is not FP8 or a cast that would
     keep neither the data nor its transposed copy."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from fusible.kernels import fp8_cast, plain_eager
-from fusible.quantization.casts.common import FP8_MAX, scale_from_amax
+from fusible.quantization.casts.common import FP8_MAX, saturate, scale_from_amax
 
 
 def cast_tensorwise(x: torch.Tensor, fp8_dtype: torch.dtype, columnwise: bool = False,
@@ -70,8 +70,7 @@ def cast_tensorwise_torch(x: torch.Tensor, fp8_dtype: torch.dtype, columnwise: b
     if amax is None:
         amax = _amax_of_float(xf)
     scale = scale_from_amax(amax, fp8_dtype)
-    limit = FP8_MAX[fp8_dtype]
-    data = (xf * scale).clamp_(-limit, limit).to(fp8_dtype)
+    data = saturate(xf * scale, fp8_dtype).to(fp8_dtype)
     out = [data, torch.ones_like(scale) / scale]
     if columnwise:
         out.append(fp8_cast.transposed_copy(data))
