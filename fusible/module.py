@@ -108,18 +108,21 @@ def _plan_conditions(layout: Layout, example_inputs: tuple, training: bool) -> P
                           grad and splitting())
 
 
-def flatten(module: nn.Module, root: bool = True) -> list:
+def flatten(module: nn.Module, root: bool = True, global_hooks: bool = False) -> list:
     """Basic ops and ordinary modules of ``module``, nested Sequentials flattened; an
     operation or Sequential below the root that has module hooks stays whole (it runs as
-    its own module call, see ``fusible.core.hooks``)."""
+    its own module call, see ``fusible.core.hooks``), and every one does while global
+    module hooks are registered (``global_hooks``), so that they see each module of the
+    model as torch.nn would call them (a ``Linear``, not only its BasicLinear and Bias)."""
     if isinstance(module, (FusibleSpec, Sequential)):
         epoch.mark_planned(module)  # from now on its changes move the epoch
-        if not root and has_hooks(module):
+        if not root and (global_hooks or has_hooks(module)):
             return [module]
     if isinstance(module, FusibleSpec):
         return list(module.basic_ops())
     if isinstance(module, Sequential):
-        return [item for child in module for item in flatten(child, root=False)]
+        return [item for child in module
+                for item in flatten(child, root=False, global_hooks=global_hooks)]
     return [module]
 
 
@@ -133,7 +136,7 @@ def _entries(root: nn.Module, global_hooks: bool) -> tuple:
         # a backward is pending). Its own hooks run around this very call.
         epoch.mark_planned(root)
         return [weakref.proxy(root)], ()
-    items = flatten(root)
+    items = flatten(root, global_hooks=global_hooks)
     plain = [isinstance(item, BasicOperationSpec) and not (global_hooks or has_hooks(item))
              for item in items]
     left_out = _left_out_of_plans(items, plain)
