@@ -111,6 +111,16 @@ def test_zero_tokens(fp8, compiled, fresh_dynamo):
     (lambda: ops.Reshape("ab"), TypeError, "Reshape: shape must be an int or a sequence"),
     (lambda: ops.Quantize(forward=1), TypeError, "Quantize: forward must be a bool"),
     (lambda: ops.GELU("bogus"), ValueError, "GELU: approximate must be one of"),
+    # a group of the wrong type, at construction rather than at the first collective
+    (lambda: ops.AllReduce(process_group="x"), TypeError, "AllReduce: its group must be a "
+                                                         "torch.distributed ProcessGroup or a "
+                                                         "one-dimensional DeviceMesh (such "
+                                                         "as mesh['tp']), got str 'x'"),
+    (lambda: ops.AllGather(process_group=3), TypeError, "AllGather: its group must be"),
+    (lambda: ops.Linear(8, 8, tensor_parallel_mode="column", tensor_parallel_group="tp"),
+     TypeError, "its group must be a torch.distributed ProcessGroup"),
+    (lambda: ops.RMSNorm(8, sequence_parallel=True, tensor_parallel_group=object()), TypeError,
+     "RMSNorm(normalized_shape=(8,)): its group must be"),
 ])
 def test_constructor_arguments_are_checked_by_type_and_value(make, error, message):
     with pytest.raises(error, match=re.escape(message)):

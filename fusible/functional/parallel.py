@@ -100,6 +100,10 @@ def resolve_group(op_name: str, group) -> dist.ProcessGroup:
                              f"({group.mesh_dim_names})")
         return group.get_group()
     if group is not None:
+        if not isinstance(group, dist.ProcessGroup):
+            raise TypeError(f"{op_name}: its group must be a torch.distributed ProcessGroup or "
+                            f"a one-dimensional DeviceMesh (such as mesh['tp']), got "
+                            f"{type(group).__name__} {group!r}")
         return group
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError(f"{op_name} needs torch.distributed: call "
