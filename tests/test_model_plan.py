@@ -82,3 +82,23 @@ def test_the_diagram_is_vertical_labelled_and_collapsed(layers, tmp_path):
     width, height = _png_size(plan.render(str(tmp_path / f"gpt{layers}"), "png"))
     # the same picture at any depth: one block drawn once, a page's size
     assert height < 1200 and width < 1200, (width, height)
+
+
+def test_planning_does_not_train():
+    """plan_model runs the model once: BatchNorm's running statistics, delayed scaling's
+    amax histories and the random generator are as they were (a first plan's FP8 states
+    at their initial zeros)."""
+    model = torch.nn.Sequential(torch.nn.BatchNorm1d(32), torch.nn.Dropout(0.5),
+                                fusible.ops.Sequential(fusible.ops.Linear(32, 32)))
+    x = torch.randn(16, 32) * 3 + 1
+    fusible.plan_model(model, x)  # plans made, FP8 states not yet
+    stats = {k: v.clone() for k, v in model.state_dict().items()}
+    rng = torch.random.get_rng_state()
+    with fusible.autocast(recipe=fusible.DelayedScaling()):
+        fusible.plan_model(model, x)
+    assert torch.equal(torch.random.get_rng_state(), rng)
+    state = model.state_dict()
+    for key, value in stats.items():
+        assert torch.equal(state[key], value), key
+    fp8 = [k for k in state if "fp8_state" in k]
+    assert fp8 and all(not state[k].any() for k in fp8), fp8

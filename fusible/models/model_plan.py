@@ -10,10 +10,12 @@ repeated blocks once (``layers.0-11``: the same relative paths and identical pla
 from __future__ import annotations
 
 import collections
+import contextlib
 import re
-from typing import Any, Optional, cast
+from typing import Any, Iterator, Optional, cast
 
 import attrs
+import torch
 from torch import nn
 
 from fusible.core.operation import FusibleSpec
@@ -155,7 +157,8 @@ def plan_model(model: nn.Module, *example_inputs: Any, **example_kwargs: Any) ->
         they are called, its other leaf modules recorded between them.
     *example_inputs, **example_kwargs
         What the model is called with (their dtypes, devices and ``requires_grad`` shape
-        the plans). No backward runs.
+        the plans). No backward runs, and the model's buffers (BatchNorm's running
+        statistics, FP8 amax histories) and the random generators are as they were.
 
     Returns
     -------
@@ -176,7 +179,8 @@ def plan_model(model: nn.Module, *example_inputs: Any, **example_kwargs: Any) ->
             handles.append(module.register_forward_pre_hook(fusible_call))
         for module in _ordinary_leaves(model):
             handles.append(module.register_forward_pre_hook(ordinary_call))
-        model(*example_inputs, **example_kwargs)
+        with _state_kept(model):
+            model(*example_inputs, **example_kwargs)
     finally:
         for h in handles:
             h.remove()
@@ -184,6 +188,29 @@ def plan_model(model: nn.Module, *example_inputs: Any, **example_kwargs: Any) ->
         raise ValueError(f"plan_model: {type(model).__name__} called no fusible module on "
                          f"these inputs")
     return ModelPlan(tuple(items), collapse(items))
+
+
+@contextlib.contextmanager
+def _state_kept(model: nn.Module) -> Iterator[None]:
+    """Planning does not train: the model's buffers (BatchNorm's running statistics,
+    delayed scaling's amax histories) and the random number generators are as they were
+    after the run; buffers the run made (FP8 states at their first plan) are left at their
+    initial zeros."""
+    before = {name: b.detach().clone() for name, b in model.named_buffers()}
+    rng = torch.random.get_rng_state()
+    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for name, b in model.named_buffers():
+                if name in before:
+                    b.copy_(before[name])
+                elif name.rsplit(".", 1)[-1].startswith("fp8_state_"):
+                    b.zero_()
+        torch.random.set_rng_state(rng)
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state_all(cuda_rng)
 
 
 def _is_fusible(module) -> bool:
