@@ -411,3 +411,33 @@ def test_a_partial_checkpoint_loads_into_the_merged_rows_and_names_what_is_missi
                                            r"copying a param with shape \(3, 32\)") as error:
         model.load_state_dict(wrong)
     assert "gate_up" not in str(error.value)
+
+
+def test_hooks_on_replaced_modules_keep_running():
+    """Forward, forward-pre and backward hooks registered on a module convert replaces
+    run on its replacement with what the original's saw, and their handles still remove
+    them."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 4))
+    wrapper = nn.ModuleDict({"mlp": model, "head": nn.Linear(4, 2)})
+    seen = []
+    handles = [
+        model[0].register_forward_hook(lambda m, a, o: seen.append(("fc1 out", o.sum()))),
+        model[2].register_forward_pre_hook(lambda m, a: seen.append(("fc2 in", a[0].sum()))),
+        model.register_forward_hook(lambda m, a, o: seen.append(("mlp out", o.sum()))),
+        wrapper["head"].register_full_backward_hook(
+            lambda m, gi, go: seen.append(("head dx", gi[0].sum())))]
+    x = torch.randn(3, 8, requires_grad=True)
+    wrapper["head"](wrapper["mlp"](x)).sum().backward()
+    want, seen[:] = list(seen), []
+    fusible.convert(wrapper)
+    assert isinstance(wrapper["mlp"], ops.Sequential) and isinstance(wrapper["head"], ops.Linear)
+    wrapper["head"](wrapper["mlp"](x)).sum().backward()
+    assert [name for name, _ in seen] == [name for name, _ in want]
+    for (name, got), (_, ref) in zip(seen, want):
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5, msg=name)
+    for handle in handles:
+        handle.remove()
+    seen.clear()
+    wrapper["head"](wrapper["mlp"](x)).sum().backward()
+    assert seen == []

@@ -130,11 +130,35 @@ def convert_module(module: nn.Module) -> Optional[nn.Module]:
         seq = Sequential(collections.OrderedDict(  # type: ignore[arg-type]
             zip(module._modules, children)))  # the same child names
         seq.training = module.training  # its children took their own modes
-        return seq
+        return keep_hooks(module, seq)
     make = _LEAVES.get(type(module))
     new = None if make is None else make(module)
     # the mode of what it replaces (a model from from_pretrained is in eval mode)
-    return None if new is None else new.train(module.training)
+    return None if new is None else keep_hooks(module, new.train(module.training))
+
+
+# The hooks a module call runs, and the state-dict hooks: the replacement takes the very
+# dicts, so that the handles the user holds still remove them.
+_CALL_HOOKS = ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called",
+               "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_backward_hooks",
+               "_backward_pre_hooks")
+_STATE_HOOKS = ("_state_dict_hooks", "_state_dict_pre_hooks", "_load_state_dict_pre_hooks",
+                "_load_state_dict_post_hooks")
+
+
+def keep_hooks(old: nn.Module, new: nn.Module) -> nn.Module:
+    """``new``, running the hooks registered on ``old`` (which it replaces) as ``old``
+    would: forward, forward-pre and backward hooks, and state-dict hooks where ``new`` has
+    none of its own (a fusible op with hooks runs as its own module call, so they see what
+    the original's saw)."""
+    for name in _CALL_HOOKS + _STATE_HOOKS:
+        own = new.__dict__.get(name)
+        if name in _STATE_HOOKS and own:
+            own.update(old.__dict__[name])  # fusible's own come first; handles kept by id
+            continue
+        setattr(new, name, old.__dict__[name])
+    new._is_full_backward_hook = old._is_full_backward_hook
+    return new
 
 
 def _convert_children(module, path, converted, left, options: _Options) -> None:
@@ -152,7 +176,8 @@ def _convert_children(module, path, converted, left, options: _Options) -> None:
                              f"one fusible SwiGLU block (a new parameter: build the optimizer "
                              f"after it); its projections are converted one by one"))
             else:
-                new = merged_gated_mlp(child, gated, where).train(child.training)
+                new = keep_hooks(child, merged_gated_mlp(child, gated, where)
+                                 .train(child.training))
         if new is not None:
             setattr(module, name, new)
             converted.append((where, type(child).__name__, type(new).__name__))
