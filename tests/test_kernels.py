@@ -768,3 +768,15 @@ _BLOCK_CAST_SCRIPT = textwrap.dedent("""
 
 def test_block_fp8_cast_triton_matches_pytorch():
     _run_interpreted(_BLOCK_CAST_SCRIPT)
+
+
+def test_importing_triton_warns_nothing():
+    """Triton's first import (the stand-ins replaced in every module namespace) reads no
+    deprecated attribute of other modules (torch.distributed.reduce_op warned)."""
+    pytest.importorskip("triton")
+    code = ("import torch, torch.distributed, fusible\n"
+            "from fusible.kernels import require_triton\n"
+            "require_triton('a test')\nprint('ok')")
+    out = subprocess.run([sys.executable, "-W", "error::FutureWarning", "-c", code],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]

@@ -45,6 +45,9 @@ class _LazyKernel:
         return self.kernel
 
 
+_STAND_IN_TYPES = (_LazyTriton, _LazyKernel)
+
+
 def _import_triton() -> None:
     """Import Triton (once), compile the kernels decorated so far and put the real modules
     and kernels where the stand-ins were; RuntimeError when Triton is missing or fails to
@@ -82,7 +85,9 @@ def _replace_stand_ins() -> None:
         if not isinstance(namespace, dict) or isinstance(module, _LazyTriton):
             continue
         for name, value in list(namespace.items()):
-            if isinstance(value, (_LazyTriton, _LazyKernel)) and id(value) in stand_ins:
+            # type(), not isinstance: the latter reads __class__, which deprecated module
+            # attributes answer with a warning (torch.distributed.reduce_op)
+            if type(value) in _STAND_IN_TYPES and id(value) in stand_ins:
                 namespace[name] = stand_ins[id(value)]
 
 
