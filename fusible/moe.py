@@ -158,8 +158,9 @@ def permute_tokens(x: Tensor, experts: Tensor, num_experts: int, *,
     else:
         sorted_experts = flat[order]
         if capacity_factor is not None:
-            if not capacity_factor > 0:
-                raise ValueError(f"permute_tokens: capacity_factor must be positive, got "
+            if not (capacity_factor > 0 and math.isfinite(capacity_factor)):
+                raise ValueError(f"permute_tokens: capacity_factor must be positive and "
+                                 f"finite (None: dropless, every copy kept), got "
                                  f"{capacity_factor}")
             capacity = _round_up(math.ceil(capacity_factor * tokens * k / num_experts), align)
             rows = num_experts * capacity

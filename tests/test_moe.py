@@ -178,3 +178,22 @@ def test_combine_keeps_the_rows_only_for_the_weights_gradient():
         if weights is not None and kept:  # d(sum)/dw[t, j] = sum of copy j's row
             want = y.detach()[routing.copy_row].sum(-1).view(6, 2)
             torch.testing.assert_close(weights.grad, want)
+
+
+@pytest.mark.parametrize("routing", [{}, {"align": 16}, {"capacity_factor": 1.25}])
+def test_a_batch_without_tokens_runs_forward_and_backward(routing):
+    """A rank or microbatch may get no token: every expert gets no row (or padding)."""
+    x = torch.randn(0, 8, requires_grad=True)
+    experts, weights = moe.route_top_k(torch.randn(0, 4), 2)
+    rows, plan = moe.permute_tokens(x, experts, 4, **routing)
+    assert rows.shape[1] == 8 and int(plan.splits.sum()) == rows.shape[0]
+    y = moe.unpermute_tokens(rows * 2, plan, weights)
+    y.sum().backward()
+    assert y.shape == (0, 8) and x.grad.shape == (0, 8)
+
+
+def test_an_infinite_capacity_is_refused_with_the_dropless_choice():
+    experts, _ = moe.route_top_k(torch.randn(6, 4), 2)
+    with pytest.raises(ValueError, match=r"capacity_factor must be positive and finite "
+                                         r"\(None: dropless, every copy kept\), got inf"):
+        moe.permute_tokens(torch.randn(6, 8), experts, 4, capacity_factor=float("inf"))

@@ -54,6 +54,10 @@ def _gather_rows_impl(src, row_copy, k, copy_scales, dots_with):
     if triton_can_run(src, *[t for t in (copy_scales, dots_with) if t is not None]):
         return moe_rows.gather_rows_triton(src, row_copy, k, copy_scales, dots_with)
     acc = torch.promote_types(src.dtype, torch.float32)
+    if src.shape[0] == 0:  # no token: every row is padding (no copy to read)
+        out = src.new_zeros((row_copy.shape[0], src.shape[1]))
+        return out, (None if dots_with is None else
+                     torch.zeros(0, dtype=torch.float32, device=src.device))
     valid = row_copy >= 0
     copy = row_copy.clamp(min=0)
     values = src.index_select(0, copy // k).to(acc)
@@ -70,7 +74,8 @@ def _gather_rows_impl(src, row_copy, k, copy_scales, dots_with):
 
 
 def _combine_rows_impl(src, copy_row, weights):
-    copy_row = copy_row.reshape(copy_row.shape[0], -1)
+    if copy_row.dim() == 1:  # one copy per token (a 0-token batch must keep its k)
+        copy_row = copy_row[:, None]
     if triton_can_run(src, *([weights] if weights is not None else [])):
         return moe_rows.combine_rows_triton(src, copy_row, weights)
     acc_dtype = torch.promote_types(src.dtype, torch.float32)
