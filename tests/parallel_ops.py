@@ -186,6 +186,30 @@ def _check_guards(rank, ws):
     assert twin[1].process_group is group
 
 
+def check_ranks_agree(rank, ws):
+    """Ranks configured differently (another parallel mode, size or recipe on one rank)
+    fail when the plan is made, on every rank, naming the op and both values, instead of
+    running collectives that pair up wrongly."""
+    if ws == 1:
+        return
+    x = torch.randn(8, IN)
+    mode = "column" if rank == 0 else "row"
+    size = IN if mode == "column" else IN // ws
+    odd = ops.Sequential(ops.BasicLinear(IN, OUT, tensor_parallel_mode=mode))
+    with pytest.raises(RuntimeError, match=r"ranks of a process group disagree on op \[0\] "
+                                           r"of the group: rank \d has BasicLinear\(.*"
+                                           r"tensor_parallel_mode='(column|row)'"):
+        odd(torch.randn(8, size))
+    wide = ops.Sequential(ops.Linear(IN, OUT * (1 + rank), tensor_parallel_mode="column"))
+    with pytest.raises(RuntimeError, match=r"disagree on op \[0\] of the group"):
+        wide(x)
+    same = ops.Sequential(ops.Linear(IN, OUT, tensor_parallel_mode="column"))
+    with fusible.autocast(enabled=rank == 0):
+        with pytest.raises(RuntimeError, match=r"disagree on the FP8 recipe: rank \d has"):
+            same(torch.randn(16, IN))
+    same(torch.randn(8, IN))  # agreeing ranks: planned and run
+
+
 def _check_one_parallel_record(ws):
     """Every op keeps its parallel state in one record, ``parallel``, read-only after
     construction; the constructor's names are read-only views of it; None is "not split"."""

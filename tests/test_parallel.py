@@ -16,7 +16,7 @@ from parallel_layers import (DEVICE, _check_dgrad_reduction_overlaps_wgrad, _che
                              _check_fp8_gathered_tokens, _check_linear, _check_linear_fp8,
                              _check_mlp)
 from parallel_ops import (_check_all_gather_then_column, _check_collectives,
-                          _check_gated_after_column, _check_guards,
+                          _check_gated_after_column, _check_guards, check_ranks_agree,
                           _check_init, _check_norm_sp, _check_plan,
                           _check_recompute_norm_before_column, _check_size_errors,
                           _check_state_dict_from_torch, one_rank_fails_cases,
@@ -45,6 +45,7 @@ def parallel_cases(rank, ws, device="cpu"):
              "state dict from torch": lambda: _check_state_dict_from_torch(rank, ws),
              "norm sp": lambda: _check_norm_sp(rank, ws),
              "guards": lambda: _check_guards(rank, ws),
+             "ranks agree": lambda: check_ranks_agree(rank, ws),
              "all-gather then column": lambda: _check_all_gather_then_column(rank, ws),
              "fp8 gathered tokens": lambda: _check_fp8_gathered_tokens(rank, ws),
              "gated unit after column": lambda: _check_gated_after_column(rank, ws),
@@ -95,7 +96,7 @@ def test_tensor_parallel_nccl():
 def _report(results):
     report = failure_report(results)
     assert not report, report
-    assert [len(outcomes) for outcomes in results] == [65] * len(results)
+    assert [len(outcomes) for outcomes in results] == [66] * len(results)
 
 
 def test_a_rank_that_fails_alone_stops_every_rank_at_once():

@@ -20,6 +20,7 @@ from fusible.planning.features import channels as _channels
 from fusible.planning.features import grad_reduction as _grad_reduction
 from fusible.planning.features import in_place as _in_place
 from fusible.planning.features import main_grad as _main_grad
+from fusible.planning.features import parallel_agreement as _parallel_agreement
 from fusible.planning.features import scaling_states as _scaling_states
 from fusible.planning.features import split_backward as _split_backward
 from fusible.planning.features import stage_ranges as _stage_ranges
@@ -41,6 +42,8 @@ class Features:
     scaling_states: Optional[_scaling_states.ScalingStates] = _feature(_scaling_states.attach)
     split_backward: Optional[_split_backward.SplitBackward] = _feature(_split_backward.attach)
     stage_ranges: Optional[_stage_ranges.StageRanges] = _feature(_stage_ranges.attach)
+    parallel_agreement: Optional[_parallel_agreement.ParallelAgreement] = _feature(
+        _parallel_agreement.attach)
 
     def active(self) -> list:
         """``(name, record)`` of the features in use, in pass order."""
