@@ -124,7 +124,7 @@ def test_compiled_split_runs_the_lanes_custom_ops(fresh_dynamo):
         with fusible.split_backward():
             y = f(x)
         y.backward(dy)
-        queued = [compiled for _, _, compiled in deferred.queue()]
+        queued = [entry[2] for entry in deferred.queue()]  # compiled or not
         # in high precision the bias's gradient waits with its weight's (BackwardLinearBias)
         assert [p.grad is None for p in model.parameters()] == [False, True, True, True, True]
         fusible.run_deferred_wgrad()
@@ -252,6 +252,34 @@ def test_wgrads_queued_on_another_thread_are_taken_here():
     assert len(fusible.pending_wgrad()) == 3
     fusible.run_deferred_wgrad()
     assert_same([x.grad] + [p.grad for p in model.parameters()], want)
+
+
+def test_each_thread_owns_its_deferred_wgrads():
+    """The queue is per thread, like autocast's state: a thread that never split a
+    backward is not refused while another's wgrads wait, nor sees or takes them; the
+    thread that queued them is refused until it runs them."""
+    model, other = llama(torch.float64), llama(torch.float64)
+    x, dy = inputs(torch.float64)
+    with fusible.split_backward():
+        model(x).backward(dy)
+    assert len(fusible.pending_wgrad()) == 3
+    seen = {}
+
+    def elsewhere():
+        other(x).backward(dy)  # not refused: nothing of this thread waits
+        seen["pending"] = fusible.pending_wgrad()
+        fusible.run_deferred_wgrad()  # runs none of the other thread's
+        seen["grads"] = [p.grad is not None for p in other.parameters()]
+
+    worker = threading.Thread(target=elsewhere)
+    worker.start()
+    worker.join()
+    assert seen == {"pending": [], "grads": [True] * 5}
+    assert len(fusible.pending_wgrad()) == 3  # still this thread's
+    with pytest.raises(RuntimeError, match="a forward ran outside fusible.split_backward"):
+        model(x)
+    fusible.run_deferred_wgrad()
+    assert fusible.pending_wgrad() == [] and model(x) is not None
 
 
 def test_one_compiled_model_switches_lanes(fresh_dynamo):

@@ -189,7 +189,8 @@ def _kernel(cls, direction: str, op: StageOp, compute, real: bool = True):
         if direction == "dgrad":  # queue the record its wgrad reads (a fake run: nothing)
             result, record = result
             if real:
-                deferred.defer(_target_token(provenance), record, compiled=True)
+                deferred.defer(_target_token(provenance), record, compiled=True)  # every
+                # thread's: a compiled backward does not know its forward's thread
         inputs = [flat[i] for i in slots]
         if list_slots:
             inputs += [t for i in list_slots for t in flat[i]]

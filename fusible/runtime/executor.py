@@ -14,6 +14,7 @@ nothing else.
 
 from __future__ import annotations
 
+import threading
 import types
 import weakref
 from typing import Any, Optional, Sequence, cast
@@ -42,17 +43,19 @@ class Call:
     by slot, ``outputs`` the gradients of the extra inputs by slot, and ``grad_params``
     the parameter gradients. ``given`` holds the caller's extra inputs as passed (forward),
     ``store`` the features' scratch space for the pass (named channels' tensors by name, or
-    their gradients' sums; other features key theirs by tuples), ``tensors`` the feature
+    their gradients' sums; other features key theirs by tuples), ``owner`` the thread that
+    ran the forward (the backward may run on an autograd worker), ``tensors`` the feature
     tensors of the call
     (``RuntimeFeature.count``), by feature name.
     """
 
     __slots__ = ("plan", "ctxs", "traced", "input", "extras", "outputs", "grad_params",
-                 "given", "store", "tensors")
+                 "given", "store", "tensors", "owner")
 
     def __init__(self, plan, ctxs, traced: bool, input, extras, outputs: list,
-                 tensors: "dict | None", given: tuple = ()):
+                 tensors: "dict | None", given: tuple = (), owner: Optional[int] = None):
         self.plan, self.ctxs, self.traced, self.input = plan, ctxs, traced, input
+        self.owner = threading.get_ident() if owner is None else owner
         self.extras, self.outputs, self.given = extras, outputs, given
         self.tensors: dict = tensors or {}
         self.grad_params: list = []
@@ -143,10 +146,12 @@ def _compute_with(st, args, fmt):
 
 
 def run_backward(plan: ExecPlan, grad_output, grad_extra_outputs, ctxs, traced: bool = False,
-                 tensors: "dict | None" = None, shapes: Sequence = ()):
+                 tensors: "dict | None" = None, shapes: Sequence = (),
+                 owner: Optional[int] = None):
     """Run the backward stages; returns (grad_input, grad_extra_inputs, grad_params).
 
-    ``shapes``: the parameters' shapes, which their gradients must have.
+    ``shapes``: the parameters' shapes, which their gradients must have; ``owner``: the
+    thread that ran the forward.
     """
     dy = grad_output.contiguous()  # e.g. the expanded gradient of .sum(): see run_forward
     extras = tuple(g.contiguous() for g in grad_extra_outputs) if grad_extra_outputs else ()
@@ -154,7 +159,7 @@ def run_backward(plan: ExecPlan, grad_output, grad_extra_outputs, ctxs, traced: 
     grad_params: list = [None] * plan.num_params
     hooks, call = plan.hooks, None
     if hooks.active:
-        call = Call(plan, ctxs, traced, dy, extras, outputs, tensors)
+        call = Call(plan, ctxs, traced, dy, extras, outputs, tensors, owner=owner)
         call.grad_params = grad_params
         for begin in hooks.begin_backward:
             begin(call)
@@ -277,7 +282,7 @@ class _PipelineFunction(torch.autograd.Function):
         # after the module is gone (dynamo's fake propagation never runs its backward), and
         # the compiled graph does not use the node at run time.
         shapes = [p.shape for p in params]  # what each parameter gradient must match
-        held = shapes, features, len(tensors) - params_end
+        held = shapes, features, len(tensors) - params_end, threading.get_ident()
         if traced:
             fctx.fusible = weakref.ref(plan), ctxs, traced, (), held
         else:
@@ -296,13 +301,13 @@ class _PipelineFunction(torch.autograd.Function):
             raise RuntimeError("fusible frees saved intermediates during the backward pass: "
                                "backward through the same graph twice (retain_graph=True) is "
                                "not supported; run the forward again")
-        plan, ctxs, traced, _, (shapes, features, num_features) = fctx.fusible
+        plan, ctxs, traced, _, (shapes, features, num_features, owner) = fctx.fusible
         plan = plan() if traced else plan
         # Consumed: backward runs once, and the node (which traces may keep) holds nothing.
         fctx.fusible = None
         ctxs = restore_saved(fctx, ctxs, plan.ops)
         dx, grad_extras, grad_params = run_backward(plan, grad_output, grad_extra_outputs, ctxs,
-                                                    traced, features, shapes)
+                                                    traced, features, shapes, owner)
         return (None, None, dx, *grad_extras, *grad_params, *(None,) * num_features)
 
 

@@ -6,12 +6,14 @@ its dgrad ran compiled) and adds the gradients where autograd would have put the
 into ``param.grad`` (set when None, added in place otherwise, as ``AccumulateGrad``
 does; cast to the parameter's dtype, as autograd's copy node does under
 ``torch.autocast``), or into ``main_grad``. Until then the entries are pending: the
-next optimizer step over their parameters, or a forward outside
-:func:`fusible.split_backward`, raises naming them.
+next optimizer step over their parameters (whichever thread queued them), or a forward
+of the thread that queued them outside :func:`fusible.split_backward`, raises naming
+them. Each thread takes and runs its own (``runtime/deferred.py``).
 """
 
 from __future__ import annotations
 
+import threading
 from typing import Callable
 
 import torch
@@ -25,10 +27,11 @@ _hook = None
 
 
 class _Runner:
-    """A set of taken entries; running it once runs their wgrads and frees their records."""
+    """A set of taken entries; running it once runs their wgrads and frees their records.
+    ``owner``: the thread that took them."""
 
     def __init__(self, entries: list):
-        self.entries = entries
+        self.entries, self.owner = entries, threading.get_ident()
         deferred.hand_out(self)
 
     def __call__(self) -> None:
@@ -38,31 +41,34 @@ class _Runner:
 
 
 def take() -> Callable[[], None]:
-    """The wgrads queued so far as one callable (the queue left empty): calling it runs
-    them, in the order their dgrad stages ran. Any order of calls is correct."""
+    """This thread's wgrads queued so far as one callable (its queue left empty): calling
+    it runs them, in the order their dgrad stages ran. Any order of calls is correct."""
     install_step_check()
-    return _Runner(deferred.drain())
+    return _Runner(deferred.drain(threading.get_ident()))
 
 
 def run_pending() -> None:
-    """Run every queued wgrad now."""
+    """Run this thread's queued wgrads now."""
     take()()
 
 
 def pending() -> list:
-    """The provenance of every deferred wgrad not yet run (queued or taken)."""
-    return [target.stage.provenance for target in _pending_targets()]
+    """The provenance of every deferred wgrad of this thread not yet run (queued or
+    taken)."""
+    return [target.stage.provenance for target in _pending_targets(threading.get_ident())]
 
 
-def _pending_targets() -> list:
-    """The WgradTarget of every entry not yet run: queued, then taken."""
-    entries = deferred.queue() + [e for runner in deferred.taken() for e in runner.entries]
-    return [tokens.lookup(token) for token, _, _ in entries]
+def _pending_targets(thread: "int | None" = None) -> list:
+    """The WgradTarget of every entry not yet run, queued then taken: every thread's, or
+    ``thread``'s."""
+    entries = deferred.queue(thread) + [e for runner in deferred.taken(thread)
+                                        for e in runner.entries]
+    return [tokens.lookup(entry[0]) for entry in entries]
 
 
 def run_entries(entries) -> None:
-    """Run queue entries ``(target token, record, compiled)``, in the order given."""
-    for token, record, compiled in entries:
+    """Run queue entries ``(target token, record, compiled, owner)``, in the order given."""
+    for token, record, compiled, _ in entries:
         run_entry(tokens.lookup(token), record, compiled)
 
 
@@ -105,7 +111,7 @@ def _accumulate(param, g, into_main: bool, where: str) -> None:
 
 
 def check_forward(name: str) -> None:
-    """Raise if wgrads are pending at a forward outside ``split_backward``."""
+    """Raise if this thread's wgrads are pending at a forward outside ``split_backward``."""
     waiting = pending()
     if waiting:
         raise RuntimeError(f"{name}: a forward ran outside fusible.split_backward() while "

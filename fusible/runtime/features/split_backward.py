@@ -6,6 +6,8 @@ custom op queues the record itself, so it never crosses the graph
 
 from __future__ import annotations
 
+import threading
+
 import attrs
 
 from fusible.core.lanes import splitting
@@ -18,7 +20,7 @@ from fusible.runtime.features.base import RuntimeFeature, StageHooks
 
 def _check_pending(runner) -> None:
     """No eager forward outside split_backward() while deferred wgrads wait."""
-    if deferred.waiting() and not splitting():
+    if deferred.waiting(threading.get_ident()) and not splitting():
         wgrad.check_forward(runner.name())
 
 
@@ -48,7 +50,7 @@ class SplitBackwardRuntime(RuntimeFeature):
             result, record = split.dgrad(args)
             if fmt is not None and result.grad_input is not None:
                 result.grad_input = to_format(result.grad_input, fmt)
-            deferred.defer(split.target.token, record, compiled=False)
+            deferred.defer(split.target.token, record, compiled=False, owner=call.owner)
             return result
         return StageHooks(compute=compute)
 
