@@ -5,6 +5,7 @@ stage's custom op."""
 
 from __future__ import annotations
 
+import threading
 from typing import Iterable
 
 import torch
@@ -168,7 +169,7 @@ def _outputs_and_grads(fn, model, inputs, grads_out, deferred_wgrads: bool = Fal
     if outs:
         torch.autograd.backward(outs, [g for o, g in zip(outputs, grads_out) if o.requires_grad])
     if deferred_wgrads:
-        wgrad.run_entries(reversed(deferred.drain()))
+        wgrad.run_entries(reversed(deferred.drain(threading.get_ident())))
     grads = [t.grad for t in (*inputs, *model.parameters()) if t.requires_grad]
     return [o.detach() for o in outputs] + grads
 
