@@ -763,3 +763,36 @@ def test_layer_norm_default_eps_is_torch_nn_s():
     ours, theirs = ops.LayerNorm(8, dtype=torch.float64), torch.nn.LayerNorm(8, dtype=torch.float64)
     assert ours.eps == theirs.eps
     torch.testing.assert_close(ops.Sequential(ours)(x), theirs(x), rtol=1e-12, atol=1e-12)
+
+
+def _held_by_contexts(y) -> list:
+    """The tensors the fusible node's op contexts hold between the passes (inputs and
+    parameters aside)."""
+    plan, ctxs = y.grad_fn.fusible[:2]
+    held = []
+    for c in ctxs:
+        if c.saved is not None:
+            held += [getattr(c.saved, f.name) for f in attrs.fields(type(c.saved))]
+    return [t for t in held if isinstance(t, torch.Tensor)
+            and not isinstance(t, torch.nn.Parameter)]
+
+
+def test_non_reentrant_checkpointing_holds_no_intermediate():
+    """Under torch.utils.checkpoint(use_reentrant=False) the saved intermediates go
+    through its hooks, which drop them until the recomputation: the node holds none of
+    them between the passes (it held them all, as without checkpointing), and the
+    gradients are the same."""
+    torch.manual_seed(0)
+    model = ops.Sequential(ops.LayerNorm(64), ops.Linear(64, 256), ops.GELU(),
+                           ops.Linear(256, 64))
+    x = torch.randn(32, 64, requires_grad=True)
+    y = model(x)
+    assert len(_held_by_contexts(y)) > 1  # eagerly: the contexts hold them, freed stage by stage
+    y.sum().backward()
+    want, x.grad = x.grad, None
+    calls = []
+    model.register_forward_pre_hook(lambda m, a: calls.append(1))
+    y = torch.utils.checkpoint.checkpoint(model, x, use_reentrant=False)
+    assert all(t is x for t in _held_by_contexts(y))  # only the checkpoint's own input
+    y.sum().backward()
+    assert len(calls) == 2 and torch.equal(x.grad, want)  # recomputed once, same gradient

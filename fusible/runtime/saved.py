@@ -7,11 +7,15 @@ outputs go *only* through it: a context holding an output would close a referenc
 cycle through the output's ``grad_fn``. Intermediates stay referenced by the op
 contexts only, so dropping a context in the backward frees them; their versions are
 recorded and checked here, and a saved view is kept detached so that it holds no
-reference to its base.
+reference to its base. Under saved-tensors hooks (``torch.utils.checkpoint`` with
+``use_reentrant=False``, ``save_on_cpu``) intermediates go through ``save_for_backward``
+as outputs do, so that the hooks see them: a checkpoint then holds none of them between
+the passes.
 """
 
 from __future__ import annotations
 
+import functools
 import operator
 
 import attrs
@@ -32,6 +36,9 @@ def _fields(record_type) -> tuple:
 
 # Saved records may be frozen: the fuser's own substitutions bypass that.
 _set = object.__setattr__
+# The innermost saved-tensors hooks in effect, or None (torch's own query)
+_saved_tensors_hooks = functools.partial(
+    torch._C._autograd._top_saved_tensors_default_hooks, False)
 
 
 class _SavedRef:
@@ -53,6 +60,11 @@ def stash_saved(fctx, ctxs, readers, inputs, outputs) -> None:
     """
     input_ids = {id(t) for t in inputs}
     output_ids = {id(t) for t in outputs}
+    # Under saved-tensors hooks (non-reentrant activation checkpointing, save_on_cpu)
+    # intermediates go through save_for_backward too, so that the hooks see them (and a
+    # checkpoint frees them until its recomputation); else the contexts alone hold them
+    # and each is freed as soon as its backward stage has run.
+    hooked = _saved_tensors_hooks() is not None
     to_save = []
     for c, (op, reader, record_type) in zip(ctxs, readers, strict=True):
         saved = c.saved
@@ -78,6 +90,11 @@ def stash_saved(fctx, ctxs, readers, inputs, outputs) -> None:
                 if t._base is not None:  # shares the version counter, drops the base
                     t = t.detach()
                     _set(saved, name, t)
+                if hooked:
+                    _set(saved, name, _SavedRef(len(to_save)))
+                    to_save.append(t)
+                    refs = (refs or []) + [name]
+                    continue
                 versions = versions or []
                 versions.append((name, t._version))
         if versions:
