@@ -106,6 +106,25 @@ def test_fp8_same_bits_as_the_basic_ops(norm, bias):
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("name", ["rowwise", "blockwise", "mxfp8", "delayed"])
+def test_refused_where_the_recomputation_could_not_give_the_forwards_bits(name):
+    """Under a recipe casting the norm's output per row, per block or from an amax history
+    the recomputation would not repeat the forward's cast: the joint fusion says so and
+    the ops run as their own stages, the bits of the plan without recompute_output."""
+    joint = exact_parameters_(_block().to(torch.bfloat16))
+    plain = _block(recompute=False).to(torch.bfloat16)
+    plain.load_state_dict(joint.state_dict())
+    x = exact_tensor((2, 64, 16), torch.bfloat16).requires_grad_()
+    with fusible.autocast(recipe=fusible.recipe_from_name(name)):
+        plan = joint.plan(x)
+        assert "RecomputeNormLinear" not in stage_names(plan.forward)
+        (cand,) = [c for c in plan.candidates if c.fusion == "RecomputeNormLinear"]
+        assert cand.status == "refused" and "needs per-tensor current scaling" in cand.reason
+        results = [_run(joint, x), _run(plain, x)]
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+
+
 def test_directional_fusions_over_its_ops_are_refused_and_the_residual_add_stays_right():
     """BackwardAddRMSNorm would cover the norm: the joint stage owns it, so the planner
     refuses it (saying so) and MakeExtraOutput's backward adds the branch on its own."""
