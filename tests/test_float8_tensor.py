@@ -357,6 +357,11 @@ _CASES = {
         "bias, beta, alpha": (lambda b, x, w: aten.addmm.default(
             b, x, aten.t.default(w), beta=0.5, alpha=2.0), False,
             _plain(24), _fp8(16, 32), _fp8(24, 32)),
+        # each alone as well: a handler reading only one of them passes the pair above
+        "bias, alpha": (lambda b, x, w: aten.addmm.default(b, x, aten.t.default(w), alpha=2.0),
+                        False, _plain(24), _fp8(16, 32), _fp8(24, 32)),
+        "bias, beta": (lambda b, x, w: aten.addmm.default(b, x, aten.t.default(w), beta=0.5),
+                       False, _plain(24), _fp8(16, 32), _fp8(24, 32)),
         "2d bias": (lambda b, x, w: aten.addmm.default(b, x, aten.t.default(w)), False,
                     _plain(16, 24), _fp8(16, 32), _fp8(24, 32)),
     },

@@ -95,6 +95,15 @@ def test_capacity_gives_static_rows_and_drops_the_overflow():
         moe.permute_tokens(x, experts, 3, capacity_factor=0.0)
 
 
+def test_capacity_rounds_a_fractional_share_up():
+    """The documented ``ceil``: 7 copies over 3 experts at factor 1.0 give 3 rows each, not 2
+    (rounding down would drop a routed copy even when the routing is balanced)."""
+    experts = torch.tensor([[0], [0], [0], [1], [1], [2], [2]])
+    rows, routing = moe.permute_tokens(torch.randn(7, 2), experts, 3, capacity_factor=1.0)
+    assert routing.capacity == 3 and rows.shape == (9, 2)
+    assert bool((routing.slot < routing.rows).all())  # nothing dropped
+
+
 def test_capacity_gradients_and_compiled_once(example):
     """The dropped copies get no gradient; compiled, one graph for changing routings (the
     rows' count is static)."""

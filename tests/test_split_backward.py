@@ -173,6 +173,23 @@ def test_plan_shows_two_lanes():
     assert "dgrad lane" not in model.plan(x).explain()
 
 
+def test_blocks_nest_and_each_restores_the_outer_state():
+    """Leaving an inner block restores what the outer one set, in both directions."""
+    model = llama(torch.bfloat16)
+    x, _ = inputs(torch.bfloat16)
+    with fusible.split_backward():
+        with fusible.split_backward(False):
+            assert model.plan(x).wgrad == ()
+        assert len(model.plan(x).wgrad) == 3
+        with fusible.split_backward():
+            pass
+        assert len(model.plan(x).wgrad) == 3
+    with fusible.split_backward(False):
+        with fusible.split_backward():
+            assert len(model.plan(x).wgrad) == 3
+        assert model.plan(x).wgrad == ()
+
+
 def test_delayed_scaling_keeps_wgrad_with_dgrad():
     model = llama(torch.bfloat16)
     x, _ = inputs(torch.bfloat16)
