@@ -124,6 +124,17 @@ def test_a_module_named_like_a_gated_mlp_but_computing_otherwise_is_not_merged()
     assert isinstance(holder.mlp, NotGated) and isinstance(holder.mlp.w1, ops.Linear)
 
 
+@pytest.mark.parametrize("norm", [nn.LayerNorm, nn.RMSNorm])
+def test_a_norm_keeps_its_eps(norm):
+    """A non-default eps (0.5 moves every output visibly) survives the conversion."""
+    torch.manual_seed(0)
+    original = nn.Sequential(nn.Linear(8, 8), norm(8, eps=0.5))
+    model = fusible.convert_module(copy.deepcopy(original))
+    assert model[1].eps == 0.5
+    x = torch.randn(4, 8)
+    torch.testing.assert_close(model(x), original(x), rtol=1e-6, atol=1e-6)
+
+
 def test_modules_without_a_fusible_equivalent_stay():
     model = nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8, elementwise_affine=False))
     holder = nn.Module()
