@@ -56,6 +56,26 @@ def test_registration_order_breaks_ties(plugins):
     assert second[0].status == "superseded" and "FirstPair" in second[0].reason
 
 
+def test_a_model_planned_before_a_registry_change_replans(plugins):
+    """A registered or unregistered fusion reaches models whose plans are cached: a
+    fusion removed is never run again by a model planned with it."""
+    model = ops.Sequential(ops.Identity(), ops.Identity())
+    x = torch.ones(2, requires_grad=True)
+    assert stage_names(model.plan(x).forward) == ["Identity", "Identity"]
+    ran = []
+    pair = make_fusion("LatePair", Pattern(Op(ops.Identity), Op(ops.Identity)))
+    pair.forward_compute = classmethod(lambda cls, a, *, in_custom_op=False:
+                                       ran.append(1) or ForwardResult(a.input))
+    plugins.fusion(pair)
+    assert stage_names(model.plan(x).forward) == ["LatePair"]
+    model(x)
+    assert ran == [1]
+    fusible.unregister_fusion(pair)
+    assert stage_names(model.plan(x).forward) == ["Identity", "Identity"]
+    model(x)
+    assert ran == [1]
+
+
 def test_restored_registries_plan_in_their_order():
     """What the plugins fixture restores after a test: built-ins it removed come back in
     their planning order, not after the others."""
