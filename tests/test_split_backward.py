@@ -152,6 +152,19 @@ def test_bias_gradient_lane_follows_the_precision():
         fusible.run_deferred_wgrad()
 
 
+def test_a_frozen_weight_queues_no_wgrad():
+    """Under FP8 BackwardLinearBias computes dbias with its dgrad: with the weight frozen
+    the stage defers nothing, and nothing waits for a gradient nobody needs."""
+    model = ops.Sequential(ops.BasicLinear(H, H), ops.Bias(H))
+    model[0].weight.requires_grad_(False)
+    x, dy = inputs(torch.float32)
+    with fusible.split_backward(), fusible.autocast():
+        assert model.plan(x).wgrad == ()
+        model(x).backward(dy)
+    assert fusible.pending_wgrad() == []
+    assert model[0].weight.grad is None and model[1].bias.grad is not None
+
+
 def test_plan_shows_two_lanes():
     model = llama(torch.bfloat16)
     x, _ = inputs(torch.bfloat16)
