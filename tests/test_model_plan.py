@@ -46,6 +46,19 @@ def test_a_differing_layer_splits_the_run():
                                                     ("", 1)]
 
 
+def test_a_layer_differing_only_in_its_backward_splits_the_run():
+    """Frozen biases change layer 3's backward fusions, not its forward ones."""
+    model = wm.FusibleGPT(layers=6)
+    for name, p in model.layers[3].mlp.named_parameters():
+        p.requires_grad_(not name.endswith("bias"))
+    plan = fusible.plan_model(model, tokens())
+    assert [(b.label, b.count) for b in plan.blocks] == [("", 1), ("layers.0-2", 3),
+                                                         ("layers.3", 1), ("layers.4-5", 2),
+                                                         ("", 1)]
+    forward = {p: [s.name for s in fp.forward] for p, fp in plan.plans}
+    assert forward["layers.3.mlp"] == forward["layers.2.mlp"]
+
+
 def test_totals_count_fp8_gemms_and_the_wgrad_lane():
     model = wm.FusibleGPT(hidden=32, layers=2)
     x = tokens()
