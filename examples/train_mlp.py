@@ -46,7 +46,9 @@ def main() -> None:
     x0 = torch.randn(args.tokens, args.hidden, device=device)
     print(student.plan(x0, x0).explain())
     os.makedirs(os.path.dirname(args.plan) or ".", exist_ok=True)
-    print(f"plan diagram: {student.plan(x0, x0).render(args.plan, format='svg')}")
+    path = student.plan(x0, x0).render(args.plan, format="svg", dot_source_without_graphviz=True)
+    print(f"plan diagram: {path}" + (" (graphviz's dot is not installed: DOT source)"
+                                     if path.endswith(".dot") else ""))
 
     first = None
     progress = tqdm(range(args.steps), desc="training", unit="step")

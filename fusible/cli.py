@@ -70,12 +70,9 @@ def plan_command(args) -> int:
         plan = fusible.plan_model(model, x)
     print(plan.explain())
     os.makedirs(os.path.dirname(os.path.abspath(args.diagram)), exist_ok=True)
-    if shutil.which("dot"):
-        print(f"diagram: {plan.render(args.diagram, 'svg')}")
-    else:
-        path = f"{args.diagram}.dot"
-        pathlib.Path(path).write_text(plan.to_dot())
-        print(f"diagram: {path} (graphviz's dot is not installed: DOT source)")
+    path = plan.render(args.diagram, "svg", dot_source_without_graphviz=True)
+    print(f"diagram: {path}" + (" (graphviz's dot is not installed: DOT source)"
+                                if path.endswith(".dot") else ""))
     return 0
 
 

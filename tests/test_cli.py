@@ -69,3 +69,28 @@ def test_the_version_is_semantic_and_one():
     assert re.fullmatch(r"\d+\.\d+\.\d+", fusible.__version__)
     changelog = (pathlib.Path(__file__).parent.parent / "CHANGELOG.md").read_text()
     assert f"## {fusible.__version__}" in changelog
+
+
+@pytest.mark.parametrize("graphviz", [True, False], ids=["dot", "no dot"])
+def test_the_main_example_runs_with_and_without_graphviz(graphviz, tmp_path, monkeypatch,
+                                                         capsys):
+    """Without graphviz's dot (no apt-get, no root) the example writes the DOT source,
+    says so, and trains; it never stops at the diagram."""
+    import shutil
+
+    import train_mlp  # examples/ is on the path (conftest)
+    if graphviz and shutil.which("dot") is None:
+        pytest.skip("graphviz binary not installed")
+    if not graphviz:
+        monkeypatch.setattr(shutil, "which", lambda name: None)
+    monkeypatch.setattr(sys, "argv", ["train_mlp.py", "--steps", "20", "--tokens", "64",
+                                      "--plan", str(tmp_path / "plan"), "--device", "cpu"])
+    train_mlp.main()
+    text = capsys.readouterr().out
+    suffix = ".svg" if graphviz else ".dot"
+    assert f"plan diagram: {tmp_path / 'plan'}{suffix}" in text
+    assert ("DOT source" in text) != graphviz
+    assert (tmp_path / f"plan{suffix}").stat().st_size > 0
+    first, last = map(float, re.search(r"loss: ([\d.]+) at the first step, ([\d.]+)",
+                                       text).groups())
+    assert last < first

@@ -59,3 +59,12 @@ def test_render_errors(monkeypatch, tmp_path):
     monkeypatch.setattr(shutil, "which", lambda name: None)
     with pytest.raises(RuntimeError, match="needs the graphviz 'dot' binary"):
         plan.render(str(tmp_path / "p"))
+    assert not (tmp_path / "p.dot").exists()
+
+
+def test_render_without_graphviz_writes_the_dot_source_when_asked(monkeypatch, tmp_path):
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    plan = _block().plan()
+    path = plan.render(str(tmp_path / "p.svg"), dot_source_without_graphviz=True)
+    assert path == str(tmp_path / "p.dot")
+    assert (tmp_path / "p.dot").read_text() == plan.to_dot()

@@ -140,9 +140,11 @@ class ModelPlan:
         forward and backward stages (fusions in bold)."""
         return model_plan_dot(self)
 
-    def render(self, path: str, format: str = "svg") -> str:
-        """Write the diagram to ``path`` (extension added) and return the file's path."""
-        return render_dot(self.to_dot(), path, format)
+    def render(self, path: str, format: str = "svg",
+               dot_source_without_graphviz: bool = False) -> str:
+        """Write the diagram to ``path`` (extension added) and return the file's path:
+        as :meth:`fusible.FusionPlan.render`."""
+        return render_dot(self.to_dot(), path, format, dot_source_without_graphviz)
 
 
 def plan_model(model: nn.Module, *example_inputs: Any, **example_kwargs: Any) -> ModelPlan:

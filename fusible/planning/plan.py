@@ -140,7 +140,8 @@ class FusionPlan:
         """Graphviz DOT source of the plan diagram (no graphviz binary needed)."""
         return plan_to_dot(self)
 
-    def render(self, path: str, format: str = "svg") -> str:
+    def render(self, path: str, format: str = "svg",
+               dot_source_without_graphviz: bool = False) -> str:
         """Write the plan diagram to ``path`` (extension added) and return the file's path.
 
         Parameters
@@ -149,8 +150,11 @@ class FusionPlan:
             Output path without extension, e.g. ``"mlp_plan"``.
         format : {"svg", "png", "pdf"}
             Image format; needs the graphviz ``dot`` binary.
+        dot_source_without_graphviz : bool
+            Without the graphviz ``dot`` binary, write the DOT source to ``path.dot`` (and
+            return that path) instead of raising.
         """
-        return render_dot(self.to_dot(), path, format)
+        return render_dot(self.to_dot(), path, format, dot_source_without_graphviz)
 
 
 def _compile_note(stage) -> str:

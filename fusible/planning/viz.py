@@ -155,19 +155,27 @@ def _refusals(plan, lane, colors) -> list:
 _FORMATS = ("svg", "png", "pdf")
 
 
-def render_dot(source: str, path: str, format: str = "svg") -> str:
-    """Render DOT source to ``path.<format>`` with the graphviz binary; return the file path."""
+def render_dot(source: str, path: str, format: str = "svg", dot_source_without_graphviz=False
+               ) -> str:
+    """Render DOT source to ``path.<format>`` with the graphviz binary; return the file path.
+    Without the binary: an error, or with ``dot_source_without_graphviz`` the source written
+    to ``path.dot`` (the path returned says which)."""
     if format not in _FORMATS:
         raise ValueError(f"render: format must be one of {_FORMATS}, got {format!r}")
-    if shutil.which("dot") is None:
-        raise RuntimeError("render needs the graphviz 'dot' binary, which is not on PATH "
-                           "(on Debian/Ubuntu: apt-get install -y graphviz); "
-                           "plan.to_dot() works without it")
-
-    import graphviz  # here, not with the module: only rendering needs it
-
     root, ext = os.path.splitext(path)
     if ext.lstrip(".") == format:
         path = root
+    if shutil.which("dot") is None:
+        if dot_source_without_graphviz:
+            with open(f"{path}.dot", "w") as f:
+                f.write(source)
+            return f"{path}.dot"
+        raise RuntimeError("render needs the graphviz 'dot' binary, which is not on PATH "
+                           "(on Debian/Ubuntu: apt-get install -y graphviz); "
+                           "plan.to_dot() works without it, and so does "
+                           "render(..., dot_source_without_graphviz=True)")
+
+    import graphviz  # here, not with the module: only rendering needs it
+
     return graphviz.Source(source).render(outfile=f"{path}.{format}", format=format,
                                           cleanup=True)
