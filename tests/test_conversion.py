@@ -3,6 +3,7 @@ parameters under the same names, the same outputs in float32, the same training 
 an optimizer built before the conversion still working, and a report of what stayed."""
 
 import copy
+import re
 
 import pytest
 import torch
@@ -133,6 +134,44 @@ def test_a_norm_keeps_its_eps(norm):
     assert model[1].eps == 0.5
     x = torch.randn(4, 8)
     torch.testing.assert_close(model(x), original(x), rtol=1e-6, atol=1e-6)
+
+
+REPARAMETRIZED = {
+    "spectral_norm": (nn.utils.parametrizations.spectral_norm, "weight is parametrized"),
+    "weight_norm": (nn.utils.parametrizations.weight_norm, "weight is parametrized"),
+    "legacy spectral_norm": (nn.utils.spectral_norm, "SpectralNorm forward pre-hook "
+                                                     r"\(torch.nn.utils.remove_spectral_norm"),
+    "legacy weight_norm": (nn.utils.weight_norm, "WeightNorm forward pre-hook "
+                                                 r"\(torch.nn.utils.remove_weight_norm"),
+}
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")  # torch deprecates the legacy ones
+@pytest.mark.parametrize("name", REPARAMETRIZED)
+def test_a_reparametrized_layer_stays_and_keeps_training(name):
+    """Its weight is computed from other parameters: converting it would train the computed
+    tensor. It stays, the report says why and what undoes it; the rest converts, and the
+    parameters behind the weight still learn."""
+    wrap, why = REPARAMETRIZED[name]
+
+    def build():  # twice: a legacy weight_norm module does not deepcopy
+        torch.manual_seed(0)
+        holder = nn.Module()
+        holder.body = nn.Sequential(wrap(nn.Linear(8, 8)), nn.GELU(), nn.Linear(8, 8))
+        return holder
+
+    holder, original = build(), build()
+    report = fusible.convert(holder)
+    left = {p: reason for p, _, reason in report.left}
+    assert re.search(why, left["body.0"]) and "runs as is" in left["body.0"]
+    assert isinstance(holder.body[2], ops.Linear)
+    x = torch.randn(4, 8)
+    torch.testing.assert_close(holder.body(x), original.body(x), rtol=1e-6, atol=1e-6)
+    before = {n: p.detach().clone() for n, p in holder.body[0].named_parameters()}
+    opt = torch.optim.SGD(holder.parameters(), lr=0.1)
+    holder.body(x).square().sum().backward()
+    opt.step()
+    assert all(not torch.equal(p, before[n]) for n, p in holder.body[0].named_parameters())
 
 
 def test_modules_without_a_fusible_equivalent_stay():

@@ -136,6 +136,31 @@ def test_to_state_dict_and_loading():
     assert (err <= 2.0 ** -4 * ref.weight.detach().abs() + 1e-6).all()
 
 
+@pytest.mark.parametrize("keep", [False, True], ids=["fp8 only", "high precision kept"])
+def test_a_saved_state_dict_loads_with_torch_load_defaults(tmp_path, keep):
+    """torch.load's default is weights_only=True: an FP8 checkpoint loads under it, every
+    byte back (data, scale, transposed copy), and resumes a fresh FP8 model."""
+    def build():
+        torch.manual_seed(0)
+        return ops.Sequential(ops.Linear(32, 64), ops.GELU(), ops.BasicLinear(64, 32))
+
+    with fusible.quantized_model_init(preserve_high_precision_init_val=keep):
+        model = build()
+    torch.save(model.state_dict(), tmp_path / "ck.pt")
+    state = torch.load(tmp_path / "ck.pt")
+    w, saved = model[0].weight, state["0.weight"]
+    assert isinstance(saved, Float8Tensor) and saved.fp8_dtype == w.fp8_dtype
+    for name in ("_data", "_scale_inv", "_transpose"):
+        a, b = getattr(saved, name), getattr(w, name)
+        assert (a is None) == (b is None) and (a is None or torch.equal(
+            a.view(torch.uint8) if a.element_size() == 1 else a,
+            b.view(torch.uint8) if b.element_size() == 1 else b)), name
+    with fusible.quantized_model_init():
+        resumed = build()
+    resumed.load_state_dict(state)
+    assert torch.equal(resumed[0].weight.dequantize(), w.dequantize())
+
+
 def test_preserve_high_precision_init_val():
     torch.manual_seed(0)
     want = ops.BasicLinear(16, 8).weight.detach()

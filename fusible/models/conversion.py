@@ -39,6 +39,9 @@ from typing import Any, Callable, Optional, cast
 
 import attrs
 from torch import nn
+from torch.nn.utils import parametrize
+from torch.nn.utils.spectral_norm import SpectralNorm
+from torch.nn.utils.weight_norm import WeightNorm
 
 from fusible.models.gated_mlps import gated_mlp_names, merged_gated_mlp
 from fusible.models.residual_adds import FUSED, fuse_residual_adds
@@ -132,7 +135,7 @@ def convert_module(module: nn.Module) -> Optional[nn.Module]:
         seq.training = module.training  # its children took their own modes
         return keep_hooks(module, seq)
     make = _LEAVES.get(type(module))
-    new = None if make is None else make(module)
+    new = None if make is None or _reparametrization(module) else make(module)
     # the mode of what it replaces (a model from from_pretrained is in eval mode)
     return None if new is None else keep_hooks(module, new.train(module.training))
 
@@ -218,6 +221,10 @@ def _why_left(module) -> Optional[str]:
         return "a child does not convert: its convertible children are converted one by one"
     if isinstance(module, (nn.ModuleList, nn.ModuleDict)):
         return None
+    how = _reparametrization(module)
+    if how:
+        return (f"its {how}: a fusible op would train the computed tensor, not the "
+                f"parameters behind it, so it runs as is")
     own = [n for n, _ in module.named_parameters(recurse=False)]
     reason = _REASONS.get(type(module))
     if reason is not None:
@@ -227,6 +234,20 @@ def _why_left(module) -> Optional[str]:
     if list(module.children()):
         return "its forward is Python: its children are converted one by one"
     return None
+
+
+def _reparametrization(module) -> str:
+    """How a parameter of ``module`` is computed from others (``torch.nn.utils``'
+    parametrizations, or the legacy ``spectral_norm`` / ``weight_norm`` pre-hooks), or ""."""
+    if parametrize.is_parametrized(module):
+        return (f"{', '.join(module.parametrizations.keys())} is parametrized "
+                f"(torch.nn.utils.parametrize.remove_parametrizations undoes it)")
+    for hook in module._forward_pre_hooks.values():
+        if isinstance(hook, (SpectralNorm, WeightNorm)):
+            undo = "remove_spectral_norm" if isinstance(hook, SpectralNorm) else "remove_weight_norm"
+            return (f"{hook.name} is computed by a {type(hook).__name__} forward pre-hook "
+                    f"(torch.nn.utils.{undo} undoes it)")
+    return ""
 
 
 def _linear(m: nn.Linear) -> Linear:

@@ -146,6 +146,10 @@ def _is_fake(t) -> bool:
     return isinstance(t, torch._subclasses.FakeTensor)
 
 
+# A quantized_model_init model's state dict holds Float8Tensors: torch.load's default
+# (weights_only=True) may rebuild them, their state being tensors and dtypes only.
+torch.serialization.add_safe_globals([Float8Tensor])
+
 # A field type for args that may carry either a tensor or a Float8Tensor; custom ops
 # receive it as (data or tensor, scale_inv, transposed copy, original dtype).
 Fp8Able = Union[torch.Tensor, Float8Tensor]
