@@ -1,13 +1,18 @@
 """The ``fusible`` command: ``plan``, ``doctor`` and ``bench``.
 
-    fusible plan MODULE:FACTORY --input-shape 2,16 [--tokens 64] [--fp8] [--diagram out/plan]
+    fusible plan MODULE:FACTORY --input-shape 2,16 [--factory-args 64,256] [--tokens 64]
+                 [--extra-input-shape 2,16] [--convert] [--fp8] [--diagram out/plan]
     fusible doctor
     fusible bench [zoo.py's arguments]
+
+Errors of ``plan`` (a bad factory, shapes the model refuses) print one line, the error's
+type and message; ``--traceback`` shows where it came from.
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import importlib
 import importlib.metadata
 import importlib.util
@@ -22,6 +27,7 @@ from typing import Optional, Sequence
 import torch
 
 import fusible
+from fusible.module import PipelineModule
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
            "float64": torch.float64}
@@ -34,8 +40,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     plan = commands.add_parser("plan", help="print a model's plan and write its diagram")
     plan.add_argument("factory", help="MODULE:FACTORY, a callable returning the model "
                                       "(MODULE importable, or a path to a .py file)")
+    plan.add_argument("--factory-args", default="", metavar="ARGS",
+                      help="the factory's arguments as Python literals, e.g. '64, 256' or "
+                           "'hidden=64, ffn=256'")
     plan.add_argument("--input-shape", required=True,
                       help="comma-separated shape of the example input, e.g. 8,1024")
+    plan.add_argument("--extra-input-shape", action="append", default=None, metavar="SHAPE",
+                      help="the shape of an extra input of a fusible Sequential (once per "
+                           "extra input; default: the input's shape for each, as a residual "
+                           "add takes)")
+    plan.add_argument("--convert", action="store_true",
+                      help="fusible.convert the model first (a plain torch.nn model)")
     plan.add_argument("--dtype", default="float32", choices=sorted(_DTYPES),
                       help="dtype of the model and of a floating-point input")
     plan.add_argument("--tokens", type=int, metavar="VOCAB",
@@ -45,6 +60,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                       help="plan under fusible.split_backward()")
     plan.add_argument("--diagram", default="out/plan",
                       help="where to write the diagram (svg; .dot without graphviz's dot)")
+    plan.add_argument("--traceback", action="store_true",
+                      help="on an error, the full traceback instead of one line")
     commands.add_parser("doctor", help="report the environment fusible runs in")
     commands.add_parser("bench", add_help=False,
                         help="run the block zoo on this GPU (benchmarks/zoo.py's arguments)")
@@ -56,24 +73,84 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.command == "doctor":
         print(doctor())
         return 0
-    return plan_command(args)
+    try:
+        return plan_command(args)
+    except Exception as error:  # one line each: the command is a tool, not a library call
+        if args.traceback:
+            raise
+        print(f"fusible plan: {type(error).__name__}: {error}", file=sys.stderr)
+        return 1
 
 
 def plan_command(args) -> int:
-    model = load_factory(args.factory)().to(_DTYPES[args.dtype])
-    shape = tuple(int(s) for s in args.input_shape.split(","))
+    dtype = _DTYPES[args.dtype]
+    factory_args, factory_kwargs = parse_call_arguments(args.factory_args)
+    model = load_factory(args.factory)(*factory_args, **factory_kwargs)
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"{args.factory} returned {type(model).__name__}, not an nn.Module")
+    model = model.to(dtype)
+    if args.convert:
+        model = _converted(model)
+    elif not any(isinstance(m, PipelineModule) for m in model.modules()):
+        raise ValueError(f"{type(model).__name__} has no fusible module: add --convert to "
+                         f"fusible.convert it first")
+    shape = _shape(args.input_shape, "--input-shape")
     if args.tokens:
         x = torch.randint(0, args.tokens, shape)
     else:
-        x = torch.randn(shape, dtype=_DTYPES[args.dtype], requires_grad=True)
+        x = torch.randn(shape, dtype=dtype, requires_grad=True)
+    extras = [torch.randn(s, dtype=dtype) for s in _extra_shapes(model, shape, args)]
     with fusible.autocast(enabled=args.fp8), fusible.split_backward(args.split_backward):
-        plan = fusible.plan_model(model, x)
+        plan = fusible.plan_model(model, x, *extras)
     print(plan.explain())
     os.makedirs(os.path.dirname(os.path.abspath(args.diagram)), exist_ok=True)
     path = plan.render(args.diagram, "svg", dot_source_without_graphviz=True)
     print(f"diagram: {path}" + (" (graphviz's dot is not installed: DOT source)"
                                 if path.endswith(".dot") else ""))
     return 0
+
+
+def parse_call_arguments(text: str) -> tuple:
+    """``(args, kwargs)`` of ``text`` read as a call's arguments, each a Python literal."""
+    try:
+        call = ast.parse(f"f({text})", mode="eval").body
+        assert isinstance(call, ast.Call)
+        return ([ast.literal_eval(a) for a in call.args],
+                {k.arg: ast.literal_eval(k.value) for k in call.keywords if k.arg})
+    except (SyntaxError, ValueError) as error:
+        raise ValueError(f"--factory-args must be Python literals, e.g. '64, 256' or "
+                         f"'hidden=64'; got {text!r} ({error})") from None
+
+
+def _shape(text: str, option: str) -> tuple:
+    try:
+        return tuple(int(s) for s in text.split(","))
+    except ValueError:
+        raise ValueError(f"{option} must be comma-separated integers, got {text!r}") from None
+
+
+def _extra_shapes(model, shape: tuple, args) -> list:
+    """The extra inputs' shapes: as given, or the input's for each one a root Sequential
+    takes."""
+    wanted = (sum(getattr(op, "num_extra_inputs", 0) for op in model.pipeline())
+              if isinstance(model, PipelineModule) else 0)
+    if args.extra_input_shape is None:
+        return [shape] * wanted
+    given = [_shape(s, "--extra-input-shape") for s in args.extra_input_shape]
+    if len(given) != wanted:
+        raise ValueError(f"{len(given)} --extra-input-shape given; {type(model).__name__} "
+                         f"takes {wanted} extra input(s)")
+    return given
+
+
+def _converted(model):
+    """``model`` converted (its root replaced where it converts whole), the report shown."""
+    root = fusible.convert_module(model)
+    if root is not None:
+        print(f"converted: {type(model).__name__} -> {type(root).__name__}")
+        return root
+    print(fusible.convert(model))
+    return model
 
 
 def load_factory(spec: str):

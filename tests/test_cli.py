@@ -43,6 +43,69 @@ def test_plan_names_a_bad_factory():
         cli.main(["plan", "whole_models", "--input-shape", "2"])
 
 
+EXAMPLE = pathlib.Path(__file__).parent.parent / "examples" / "train_mlp.py"
+
+
+def test_plan_of_the_readme_block_with_factory_arguments(tmp_path, capsys):
+    """examples/train_mlp.py:mlp_block takes two arguments and the residual as an extra
+    input: the factory's arguments are given, the extra input takes the input's shape."""
+    assert cli.main(["plan", f"{EXAMPLE}:mlp_block", "--factory-args", "64, ffn=256",
+                     "--input-shape", "32,64", "--diagram", str(tmp_path / "p")]) == 0
+    text = capsys.readouterr().out
+    assert "ForwardLinearBiasAdd[4, 5, 6]" in text  # the residual add fused: 1 extra input
+    args = ["plan", f"{EXAMPLE}:mlp_block", "--factory-args", "64, 256", "--input-shape",
+            "32,64", "--diagram", str(tmp_path / "p")]
+    assert cli.main(args + ["--extra-input-shape", "32,64"]) == 0
+    capsys.readouterr()
+    assert cli.main(args + ["--extra-input-shape", "32,64", "--extra-input-shape", "1"]) == 1
+    assert capsys.readouterr().err == ("fusible plan: ValueError: 2 --extra-input-shape given; "
+                                       "Sequential takes 1 extra input(s)\n")
+
+
+PLAIN = """
+from torch import nn
+def mlp():
+    return nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 16))
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm, self.mlp = nn.LayerNorm(16), mlp()
+    def forward(self, x):
+        return x + self.mlp(self.norm(x))
+"""
+
+
+@pytest.mark.parametrize("factory, groups", [("mlp", 1), ("Block", 2)])
+def test_a_plain_torch_model_is_planned_with_convert_and_refused_without(factory, groups,
+                                                                         tmp_path, capsys):
+    (tmp_path / "plain.py").write_text(PLAIN)
+    args = ["plan", f"{tmp_path / 'plain.py'}:{factory}", "--input-shape", "4,16",
+            "--diagram", str(tmp_path / "p")]
+    assert cli.main(args) == 1
+    err = capsys.readouterr().err
+    assert "has no fusible module: add --convert" in err and len(err.splitlines()) == 1
+    assert cli.main(args + ["--convert"]) == 0
+    assert f"ModelPlan: {groups} fusible groups" in capsys.readouterr().out
+
+
+def test_plan_errors_are_one_line_unless_asked(tmp_path, capsys):
+    args = ["plan", f"{EXAMPLE}:mlp_block", "--input-shape", "32,64", "--diagram",
+            str(tmp_path / "p")]
+    assert cli.main(args) == 1
+    assert capsys.readouterr().err == ("fusible plan: TypeError: mlp_block() missing 2 required "
+                                       "positional arguments: 'hidden' and 'ffn'\n")
+    with pytest.raises(TypeError, match="missing 2 required positional arguments"):
+        cli.main(args + ["--traceback"])
+    assert cli.main(args + ["--factory-args", "64,"]) == 1  # one argument short
+    assert "missing 1 required positional argument: 'ffn'" in capsys.readouterr().err
+    assert cli.main(args + ["--factory-args", "64, 256", "--input-shape", "32,63"]) == 1
+    assert capsys.readouterr().err == (
+        "fusible plan: ValueError: LayerNorm(normalized_shape=(64,)) got input of shape "
+        "(32, 63); its trailing dimensions must be (64,)\n")
+    assert cli.main(args + ["--factory-args", "hidden=sixty"]) == 1
+    assert "--factory-args must be Python literals" in capsys.readouterr().err
+
+
 def test_doctor_reports_the_environment(capsys):
     assert cli.main(["doctor"]) == 0
     text = capsys.readouterr().out
