@@ -97,6 +97,44 @@ def test_the_diagram_is_vertical_labelled_and_collapsed(layers, tmp_path):
     assert height < 1200 and width < 1200, (width, height)
 
 
+class _AttentionBlock(nn.Module):
+    """nn.MultiheadAttention computes with its out_proj child's weight, never calling it."""
+
+    def __init__(self):
+        super().__init__()
+        self.attn = nn.MultiheadAttention(16, 2, batch_first=True)
+        self.mlp = ops.Sequential(ops.Linear(16, 16), ops.GELU())
+
+    def forward(self, x):
+        return self.mlp(self.attn(x, x, x, need_weights=False)[0])
+
+
+def test_a_module_computing_with_its_childrens_weights_is_shown():
+    plan = fusible.plan_model(_AttentionBlock(), torch.randn(2, 4, 16))
+    assert [(i.path, i.kind, i.fusible) for i in plan.items] == [
+        ("attn", "MultiheadAttention", False), ("mlp", "Sequential", True)]
+    assert "attn: MultiheadAttention (not fusible)" in plan.explain()
+    assert "attn: MultiheadAttention" in plan.to_dot()
+
+
+def test_a_repeated_fusible_block_is_labelled_as_the_block_with_its_fp8_ops():
+    """Blocks that are themselves fusible groups (layers.N a Sequential) are named "(the
+    block)", not "(the model)"; under FP8 each group says which of its ops run in FP8."""
+    model = nn.Module()
+    model.layers = nn.ModuleList(ops.Sequential(ops.Linear(16, 16), ops.GELU(),
+                                                ops.Linear(16, 16)) for _ in range(3))
+    model.forward = lambda x: model.layers[2](model.layers[1](model.layers[0](x)))
+    x = torch.randn(16, 16)
+    text = fusible.plan_model(model, x).explain()
+    assert "layers.0-2: identical plans, shown once\n  (the block): Sequential" in text
+    assert "(the model)" not in text and "FP8" not in text.split("\n", 1)[1]
+    with fusible.autocast():
+        plan = fusible.plan_model(model, x)
+    assert "  FP8 (tensorwise): BasicLinear[0], BasicLinear[3]" in plan.explain()
+    assert "FP8: BasicLinear[0], BasicLinear[3]" in plan.to_dot()
+    assert plan.totals()["FP8 GEMMs"] == 6
+
+
 def test_planning_does_not_train():
     """plan_model runs the model once: BatchNorm's running statistics, delayed scaling's
     amax histories and the random generator are as they were (a first plan's FP8 states

@@ -38,6 +38,20 @@ class ModelItem:
     def fusible(self) -> bool:
         return self.plan is not None
 
+    def label(self, in_block: bool = False) -> str:
+        """The item's name where it is shown: its path, or what an empty path stands for
+        (a repeated block that is itself one fusible group, or the model)."""
+        return self.path or ("(the block)" if in_block else "(the model)")
+
+    def fp8_ops(self) -> list:
+        """``"Name[index]"`` of each op of the group that runs in FP8 under its recipe."""
+        plan = self.plan
+        if plan is None or plan.recipe is None:
+            return []
+        return [f"{type(op).__name__}[{k}]" for k, op in enumerate(plan.ops)
+                if isinstance(op, FusibleSpec) and cast(Any, op).quantizes(plan.recipe,
+                                                                            "forward")]
+
     def signature(self) -> tuple:
         """What the item computes, for finding identical repeated blocks."""
         if self.plan is None:
@@ -103,9 +117,7 @@ class ModelPlan:
             out["wgrad stages"] += len(plan.wgrad)
             out["cannot compile"] += sum(s.compile_reason is not None
                                          for s in plan.forward + plan.backward + plan.wgrad)
-            if plan.recipe is not None:
-                out["FP8 GEMMs"] += sum(cast(Any, op).quantizes(plan.recipe, "forward")
-                                        for op in plan.ops if isinstance(op, FusibleSpec))
+            out["FP8 GEMMs"] += len(item.fp8_ops())
             out["collectives"] += sum(len(op_communication(op, d)) for op in plan.ops
                                       for d in ("forward", "backward"))
             for c in plan.candidates:
@@ -131,7 +143,7 @@ class ModelPlan:
                 lines.append(f"{block.label}{same}")
                 indent = "  "
             for item in block.items:
-                lines += _item_lines(item, indent)
+                lines += _item_lines(item, indent, bool(block.prefix))
         return "\n".join(lines)
 
     def to_dot(self) -> str:
@@ -173,14 +185,23 @@ def plan_model(model: nn.Module, *example_inputs: Any, **example_kwargs: Any) ->
         plan = cast(Any, module).plan(*args)
         items.append(ModelItem(names[id(module)], type(module).__name__, plan))
 
-    def ordinary_call(module, args):
-        items.append(ModelItem(names[id(module)], type(module).__name__))
+    # An ordinary module is recorded where nothing recorded ran inside it: a leaf, or a
+    # module computing with its children's parameters (nn.MultiheadAttention's out_proj).
+    started: list = []
+
+    def ordinary_start(module, args):
+        started.append(len(items))
+
+    def ordinary_end(module, args, output):
+        if started.pop() == len(items):
+            items.append(ModelItem(names[id(module)], type(module).__name__))
 
     try:
         for module in outermost_fusible(model):
             handles.append(module.register_forward_pre_hook(fusible_call))
-        for module in _ordinary_leaves(model):
-            handles.append(module.register_forward_pre_hook(ordinary_call))
+        for module in _ordinary_modules(model):
+            handles.append(module.register_forward_pre_hook(ordinary_start))
+            handles.append(module.register_forward_hook(ordinary_end, always_call=True))
         with _state_kept(model):
             model(*example_inputs, **example_kwargs)
     finally:
@@ -219,16 +240,16 @@ def _is_fusible(module) -> bool:
     return isinstance(module, (Sequential, FusibleSpec))
 
 
-def _ordinary_leaves(model) -> list:
+def _ordinary_modules(model) -> list:
+    """The modules below ``model`` that are not fusible nor inside a fusible one."""
     found = []
 
     def walk(m):
         if _is_fusible(m):
             return
-        children = list(m.children())
-        if not children and m is not model:
+        if m is not model:
             found.append(m)
-        for child in children:
+        for child in m.children():
             walk(child)
 
     walk(model)
@@ -271,8 +292,8 @@ def _stages_key(stages) -> tuple:
     return tuple((s.name, s.indices) for s in stages)
 
 
-def _item_lines(item, indent: str) -> list:
-    name = item.path or "(the model)"
+def _item_lines(item, indent: str, in_block: bool) -> list:
+    name = item.label(in_block)
     if not item.fusible:
         return [f"{indent}{name}: {item.kind} (not fusible)"]
     plan = item.plan
@@ -281,6 +302,10 @@ def _item_lines(item, indent: str) -> list:
                           ("wgrad", plan.wgrad)):
         if stages:
             lines.append(f"{indent}  {title}: " + ", ".join(_stage_text(s) for s in stages))
+    if plan.recipe is not None:
+        fp8 = item.fp8_ops()
+        lines.append(f"{indent}  FP8 ({plan.recipe.name}): "
+                     + (", ".join(fp8) if fp8 else "no op of this group runs in FP8"))
     return lines
 
 

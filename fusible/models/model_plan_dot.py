@@ -28,7 +28,7 @@ def model_plan_dot(plan) -> str:
                       '    style="rounded,filled"; fillcolor="#f4f6fa"; color="#888888";',
                       "    fontsize=12;"]
         for node, item in zip(nodes, block.items):
-            lines.append(f"    {node} [label={_quote(_node_text(item))}"
+            lines.append(f"    {node} [label={_quote(_node_text(item, bool(block.prefix)))}"
                          + (', fillcolor="#cfe2ff"' if item.fusible else
                             ', fillcolor="#eeeeee", shape=box3d') + "];")
         if block.prefix:
@@ -41,8 +41,8 @@ def model_plan_dot(plan) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _node_text(item) -> str:
-    name = item.path or "(the model)"
+def _node_text(item, in_block: bool) -> str:
+    name = item.label(in_block)
     if not item.fusible:
         return f"{name}: {item.kind}"
     plan = item.plan
@@ -50,4 +50,6 @@ def _node_text(item) -> str:
     for title, stages in (("fwd", plan.forward), ("bwd", plan.backward)):
         if stages:
             text.append(f"{title}: " + ", ".join(s.name for s in stages))
+    if plan.recipe is not None:
+        text.append(f"FP8: {', '.join(item.fp8_ops()) or 'none'}")
     return "\n".join(text)
