@@ -225,4 +225,5 @@ class RecomputeNormLinear(FusedOperation):
 
     @classmethod
     def example(cls):
-        return Example((RMSNorm(32, recompute_output=True), BasicLinear(32, 48)), (2, 8, 32))
+        return Example((RMSNorm(32, recompute_output=True), BasicLinear(32, 48)), (2, 8, 32),
+                       fp8_recipes=("tensorwise",))

@@ -30,6 +30,9 @@ class Example:
     fp8 : bool
         Whether the example runs under an FP8 recipe (sizes divisible by 16) with the
         same stage chosen.
+    fp8_recipes : tuple of str
+        The names of the recipes under which the stage is chosen (its ``accepts`` refusing
+        the others, the ops then running as their own stages); empty: every recipe.
     """
 
     ops: tuple
@@ -39,3 +42,4 @@ class Example:
     input_requires_grad: bool = True
     frozen: tuple = ()
     fp8: bool = True
+    fp8_recipes: tuple = ()
