@@ -83,6 +83,30 @@ def check_2d_fp8_accuracy(rank, ws):
         assert parallel > max(alone - 3, 10), f"{name}: {parallel:.1f} dB, alone {alone:.1f}"
 
 
+def check_2d_delayed_gather_reduces_over_its_group(rank, ws):
+    """Delayed scaling's FP8 gather under tensor parallelism, with ``amax_reduction_group``
+    the whole mesh: each amax is the maximum over the mesh, not over the tensor-parallel
+    pair only, so every rank's state is that of one process casting all four ranks' rows
+    (the largest rows sit on the other dp row for ranks 0 and 1)."""
+    from fusible.functional.linear_parallel import gather_fp8
+    from fusible.quantization import to_format
+    mesh = _mesh_2d()
+    tp = ops.BasicLinear(32, 32, tensor_parallel_mode="column", sequence_parallel=True,
+                         tensor_parallel_group=mesh["tp"].get_group()).parallel
+    world = torch.distributed.group.WORLD
+    fmt = fusible.DelayedScaling(amax_history_len=2, reduce_amax=True,
+                                 amax_reduction_group=world).input_format(columnwise=True)
+    alone = fusible.DelayedScaling(amax_history_len=2).input_format(columnwise=True)
+    ours, ref = (torch.zeros(fmt.scaling.state_size) for _ in range(2))
+    g = torch.Generator().manual_seed(15)
+    for step in range(3):
+        parts = [(torch.randn(16, 32, generator=g) * 4.0 ** (r - step)).bfloat16()
+                 for r in range(ws)]
+        gather_fp8(parts[rank], tp, fmt.bound(ours))
+        to_format(torch.cat(parts), alone.bound(ref))
+        assert torch.equal(ours, ref), f"step {step}, rank {rank}: state {ours} != {ref}"
+
+
 def _snr(got: torch.Tensor, want: torch.Tensor) -> float:
     noise = (got.double() - want).square().sum()
     return 10 * torch.log10(want.square().sum() / noise).item()

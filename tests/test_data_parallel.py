@@ -75,7 +75,9 @@ def mesh_cases(rank, ws, path, saved, after):
     cases = {"2-D": lambda: m.check_2d(rank, ws),
              "2-D fp8 all-gather": lambda: m.check_2d_fp8_all_gather(rank, ws),
              "2-D fp8 accuracy": lambda: m.check_2d_fp8_accuracy(rank, ws),
-             "2-D state dict from torch": lambda: m.check_state_dict_from_torch_2d(rank, ws)}
+             "2-D state dict from torch": lambda: m.check_state_dict_from_torch_2d(rank, ws),
+             "2-D delayed gather reduces over its group": (
+                 lambda: m.check_2d_delayed_gather_reduces_over_its_group(rank, ws))}
     return run_cases({**cases, **_load_cases(rank, ws, path, saved, after)})
 
 
@@ -101,7 +103,7 @@ def test_mesh_and_resharded_checkpoints(tmp_path):
     saved = {f: results[0][f][0] for f in (False, True)}  # full states: the same on each rank
     after = {f: results[0][f][1] for f in (False, True)}
     _report(run_distributed(load_cases, 1, str(tmp_path), saved, after, timeout=120), 2)
-    _report(run_distributed(mesh_cases, 4, str(tmp_path), saved, after, timeout=180), 6)
+    _report(run_distributed(mesh_cases, 4, str(tmp_path), saved, after, timeout=180), 7)
 
 
 def test_fsdp_example(tmp_path):
