@@ -117,6 +117,34 @@ def check_fp8_all_gather(rank, ws, reshard, mp, compile):
                    "FP8 all-gather")
 
 
+def check_fp8_all_gather_uneven(rank, ws):
+    """Weights whose rows do not divide by the ranks (32 rows over 3: 11, 11, 10, FSDP2
+    padding the last shard up): the FP8 gather gives the bits of gathering in high
+    precision, outputs, input and weight gradients, two steps."""
+    runs = []
+    for gather_fp8 in (False, True):
+        torch.manual_seed(0)
+        model = ops.Sequential(ops.BasicLinear(H, 32), ops.GELU(), ops.BasicLinear(32, 48))
+        model.to(DEVICE[0])
+        if gather_fp8:
+            fusible.fsdp_float8_all_gather(model)
+        fully_shard(model, mesh=_mesh(ws))
+        assert [p.to_local().shape[0] for p in model.parameters()] == [
+            len(range(32)[rank::ws]), len(range(48)[rank::ws])], "not the uneven shards"
+        opt = torch.optim.SGD(model.parameters(), lr=0.5)
+        got = []
+        for step in range(2):
+            x = batches(torch.float32, 1, seed=step)[0][:16].requires_grad_()
+            with fusible.autocast():
+                y = model(x)
+            y.square().sum().backward()
+            got += [y.detach(), x.grad] + [full(p.grad) for p in model.parameters()]
+            opt.step()
+            opt.zero_grad()
+        runs.append(got)
+    assert_bitwise(runs[1], runs[0], "FP8 all-gather of uneven shards")
+
+
 def check_fp8_gather_bytes(rank, ws):
     """Linear layers alone, bf16 mixed precision: FP8 gathers half the bytes."""
     counts = []

@@ -70,6 +70,17 @@ def test_data_parallel(world_size):
     _report(run_distributed(data_parallel_cases, world_size, timeout=120), 25)
 
 
+def uneven_cases(rank, ws):
+    torch.set_num_threads(1)
+    return run_cases({"fp8 all-gather of uneven shards":
+                      lambda: p.check_fp8_all_gather_uneven(rank, ws)})
+
+
+def test_fp8_all_gather_of_uneven_shards():
+    """Three ranks: weight rows that do not divide by the ranks (every other test's do)."""
+    _report(run_distributed(uneven_cases, 3, timeout=120), 1)
+
+
 def mesh_cases(rank, ws, path, saved, after):
     torch.set_num_threads(1)
     cases = {"2-D": lambda: m.check_2d(rank, ws),
