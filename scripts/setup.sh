@@ -73,8 +73,10 @@ install_torch() {
     if [ "$TORCH_CHOICE" = cpu ]; then
         args+=(--index-url https://download.pytorch.org/whl/cpu)
     fi
-    say "installing $(describe_torch "${args[@]}")"
-    if [ "$TORCH_CHOICE" = default ]; then
+    local what
+    what=$(describe_torch "${args[@]}")
+    say "installing $what"
+    if [ "$TORCH_CHOICE" = default ] && [[ "$what" != *"(the CPU build)"* ]]; then
         say "(FUSIBLE_TORCH=cpu bash scripts/setup.sh installs the CPU-only build instead)"
     fi
     # pip's own progress: the download can be long
