@@ -73,6 +73,46 @@ def test_the_report_says_what_was_converted_and_what_stayed():
     assert "h.0.mlp: Sequential -> Sequential" in text and "wte: Embedding left" in text
 
 
+def test_a_container_without_forward_is_not_reported():
+    """A ModuleDict or ModuleList computes nothing: no residual add to fuse, no line (the
+    getting-started page's report is the whole report)."""
+    mlp = nn.Sequential(nn.LayerNorm(16), nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16))
+    for model in (nn.ModuleDict({"mlp": mlp}), nn.ModuleList([copy.deepcopy(mlp)])):
+        report = fusible.convert(model)
+        assert report.left == () and len(report.converted) == 1, str(report)
+
+
+class _PythonMLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.act, self.fc2 = nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 16)
+
+    def forward(self, x):
+        return self.fc2(self.act(self.fc1(x)))
+
+
+def test_a_python_forward_calling_converted_children_gets_the_sequential_hint():
+    holder = nn.Module()
+    holder.mlp = _PythonMLP()
+    left = {p: why for p, _, why in fusible.convert(holder).left}
+    assert left["mlp"].startswith("its forward is Python")
+    assert ("its converted children (fc1, act, fc2) run as separate fusible groups: written "
+            "as an nn.Sequential") in left["mlp"]
+    holder.one = nn.Sequential()  # no converted child: no hint
+    holder.one.only = _OneChild()
+    left = {p: why for p, _, why in fusible.convert(holder).left}
+    assert "separate fusible groups" not in left["one.only"]
+
+
+class _OneChild(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+
+    def forward(self, x):
+        return self.fc(x).relu()
+
+
 def test_llama_mlp_converts_its_projections_one_by_one():
     model = wm.TorchLlama(layers=1)
     report = fusible.convert(model)

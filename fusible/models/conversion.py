@@ -189,15 +189,33 @@ def _convert_children(module, path, converted, left, options: _Options) -> None:
         entry = len(left)
         if why is not None:
             left.append((where, type(child).__name__, why))
+        before = len(converted)
         _convert_children(child, where, converted, left, options)
+        if why is not None and why.startswith("its forward is Python"):
+            left[entry] = (*left[entry][:2], why + _separate_groups_hint(converted[before:],
+                                                                         where))
         if options.fuse_residuals and not isinstance(child, nn.Sequential):
             _fuse_residuals(child, where, converted, left, entry if why else None, options)
+
+
+def _separate_groups_hint(converted: list, where: str) -> str:
+    """Where a Python forward calls two or more converted children: they run as separate
+    fusible groups, which one pipeline would fuse."""
+    children = [p[len(where) + 1:] for p, _, _ in converted
+                if p.startswith(where + ".") and "." not in p[len(where) + 1:]]
+    if len(children) < 2:
+        return ""
+    return (f"; its converted children ({', '.join(children)}) run as separate fusible "
+            f"groups: written as an nn.Sequential (or fusible.ops.Sequential) where they "
+            f"run in a chain, they would be planned as one pipeline and fused")
 
 
 def _fuse_residuals(module, path, converted, left, entry: Optional[int],
                     options: _Options) -> None:
     """Fuse ``module``'s Linear + residual adds; what stayed joins its ``left`` entry (at
     ``entry``, or a new one)."""
+    if type(module).forward is nn.Module.forward:
+        return  # no forward of its own (ModuleDict, ModuleList): no add to fuse
     done = fuse_residual_adds(module, path, options.shared)
     converted += [(f"{path}.{name}" if path else name, FUSED, "AddExtraInput fused")
                   for name in done.fused]
