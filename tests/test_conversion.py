@@ -276,7 +276,12 @@ def test_gpt_blocks_fuse_their_projections_with_the_residuals():
         assert (where, *FUSED) in report.converted, where
     block = model.h[0]
     assert type(block) is wm.TorchGPTBlock and "forward" in block.__dict__  # its class stays
-    assert [type(m).__name__ for m in block.proj] == ["Linear", "AddExtraInput"]
+    assert type(block.proj).__name__ == "ResidualLinear" and isinstance(block.proj, ops.Linear)
+    assert [type(op).__name__ for op in block.proj.basic_ops()] == [
+        "BasicLinear", "Bias", "AddExtraInput"]
+    names = [n for n, _ in model.named_parameters()]
+    assert names == [n for n, _ in original.named_parameters()]  # the original names
+    assert block.proj.weight is dict(model.named_parameters())["h.0.proj.weight"]
     x = torch.zeros(2, 16, 32)
     assert chosen(block.proj.plan(x, x)) == ["ForwardLinearBiasAdd"]
     mlp_plan = block.mlp.plan(x, x)
@@ -332,7 +337,7 @@ def test_residuals_that_broadcast_or_promote_are_added_as_written():
     one_original = One(copy.deepcopy(original.proj))
     one = copy.deepcopy(one_original)
     fusible.convert(one)
-    assert isinstance(one.proj, ops.Sequential)
+    assert isinstance(one.proj, ops.Linear) and "residual_add=True" in repr(one.proj)
     for x in (torch.randn(32), torch.randn(7, 1), torch.randn(4, 7, 32, dtype=torch.float64)):
         want, got = one_original(x, y), one(x, y)  # broadcast; float64 promotes
         assert got.dtype == want.dtype and torch.equal(got, want)
@@ -388,8 +393,10 @@ def test_the_rewritten_model_copies_pickles_saves_and_compiles():
     for clone in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
         assert torch.equal(clone(x, y), want)
         with torch.no_grad():
-            clone.proj[0].bias.add_(1.0)  # the clone's forward calls the clone's children
+            clone.proj.bias.add_(1.0)  # the clone's forward calls the clone's children
         assert torch.equal(model(x, y), want) and not torch.equal(clone(x, y), want)
+        with torch.autocast("cpu", dtype=torch.bfloat16):  # the unfused path: the clone's too
+            assert not torch.equal(clone(x, y), model(x, y))
     assert model.state_dict().keys() == original.state_dict().keys()
     fresh = Residual()
     fusible.convert(fresh)
@@ -417,7 +424,7 @@ def test_a_forward_reading_its_attributes_keeps_them_honest():
     original = Scaled()
     model = copy.deepcopy(original)
     fusible.convert(model)
-    assert isinstance(model.proj, ops.Sequential)
+    assert isinstance(model.proj, ops.Linear) and "residual_add=True" in repr(model.proj)
     x = torch.randn(2, 8)
     for mode in (True, False):  # traced in both modes
         original.train(mode), model.train(mode)
@@ -531,3 +538,33 @@ def test_hooks_on_replaced_modules_keep_running():
     seen.clear()
     wrapper["head"](wrapper["mlp"](x)).sum().backward()
     assert seen == []
+
+
+class _Residual(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return x + self.proj(x)
+
+
+def test_a_fused_residual_keeps_the_layers_names_and_its_hooks_arguments():
+    """``proj.weight`` stays ``proj.weight`` (named_parameters, attribute, checkpoint); a
+    layer with a forward hook keeps it seeing the layer's own input and output (one
+    argument, not the residual too): it is wrapped instead, its checkpoint names kept."""
+    torch.manual_seed(0)
+    plain, hooked = _Residual(), _Residual()
+    hooked.load_state_dict(plain.state_dict())
+    seen = []
+    hooked.proj.register_forward_hook(lambda m, a, o: seen.append((len(a), o.shape)))
+    x = torch.randn(2, 8)
+    want = plain(x)
+    for model in (plain, hooked):
+        report = fusible.convert(model)
+        assert ("proj", *FUSED) in report.converted
+        assert model.state_dict().keys() == {"proj.weight", "proj.bias"}
+        torch.testing.assert_close(model(x), want, rtol=2e-6, atol=2e-6)
+    assert [n for n, _ in plain.named_parameters()] == ["proj.weight", "proj.bias"]
+    assert plain.proj.weight.shape == (8, 8) and plain.proj.in_features == 8
+    assert seen == [(1, (2, 8))]

@@ -22,12 +22,15 @@ import attrs
 import torch
 from torch import fx, nn
 
+from fusible.core import tokens
 from fusible.models.checkpoint_names import CheckpointNames
 from fusible.models.traced_forward import TracedForward
 from fusible.module import PipelineModule, Sequential
 from fusible.ops.add_extra_input import AddExtraInput
 from fusible.ops.basic_linear import BasicLinear, parallel_refusal
 from fusible.ops.bias import Bias
+from fusible.ops.linear import Linear
+from fusible.runtime.layout import without_layout
 from fusible.ops.make_extra_output import MakeExtraOutput
 
 Tensor = torch.Tensor
@@ -242,10 +245,43 @@ def _rewrite(graph: fx.Graph, matches: list, path: str, out_features: dict) -> N
     graph.lint()
 
 
-def _with_residual_add(child: PipelineModule) -> Sequential:
-    """``child`` ending in an ``AddExtraInput``: a Sequential gets it appended (its names
-    stay); another op is wrapped, its checkpoints kept under its names by hooks."""
+class ResidualLinear(Linear):
+    """A converted :class:`~fusible.ops.Linear` whose residual add is fused: the layer's own
+    state (the parameters under their names, FP8 states, hooks) with an ``AddExtraInput``
+    after it, called as ``layer(y, residual)``."""
+
+    _add: AddExtraInput
+    _unfused: Linear
+
+    @classmethod
+    def of(cls, linear: Linear) -> "ResidualLinear":
+        new = cls.__new__(cls)
+        new.__dict__.update(without_layout(linear.__dict__.copy()))  # the same dicts
+        object.__setattr__(new, "_add", AddExtraInput().train(linear.training))
+        object.__setattr__(new, "_unfused", linear)  # the layer alone, for unfused adds
+        tokens.register(new)  # what __init__ does: compiled graphs name it by token
+        return new
+
+    def basic_ops(self):
+        return (*super().basic_ops(), self._add)
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + ", residual_add=True"
+
+
+def _has_call_hooks(module: nn.Module) -> bool:
+    return any(getattr(module, name) for name in (
+        "_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks"))
+
+
+def _with_residual_add(child: PipelineModule) -> PipelineModule:
+    """``child`` ending in an ``AddExtraInput``: a Sequential gets it appended, a Linear
+    becomes a :class:`ResidualLinear` (their names stay); another op, or a Linear with
+    hooks (which see the layer's own arguments), is wrapped, its checkpoints kept under its
+    names by hooks."""
     add = AddExtraInput().train(child.training)  # the mode of the module it joins
+    if type(child) is Linear and not _has_call_hooks(child):
+        return ResidualLinear.of(child)
     if isinstance(child, Sequential):
         name = str(len(child))
         child.add_module(name if name not in child._modules else "residual_add", add)
@@ -258,7 +294,7 @@ def _with_residual_add(child: PipelineModule) -> Sequential:
     return block
 
 
-def residual_add(block: Sequential, input: Any, residual: Any, out_features: int,
+def residual_add(block: PipelineModule, input: Any, residual: Any, out_features: int,
                  residual_first: bool, path: str) -> Any:
     """``residual + block's body(input)`` as the original forward wrote it: through
     ``block(input, residual)`` (the fused add) where the residual has the shape, dtype and
@@ -271,9 +307,12 @@ def residual_add(block: Sequential, input: Any, residual: Any, out_features: int
                                f"residual of {residual.dtype} (input {input.dtype}); "
                                f"convert(model, fuse_residuals=False) leaves the add as is")
         return output
-    body = input
-    for item in list(block)[:-1]:  # the modules before the AddExtraInput, in order
-        body = item(body)
+    if isinstance(block, ResidualLinear):
+        body = block._unfused(input)
+    else:
+        body = input
+        for item in list(block)[:-1]:  # the modules before the AddExtraInput, in order
+            body = item(body)
     return residual + body if residual_first else body + residual
 
 
