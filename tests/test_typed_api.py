@@ -1,5 +1,6 @@
 """The typed API: fusible ships py.typed, and every public function (fusible.__all__) and
-every public method of the plan classes annotates its parameters and its result."""
+every public method of the plan classes annotates its parameters and its result, every
+public class's constructor its parameters."""
 
 import inspect
 import pathlib
@@ -24,6 +25,22 @@ def test_public_functions_are_annotated():
         for name, fn in vars(cls).items():
             if inspect.isfunction(fn) and not name.startswith("_") and _unannotated(fn):
                 lacking[f"{cls.__name__}.{name}"] = _unannotated(fn)
+    assert not lacking, lacking
+
+
+def test_public_constructors_are_annotated():
+    """Classes of fusible.__all__ and fusible.ops.__all__ whose constructor is fusible's
+    own (attrs-generated ones included: they take the fields' or converters' types)."""
+    lacking = {}
+    for module in (fusible, fusible.ops):
+        for name in module.__all__:
+            cls = getattr(module, name)
+            init = getattr(cls, "__init__", None) if inspect.isclass(cls) else None
+            if not inspect.isfunction(init) or not init.__module__.startswith("fusible"):
+                continue
+            missing = [n for n in _unannotated(init) if n != "return"]
+            if missing:
+                lacking[f"{module.__name__}.{name}"] = missing
     assert not lacking, lacking
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
+from fusible.core.pattern import Match
 from fusible.core.stage import FORMAT_HOOKS, StageSpec, defines
 
 
@@ -72,7 +73,7 @@ class FusedOperation(StageSpec):
     rounds_gradient_before: ClassVar[tuple] = ()
     rounds_output_after: ClassVar[tuple] = ()
 
-    def __init__(self, match):
+    def __init__(self, match: Match):
         self.match = match
 
     def basic_ops(self) -> tuple:

@@ -86,7 +86,7 @@ class Element:
 class Op(Element):
     """Match one op by type, attribute values and an optional :class:`Check`."""
 
-    def __init__(self, types, *, name: str | None = None, where: Check | None = None,
+    def __init__(self, types: type | tuple[type, ...], *, name: str | None = None, where: Check | None = None,
                  optional: bool = False, **attributes):
         types = types if isinstance(types, tuple) else (types,)
         if not types or not all(isinstance(t, type) for t in types):

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fusible.core.arg_types import DTypeArg, DeviceArg, GroupArg, ParallelModeArg
 from fusible.core import checks
 from fusible.core.example import Example
 from fusible.core.results import BackwardResult, ForwardResult
@@ -103,9 +104,10 @@ class BasicLinear(BasicOperation):
     bwd_args_type = GemmBackwardArgs
     saved_type = LinearSaved
 
-    def __init__(self, in_features: int, out_features: int, *, tensor_parallel_mode=None,
-                 tensor_parallel_group=None, sequence_parallel: bool = False, device=None,
-                 dtype=None, accumulate_into_main_grad: bool = False):
+    def __init__(self, in_features: int, out_features: int, *, tensor_parallel_mode: ParallelModeArg = None,
+                 tensor_parallel_group: GroupArg = None, sequence_parallel: bool = False,
+                 device: DeviceArg = None, dtype: DTypeArg = None,
+                 accumulate_into_main_grad: bool = False):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         self.accumulate_into_main_grad = accumulate_into_main_grad

@@ -6,6 +6,7 @@ import attrs
 import torch
 from torch import nn
 
+from fusible.core.arg_types import DTypeArg, DeviceArg, GroupArg
 from fusible.core import checks
 from fusible.core.example import Example
 from fusible.core.results import BackwardResult, ForwardResult
@@ -60,8 +61,9 @@ class Bias(BasicOperation):
     fwd_args_type = BiasForwardArgs
     bwd_args_type = BiasBackwardArgs
 
-    def __init__(self, size: int, *, tensor_parallel: bool = False, tensor_parallel_group=None,
-                 sequence_parallel: bool = False, device=None, dtype=None):
+    def __init__(self, size: int, *, tensor_parallel: bool = False,
+                 tensor_parallel_group: GroupArg = None, sequence_parallel: bool = False,
+                 device: DeviceArg = None, dtype: DTypeArg = None):
         super().__init__()
         self.size = size
         tensor_parallel = bool(checks.boolean("tensor_parallel")("Bias", tensor_parallel))

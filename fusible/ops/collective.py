@@ -22,6 +22,7 @@ from typing import ClassVar, Optional
 import attrs
 import torch
 
+from fusible.core.arg_types import GroupArg
 from fusible.core.example import Example
 from fusible.functional import parallel
 from fusible.functional.parallel import TensorParallel
@@ -61,7 +62,7 @@ class Collective(BasicOperation, abstract=True):
     forward_collective: ClassVar[Optional[str]] = None
     backward_collective: ClassVar[Optional[str]] = None
 
-    def __init__(self, process_group=None):
+    def __init__(self, process_group: GroupArg = None):
         super().__init__()
         self.parallel = parallel.group_config(type(self).__name__, None, False, process_group)
 

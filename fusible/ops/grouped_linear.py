@@ -10,6 +10,7 @@ import attrs
 import torch
 from torch import nn
 
+from fusible.core.arg_types import DTypeArg, DeviceArg
 from fusible.core import checks
 from fusible.core.example import Example
 from fusible.core.results import BackwardResult, ForwardResult
@@ -124,7 +125,7 @@ class GroupedLinear(BasicOperation):
     saved_type = GroupedSaved
 
     def __init__(self, num_groups: int, in_features: int, out_features: int, *,
-                 bias: bool = False, device=None, dtype=None):
+                 bias: bool = False, device: DeviceArg = None, dtype: DTypeArg = None):
         super().__init__()
         self.num_groups, self.in_features, self.out_features = (num_groups, in_features,
                                                                 out_features)

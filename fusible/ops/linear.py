@@ -8,6 +8,7 @@ import weakref
 import torch
 from torch import nn
 
+from fusible.core.arg_types import DTypeArg, DeviceArg, GroupArg, ParallelModeArg
 from fusible.core import checks
 from fusible.module import FusibleOperation
 from fusible.ops.basic_linear import BasicLinear, init_linear_weight, init_shard_, linear_shard
@@ -46,8 +47,9 @@ class Linear(FusibleOperation):
     _ops: tuple[BasicLinear, Bias]  # set past nn.Module's __setattr__ (not submodules)
 
     def __init__(self, in_features: int, out_features: int, *, bias: bool = True,
-                 tensor_parallel_mode=None, tensor_parallel_group=None,
-                 sequence_parallel: bool = False, device=None, dtype=None,
+                 tensor_parallel_mode: ParallelModeArg = None,
+                 tensor_parallel_group: GroupArg = None, sequence_parallel: bool = False,
+                 device: DeviceArg = None, dtype: DTypeArg = None,
                  accumulate_into_main_grad: bool = False):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features  # checked here

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import cast
+from typing import Sequence, cast
 
 import attrs
 import torch
@@ -50,7 +50,7 @@ class Reshape(BasicOperation):
 
     attribute_checks = {"shape": lambda op, value: _target_shape(value)}
 
-    def __init__(self, shape):
+    def __init__(self, shape: Sequence[int]):
         super().__init__()
         self.shape = shape
 

@@ -9,6 +9,7 @@ import attrs
 import torch
 from torch import nn
 
+from fusible.core.arg_types import DTypeArg, DeviceArg, GroupArg, ShapeArg
 from fusible.core import checks
 from fusible.core.example import Example
 from fusible.core.results import BackwardResult, ForwardResult
@@ -127,9 +128,10 @@ class RMSNorm(parallel.ReplicatedParallelViews, BasicOperation):
     saved_type = RMSNormSaved
     quantizes_own_output = True
 
-    def __init__(self, normalized_shape, *, eps: float = 1e-5, sequence_parallel: bool = False,
-                 tensor_parallel_group=None, zero_centered_gamma: bool = False,
-                 recompute_output: bool = False, device=None, dtype=None):
+    def __init__(self, normalized_shape: ShapeArg, *, eps: float = 1e-5, sequence_parallel: bool = False,
+                 tensor_parallel_group: GroupArg = None, zero_centered_gamma: bool = False,
+                 recompute_output: bool = False, device: DeviceArg = None,
+                 dtype: DTypeArg = None):
         super().__init__()
         self.normalized_shape = normalized_shape
         self.parallel = parallel.sequence_parallel(

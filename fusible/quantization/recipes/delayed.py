@@ -15,7 +15,7 @@ from fusible.quantization.scalings.delayed import DelayedTensorScaling, delayed_
 ALGORITHMS = ("max", "most_recent")
 
 
-def _group_name(group) -> Optional[str]:
+def _group_name(group: "dist.ProcessGroup | str | None") -> Optional[str]:
     if group is None or isinstance(group, str):
         return group
     if isinstance(group, dist.ProcessGroup):
