@@ -112,8 +112,13 @@ def test_in_place_errors():
     with pytest.raises(ValueError, match=r"AddExtraInput\(in_place=True\) writes into its "
                                          r"extra input, which must be contiguous"):
         ops.Sequential(ops.AddExtraInput(in_place=True))(x, torch.randn(8, 4).t())
-    with pytest.raises(RuntimeError, match="leaf Variable that requires grad"):
-        ops.Sequential(ops.AddExtraInput(in_place=True))(x, torch.randn(4, 8, requires_grad=True))
+    leaf = torch.randn(4, 8, requires_grad=True)
+    before = leaf.detach().clone()
+    for run in (lambda m: m, lambda m: torch.compile(m, backend="aot_eager", fullgraph=True)):
+        with pytest.raises(Exception, match=r"AddExtraInput\(in_place=True\) writes into its "
+                                            r"extra input, a leaf tensor that requires grad"):
+            run(ops.Sequential(ops.AddExtraInput(in_place=True)))(x, leaf)
+    assert torch.equal(leaf.detach(), before)  # refused before writing
     with pytest.raises(TypeError, match="in_place"):
         ops.AddExtraInput(in_place="yes")
     with pytest.raises(TypeError, match="in_place"):

@@ -46,15 +46,18 @@ class Call:
     their gradients' sums; other features key theirs by tuples), ``owner`` the thread that
     ran the forward (the backward may run on an autograd worker), ``tensors`` the feature
     tensors of the call
-    (``RuntimeFeature.count``), by feature name.
+    (``RuntimeFeature.count``), by feature name; ``saves``: a forward that saves for a
+    backward (an autograd node's; inside it grad mode is off whatever the caller's).
     """
 
     __slots__ = ("plan", "ctxs", "traced", "input", "extras", "outputs", "grad_params",
-                 "given", "store", "tensors", "owner")
+                 "given", "store", "tensors", "owner", "saves")
 
     def __init__(self, plan, ctxs, traced: bool, input, extras, outputs: list,
-                 tensors: "dict | None", given: tuple = (), owner: Optional[int] = None):
+                 tensors: "dict | None", given: tuple = (), owner: Optional[int] = None,
+                 saves: bool = False):
         self.plan, self.ctxs, self.traced, self.input = plan, ctxs, traced, input
+        self.saves = saves
         self.owner = threading.get_ident() if owner is None else owner
         self.extras, self.outputs, self.given = extras, outputs, given
         self.tensors: dict = tensors or {}
@@ -78,7 +81,7 @@ def run_forward(plan: ExecPlan, x, params, extra_inputs, ctxs, *, save: bool,
     outputs: list = []
     hooks, call = plan.hooks, None
     if hooks.active:  # features act on this plan: they see the pass as a Call
-        call = Call(plan, ctxs, traced, x, extras, outputs, tensors, extra_inputs)
+        call = Call(plan, ctxs, traced, x, extras, outputs, tensors, extra_inputs, saves=save)
         for begin in hooks.begin_forward:
             begin(call)
         extras, outputs = call.extras, call.outputs

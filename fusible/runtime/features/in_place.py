@@ -18,6 +18,11 @@ class InPlaceRuntime(RuntimeFeature):
                 raise ValueError(f"{op.describe()} writes into its extra input, which must be "
                                  f"contiguous; got strides {given.stride()} for shape "
                                  f"{tuple(given.shape)}")
+            if call.saves and given.is_leaf and given.requires_grad:
+                raise ValueError(f"{op.describe()} writes into its extra input, a leaf tensor "
+                                 f"that requires grad, which autograd forbids: pass a tensor "
+                                 f"computed from it (or one that needs no grad), or make the "
+                                 f"op with in_place=False")
 
     def forward_node(self, record, fctx, extra_inputs: tuple, output) -> None:
         written = [extra_inputs[j] for j in record.extra_inputs]
