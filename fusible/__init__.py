@@ -27,6 +27,7 @@ from fusible.quantization import (DelayedScaling, Float8BlockScaling, Float8Curr
                                   register_recipe, registered_recipes, unregister_recipe)
 from fusible.runtime import CompileReport, compile_report, make_graphed_callables
 from fusible.core.lanes import split_backward
+from fusible.runtime.recompute import checkpoint, checkpoint_context
 from fusible.runtime.wgrad import pending as pending_wgrad
 from fusible.runtime.wgrad import run_pending as run_deferred_wgrad
 from fusible.runtime.wgrad import take as take_deferred_wgrad
@@ -34,7 +35,7 @@ from fusible.runtime.wgrad import take as take_deferred_wgrad
 __version__ = "0.2.0"
 
 __all__ = [
-    "autocast", "Candidate", "Check", "compile_report", "CompileReport", "ConversionReport",
+    "autocast", "Candidate", "Check", "checkpoint", "checkpoint_context", "compile_report", "CompileReport", "ConversionReport",
     "convert", "convert_module", "deinterleave_glu_rows", "DelayedScaling", "Example",
     "Float8BlockScaling", "Float8CurrentScaling", "Float8Format", "Float8RowwiseScaling",
     "Float8Tensor", "fsdp_float8_all_gather", "FusedOperation", "FusionPlan",

@@ -359,6 +359,88 @@ def test_activation_checkpointing_recomputes_with_the_forwards_scales(reentrant)
         assert all(torch.equal(a, b) for a, b in zip(model.buffers(), twin.buffers())), step
 
 
+def _two_in_flight(model, checkpointed, recipes, first_first=False):
+    """Two forwards (micro-batches of other magnitudes, each under its recipe), then one
+    backward through both (or the first's, then the second's: a 1F1B schedule's order):
+    the gradients and the states after it."""
+    for p in model.parameters():
+        p.grad = None
+    outs = []
+    for k, recipe in enumerate(recipes):
+        x = (torch.randn(16, 32, generator=torch.Generator().manual_seed(k)) * 8.0 ** k)
+        with fusible.autocast(enabled=recipe is not None, recipe=recipe):
+            outs.append(checkpointed(x.requires_grad_()))
+    if first_first:
+        for out in outs:
+            out.square().sum().backward()
+    else:
+        sum(o.square().sum() for o in outs).backward()
+    return [p.grad for p in model.parameters()] + [b.clone() for b in model.buffers()]
+
+
+DELAYED = fusible.DelayedScaling(amax_history_len=4)
+
+
+@pytest.mark.parametrize("first_first", [False, True], ids=["together", "first first"])
+@pytest.mark.parametrize("recipes", [(DELAYED, DELAYED), (None, DELAYED), (DELAYED, None)],
+                         ids=["delayed twice", "plain then fp8", "fp8 then plain"])
+def test_each_recomputation_repeats_its_own_forward_with_checkpoint_context(recipes,
+                                                                            first_first):
+    """Two checkpointed forwards in flight (pipeline micro-batches): with
+    fusible.checkpoint_context each recomputation repeats its own forward's recipe and
+    scales, in any order of the backwards: the bits and states of the run without
+    checkpointing."""
+    from torch.utils.checkpoint import checkpoint
+    torch.manual_seed(0)
+    model = ops.Sequential(ops.Linear(32, 64), ops.GELU(), ops.Linear(64, 32))
+    twin, other = copy.deepcopy(model), copy.deepcopy(model)
+    want = _two_in_flight(model, model, recipes, first_first)
+    got = _two_in_flight(twin, lambda t: checkpoint(
+        twin, t, use_reentrant=False, context_fn=fusible.checkpoint_context), recipes,
+        first_first)
+    assert all(torch.equal(a, b) for a, b in zip(want, got))
+    got = _two_in_flight(other, lambda t: fusible.checkpoint(other, t), recipes, first_first)
+    assert all(torch.equal(a, b) for a, b in zip(want, got))
+
+
+@pytest.mark.parametrize("reentrant", [True, False], ids=["reentrant", "non-reentrant"])
+def test_two_forwards_in_flight_without_it_are_an_error_that_says_what_to_do(reentrant):
+    """torch.utils.checkpoint alone cannot say which forward a recomputation repeats:
+    where they differ (delayed scaling's histories advanced), an error naming the group and
+    the remedy, not wrong gradients (they were off by up to 0.34 here) or a CheckpointError
+    about tensor metadata."""
+    from torch.utils.checkpoint import checkpoint
+    model = ops.Sequential(ops.Linear(32, 64), ops.GELU(), ops.Linear(64, 32))
+    with pytest.raises(RuntimeError, match=r"recomputes Sequential\(BasicLinear, Bias, GELU, "
+                                           r"BasicLinear, Bias\) while 2 checkpointed forwards "
+                                           r"of it are in flight.*context_fn=fusible"
+                                           r".checkpoint_context"):
+        _two_in_flight(model, lambda t: checkpoint(model, t, use_reentrant=reentrant),
+                       (DELAYED, DELAYED))
+
+
+def test_in_flight_forwards_of_a_finished_step_are_forgotten():
+    """A checkpointed forward whose backward never ran (an evaluation in training mode)
+    is not counted after the optimizer's next step; and forwards in flight that would
+    recompute alike (current scaling) need no context."""
+    from torch.utils.checkpoint import checkpoint
+    recipe = fusible.Float8CurrentScaling()
+    model = ops.Sequential(ops.Linear(32, 64), ops.GELU(), ops.Linear(64, 32))
+    twin = copy.deepcopy(model)
+    want = _two_in_flight(model, model, (recipe, recipe))
+    got = _two_in_flight(twin, lambda t: checkpoint(twin, t, use_reentrant=False),
+                         (recipe, recipe))
+    assert all(torch.equal(a, b) for a, b in zip(want, got))
+    opt = torch.optim.SGD(twin.parameters(), lr=0.0)
+    with fusible.autocast(recipe=DELAYED):
+        checkpoint(twin, torch.randn(16, 32), use_reentrant=False)  # never backpropagated
+    opt.step()
+    x = torch.randn(16, 32, requires_grad=True)
+    with fusible.autocast(recipe=DELAYED):
+        y = checkpoint(twin, x, use_reentrant=False)
+    y.sum().backward()  # one forward of this step in flight: no error
+
+
 def test_compiled_checkpointing_with_states_is_refused():
     """Compiled code would recompute with the states its forward already advanced."""
     from torch.utils.checkpoint import checkpoint

@@ -10,8 +10,14 @@ tensors in the recomputation).
 
 from __future__ import annotations
 
+import contextlib
+import threading
+from typing import Any, Callable, Iterator
+
 import torch
+import torch.utils.checkpoint
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from fusible.quantization.recipes.autocast import current_key as fp8_recipe_key
 from fusible.quantization.recipes.autocast import fp8_recipe
@@ -75,19 +81,180 @@ def refuse_stateful(cls) -> None:
 _UNSET = object()
 
 
-class LatestForward:
-    """The FP8 recipe of a group's latest forward, which a forward run during a backward
-    pass (activation checkpointing's recomputation) repeats, as torch.utils.checkpoint
-    restores torch.autocast's state. The recipe is decoded once here, with its key."""
+class ForwardState:
+    """What a recomputation of one forward of a group repeats: its FP8 recipe (``key``,
+    ``recipe``) and what the features keep of it in ``snapshots`` (the scaling states'
+    copy, from which the recomputation casts)."""
 
-    __slots__ = ("key", "recipe")
+    __slots__ = ("key", "recipe", "snapshots", "generation")
+
+    def __init__(self, key, recipe, generation: int = 0):
+        self.key, self.recipe, self.generation = key, recipe, generation
+        self.snapshots: dict = {}
+
+    def same_as(self, other: "ForwardState") -> bool:
+        """Whether a recomputation of either would compute the same."""
+        if self.key != other.key or self.snapshots.keys() != other.snapshots.keys():
+            return False
+        return all(len(a) == len(b) and all(torch.equal(s, t) for s, t in zip(a, b))
+                   for a, b in ((self.snapshots[k], other.snapshots[k])
+                                for k in self.snapshots))
+
+
+class LatestForward:
+    """The forward a group's forward run during a backward pass (activation
+    checkpointing's recomputation) repeats, as torch.utils.checkpoint restores
+    torch.autocast's state: its recipe, decoded once here with its key, and its
+    scaling-state snapshot (``current.snapshots``).
+
+    Which forward: inside :func:`fusible.checkpoint_context`'s recomputation, the one its
+    own forward kept; else the one checkpointed forward in flight (a forward under
+    saved-tensors hooks, or without grad in training mode), or the latest forward. Two or
+    more checkpointed forwards in flight that would recompute differently (another recipe,
+    other scales) are an error: nothing says which one a recomputation repeats."""
+
+    __slots__ = ("current", "_latest", "_in_flight")
 
     def __init__(self) -> None:
-        self.key: object = _UNSET
-        self.recipe = None
+        self._latest = self.current = ForwardState(_UNSET, None)
+        self._in_flight: list = []  # checkpointed forwards not recomputed yet, in order
 
-    def recipe_for_call(self, traced: bool) -> tuple:
+    @property
+    def key(self):
+        return self.current.key
+
+    @property
+    def recipe(self):
+        return self.current.recipe
+
+    def recipe_for_call(self, traced: bool, training: bool = True, name=None) -> tuple:
         """``(key, recipe)`` to run under: the ones in effect, but in a recomputation."""
-        if traced or torch._C._current_graph_task_id() == -1 or self.key is _UNSET:
-            self.key, self.recipe = fp8_recipe_key(), fp8_recipe()
-        return self.key, self.recipe
+        if traced or torch._C._current_graph_task_id() == -1:
+            self.current = self._forward(fp8_recipe_key(), fp8_recipe(), training, traced)
+        elif self._latest.key is not _UNSET:
+            self.current = self._recomputed(name)
+        return self.current.key, self.current.recipe
+
+    def _forward(self, key, recipe, training: bool, traced: bool) -> ForwardState:
+        region = None if traced else _tls.forward_region
+        if region is not None:  # fusible.checkpoint_context: this forward's own state
+            state = ForwardState(key, recipe)
+            region.setdefault(id(self), []).append(state)
+        elif not traced and _checkpointed(training):
+            state = ForwardState(key, recipe, _steps["count"])
+            self._in_flight.append(state)
+            del self._in_flight[:-_IN_FLIGHT_LIMIT]
+            _watch_steps()
+        else:  # the latest forward's state, its snapshot's buffers reused
+            state = self._latest
+            state.key, state.recipe = key, recipe
+        self._latest = state
+        return state
+
+    def _recomputed(self, name) -> ForwardState:
+        region = _tls.recompute_region
+        kept = region.get(id(self)) if region is not None else None
+        if kept:
+            return kept.pop(0)
+        flight = [s for s in self._in_flight if s.generation == _steps["count"]]
+        self._in_flight[:] = flight
+        if not flight:
+            return self._latest
+        if len(flight) > 1 and not all(flight[0].same_as(s) for s in flight[1:]):
+            raise RuntimeError(
+                f"fusible: activation checkpointing recomputes {name() if name else 'a group'} "
+                f"while {len(flight)} checkpointed forwards of it are in flight under "
+                f"different FP8 recipes or scales (delayed scaling's histories advance each "
+                f"forward): torch.utils.checkpoint does not say which forward a "
+                f"recomputation repeats. Checkpoint with torch.utils.checkpoint.checkpoint("
+                f"..., use_reentrant=False, context_fn=fusible.checkpoint_context) (or "
+                f"fusible.checkpoint), which keeps each forward's recipe and scales for its "
+                f"own recomputation, or run each forward's backward before the next forward")
+        return self._in_flight.pop(0)
+
+
+_IN_FLIGHT_LIMIT = 64
+_steps = {"count": 0, "hook": None}  # optimizer steps: forwards of earlier steps are done
+
+
+class _Regions(threading.local):
+    """This thread's fusible.checkpoint_context regions being run (forward, recompute)."""
+
+    forward_region: "dict | None" = None
+    recompute_region: "dict | None" = None
+
+
+_tls = _Regions()
+
+
+def _checkpointed(training: bool) -> bool:
+    """Whether a forward may be recomputed by activation checkpointing: under
+    saved-tensors hooks (non-reentrant checkpointing) or, in training mode, without grad
+    (reentrant checkpointing's forward)."""
+    return (torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
+            or (training and not torch.is_grad_enabled()))
+
+
+def _watch_steps() -> None:
+    if _steps["hook"] is None:
+        _steps["hook"] = register_optimizer_step_post_hook(_count_step)
+
+
+def _count_step(optimizer, args, kwargs) -> None:
+    _steps["count"] += 1
+
+
+@contextlib.contextmanager
+def _entered(attribute: str, region: dict) -> Iterator[None]:
+    previous = getattr(_tls, attribute)
+    setattr(_tls, attribute, region)
+    try:
+        yield
+    finally:
+        setattr(_tls, attribute, previous)
+
+
+def checkpoint_context() -> tuple:
+    """A ``context_fn`` for ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``:
+    each recomputation of the checkpointed function repeats the FP8 recipe and scales of
+    its own forward.
+
+    Returns
+    -------
+    tuple of two context managers
+        The forward's (which keeps each fusible group's recipe and scaling-state snapshot
+        as it runs) and the recomputation's (which hands them back, in call order).
+
+    Notes
+    -----
+    Without it a recomputation repeats the latest forward of the group; where two or more
+    checkpointed forwards of a group are in flight (pipeline micro-batches, a block called
+    twice before the backwards) under different recipes or scales, that is an error.
+    """
+    region: dict = {}
+    return _entered("forward_region", region), _entered("recompute_region", region)
+
+
+def checkpoint(function: Callable, *args: Any, **kwargs: Any) -> Any:
+    """``torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False,
+    context_fn=fusible.checkpoint_context, **kwargs)``: non-reentrant activation
+    checkpointing whose recomputations repeat their own forward's FP8 recipe and scales.
+
+    Parameters
+    ----------
+    function : callable
+        What is checkpointed.
+    *args, **kwargs
+        Its arguments, and torch.utils.checkpoint's options (``use_reentrant`` and
+        ``context_fn`` are set here).
+
+    Returns
+    -------
+    What ``function`` returns.
+    """
+    for name in ("use_reentrant", "context_fn"):
+        if name in kwargs:
+            raise TypeError(f"fusible.checkpoint sets {name} itself (non-reentrant, "
+                            f"fusible.checkpoint_context); got {name}={kwargs[name]!r}")
+    return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False,
+                                             context_fn=checkpoint_context, **kwargs)

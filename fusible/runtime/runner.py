@@ -29,7 +29,9 @@ class PipelineRunner:
         Reads the parameters the ops compute with, afresh each call.
     memory : dict
         What the runtime remembers across the group's calls, each module under its own
-        keys (the scaling states' snapshot, autocast's quantized parameters).
+        keys (autocast's quantized parameters).
+    latest : LatestForward
+        The forward a recomputation repeats: its recipe and scaling-state snapshot.
     """
 
     def __init__(self, ops: tuple, start: int):
@@ -61,7 +63,7 @@ class PipelineRunner:
                 guard(self)
         device_type = x.device.type
         params = self.params.read() if params is None else list(params)
-        key, recipe = self.latest.recipe_for_call(traced)
+        key, recipe = self.latest.recipe_for_call(traced, training, self.name)
         if autocast_available(device_type) and torch.is_autocast_enabled(device_type):
             return run_autocast(self, x, extra_inputs, training, params, traced, tensors,
                                 fp8=key is not None)

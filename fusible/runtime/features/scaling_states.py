@@ -28,7 +28,8 @@ class ScalingStatesRuntime(RuntimeFeature):
             # another history length, or .to() changed a state's dtype: made again
             make_states(runner.ops, plan.recipe, x.device.type)
             states = _own_states(runner.ops)
-        return _for_call(runner.memory, states, [role for _, role in record.slots])
+        return _for_call(runner.latest.current.snapshots, states,
+                         [role for _, role in record.slots])
 
     def graph_tensors(self, runner, ops, params) -> list:
         return _own_states(ops)
@@ -69,10 +70,10 @@ def _own_states(ops) -> list:
 
 def _for_call(memory: dict, states: list, roles: list) -> list:
     """The states an eager call casts with. A forward records into the ops' own, after
-    keeping a copy of them; one during a backward pass (activation checkpointing's
-    recomputation) casts with copies of that copy, the latest forward's scales, and
-    records nothing; its gradients' states stay the ops' own (a reentrant checkpoint runs
-    its backward through them)."""
+    keeping a copy of them in its forward's ``memory`` (``ForwardState.snapshots``); one
+    during a backward pass (activation checkpointing's recomputation) casts with copies of
+    the copy its forward kept, and records nothing; its gradients' states stay the ops'
+    own (a reentrant checkpoint runs its backward through them)."""
     snapshot = memory.get("fp8_states")
     if torch._C._current_graph_task_id() != -1 and snapshot is not None \
             and len(snapshot) == len(states):
