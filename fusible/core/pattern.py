@@ -86,8 +86,8 @@ class Element:
 class Op(Element):
     """Match one op by type, attribute values and an optional :class:`Check`."""
 
-    def __init__(self, types: type | tuple[type, ...], *, name: str | None = None, where: Check | None = None,
-                 optional: bool = False, **attributes):
+    def __init__(self, types: type | tuple[type, ...], *, name: str | None = None,
+                 where: Check | None = None, optional: bool = False, **attributes):
         types = types if isinstance(types, tuple) else (types,)
         if not types or not all(isinstance(t, type) for t in types):
             raise TypeError(f"Op() needs operation classes, got {types!r}")

@@ -262,7 +262,8 @@ def _reparametrization(module) -> str:
                 f"(torch.nn.utils.parametrize.remove_parametrizations undoes it)")
     for hook in module._forward_pre_hooks.values():
         if isinstance(hook, (SpectralNorm, WeightNorm)):
-            undo = "remove_spectral_norm" if isinstance(hook, SpectralNorm) else "remove_weight_norm"
+            undo = ("remove_spectral_norm" if isinstance(hook, SpectralNorm)
+                    else "remove_weight_norm")
             return (f"{hook.name} is computed by a {type(hook).__name__} forward pre-hook "
                     f"(torch.nn.utils.{undo} undoes it)")
     return ""

@@ -311,7 +311,7 @@ def residual_add(block: PipelineModule, input: Any, residual: Any, out_features:
         body = block._unfused(input)
     else:
         body = input
-        for item in list(block)[:-1]:  # the modules before the AddExtraInput, in order
+        for item in list(cast(Sequential, block))[:-1]:  # before the AddExtraInput, in order
             body = item(body)
     return residual + body if residual_first else body + residual
 

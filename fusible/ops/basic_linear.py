@@ -104,7 +104,8 @@ class BasicLinear(BasicOperation):
     bwd_args_type = GemmBackwardArgs
     saved_type = LinearSaved
 
-    def __init__(self, in_features: int, out_features: int, *, tensor_parallel_mode: ParallelModeArg = None,
+    def __init__(self, in_features: int, out_features: int, *,
+                 tensor_parallel_mode: ParallelModeArg = None,
                  tensor_parallel_group: GroupArg = None, sequence_parallel: bool = False,
                  device: DeviceArg = None, dtype: DTypeArg = None,
                  accumulate_into_main_grad: bool = False):

@@ -128,12 +128,14 @@ class RMSNorm(parallel.ReplicatedParallelViews, BasicOperation):
     saved_type = RMSNormSaved
     quantizes_own_output = True
 
-    def __init__(self, normalized_shape: ShapeArg, *, eps: float = 1e-5, sequence_parallel: bool = False,
+    def __init__(self, normalized_shape: ShapeArg, *, eps: float = 1e-5,
+                 sequence_parallel: bool = False,
                  tensor_parallel_group: GroupArg = None, zero_centered_gamma: bool = False,
                  recompute_output: bool = False, device: DeviceArg = None,
                  dtype: DTypeArg = None):
         super().__init__()
-        self.normalized_shape = normalized_shape
+        # a tuple once set: attribute_checks converts it (an int or a sequence)
+        self.normalized_shape: tuple[int, ...] = normalized_shape  # type: ignore[assignment]
         self.parallel = parallel.sequence_parallel(
             self.describe(), bool(NORM_CHECKS["sequence_parallel"](type(self).__name__,
                                                                    sequence_parallel)),

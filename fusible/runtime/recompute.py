@@ -141,7 +141,7 @@ class LatestForward:
             state = ForwardState(key, recipe)
             region.setdefault(id(self), []).append(state)
         elif not traced and _checkpointed(training):
-            state = ForwardState(key, recipe, _steps["count"])
+            state = ForwardState(key, recipe, _steps.count)
             self._in_flight.append(state)
             del self._in_flight[:-_IN_FLIGHT_LIMIT]
             _watch_steps()
@@ -156,7 +156,7 @@ class LatestForward:
         kept = region.get(id(self)) if region is not None else None
         if kept:
             return kept.pop(0)
-        flight = [s for s in self._in_flight if s.generation == _steps["count"]]
+        flight = [s for s in self._in_flight if s.generation == _steps.count]
         self._in_flight[:] = flight
         if not flight:
             return self._latest
@@ -174,7 +174,16 @@ class LatestForward:
 
 
 _IN_FLIGHT_LIMIT = 64
-_steps = {"count": 0, "hook": None}  # optimizer steps: forwards of earlier steps are done
+
+
+class _Steps:
+    """Optimizer steps taken: the checkpointed forwards of earlier steps are done."""
+
+    count = 0
+    hook: Any = None
+
+
+_steps = _Steps()
 
 
 class _Regions(threading.local):
@@ -196,12 +205,12 @@ def _checkpointed(training: bool) -> bool:
 
 
 def _watch_steps() -> None:
-    if _steps["hook"] is None:
-        _steps["hook"] = register_optimizer_step_post_hook(_count_step)
+    if _steps.hook is None:
+        _steps.hook = register_optimizer_step_post_hook(_count_step)
 
 
 def _count_step(optimizer, args, kwargs) -> None:
-    _steps["count"] += 1
+    _steps.count += 1
 
 
 @contextlib.contextmanager
