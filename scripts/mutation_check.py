@@ -126,8 +126,7 @@ CURATED = [
        "                tuple([e.requires_grad for e in extra_inputs]), None, training,",
        "the FP8 recipe left out of the plan cache key (with grad enabled)"),
     _m("recompute_ignores_forward_recipe", "fusible/runtime/recompute.py",
-       "        if traced or torch._C._current_graph_task_id() == -1 "
-       "or self.key is _UNSET:",
+       "        if traced or torch._C._current_graph_task_id() == -1:",
        "        if True:",
        "activation checkpointing recomputes under the recipe at backward time"),
     _m("wgrad_wrong_scale", "fusible/functional/linear.py",
@@ -388,8 +387,8 @@ FRESH = [
        "fusion priority sorted ascending: among matches of equal length the lower "
        "priority wins"),
     _m("backward_reads_extra_in_slice", "fusible/runtime/executor.py",
-       "op.backward_args(dy, call.extras[st.extra_out] if st.num_extra_out",
-       "op.backward_args(dy, call.extras[st.extra_in] if st.num_extra_out",
+       "op.backward_args(dy, extras[st.extra_out] if st.num_extra_out",
+       "op.backward_args(dy, extras[st.extra_in] if st.num_extra_out",
        "a backward stage is handed the extra-output gradients sliced by its extra-input "
        "span"),
     _m("saved_inputs_skip_version_check", "fusible/runtime/saved.py",
