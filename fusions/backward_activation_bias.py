@@ -23,7 +23,8 @@ class BackwardActivationBias(FusedOperation):
 
     Pattern (forward order): ``Bias, GELU | ReLU | SiLU``; runs in the backward as
     the activation's then the bias's gradient.
-    Accepts when the bias needs a gradient (otherwise there is nothing to fuse).
+    Accepts when the bias needs a gradient (otherwise there is nothing to fuse) and the
+    activation keeps its saved tensor in high precision (no ``cache_quantized_input``).
     Reads: the activation's saved tensor (its input, or ReLU's output).
     Uses one Triton kernel on CUDA for tensors of 2**24 elements or more, two
     PyTorch ops elsewhere (see ``fusible.functional.activations.dact_dbias``). When the
@@ -40,6 +41,10 @@ class BackwardActivationBias(FusedOperation):
 
     @classmethod
     def accepts(cls, match, env):
+        act = match["activation"]
+        if act.cache_quantized_input:
+            return (f"{act.describe()} keeps its saved tensor in FP8; this fusion reads it in "
+                    f"high precision")
         if not env.needs[match.indices[0]].params[0]:
             return "the Bias needs no gradient: nothing to fuse with the activation's"
         return True

@@ -33,7 +33,8 @@ class ForwardLinearBiasActivation(FusedOperation):
     its output, so ReLU fuses in training too. On CUDA, GELU fuses for 16-bit
     dtypes only: cuBLASLt's epilogue is less accurate than float32 (measured
     about 6e-5 relative on an H200).
-    Refuses under an FP8 recipe (no FP8 activation epilogue) and with tensor parallelism.
+    Refuses under an FP8 recipe (no FP8 activation epilogue), with tensor parallelism and
+    with the activation's ``cache_quantized_input``.
     Saves: BasicLinear's ``LinearSaved``; ReLU's output.
     """
 
@@ -45,6 +46,9 @@ class ForwardLinearBiasActivation(FusedOperation):
     @classmethod
     def accepts(cls, match, env):
         act = match["activation"]
+        if act.cache_quantized_input:
+            return (f"{act.describe()} saves its tensor in FP8, which its own stage casts; "
+                    f"the epilogue gives only the output in high precision")
         if parallel_refusal(match["linear"]) is not True:
             return parallel_refusal(match["linear"])
         if env.recipe is not None:

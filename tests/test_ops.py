@@ -183,6 +183,19 @@ def test_situ_glu_values_gradient_and_bounds():
         ops.SiTUGLU(linear_scale="big")
 
 
+@pytest.mark.parametrize("cls", [ops.SiTUGLU, ops.ScaledSiTUGLU])
+def test_situ_glu_takes_transformer_engines_beta_names(cls):
+    """TransformerEngine's SiTUGLU(beta1=4.0, beta2=25.0): the same caps under its names."""
+    te = cls(beta1=2.0, beta2=3.0)
+    assert (te.gate_scale, te.linear_scale, te.beta1, te.beta2) == (2.0, 3.0, 2.0, 3.0)
+    assert repr(te) == repr(cls(gate_scale=2.0, linear_scale=3.0))
+    with pytest.raises(TypeError, match=f"{cls.__name__}: gate_scale and beta1 name the same "
+                                        f"cap; got both \\(1.0, 2.0\\)"):
+        cls(gate_scale=1.0, beta1=2.0)
+    with pytest.raises(ValueError, match="linear_scale must be positive"):
+        cls(beta2=-1.0)
+
+
 def test_clamped_swiglu_and_interleaved_halves_as_transformer_engine():
     """ClampedSwiGLU (GPT-OSS): the gate half clamped from above, the linear half both
     ways, ``a sigmoid(alpha a) (b + offset)``, no gradient where a clamp bites (the bounds
@@ -245,6 +258,50 @@ def test_cache_quantized_input_saves_fp8_and_computes_the_backward_from_it():
     x_q = dequantize(data, scale_inv, torch.bfloat16)
     assert torch.equal(x.grad, glu_backward("swiglu", dy, x_q))
     assert torch.equal(y, ops.Sequential(ops.SwiGLU())(x))  # the forward is untouched
+
+
+@pytest.mark.parametrize("cls", [ops.GELU, ops.ReLU, ops.SReLU, ops.QGELU, ops.SiLU])
+def test_every_pointwise_activation_caches_its_saved_tensor_in_fp8(cls, fresh_dynamo):
+    """As the gated units: what the backward reads (the input; ReLU's output) is kept as
+    its E4M3 cast and the gradient is the one at the dequantized tensor, bit for bit,
+    eager and compiled; the forward is untouched."""
+    from fusible.functional.activations import activation_backward
+    from fusible.quantization.casts.dequantize import dequantize
+    from fusible.quantization.casts.tensorwise import cast_tensorwise
+    torch.manual_seed(0)
+    x = torch.randn(6, 32, dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(6, 32, dtype=torch.bfloat16)
+    act = cls(cache_quantized_input=True)
+    assert "cache_quantized_input=True" in act.describe()
+    model = ops.Sequential(act)
+    y = model(x)
+    saved = y.grad_fn.fusible[1][0].saved
+    assert saved.tensor is None and saved.tensor_fp8.dtype == torch.float8_e4m3fn
+    assert saved.tensor_fp8.shape == x.shape and saved.scale_inv.dtype == torch.float32
+    y.backward(dy)
+    kept = y.detach() if act.saves_output else x.detach()
+    data, scale_inv = cast_tensorwise(kept, torch.float8_e4m3fn)
+    want = activation_backward(act.kind, dy, dequantize(data, scale_inv, torch.bfloat16))
+    assert torch.equal(x.grad, want)
+    assert torch.equal(y, ops.Sequential(cls())(x))
+    x2 = x.detach().clone().requires_grad_()
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    y2 = compiled(x2)
+    y2.backward(dy)
+    assert torch.equal(y2, y) and torch.equal(x2.grad, x.grad)
+
+
+def test_fusions_reading_the_saved_activation_are_refused_with_a_cached_one():
+    x = torch.randn(6, 32, requires_grad=True)
+    for act in (ops.ReLU(cache_quantized_input=True), ops.GELU(cache_quantized_input=True)):
+        plan = ops.Sequential(ops.BasicLinear(32, 32), ops.Bias(32), act).plan(x)
+        reasons = {c.fusion: c.reason for c in plan.candidates if c.status == "refused"}
+        assert "saves its tensor in FP8" in reasons.get("ForwardLinearBiasActivation",
+                                                         "saves its tensor in FP8")
+        assert "keeps its saved tensor in FP8" in reasons["BackwardActivationBias"]
+    plan = ops.Sequential(ops.BasicLinear(32, 32), ops.Bias(32),
+                          ops.ReLU(cache_quantized_input=True)).plan(x)
+    assert "ForwardLinearBiasActivation" not in [s.name for s in plan.forward]
 
 
 def _dropout_run(model, x, dy, seed):

@@ -16,23 +16,24 @@ class GELU(PointwiseActivation):
     ----------
     approximate : {"none", "tanh"}
         As ``torch.nn.GELU``.
+    cache_quantized_input : bool
+        As :class:`~fusible.ops.pointwise_activation.PointwiseActivation`.
     """
 
-    attribute_checks = {"approximate": checks.one_of("approximate", ("none", "tanh"))}
+    attribute_checks = {**PointwiseActivation.attribute_checks,
+                        "approximate": checks.one_of("approximate", ("none", "tanh"))}
 
-    def __init__(self, approximate: str = "none"):
-        super().__init__()
+    def __init__(self, approximate: str = "none", *, cache_quantized_input: bool = False):
+        super().__init__(cache_quantized_input=cache_quantized_input)
         self.approximate = approximate
 
     @property
     def kind(self) -> str:
         return "gelu_tanh" if self.approximate == "tanh" else "gelu"
 
-    def describe(self) -> str:
-        return f"GELU(approximate={self.approximate!r})"
-
     def extra_repr(self) -> str:
-        return f"approximate={self.approximate!r}"
+        cached = super().extra_repr()
+        return f"approximate={self.approximate!r}" + (f", {cached}" if cached else "")
 
     def reference(self, x, extra_inputs, params):
         return F.gelu(x, approximate=self.approximate), ()

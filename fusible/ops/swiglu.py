@@ -85,6 +85,17 @@ class ClampedSwiGLU(ClampedOptions, GatedActivation):
         return Example((cls(limit=1.5, glu_interleave_size=4),), (3, 5, 64))
 
 
+def _either(op: str, name: str, value, default, alias: str, alias_value):
+    """``value``, or its TransformerEngine alias's where that is given (``value`` then left
+    at its ``default``)."""
+    if alias_value is None:
+        return value
+    if value != default:
+        raise TypeError(f"{op}: {name} and {alias} name the same cap; got both ({value!r}, "
+                        f"{alias_value!r})")
+    return alias_value
+
+
 class SiTUOptions:
     """SiTU-GLU's caps (``gate_scale``, ``linear_scale``, ``linear_offset``), shared by
     :class:`SiTUGLU` and its scaled form; mixed in before the unit's base."""
@@ -96,10 +107,24 @@ class SiTUOptions:
                         "linear_offset": checks.real("linear_offset")}
 
     def __init__(self, *, gate_scale: float = 4.0, linear_scale: Optional[float] = 25.0,
-                 linear_offset: float = 0.0, **options):
+                 linear_offset: float = 0.0, beta1: Optional[float] = None,
+                 beta2: Optional[float] = None, **options):
         super().__init__(**options)
-        self.gate_scale, self.linear_scale = gate_scale, linear_scale
+        name = type(self).__name__
+        # TransformerEngine names the caps beta1 and beta2: either name is accepted
+        self.gate_scale = _either(name, "gate_scale", gate_scale, 4.0, "beta1", beta1)
+        self.linear_scale = _either(name, "linear_scale", linear_scale, 25.0, "beta2", beta2)
         self.linear_offset = linear_offset
+
+    @property
+    def beta1(self) -> float:
+        """TransformerEngine's name of ``gate_scale``."""
+        return self.gate_scale
+
+    @property
+    def beta2(self) -> Optional[float]:
+        """TransformerEngine's name of ``linear_scale``."""
+        return self.linear_scale
 
     def options(self) -> tuple:
         return (("gate_scale", self.gate_scale), ("linear_scale", self.linear_scale),
@@ -130,6 +155,9 @@ class SiTUGLU(SiTUOptions, GatedActivation):
         ``l``, the cap of the linear half (positive); None leaves it uncapped.
     linear_offset : float
         Added to the (capped) linear half.
+    beta1, beta2 : float, optional
+        TransformerEngine's names of ``gate_scale`` and ``linear_scale`` (give one name
+        of each cap; ``op.beta1`` and ``op.beta2`` read them too).
     glu_interleave_size, cache_quantized_input
         As :class:`~fusible.ops.glu.GatedActivation`'s.
     """
