@@ -691,6 +691,34 @@ def test_grouped_linear_on_gpu(monkeypatch):
     assert all(same_bits(a, b) for a, b in zip(step(compiled, torch.bfloat16, other), want))
 
 
+def test_grouped_linear_scaled_bias_on_gpu():
+    """scale_bias (float32 routing probabilities, bf16 layer) on the GPU: against the
+    same op on the CPU in float32, the scales' gradient too; Inductor bitwise eager."""
+    torch.manual_seed(0)
+    model = ops.Sequential(ops.GroupedLinear(4, 64, 128, bias=True, scale_bias=True))
+    ref = ops.Sequential(ops.GroupedLinear(4, 64, 128, bias=True, scale_bias=True))
+    ref.load_state_dict(model.state_dict())
+    model.to("cuda", torch.bfloat16)
+    x, dy = torch.randn(40, 64), torch.randn(40, 128)
+    probs, splits = torch.rand(40), torch.tensor([16, 0, 8, 16])
+
+    def step(m, device, dtype):
+        xx = x.to(device, dtype).requires_grad_()
+        s = probs.to(device).requires_grad_()
+        y = m(xx, splits.to(device), s)
+        y.backward(dy.to(device, dtype))
+        out = [y.detach(), xx.grad, s.grad] + [p.grad for p in m.parameters()]
+        m.zero_grad(set_to_none=True)
+        return out
+
+    got = step(model, "cuda", torch.bfloat16)
+    for a, b in zip(got, step(ref, "cpu", torch.float32)):
+        assert_close(a.cpu().float(), b, torch.bfloat16, scale=4)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True)
+    assert all(same_bits(a, b) for a, b in zip(step(compiled, "cuda", torch.bfloat16), got))
+
+
 def test_grouped_fp8_on_gpu(monkeypatch):
     """FP8 SwiGLU experts through torch._scaled_grouped_mm (an empty expert): against the
     same FP8 operands through the Triton grouped GEMMs and one torch._scaled_mm per group

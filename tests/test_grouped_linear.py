@@ -102,3 +102,65 @@ def test_under_torch_autocast_the_sizes_stay_integers():
         y = model(x, torch.tensor([3, 5]))
     assert y.dtype == torch.bfloat16
     torch.testing.assert_close(y.float(), model(x, torch.tensor([3, 5])), atol=0.05, rtol=0.02)
+
+
+def _scaled_bias_model(dtype=torch.float32):
+    return exact_parameters_(ops.Sequential(
+        ops.GroupedLinear(4, 16, 24, bias=True, scale_bias=True)).to(dtype))
+
+
+@pytest.mark.parametrize("scales_need_grad", [True, False], ids=["dscales", "no_dscales"])
+def test_scaled_bias_against_fp64(scales_need_grad, dtype):
+    """TransformerEngine's scale_bias: each token's bias row scaled by its own number (a
+    routing probability); the gradients of the bias and of the scales against FP64."""
+    model = _scaled_bias_model(dtype)
+    x = exact_tensor((12, 16), dtype).requires_grad_()
+    scales = exact_tensor((12,), dtype).requires_grad_(scales_need_grad)
+    sizes = torch.tensor([5, 0, 3, 4])
+    check_fusion(model, x, sizes, scales, forward=["GroupedLinear"],
+                 backward=["GroupedLinear"])
+
+
+def test_scaled_bias_follows_its_formula_in_bf16_with_float32_scales():
+    """y[i] = x[i] W_g^T + s[i] b_g, dbias[g] = sum_i dy[i] s[i], ds[i] = dy[i] . b_g, with
+    float32 routing probabilities scaling a bf16 layer; one rounding of the float32 sum."""
+    torch.manual_seed(0)
+    op = ops.GroupedLinear(3, 16, 8, bias=True, scale_bias=True).to(torch.bfloat16)
+    x = torch.randn(2, 5, 16, dtype=torch.bfloat16)
+    scales = torch.rand(2, 5, requires_grad=True)
+    sizes = torch.tensor([4, 0, 6])
+    y = ops.Sequential(op)(x, sizes, scales)
+    group = torch.repeat_interleave(torch.arange(3), sizes)
+    w, b = op.weight.double(), op.bias.double()
+    s64 = scales.detach().double().reshape(-1, 1)
+    x2 = x.reshape(-1, 16).double()
+    want = torch.einsum("ti,toi->to", x2, w[group]) + s64 * b[group]
+    torch.testing.assert_close(y.reshape(-1, 8).double(), want, atol=0.03, rtol=0.01)
+    dy = torch.randn_like(y)
+    y.backward(dy)
+    dy64 = dy.reshape(-1, 8).double()
+    want_db = torch.zeros(3, 8, dtype=torch.float64).index_add_(0, group, dy64 * s64)
+    torch.testing.assert_close(op.bias.grad.double(), want_db, atol=0.02, rtol=0.01)
+    assert scales.grad.dtype == torch.float32 and scales.grad.shape == (2, 5)
+    torch.testing.assert_close(scales.grad.reshape(-1).double(), (dy64 * b[group]).sum(-1),
+                               atol=1e-4, rtol=1e-4)
+
+
+def test_scaled_bias_compiled_bitwise_and_its_errors_name_the_op():
+    torch.manual_seed(0)
+    model = ops.Sequential(ops.GroupedLinear(3, 16, 32, bias=True, scale_bias=True))
+    x = torch.randn(10, 16, requires_grad=True)
+    check_compiled_matches_eager(model, x, torch.tensor([4, 0, 6]),
+                                 torch.rand(10, requires_grad=True))
+    assert "scale_bias=True" in repr(model)
+    with pytest.raises(ValueError, match=r"GroupedLinear\(num_groups=2.*scale_bias=True "
+                                         r"scales the bias, and there is none"):
+        ops.GroupedLinear(2, 8, 8, scale_bias=True)
+    with pytest.raises(TypeError, match=r"expects 2 extra input"):
+        model(x, torch.tensor([4, 0, 6]))
+    with pytest.raises(TypeError, match=r"scale_bias=True\) takes one bias scale per "
+                                        r"token: a floating tensor of shape \(10,\), got "
+                                        r"torch.float32 of shape \(10, 1\)"):
+        model(x, torch.tensor([4, 0, 6]), torch.rand(10, 1))
+    with pytest.raises(TypeError, match=r"got torch.int64 of shape \(10,\)"):
+        model(x, torch.tensor([4, 0, 6]), torch.ones(10, dtype=torch.long))

@@ -162,7 +162,7 @@ class BasicOperationSpec(FusibleSpec, StageSpec):
     # the tokens): a split of the features over a tensor-parallel group passes through
     # unchanged (planning.passes.check_gated_layouts).
     keeps_features: ClassVar[bool] = False
-    num_extra_inputs: ClassVar[int] = 0
+    num_extra_inputs: int = 0  # not a ClassVar: an instance may take more (GroupedLinear)
     num_extra_outputs: ClassVar[int] = 0
     saved_type: ClassVar[Optional[type]] = None
 

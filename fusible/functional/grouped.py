@@ -83,7 +83,37 @@ def bias_per_token(bias: Tensor, splits: Tensor, tokens: int) -> Tensor:
 def grouped_bias_grad(dy: Tensor, splits: Tensor) -> Tensor:
     """``dbias[g] = dy[group g's tokens].sum(0)`` (zeros for an empty group), summed in
     float32 for 16-bit ``dy``, without atomics (deterministic) or host synchronisation."""
-    acc = torch.float32 if dy.dtype in (torch.bfloat16, torch.float16) else dy.dtype
+    acc = _accumulation_dtype(dy)
     # unsafe: no host-side check of the lengths (check_splits checks them on the device)
     return torch.segment_reduce(dy.to(acc), "sum", lengths=splits, axis=0,
                                 unsafe=True).to(dy.dtype)
+
+
+def _accumulation_dtype(t: Tensor) -> torch.dtype:
+    return torch.float32 if t.dtype in (torch.bfloat16, torch.float16) else t.dtype
+
+
+def add_scaled_bias(y: Tensor, bias: Tensor, scales: Tensor, splits: Tensor) -> Tensor:
+    """``y[i] + scales[i] * bias[group of token i]``, computed in float32 for 16-bit
+    tensors and rounded once (a mixture of experts' routing probabilities scaling each
+    expert's bias, as TransformerEngine's ``GroupedLinear(scale_bias=True)``)."""
+    acc = _accumulation_dtype(y)
+    rows = bias_per_token(bias, splits, y.shape[0]).to(acc)
+    return (y.to(acc) + scales.reshape(-1, 1).to(acc) * rows).to(y.dtype)
+
+
+def scaled_bias_grads(dy: Tensor, bias: Tensor, scales: Tensor, splits: Tensor,
+                      need_bias: bool, need_scales: bool) -> tuple:
+    """``(dbias, dscales)`` of :func:`add_scaled_bias` (None where not needed):
+    ``dbias[g] = sum over group g's tokens of dy[i] * scales[i]`` and ``dscales[i] =
+    dy[i] . bias[group of i]``, summed in float32 for 16-bit tensors."""
+    acc = _accumulation_dtype(dy)
+    dy_acc, s_acc = dy.to(acc), scales.reshape(-1, 1).to(acc)
+    dbias = dscales = None
+    if need_bias:
+        dbias = torch.segment_reduce(dy_acc * s_acc, "sum", lengths=splits, axis=0,
+                                     unsafe=True).to(bias.dtype)
+    if need_scales:
+        rows = bias_per_token(bias, splits, dy.shape[0]).to(acc)
+        dscales = (dy_acc * rows).sum(-1).to(scales.dtype).reshape(scales.shape)
+    return dbias, dscales

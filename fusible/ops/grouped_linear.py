@@ -14,8 +14,9 @@ from fusible.core.arg_types import DTypeArg, DeviceArg
 from fusible.core import checks
 from fusible.core.example import Example
 from fusible.core.results import BackwardResult, ForwardResult
-from fusible.functional.grouped import (bias_per_token, check_splits, grouped_bias_grad,
-                                        grouped_dgrad, grouped_forward, grouped_wgrad)
+from fusible.functional.grouped import (add_scaled_bias, bias_per_token, check_splits,
+                                        grouped_bias_grad, grouped_dgrad, grouped_forward,
+                                        grouped_wgrad, scaled_bias_grads)
 from fusible.functional.grouped_fp8 import (cast_grouped_weight, check_aligned_splits,
                                             fp8_grouped_mm, fp8_grouped_wgrad)
 from fusible.functional.linear import as_fp8, handed_in, like_tokens, tokens_2d
@@ -36,7 +37,8 @@ class GroupedForwardArgs:
     """``input_format``: under FP8 the input's (tensorwise E4M3, with the transposed copy
     where wgrad needs it); None in high precision. ``keep_weight_transpose``: under FP8
     with dgrad to come, the weight's transposed FP8 copy is written by the forward's cast
-    (one read of the weight, not two) and kept for it."""
+    (one read of the weight, not two) and kept for it. ``scales``: each token's bias
+    scale (``scale_bias=True``), else None."""
 
     input: Fp8Able
     splits: Tensor
@@ -44,19 +46,23 @@ class GroupedForwardArgs:
     bias: Optional[Tensor]
     input_format: Optional[Float8Format] = None
     keep_weight_transpose: bool = False
+    scales: Optional[Tensor] = None
 
 
 @attrs.define
 class GroupedSaved:
     """GroupedLinear's saved record: the input for wgrad (under FP8 its transposed copy
     only), the weight for dgrad (None where not needed; under FP8 its transposed FP8 copy
-    and per-group scales instead, from the forward's cast), the split sizes."""
+    and per-group scales instead, from the forward's cast), the split sizes; with
+    ``scale_bias`` the bias and the tokens' bias scales (each gradient reads the other)."""
 
     input: Optional[Fp8Able]
     weight: Optional[Tensor]
     splits: Tensor
     weight_transpose: Optional[Tensor] = None
     weight_scale_inv: Optional[Tensor] = None
+    bias: Optional[Tensor] = None
+    scales: Optional[Tensor] = None
 
 
 @attrs.define
@@ -73,6 +79,10 @@ class GroupedBackwardArgs:
     grad_format: Optional[Float8Format] = None
     weight_transpose: Optional[Tensor] = None
     weight_scale_inv: Optional[Tensor] = None
+    scale_bias: bool = False
+    need_grad_scales: bool = False
+    bias: Optional[Tensor] = None
+    scales: Optional[Tensor] = None
 
 
 class GroupedLinear(BasicOperation):
@@ -103,6 +113,13 @@ class GroupedLinear(BasicOperation):
     num_groups, in_features, out_features : int
     bias : bool
         One bias row per group.
+    scale_bias : bool
+        Scale each token's bias row by a number of its own (a mixture of experts' routing
+        probability, as TransformerEngine's ``GroupedLinear(scale_bias=True)``):
+        ``y[i] = x[i] @ weight[g].T + scales[i] * bias[g]``, called ``model(x, splits,
+        scales)`` with ``scales`` of shape ``x.shape[:-1]`` (any floating dtype, on
+        ``x``'s device; it may require grad: ``dscales[i] = dy[i] . bias[g]``). Computed
+        in float32 for 16-bit tensors, rounded once. Needs ``bias=True``.
     device, dtype
         Where and in which dtype to create the parameters.
 
@@ -125,8 +142,15 @@ class GroupedLinear(BasicOperation):
     saved_type = GroupedSaved
 
     def __init__(self, num_groups: int, in_features: int, out_features: int, *,
-                 bias: bool = False, device: DeviceArg = None, dtype: DTypeArg = None):
+                 bias: bool = False, scale_bias: bool = False, device: DeviceArg = None,
+                 dtype: DTypeArg = None):
         super().__init__()
+        if scale_bias and not bias:
+            raise ValueError(f"GroupedLinear(num_groups={num_groups}, in_features="
+                             f"{in_features}, out_features={out_features}): scale_bias=True "
+                             f"scales the bias, and there is none (bias=False)")
+        self.scale_bias = bool(scale_bias)
+        self.num_extra_inputs = 2 if scale_bias else 1  # the split sizes (and the scales)
         self.num_groups, self.in_features, self.out_features = (num_groups, in_features,
                                                                 out_features)
         self.weight = nn.Parameter(torch.empty(num_groups, out_features, in_features,
@@ -147,11 +171,12 @@ class GroupedLinear(BasicOperation):
 
     def describe(self) -> str:
         bias = ", bias=True" if getattr(self, "bias", None) is not None else ""
+        bias += ", scale_bias=True" if getattr(self, "scale_bias", False) else ""
         return (f"GroupedLinear(num_groups={self.num_groups}, in_features={self.in_features}, "
                 f"out_features={self.out_features}{bias})")
 
     def validate(self, shape, dtype, device, extra_inputs=()):
-        (splits,) = extra_inputs
+        splits = extra_inputs[0]
         if not (isinstance(splits, torch.Tensor) and splits.dim() == 1
                 and len(splits) == self.num_groups
                 and splits.dtype in (torch.int32, torch.int64)):
@@ -165,10 +190,23 @@ class GroupedLinear(BasicOperation):
         if not shape or shape[-1] != self.in_features:
             raise ValueError(f"{self.describe()} got input of shape {tuple(shape)}; its last "
                              f"dimension must be {self.in_features}")
+        if self.scale_bias:
+            self._check_bias_scales(extra_inputs[1], tuple(shape[:-1]), device)
         for name in self.param_names:
             self._check_param(name, self.param(name), dtype, device,
                               tuple(getattr(self, name).shape))
         return (*shape[:-1], self.out_features)
+
+    def _check_bias_scales(self, scales, tokens_shape: tuple, device) -> None:
+        if not (isinstance(scales, torch.Tensor) and scales.is_floating_point()
+                and tuple(scales.shape) == tokens_shape):
+            got = (f"{scales.dtype} of shape {tuple(scales.shape)}"
+                   if isinstance(scales, torch.Tensor) else type(scales).__name__)
+            raise TypeError(f"{self.describe()} takes one bias scale per token: a floating "
+                            f"tensor of shape {tokens_shape}, got {got}")
+        if scales.device != device:
+            raise ValueError(f"{self.describe()}: the bias scales are on {scales.device}, "
+                             f"the input on {device}")
 
     def validate_fp8(self, shape, recipe) -> None:
         """FP8 GEMMs need the feature sizes divisible by 16 (the token counts are checked
@@ -191,7 +229,8 @@ class GroupedLinear(BasicOperation):
         fmt = _tokens_format(ctxs[0].recipe, ctxs[0].needs)
         return GroupedForwardArgs(input, extra_inputs[0], params[0],
                                   params[1] if len(params) > 1 else None, fmt,
-                                  fmt is not None and ctxs[0].needs.input)
+                                  fmt is not None and ctxs[0].needs.input,
+                                  extra_inputs[1] if self.scale_bias else None)
 
     @classmethod
     def forward_compute(cls, args, *, in_custom_op=False):
@@ -202,7 +241,9 @@ class GroupedLinear(BasicOperation):
             y = grouped_forward(x2, args.weight, args.splits)
         else:
             y, aux = _fp8_forward(args)
-        if args.bias is not None:
+        if args.scales is not None:
+            y = add_scaled_bias(y, args.bias, args.scales, args.splits)
+        elif args.bias is not None:
             y = y + bias_per_token(args.bias, args.splits, x2.shape[0])
         return ForwardResult(like_tokens(y, args.input), (), aux)
 
@@ -231,12 +272,15 @@ class GroupedLinear(BasicOperation):
             return
         x = args.input if needs.params[0] else None
         if args.input_format is None:
-            ctxs[0].saved = GroupedSaved(x, args.weight if needs.input else None, args.splits)
-            return
-        input_aux, weight_aux = _split_aux(args, result.aux)
-        if needs.params[0]:
-            x = _saved_fp8_input(args, input_aux)
-        ctxs[0].saved = GroupedSaved(x, None, args.splits, *weight_aux)
+            saved = GroupedSaved(x, args.weight if needs.input else None, args.splits)
+        else:
+            input_aux, weight_aux = _split_aux(args, result.aux)
+            if needs.params[0]:
+                x = _saved_fp8_input(args, input_aux)
+            saved = GroupedSaved(x, None, args.splits, *weight_aux)
+        if args.scales is not None:
+            saved.bias, saved.scales = args.bias, args.scales
+        ctxs[0].saved = saved
 
     def backward_args(self, grad_output, grad_extra_outputs, ctxs):
         needs, saved, recipe = ctxs[0].needs, ctxs[0].saved, ctxs[0].recipe
@@ -245,7 +289,9 @@ class GroupedLinear(BasicOperation):
                                    needs.input, needs.params[0],
                                    len(needs.params) > 1 and needs.params[1], self.num_groups,
                                    len(needs.params) > 1, fmt, saved.weight_transpose,
-                                   saved.weight_scale_inv)
+                                   saved.weight_scale_inv, self.scale_bias,
+                                   self.scale_bias and needs.extra_inputs[1], saved.bias,
+                                   saved.scales)
 
     @classmethod
     def backward_compute(cls, args, *, in_custom_op=False):
@@ -258,9 +304,14 @@ class GroupedLinear(BasicOperation):
                 dx = like_tokens(grouped_dgrad(dy, args.weight, args.splits), args.grad_output)
             if args.need_grad_weight:
                 dw = grouped_wgrad(dy, tokens_2d(args.input), args.splits, args.num_groups)
-        db = grouped_bias_grad(tokens_2d(args.grad_output), args.splits) \
-            if args.need_grad_bias else None
-        return BackwardResult(dx, (dw, db) if args.has_bias else (dw,), (None,))
+        dy2, ds = tokens_2d(args.grad_output), None
+        if args.scale_bias:
+            db, ds = scaled_bias_grads(dy2, args.bias, args.scales, args.splits,
+                                       args.need_grad_bias, args.need_grad_scales)
+        else:
+            db = grouped_bias_grad(dy2, args.splits) if args.need_grad_bias else None
+        return BackwardResult(dx, (dw, db) if args.has_bias else (dw,),
+                              (None, ds) if args.scale_bias else (None,))
 
     @classmethod
     def backward_fake(cls, args, *, in_custom_op=False):
@@ -279,15 +330,22 @@ class GroupedLinear(BasicOperation):
         k = args.input.shape[-1] if args.need_grad_weight else 0
         dw = empty(g, n, k) if args.need_grad_weight else None
         db = empty(g, n) if args.need_grad_bias else None
-        return BackwardResult(dx, (dw, db) if args.has_bias else (dw,), (None,))
+        ds = torch.empty_like(args.scales) if args.need_grad_scales else None
+        return BackwardResult(dx, (dw, db) if args.has_bias else (dw,),
+                              (None, ds) if args.scale_bias else (None,))
 
     def reference(self, x, extra_inputs, params):
         sizes = extra_inputs[0].tolist()
         x2 = x.reshape(-1, x.shape[-1])
+        scales = extra_inputs[1].reshape(-1, 1).to(x.dtype) if self.scale_bias else None
         rows, start = [], 0
         for g, size in enumerate(sizes):
             y = x2[start:start + size] @ params[0][g].t()
-            rows.append(y + params[1][g] if len(params) > 1 else y)
+            if scales is not None:
+                y = y + scales[start:start + size] * params[1][g]
+            elif len(params) > 1:
+                y = y + params[1][g]
+            rows.append(y)
             start += size
         return torch.cat(rows).reshape(*x.shape[:-1], self.out_features), ()
 
@@ -328,8 +386,9 @@ class GroupedLinear(BasicOperation):
         return out
 
     def extra_repr(self) -> str:
+        scaled = ", scale_bias=True" if self.scale_bias else ""
         return (f"num_groups={self.num_groups}, in_features={self.in_features}, "
-                f"out_features={self.out_features}, bias={self.bias is not None}")
+                f"out_features={self.out_features}, bias={self.bias is not None}{scaled}")
 
 
 def _tokens_format(recipe, needs) -> Optional[Float8Format]:
