@@ -1128,3 +1128,70 @@ def test_split_backward_on_gpu_bit_for_bit(fp8, backend, fresh_dynamo):
 
     for a, b in zip(grads(False), grads(True)):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("routing", [{}, {"align": 16}, {"capacity_factor": 1.25}])
+def test_moe_batch_without_tokens_on_gpu(routing):
+    """A micro-batch with no token through the Triton routing kernels and bf16 grouped
+    GEMMs: empty outputs and gradients, zero expert gradients, no error."""
+    from fusible import moe
+    x = torch.randn(0, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    experts, weights = moe.route_top_k(torch.randn(0, 4, device="cuda"), 2)
+    rows, plan = moe.permute_tokens(x, experts, 4, **routing)
+    layer = ops.Sequential(ops.GroupedLinear(4, 64, 64)).to("cuda", torch.bfloat16)
+    y = moe.unpermute_tokens(layer(rows, plan.splits), plan, weights)
+    y.float().sum().backward()
+    assert y.shape == (0, 64) and x.grad.shape == (0, 64)
+    assert layer[0].weight.grad is not None and not layer[0].weight.grad.any()
+
+
+@pytest.mark.parametrize("cls", [ops.GELU, ops.ReLU, ops.SReLU, ops.QGELU, ops.SiLU])
+def test_cached_fp8_activation_input_on_gpu(cls):
+    """cache_quantized_input on the GPU: the saved E4M3 tensor and the gradient at its
+    dequantized values as on the CPU (close: other kernels), Inductor bitwise eager."""
+    torch.manual_seed(0)
+    x = torch.randn(64, 256, dtype=torch.bfloat16)
+    dy = torch.randn(64, 256, dtype=torch.bfloat16)
+
+    def step(model, device):
+        xx = x.to(device).requires_grad_()
+        y = model(xx)
+        y.backward(dy.to(device))
+        return [y.detach(), xx.grad]
+
+    model = ops.Sequential(cls(cache_quantized_input=True))
+    want = step(model, "cpu")
+    got = step(model, "cuda")
+    for a, b in zip(got, want):
+        assert_close(a.cpu(), b, torch.bfloat16, scale=2)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True)
+    assert all(same_bits(a, b) for a, b in zip(step(compiled, "cuda"), got))
+
+
+def test_checkpoint_context_on_gpu():
+    """Two checkpointed forwards in flight under delayed scaling on the GPU (Triton casts
+    recording amaxes): with fusible.checkpoint_context each recomputation repeats its own
+    forward, the backwards in a 1F1B order: the bits and states of no checkpointing."""
+    import copy
+    from torch.utils.checkpoint import checkpoint
+    torch.manual_seed(0)
+    model = ops.Sequential(ops.Linear(64, 128), ops.GELU(), ops.Linear(128, 64))
+    model.to("cuda", torch.bfloat16)
+    twin = copy.deepcopy(model)
+    recipe = fusible.DelayedScaling(amax_history_len=4)
+    inputs = [torch.randn(32, 64) * 8.0 ** k for k in range(2)]
+
+    def run(m, fn):
+        outs = []
+        for x in inputs:
+            with fusible.autocast(recipe=recipe):
+                outs.append(fn(x.to("cuda", torch.bfloat16).requires_grad_()))
+        for out in outs:
+            out.float().square().sum().backward()
+        return [p.grad for p in m.parameters()] + [b.clone() for b in m.buffers()]
+
+    want = run(model, model)
+    got = run(twin, lambda t: checkpoint(twin, t, use_reentrant=False,
+                                         context_fn=fusible.checkpoint_context))
+    assert len(want) == len(got) and all(same_bits(a, b) for a, b in zip(want, got))
