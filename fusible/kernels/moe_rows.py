@@ -27,7 +27,8 @@ def _gather_rows_kernel(src_ptr, row_copy_ptr, scale_ptr, other_ptr, out_ptr, do
     src_cols = tl.where(valid, H, 0)  # a zero row: no column read
     scale = 1.0
     if HAS_SCALE:
-        scale = tl.load(scale_ptr + c_or_0).to(tl.float32)
+        # masked: a padding row has no copy, and without tokens there is no scale at all
+        scale = tl.load(scale_ptr + c_or_0, mask=valid, other=0.0).to(tl.float32)
     dots = tl.zeros((BLOCK,), dtype=tl.float32)
     for start in range(0, H, BLOCK):
         cols = start + tl.arange(0, BLOCK)
