@@ -703,8 +703,8 @@ def test_grouped_linear_scaled_bias_on_gpu():
     probs, splits = torch.rand(40), torch.tensor([16, 0, 8, 16])
 
     def step(m, device, dtype):
-        xx = x.to(device, dtype).requires_grad_()
-        s = probs.to(device).requires_grad_()
+        xx = x.to(device, dtype, copy=True).requires_grad_()
+        s = probs.to(device, copy=True).requires_grad_()
         y = m(xx, splits.to(device), s)
         y.backward(dy.to(device, dtype))
         out = [y.detach(), xx.grad, s.grad] + [p.grad for p in m.parameters()]
@@ -1160,7 +1160,7 @@ def test_cached_fp8_activation_input_on_gpu(cls):
     dy = torch.randn(64, 256, dtype=torch.bfloat16)
 
     def step(model, device):
-        xx = x.to(device).requires_grad_()
+        xx = x.to(device, copy=True).requires_grad_()
         y = model(xx)
         y.backward(dy.to(device))
         return [y.detach(), xx.grad]
