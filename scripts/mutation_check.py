@@ -525,6 +525,13 @@ def related_tests(path: str) -> tuple:
     return tuple(str(f.relative_to(ROOT)) for f in hits)
 
 
+def registry_tests_first() -> tuple:
+    """The whole suite, the registry-driven matrix first (it runs every op, fusion and
+    recipe: most mutations a module's own tests miss fail there)."""
+    rest = sorted(str(f.relative_to(ROOT)) for f in (ROOT / "tests").glob("test_*.py"))
+    return ("tests/test_matrix.py", *(f for f in rest if f != "tests/test_matrix.py"))
+
+
 def _check_fusions_are_here() -> None:
     """The built-in fusions load as ``fusible.fusions``, which an editable install maps to
     its own checkout's fusions/: run elsewhere (a clone using another checkout's venv),
@@ -558,7 +565,8 @@ def run(mutations, timeout: int, related_first: bool = False) -> int:
             if related:
                 caught, seconds, where = _run_tests(timeout, related)
             if not caught:
-                caught, more, where = _run_tests(timeout)
+                caught, more, where = _run_tests(
+                    timeout, registry_tests_first() if related_first else ("tests",))
                 seconds += more
         finally:
             path.write_text(text)
