@@ -7,6 +7,7 @@ survives is a hole in the tests. Run on demand (it takes a while), not in CI:
     bash scripts/mutation_check.sh                 # the curated set
     bash scripts/mutation_check.sh --only e4m3_max # one mutation
     bash scripts/mutation_check.sh --set fresh     # the set not used to write the tests
+    bash scripts/mutation_check.sh --set audit40   # issue 40's work, audited the same way
     bash scripts/mutation_check.sh --related-first # the tests naming the mutated module
                                                    # first, the whole suite for survivors
 
@@ -492,7 +493,183 @@ FRESH = [
        "GLU's gradient computes 1 - sigmoid(a), which cancels in float32 for large a"),
 ]
 
-SETS = {"curated": CURATED, "fresh": FRESH}
+# Issue 40's work (the last two work items), audited: convert's modes, hooks and
+# checkpoints, plan_model's restores, checkpoint_context, the execution features, delayed
+# scaling's saturation, GroupedLinear's scaled bias, MoE edge cases, the CLI. Picked from
+# the library's source and the commits, without reading tests/.
+AUDIT_40 = [
+    # fusible/models: convert, the merged gated MLPs, their checkpoints, residual adds
+    _m("convert_leaf_takes_default_mode", "fusible/models/conversion.py",
+       "return None if new is None else keep_hooks(module, new.train(module.training))",
+       "return None if new is None else keep_hooks(module, new)",
+       "a converted leaf is in train mode whatever the module it replaces (an eval model's "
+       "Dropout drops again)"),
+    _m("convert_drops_backward_hooks", "fusible/models/conversion.py",
+       '"_forward_pre_hooks_with_kwargs", "_backward_hooks",',
+       '"_forward_pre_hooks_with_kwargs",',
+       "convert carries forward hooks but not the replaced module's (full) backward hooks: "
+       "they silently never run"),
+    _m("convert_overwrites_own_state_hooks", "fusible/models/conversion.py",
+       "        if name in _STATE_HOOKS and own:\n",
+       "        if name in _CALL_HOOKS and own:\n",
+       "keep_hooks replaces the replacement's own state-dict hooks with the original's: a "
+       "merged gated MLP saves gate_up.weight, not gate_proj/up_proj"),
+    _m("convert_reparametrized_layers", "fusible/models/conversion.py",
+       "new = None if make is None or _reparametrization(module) else make(module)",
+       "new = None if make is None else make(module)",
+       "convert no longer leaves spectral_norm / weight_norm / parametrized layers alone"),
+    _m("gated_merge_halves_swapped", "fusible/models/gated_mlps.py",
+       "torch.cat([gate.weight.detach(), up.weight.detach()])",
+       "torch.cat([up.weight.detach(), gate.weight.detach()])",
+       "the merged gate_up weight stacks up before gate: SwiGLU gates the up projection"),
+    _m("gated_refusal_hook_never_installed", "fusible/models/gated_mlps.py",
+       "    if not _HOOK:\n        _HOOK.append(",
+       "    if _HOOK:\n        _HOOK.append(",
+       "the optimizer-step guard is never registered: an optimizer holding a replaced "
+       "gate/up weight steps silently"),
+    _m("partial_checkpoint_loads_nothing", "fusible/models/checkpoint_names.py",
+       "        if not any(present):\n",
+       "        if not all(present):\n",
+       "a checkpoint holding only one of gate/up (strict=False) loads none of the merged rows"),
+    _m("missing_projection_not_reported", "fusible/models/checkpoint_names.py",
+       "                missing_keys.append(name)\n",
+       "                pass\n",
+       "a projection missing from a checkpoint is not reported (strict=True loads it silently "
+       "with stale rows)"),
+    _m("hooked_linear_made_residual_linear", "fusible/models/residual_adds.py",
+       "    if type(child) is Linear and not _has_call_hooks(child):\n",
+       "    if type(child) is Linear:\n",
+       "a Linear with hooks becomes a ResidualLinear: its hooks see (y, residual) and the "
+       "sum, not the layer's own arguments and output"),
+    # fusible/models/model_plan.py: planning does not train, every computing module shown
+    _m("plan_model_buffers_not_restored", "fusible/models/model_plan.py",
+       "                    b.copy_(before[name])\n",
+       "                    pass\n",
+       "plan_model leaves BatchNorm's running statistics (and amax histories) updated by its "
+       "run"),
+    _m("plan_model_rng_not_restored", "fusible/models/model_plan.py",
+       "        torch.random.set_rng_state(rng)\n",
+       "        pass\n",
+       "plan_model consumes the CPU random generator (dropout's draws): later results differ"),
+    _m("plan_model_nested_fp8_states_kept", "fusible/models/model_plan.py",
+       'elif name.rsplit(".", 1)[-1].startswith("fp8_state_"):',
+       'elif name.startswith("fp8_state_"):',
+       "FP8 states a first plan made below the root keep the plan run's recorded amax, not "
+       "zeros"),
+    _m("plan_model_records_leaves_only", "fusible/models/model_plan.py",
+       "        if m is not model:\n            found.append(m)\n",
+       "        if m is not model and not list(m.children()):\n            found.append(m)\n",
+       "only leaf modules are recorded: nn.MultiheadAttention (computing with out_proj's "
+       "weight without calling it) disappears from the plan"),
+    # activation checkpointing: each recomputation repeats its own forward
+    _m("checkpoint_context_regions_apart", "fusible/runtime/recompute.py",
+       '_entered("forward_region", region), _entered("recompute_region", region)',
+       '_entered("forward_region", region), _entered("recompute_region", {})',
+       "checkpoint_context's recomputation looks in a dict its forward never filled: it "
+       "repeats the latest forward's recipe and scales"),
+    _m("two_forwards_in_flight_not_ambiguous", "fusible/runtime/recompute.py",
+       "if len(flight) > 1 and not all(flight[0].same_as(s) for s in flight[1:]):",
+       "if len(flight) > 2 and not all(flight[0].same_as(s) for s in flight[1:]):",
+       "two checkpointed forwards in flight under different recipes are not refused: the "
+       "second recomputation repeats the first forward"),
+    _m("recompute_grad_states_from_snapshot", "fusible/runtime/features/scaling_states.py",
+       'return [t.clone() if role != "grad" else own\n',
+       "return [t.clone()\n",
+       "a recomputation casts gradients with a copy of the snapshot: a reentrant "
+       "checkpoint's backward never advances the ops' gradient histories"),
+    # execution features
+    _m("in_place_leaf_check_never_fires", "fusible/runtime/executor.py",
+       "outputs, tensors, extra_inputs, saves=save)",
+       "outputs, tensors, extra_inputs)",
+       "the forward's Call never says it saves: AddExtraInput(in_place=True) writes into a "
+       "leaf requiring grad, autograd's error instead of the op's"),
+    _m("split_wgrad_not_all_reduced", "fusible/planning/features/split_backward.py",
+       "reduction.of(st.lo) if reduction is not None else ()))",
+       "()))",
+       "a deferred wgrad of a sequence-parallel parameter is not summed over its group"),
+    _m("agreement_compares_class_names", "fusible/planning/features/parallel_agreement.py",
+       'entries.append((f"op [{prep.start + i}] of the group", op.describe()))',
+       'entries.append((f"op [{prep.start + i}] of the group", type(op).__name__))',
+       "ranks compare their ops' class names only: column on one rank and row on the other "
+       "(or other sizes) run with mixed-up collectives"),
+    _m("ownerless_wgrads_never_taken", "fusible/runtime/deferred.py",
+       "    return owner is None or owner == thread\n",
+       "    return owner == thread\n",
+       "compiled dgrads' wgrads (queued without an owner) belong to no thread: never taken, "
+       "never run"),
+    _m("pending_lists_every_thread", "fusible/runtime/wgrad.py",
+       "for target in _pending_targets(threading.get_ident())]",
+       "for target in _pending_targets()]",
+       "a thread's forward is refused for another thread's deferred wgrads"),
+    # delayed scaling: non-finite values stay non-finite; RecomputeNormLinear's refusal
+    _m("saturate_inf_to_max", "fusible/quantization/casts/common.py",
+       'torch.where(v.isinf(), torch.full_like(v, float("nan")), v.clamp(-limit, limit))',
+       'torch.where(v.isnan(), torch.full_like(v, float("nan")), v.clamp(-limit, limit))',
+       "the PyTorch casts saturate an inf to +-448 under delayed scaling: an overflow "
+       "becomes finite and a skip-step guard never fires"),
+    _m("kernel_saturate_inf_to_max", "fusible/kernels/fp8_cast.py",
+       '    return tl.where(tl.abs(v) == float("inf"), float("nan"), clamped)\n',
+       "    return clamped\n",
+       "the Triton casts saturate an inf to the largest finite value"),
+    _m("recompute_norm_linear_under_delayed", "fusions/recompute_norm_linear.py",
+       "if fmt is not None and (not fmt.per_tensor or fmt.stateful):",
+       "if fmt is not None and not fmt.per_tensor:",
+       "RecomputeNormLinear is taken under delayed scaling: its recomputation casts from an "
+       "advanced history"),
+    # GroupedLinear(scale_bias=True)
+    _m("scaled_bias_dbias_unscaled", "fusible/functional/grouped.py",
+       'dbias = torch.segment_reduce(dy_acc * s_acc, "sum"',
+       'dbias = torch.segment_reduce(dy_acc, "sum"',
+       "the scaled bias's gradient sums dy, not dy * scale"),
+    _m("scaled_bias_rounded_twice", "fusible/functional/grouped.py",
+       "return (y.to(acc) + scales.reshape(-1, 1).to(acc) * rows).to(y.dtype)",
+       "return y + (scales.reshape(-1, 1).to(acc) * rows).to(y.dtype)",
+       "the scaled bias is rounded to bf16 before the add: two roundings, not one"),
+    _m("scale_bias_grad_mask_wrong_slot", "fusible/ops/grouped_linear.py",
+       "self.scale_bias and needs.extra_inputs[1], saved.bias,",
+       "self.scale_bias and needs.extra_inputs[0], saved.bias,",
+       "the scales' gradient follows the split sizes' mask (never needed): scales get no "
+       "gradient"),
+    # MoE routing
+    _m("moe_capacity_rounded_down", "fusible/moe.py",
+       "_round_up(math.ceil(capacity_factor * tokens * k / num_experts), align)",
+       "_round_up(int(capacity_factor * tokens * k / num_experts), align)",
+       "a fractional capacity share is rounded down: copies within the capacity dropped"),
+    _m("moe_infinite_capacity_overflows", "fusible/moe.py",
+       "            if not (capacity_factor > 0 and math.isfinite(capacity_factor)):\n",
+       "            if not capacity_factor > 0:\n",
+       "capacity_factor=inf passes the check and fails in math.ceil with an OverflowError"),
+    _m("gather_rows_no_token_check_on_rows", "fusible/functional/moe_rows.py",
+       "    if src.shape[0] == 0:  # no token",
+       "    if row_copy.shape[0] == 0:  # no token",
+       "a batch without tokens under align (padding rows only) indexes an empty tensor"),
+    # activations
+    _m("cached_activation_in_e5m2", "fusible/ops/pointwise_activation.py",
+       "cast_tensorwise(kept, torch.float8_e4m3fn, False)",
+       "cast_tensorwise(kept, torch.float8_e5m2, False)",
+       "cache_quantized_input keeps the saved tensor in E5M2 (the gradients' format), not "
+       "E4M3"),
+    _m("situ_beta2_reads_beta1", "fusible/ops/swiglu.py",
+       '"linear_scale", linear_scale, 25.0, "beta2", beta2)',
+       '"linear_scale", linear_scale, 25.0, "beta2", beta1)',
+       "SiTUGLU(beta1=..., beta2=...) caps the linear half with beta1"),
+    # the command line, group checks, global hooks
+    _m("cli_factory_kwargs_dropped", "fusible/cli.py",
+       "model = load_factory(args.factory)(*factory_args, **factory_kwargs)",
+       "model = load_factory(args.factory)(*factory_args)",
+       "fusible plan --factory-args 'hidden=64' calls the factory without its keywords"),
+    _m("group_type_accepts_names", "fusible/functional/parallel.py",
+       "        if not isinstance(group, dist.ProcessGroup):\n",
+       "        if not isinstance(group, (dist.ProcessGroup, str)):\n",
+       "a group given as a string passes construction and fails at first use"),
+    _m("global_hooks_flatten_linear", "fusible/module.py",
+       "        if not root and (global_hooks or has_hooks(module)):\n",
+       "        if not root and has_hooks(module):\n",
+       "under global module hooks a Linear is flattened: the hooks see BasicLinear and Bias, "
+       "never the Linear"),
+]
+
+SETS = {"curated": CURATED, "fresh": FRESH, "audit40": AUDIT_40}
 
 
 def _run_tests(timeout: int, tests: tuple = ("tests",)) -> tuple:
