@@ -29,6 +29,15 @@ def positive_int(name: str) -> Check:
     return check
 
 
+def integer(name: str) -> Check:
+    """An ``int`` (not a bool), of any sign."""
+    def check(op: str, value):
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            raise TypeError(f"{op}: {name} must be an int, got {_describe(value)}")
+        return int(value)
+    return check
+
+
 def optional(check: Check) -> Check:
     """``check``, or None."""
     def check_or_none(op: str, value):

@@ -11,6 +11,7 @@ from fusible.ops.all_reduce import AllReduce
 from fusible.ops.basic_linear import BasicLinear
 from fusible.ops.bias import Bias
 from fusible.ops.constant_scale import ConstantScale
+from fusible.ops.cross_entropy import CrossEntropy
 from fusible.ops.dropout import Dropout
 from fusible.ops.gelu import GELU
 from fusible.ops.glu import GEGLU, GLU, QGEGLU, ReGLU, SReGLU
@@ -20,6 +21,7 @@ from fusible.ops.identity import Identity
 from fusible.ops.l2_normalization import L2Normalization
 from fusible.ops.layer_norm import LayerNorm
 from fusible.ops.linear import Linear
+from fusible.ops.linear_cross_entropy import LinearCrossEntropy
 from fusible.ops.make_extra_output import MakeExtraOutput
 from fusible.ops.qgelu import QGELU
 from fusible.ops.quantize import Quantize
@@ -35,9 +37,10 @@ from fusible.ops.swiglu import ClampedSwiGLU, SiTUGLU, SwiGLU
 
 __all__ = [
     "AddExtraInput", "AllGather", "AllReduce", "AllToAll", "AllToAllEqual", "BackwardResult",
-    "BasicLinear", "BasicOperation", "Bias", "ClampedSwiGLU", "ConstantScale", "Dropout",
+    "BasicLinear", "BasicOperation", "Bias", "ClampedSwiGLU", "ConstantScale", "CrossEntropy",
+    "Dropout",
     "ForwardResult", "FusedOperation", "FusibleOperation", "GEGLU", "GELU", "GLU", "GroupedLinear",
-    "Identity", "L2Normalization", "LayerNorm", "Linear", "MakeExtraOutput", "OperationContext",
+    "Identity", "L2Normalization", "LayerNorm", "Linear", "LinearCrossEntropy", "MakeExtraOutput", "OperationContext",
     "PermuteRows", "QGEGLU", "QGELU", "Quantize", "RMSNorm", "ReGLU", "ReLU", "ReduceScatter",
     "Reshape", "SReGLU", "SReLU", "ScaledClampedSwiGLU", "ScaledGEGLU", "ScaledGLU",
     "ScaledQGEGLU", "ScaledReGLU", "ScaledSReGLU", "ScaledSiTUGLU", "ScaledSwiGLU", "Sequential",

@@ -1,0 +1,260 @@
+"""Cross-entropy over a vocabulary, chunked over the tokens: the logits of a chunk are made
+(by the LM head's GEMM, or read from the given logits), reduced to each token's loss and
+log-sum-exp, and, where gradients are wanted, turned into the chunk's logit gradient at once,
+so that no tensor of all the tokens' logits in float32 ever exists.
+
+Per token with logits ``z`` (float32), label ``y``, vocabulary ``V``, label smoothing ``e``
+and z-loss weight ``l`` (PaLM's ``l * lse**2``, which keeps the log-partition near 0)::
+
+    lse  = logsumexp(z)
+    loss = (1 - e) * (lse - z[y]) + e * (lse - mean(z)) + l * lse**2
+    dloss/dz = softmax(z) * (1 + 2 l lse) - (1 - e) * onehot(y) - e / V
+
+which is ``F.cross_entropy(z, y, label_smoothing=e)`` plus the z-loss. Tokens whose label
+is ``ignore_index`` count for nothing (loss and gradient 0); ``reduction="mean"`` divides
+by the number of the others (NaN when there is none, as ``F.cross_entropy``).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import attrs
+import torch
+
+Tensor = torch.Tensor
+
+# What fusions may import (the rest serves fusible.ops.CrossEntropy)
+__all__ = ["LossOptions", "linear_cross_entropy_backward", "linear_cross_entropy_forward"]
+
+# Elements of one chunk's float32 logits (512 MiB): the default chunk of tokens is this
+# over the vocabulary size; a chunk's logits, their softmax and its gradient are the
+# transient memory.
+_CHUNK_ELEMENTS = 2 ** 27
+REDUCTIONS = ("mean", "sum", "none")
+
+
+@attrs.frozen
+class LossOptions:
+    """The cross-entropy's options (the formulas: the module notes).
+
+    Attributes
+    ----------
+    ignore_index : int
+        Tokens with this label count for nothing.
+    reduction : {"mean", "sum", "none"}
+    label_smoothing : float
+        ``e`` in [0, 1].
+    z_loss : float
+        ``l`` >= 0.
+    """
+
+    ignore_index: int = -100
+    reduction: str = "mean"
+    label_smoothing: float = 0.0
+    z_loss: float = 0.0
+
+
+def check_options(where: str, options: LossOptions) -> None:
+    """Raise ValueError naming ``where`` for an option outside its domain (the types and
+    lower bounds are the op's attribute checks)."""
+    if options.label_smoothing > 1.0:
+        raise ValueError(f"{where}: label_smoothing must be in [0, 1], got "
+                         f"{options.label_smoothing}")
+
+
+def default_chunk(vocab: int) -> int:
+    """Tokens per chunk when none is given: float32 logits of at most 512 MiB."""
+    return max(1, _CHUNK_ELEMENTS // vocab)
+
+
+def chunks(tokens: int, chunk: int) -> list:
+    """``(start, stop)`` of each chunk of the tokens."""
+    return [(lo, min(lo + chunk, tokens)) for lo in range(0, tokens, chunk)]
+
+
+def loss_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The loss's dtype: float32 for 16-bit logits (the losses are summed in float32, as
+    Hugging Face's models upcast the logits), else the logits' own."""
+    return torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
+
+
+def check_labels(labels: Tensor, vocab: int, options: LossOptions, where: str) -> None:
+    """Asynchronously (on the device) that every label is a class or ``ignore_index``."""
+    in_range = (labels >= 0) & (labels < vocab)
+    torch._assert_async((in_range | (labels == options.ignore_index)).all(),
+                        f"{where}: every label must be in [0, {vocab}) or ignore_index "
+                        f"({options.ignore_index})")
+
+
+def counted(labels: Tensor, options: LossOptions, dtype: torch.dtype) -> Tensor:
+    """Each token's weight in the sum: 1 where its label counts, else 0."""
+    return (labels != options.ignore_index).to(dtype)
+
+
+def chunk_losses(z: Tensor, labels: Tensor, options: LossOptions) -> tuple:
+    """``(loss, lse)`` per token of a chunk: ``z`` (tokens, V) in float32 or float64."""
+    valid = labels != options.ignore_index
+    lse = torch.logsumexp(z, -1)
+    picked = z.gather(-1, torch.where(valid, labels, 0).unsqueeze(-1)).squeeze(-1)
+    e = options.label_smoothing
+    loss = (1.0 - e) * (lse - picked)
+    if e:
+        loss = loss + e * (lse - z.mean(-1))
+    if options.z_loss:
+        loss = loss + options.z_loss * lse.square()
+    return torch.where(valid, loss, 0.0), lse
+
+
+def chunk_logits_grad(z: Tensor, lse: Tensor, labels: Tensor, options: LossOptions,
+                      row_scale: Tensor) -> Tensor:
+    """The gradient of ``sum(row_scale * loss)`` at the chunk's logits ``z`` (float32 or
+    float64), from the ``lse`` :func:`chunk_losses` gave."""
+    valid = labels != options.ignore_index
+    grad = torch.exp(z - lse.unsqueeze(-1))
+    if options.z_loss:
+        grad = grad * (1.0 + 2.0 * options.z_loss * lse).unsqueeze(-1)
+    e = options.label_smoothing
+    if e:
+        grad = grad - e / z.shape[-1]
+    picked = torch.full_like(lse, -(1.0 - e)).unsqueeze(-1)
+    grad = grad.scatter_add(-1, torch.where(valid, labels, 0).unsqueeze(-1), picked)
+    return grad * torch.where(valid, row_scale.to(z.dtype), 0.0).unsqueeze(-1)
+
+
+def reduce_losses(losses: Tensor, labels: Tensor, options: LossOptions) -> Tensor:
+    """The reduction of the per-token losses (``labels``' shape for ``"none"``)."""
+    if options.reduction == "none":
+        return losses.reshape(labels.shape)
+    total = losses.sum()
+    if options.reduction == "mean":
+        return total / counted(labels, options, losses.dtype).sum()
+    return total
+
+
+def unit_row_scale(labels: Tensor, options: LossOptions, dtype: torch.dtype) -> Tensor:
+    """Each token's factor in the reduced loss (mean: 1 / the counted tokens; sum: 1), in
+    ``dtype`` (the losses')."""
+    ones = torch.ones(labels.shape, dtype=dtype, device=labels.device)
+    if options.reduction == "mean":
+        return ones / counted(labels, options, dtype).sum()
+    return ones
+
+
+def grad_row_scale(grad_output: Tensor, labels: Tensor, options: LossOptions,
+                   dtype: torch.dtype) -> Tensor:
+    """Each token's factor in the backward, in ``dtype`` (the losses'): the output
+    gradient spread over the tokens as the reduction spread the loss."""
+    if options.reduction == "none":
+        return grad_output.reshape(-1).to(dtype)
+    return unit_row_scale(labels, options, dtype) * grad_output.to(dtype)
+
+
+def mm_float32(a: Tensor, b: Tensor) -> Tensor:
+    """``a @ b`` written in float32 for 16-bit ``a`` and ``b`` (their products summed in
+    float32, not rounded to their dtype): on CUDA one GEMM with a float32 output, elsewhere
+    the GEMM of their float32 copies (the same products)."""
+    if a.dtype not in (torch.bfloat16, torch.float16):
+        return a @ b
+    if a.is_cuda:
+        return torch.mm(a, b, out_dtype=torch.float32)
+    return a.to(torch.float32) @ b.to(torch.float32)
+
+
+def accumulate_mm(acc: Optional[Tensor], a: Tensor, b: Tensor) -> Tensor:
+    """``acc + a @ b`` (``acc`` None: ``a @ b``), in float32 for 16-bit ``a`` and ``b``."""
+    if acc is None:
+        return mm_float32(a, b)
+    if a.is_cuda and a.dtype in (torch.bfloat16, torch.float16):
+        return torch.addmm(acc, a, b, out_dtype=torch.float32)
+    return acc + mm_float32(a, b)
+
+
+def linear_cross_entropy_forward(x: Tensor, weight: Tensor, labels: Tensor,
+                                 options: LossOptions, chunk: int, need_grad_input: bool,
+                                 need_grad_weight: bool, gradients_now: bool) -> tuple:
+    """The loss of ``x @ weight.T`` against ``labels``, a chunk of tokens at a time.
+
+    Parameters
+    ----------
+    x : Tensor
+        (tokens, in_features).
+    weight : Tensor
+        (vocab, in_features), ``x``'s dtype.
+    labels : Tensor
+        (tokens,) integers.
+    options : LossOptions
+    chunk : int
+        Tokens per chunk.
+    need_grad_input, need_grad_weight : bool
+        Which gradients ``gradients_now`` makes.
+    gradients_now : bool
+        Make the gradients for an output gradient of 1 now, from each chunk's logits
+        (a reduced loss: the backward then only scales them).
+
+    Returns
+    -------
+    tuple
+        ``(loss, lse, dx, dw)``: the loss reduced by ``options.reduction`` (per token for
+        ``"none"``) and each token's log-sum-exp (float32 for 16-bit ``x``), and with ``gradients_now`` the gradients (float32 for 16-bit tensors;
+        ``dw`` zeros without tokens), else None.
+    """
+    check_labels(labels, weight.shape[0], options, "LinearCrossEntropy")
+    acc = loss_dtype(x.dtype)
+    losses = x.new_empty(labels.shape, dtype=acc)
+    lse = torch.empty_like(losses)
+    scale = unit_row_scale(labels, options, acc) if gradients_now else None
+    dx = x.new_empty(x.shape, dtype=acc) if gradients_now and need_grad_input else None
+    dw = None
+    for lo, hi in chunks(x.shape[0], chunk):
+        z = (x[lo:hi] @ weight.t()).to(acc)  # the logits rounded to x's dtype, as a GEMM's
+        losses[lo:hi], lse[lo:hi] = chunk_losses(z, labels[lo:hi], options)
+        if scale is not None:
+            dz = chunk_logits_grad(z, lse[lo:hi], labels[lo:hi], options,
+                                   scale[lo:hi]).to(x.dtype)
+            if dx is not None:  # float32: the backward scales it, then rounds
+                dx[lo:hi] = mm_float32(dz, weight)
+            if need_grad_weight:
+                dw = accumulate_mm(dw, dz.t(), x[lo:hi])
+    if gradients_now and need_grad_weight and dw is None:  # no token
+        dw = torch.zeros(weight.shape, dtype=loss_dtype(weight.dtype), device=weight.device)
+    return reduce_losses(losses, labels, options), lse, dx, dw
+
+
+def linear_cross_entropy_backward(grad_output: Tensor, x: Tensor, weight: Tensor,
+                                  labels: Tensor, lse: Tensor, options: LossOptions,
+                                  chunk: int, need_grad_input: bool,
+                                  need_grad_weight: bool) -> tuple:
+    """The gradients of :func:`linear_cross_entropy_forward`'s reduced loss, each
+    chunk's logits made again from ``x`` and ``weight``.
+
+    Parameters
+    ----------
+    grad_output : Tensor
+        The reduced loss's gradient (a number per token for ``reduction="none"``).
+    x, weight, labels, options, chunk
+        As the forward's.
+    lse : Tensor
+        The forward's log-sum-exp per token.
+    need_grad_input, need_grad_weight : bool
+
+    Returns
+    -------
+    tuple
+        ``(dx, dw)``: ``dx`` in ``x``'s dtype, ``dw`` float32 for 16-bit tensors; None
+        where not needed.
+    """
+    scale = grad_row_scale(grad_output, labels, options, lse.dtype)
+    dx = torch.empty_like(x) if need_grad_input else None
+    dw = None
+    for lo, hi in chunks(x.shape[0], chunk):
+        z = (x[lo:hi] @ weight.t()).to(lse.dtype)
+        dz = chunk_logits_grad(z, lse[lo:hi], labels[lo:hi], options,
+                               scale[lo:hi]).to(x.dtype)
+        if dx is not None:
+            dx[lo:hi] = dz @ weight
+        if need_grad_weight:
+            dw = accumulate_mm(dw, dz.t(), x[lo:hi])
+    if need_grad_weight and dw is None:
+        dw = torch.zeros(weight.shape, dtype=loss_dtype(weight.dtype), device=weight.device)
+    return dx, dw

@@ -1,0 +1,177 @@
+"""LinearCrossEntropy: an LM head (BasicLinear) and its CrossEntropy owning both passes,
+the logits made a chunk of tokens at a time and never stored."""
+
+from typing import Optional
+
+import attrs
+import torch
+
+from fusible import Example, FusedOperation, Op, Pattern
+from fusible.functional.cross_entropy import (LossOptions, linear_cross_entropy_backward,
+                                              linear_cross_entropy_forward)
+from fusible.ops import BackwardResult, BasicLinear, CrossEntropy, ForwardResult
+
+Tensor = torch.Tensor
+
+
+@attrs.define
+class LinearLossForwardArgs:
+    """``gradients_now``: the gradients are made in the forward, for a unit output
+    gradient (a reduced loss, whose backward only scales them: one GEMM less than making
+    the logits again in the backward)."""
+
+    input: Tensor
+    weight: Tensor
+    labels: Tensor
+    options: LossOptions
+    chunk: int
+    need_grad_input: bool
+    need_grad_weight: bool
+    gradients_now: bool
+
+
+@attrs.define
+class LinearLossSaved:
+    """With ``gradients_now`` the forward's gradients (in float32 for 16-bit tensors); otherwise the input, the weight, the labels and each token's
+    log-sum-exp, to make each chunk's logits again."""
+
+    grad_input: Optional[Tensor] = None
+    grad_weight: Optional[Tensor] = None
+    input: Optional[Tensor] = None
+    weight: Optional[Tensor] = None
+    labels: Optional[Tensor] = None
+    lse: Optional[Tensor] = None
+    input_dtype: torch.dtype = torch.float32  # the input gradient's
+
+
+@attrs.define
+class LinearLossBackwardArgs:
+    grad_output: Tensor
+    saved: LinearLossSaved
+    options: LossOptions
+    chunk: int
+    need_grad_input: bool
+    need_grad_weight: bool
+    weight_grad_dtype: torch.dtype
+
+
+class LinearCrossEntropy(FusedOperation):
+    """A joint fusion: the LM head's GEMM and the cross-entropy of its logits, chunked
+    over the tokens (see :class:`fusible.ops.LinearCrossEntropy`, which expands into
+    these two ops). Each chunk's logits are made, reduced to the tokens' losses in float32
+    and (where a gradient is wanted) turned into their gradient at once: the whole logits
+    never exist, forward or backward.
+
+    Pattern: ``BasicLinear, CrossEntropy``. Refused for tensor-parallel layers (a
+    vocabulary split needs the loss reduced over the group) and under an FP8 recipe (the
+    chunked GEMMs run in high precision: the ops then run as their own stages, the logits
+    whole), saying so in the plan.
+    Rounds as the basic ops do: the logits to the model's dtype after the GEMM, their
+    gradient before the GEMMs of the backward. With ``reduction="mean"`` or ``"sum"`` the
+    logits' gradient is made (and rounded) in the forward for an output gradient of 1, and
+    the backward scales the float32 results by the actual one: the same roundings as the
+    ops' for an output gradient of 1 or any power of two (``loss.backward()``, a loss
+    scale), one rounding apart otherwise. (The registry matrix's example therefore uses
+    ``"none"``, the ops' rounding points exactly; tests/test_cross_entropy.py checks the
+    others.)
+    """
+
+    direction = "both"
+    pattern = Pattern(Op(BasicLinear, name="linear"), Op(CrossEntropy, name="loss"))
+    fwd_args_type = LinearLossForwardArgs
+    bwd_args_type = LinearLossBackwardArgs
+    saved_type = LinearLossSaved
+    rounds_output_after = ("linear",)
+    rounds_gradient_before = ("loss",)
+
+    @classmethod
+    def accepts(cls, match, env):
+        linear = match["linear"]
+        if linear.parallel.active:
+            return (f"{linear.describe()} is tensor-parallel: a vocabulary split over ranks "
+                    f"needs the loss reduced over the group, which this stage does not do")
+        if env.recipe is not None:
+            return (f"under {env.recipe.name} scaling: the chunked LM head runs its GEMMs in "
+                    f"high precision only, so the ops run as their own stages (the logits "
+                    f"whole, the GEMM in FP8)")
+        return True
+
+    def input_format(self, recipe, needs):
+        return None
+
+    def forward_args(self, input, params, extra_inputs, ctxs):
+        linear, loss = self.match["linear"], self.match["loss"]
+        needs = ctxs[0].needs
+        wanted = needs.input or needs.params[0]
+        return LinearLossForwardArgs(
+            input, params[0], extra_inputs[0], loss.options, loss.chunk(linear.out_features),
+            needs.input, needs.params[0], wanted and loss.reduction != "none")
+
+    @classmethod
+    def forward_compute(cls, args, *, in_custom_op=False):
+        loss, lse, dx, dw = linear_cross_entropy_forward(
+            args.input.reshape(-1, args.input.shape[-1]), args.weight,
+            args.labels.reshape(-1), args.options, args.chunk, args.need_grad_input,
+            args.need_grad_weight, args.gradients_now)
+        if args.options.reduction == "none":
+            loss = loss.view(args.labels.shape)
+        if not args.gradients_now:
+            return ForwardResult(loss, (), (lse,))
+        aux = (dx.view(args.input.shape),) if args.need_grad_input else ()  # float32
+        return ForwardResult(loss, (), aux + ((dw,) if args.need_grad_weight else ()))
+
+    def save_for_backward(self, args, result, ctxs):
+        if not (args.need_grad_input or args.need_grad_weight):
+            return
+        if args.gradients_now:
+            aux = iter(result.aux)
+            ctxs[0].saved = LinearLossSaved(next(aux) if args.need_grad_input else None,
+                                            next(aux) if args.need_grad_weight else None,
+                                            input_dtype=args.input.dtype)
+        else:
+            ctxs[0].saved = LinearLossSaved(None, None, args.input, args.weight, args.labels,
+                                            result.aux[0])
+
+    def backward_args(self, grad_output, grad_extra_outputs, ctxs):
+        linear, loss = self.match["linear"], self.match["loss"]
+        needs = ctxs[0].needs
+        return LinearLossBackwardArgs(
+            grad_output, ctxs[0].saved, loss.options, loss.chunk(linear.out_features),
+            needs.input, needs.params[0],
+            linear.wgrad_dtype or linear.param("weight").dtype)
+
+    @classmethod
+    def backward_compute(cls, args, *, in_custom_op=False):
+        saved = args.saved
+        if saved.input is None:
+            return _scaled_forward_grads(args)
+        assert saved.weight is not None and saved.labels is not None and saved.lse is not None
+        dx, dw = linear_cross_entropy_backward(
+            args.grad_output, saved.input.reshape(-1, saved.input.shape[-1]), saved.weight,
+            saved.labels.reshape(-1), saved.lse, args.options, args.chunk,
+            args.need_grad_input, args.need_grad_weight)
+        dx = None if dx is None else dx.view(saved.input.shape)
+        dw = None if dw is None else dw.to(args.weight_grad_dtype)
+        return BackwardResult(dx, (dw,), (None,))
+
+    @classmethod
+    def example(cls):
+        labels = torch.tensor([[3, -100, 0], [9, 2, 9]])
+        return Example((BasicLinear(16, 10),
+                        CrossEntropy(reduction="none", label_smoothing=0.25, z_loss=0.125,
+                                     chunk_size=4)),
+                       (2, 3, 16), extra_input_values=(labels,), fp8=False)
+
+
+def _scaled_forward_grads(args: LinearLossBackwardArgs) -> BackwardResult:
+    """The forward's gradients (for a unit output gradient) times the output gradient."""
+    dx = dw = None
+    if args.need_grad_input:
+        saved = args.saved.grad_input
+        assert saved is not None  # made by the forward (gradients_now), in float32
+        dx = (saved * args.grad_output.to(saved.dtype)).to(args.saved.input_dtype)
+    if args.need_grad_weight:
+        saved = args.saved.grad_weight
+        assert saved is not None
+        dw = (saved * args.grad_output.to(saved.dtype)).to(args.weight_grad_dtype)
+    return BackwardResult(dx, (dw,), (None,))
