@@ -158,9 +158,9 @@ def test_scaled_bias_compiled_bitwise_and_its_errors_name_the_op():
         ops.GroupedLinear(2, 8, 8, scale_bias=True)
     with pytest.raises(TypeError, match=r"expects 2 extra input"):
         model(x, torch.tensor([4, 0, 6]))
-    with pytest.raises(TypeError, match=r"scale_bias=True\) takes one bias scale per "
-                                        r"token: a floating tensor of shape \(10,\), got "
-                                        r"torch.float32 of shape \(10, 1\)"):
+    with pytest.raises(TypeError, match=r"scale_bias=True\) takes the bias scales as a "
+                                        r"floating tensor \(one scale per token\) of shape "
+                                        r"\(10,\), got torch.float32 of shape \(10, 1\)"):
         model(x, torch.tensor([4, 0, 6]), torch.rand(10, 1))
     with pytest.raises(TypeError, match=r"got torch.int64 of shape \(10,\)"):
         model(x, torch.tensor([4, 0, 6]), torch.ones(10, dtype=torch.long))

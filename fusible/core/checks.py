@@ -11,6 +11,8 @@ from __future__ import annotations
 import numbers
 from typing import Callable, cast
 
+import torch
+
 Check = Callable[[str, object], object]  # (op name, value) -> the value to store
 
 
@@ -114,3 +116,17 @@ def int_tuple(name: str, *, minimum: int = 1) -> Check:
                              f"{name}={value!r}")
         return tuple(int(i) for i in items)
     return check
+
+
+def extra_tensor(op: str, value, what: str, kind: str, shape: tuple, dtype_ok: Callable,
+                 device) -> None:
+    """Raise TypeError naming ``op`` unless ``value`` is a tensor of ``shape`` whose dtype
+    passes ``dtype_ok``, ValueError unless it is on ``device`` (an extra input such as the
+    labels: ``what``; ``kind`` says what it must be, "an integer tensor")."""
+    if not (isinstance(value, torch.Tensor) and dtype_ok(value.dtype)
+            and tuple(value.shape) == tuple(shape)):
+        got = (f"{value.dtype} of shape {tuple(value.shape)}"
+               if isinstance(value, torch.Tensor) else type(value).__name__)
+        raise TypeError(f"{op} takes {what} as {kind} of shape {tuple(shape)}, got {got}")
+    if value.device != device:
+        raise ValueError(f"{op}: {what} are on {value.device}, the input on {device}")

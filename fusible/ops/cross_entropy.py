@@ -81,15 +81,9 @@ class LossOp(BasicOperation, abstract=True):
         return text
 
     def _check_labels(self, labels, tokens_shape: tuple, device) -> None:
-        if not (isinstance(labels, torch.Tensor) and labels.dtype in (torch.int32, torch.int64)
-                and tuple(labels.shape) == tokens_shape):
-            got = (f"{labels.dtype} of shape {tuple(labels.shape)}"
-                   if isinstance(labels, torch.Tensor) else type(labels).__name__)
-            raise TypeError(f"{self.describe()} takes the labels as an integer tensor (int32 "
-                            f"or int64) of shape {tokens_shape}, got {got}")
-        if labels.device != device:
-            raise ValueError(f"{self.describe()}: the labels are on {labels.device}, the "
-                             f"input on {device}")
+        checks.extra_tensor(self.describe(), labels, "the labels",
+                            "an integer tensor (int32 or int64)", tokens_shape,
+                            (torch.int32, torch.int64).__contains__, device)
 
     def _output_shape(self, tokens_shape: tuple) -> tuple:
         return tokens_shape if self.reduction == "none" else ()

@@ -28,6 +28,13 @@ from fusible.quantization.tensor.quantize import transposed_only
 Tensor = torch.Tensor
 
 
+_INTEGER = (torch.int32, torch.int64)
+
+
+def _floating(dtype: torch.dtype) -> bool:
+    return dtype.is_floating_point
+
+
 # Every grouped FP8 operand is E4M3 (see fusible.functional.grouped_fp8).
 _E4M3 = torch.float8_e4m3fn
 
@@ -177,36 +184,20 @@ class GroupedLinear(BasicOperation):
 
     def validate(self, shape, dtype, device, extra_inputs=()):
         splits = extra_inputs[0]
-        if not (isinstance(splits, torch.Tensor) and splits.dim() == 1
-                and len(splits) == self.num_groups
-                and splits.dtype in (torch.int32, torch.int64)):
-            got = (f"{splits.dtype} of shape {tuple(splits.shape)}"
-                   if isinstance(splits, torch.Tensor) else type(splits).__name__)
-            raise TypeError(f"{self.describe()} takes the split sizes as an integer tensor "
-                            f"(int32 or int64) of shape ({self.num_groups},), got {got}")
-        if splits.device != device:
-            raise ValueError(f"{self.describe()}: the split sizes are on {splits.device}, "
-                             f"the input on {device}")
+        checks.extra_tensor(self.describe(), splits, "the split sizes",
+                            "an integer tensor (int32 or int64)", (self.num_groups,),
+                            _INTEGER.__contains__, device)
         if not shape or shape[-1] != self.in_features:
             raise ValueError(f"{self.describe()} got input of shape {tuple(shape)}; its last "
                              f"dimension must be {self.in_features}")
         if self.scale_bias:
-            self._check_bias_scales(extra_inputs[1], tuple(shape[:-1]), device)
+            checks.extra_tensor(self.describe(), extra_inputs[1], "the bias scales",
+                                "a floating tensor (one scale per token)", shape[:-1],
+                                _floating, device)
         for name in self.param_names:
             self._check_param(name, self.param(name), dtype, device,
                               tuple(getattr(self, name).shape))
         return (*shape[:-1], self.out_features)
-
-    def _check_bias_scales(self, scales, tokens_shape: tuple, device) -> None:
-        if not (isinstance(scales, torch.Tensor) and scales.is_floating_point()
-                and tuple(scales.shape) == tokens_shape):
-            got = (f"{scales.dtype} of shape {tuple(scales.shape)}"
-                   if isinstance(scales, torch.Tensor) else type(scales).__name__)
-            raise TypeError(f"{self.describe()} takes one bias scale per token: a floating "
-                            f"tensor of shape {tokens_shape}, got {got}")
-        if scales.device != device:
-            raise ValueError(f"{self.describe()}: the bias scales are on {scales.device}, "
-                             f"the input on {device}")
 
     def validate_fp8(self, shape, recipe) -> None:
         """FP8 GEMMs need the feature sizes divisible by 16 (the token counts are checked
