@@ -164,3 +164,21 @@ def test_scaled_bias_compiled_bitwise_and_its_errors_name_the_op():
         model(x, torch.tensor([4, 0, 6]), torch.rand(10, 1))
     with pytest.raises(TypeError, match=r"got torch.int64 of shape \(10,\)"):
         model(x, torch.tensor([4, 0, 6]), torch.ones(10, dtype=torch.long))
+
+
+def test_scaled_bias_is_added_in_float32_and_rounded_once():
+    """bf16 GEMM outputs that are exact (small integers) plus float32 scales times a
+    bf16 bias: y + s * b rounded once, as FP64 rounded to bf16 (rounding s * b first
+    would differ on most elements)."""
+    torch.manual_seed(0)
+    op = ops.GroupedLinear(2, 8, 16, bias=True, scale_bias=True).to(torch.bfloat16)
+    with torch.no_grad():
+        op.weight.copy_(torch.randint(-2, 3, op.weight.shape))
+        op.bias.copy_(torch.randn(op.bias.shape))
+    x = torch.randint(-2, 3, (12, 8)).bfloat16()
+    scales, sizes = torch.rand(12), torch.tensor([5, 7])
+    y = ops.Sequential(op)(x, sizes, scales)
+    group = torch.repeat_interleave(torch.arange(2), sizes)
+    exact = torch.einsum("ti,toi->to", x.double(), op.weight.double()[group])
+    want = (exact + scales.double()[:, None] * op.bias.double()[group]).bfloat16()
+    assert (y != want).float().mean() <= 0.01
