@@ -147,6 +147,11 @@ class BasicOperationSpec(FusibleSpec, StageSpec):
         buffer per role (:meth:`scaling_state`), ``ctx.states[role]`` in its stages, and
         a stage that hands this op its input (gradient) in FP8 casts it with the op's
         ``"input"`` (``"grad"``) state.
+    rounds_within : str
+        Why the op's own stage rounds to the input dtype before its end (empty: it
+        computes in float32 and rounds once, which the test matrix holds single ops to).
+        Attention says so: its kernels take 16-bit q, k, v and round the softmax's
+        probabilities for the second GEMM.
     """
 
     param_names: tuple = ()  # not a ClassVar: an instance may name fewer (GroupedLinear)
@@ -162,6 +167,7 @@ class BasicOperationSpec(FusibleSpec, StageSpec):
     # the tokens): a split of the features over a tensor-parallel group passes through
     # unchanged (planning.passes.check_gated_layouts).
     keeps_features: ClassVar[bool] = False
+    rounds_within: ClassVar[str] = ""
     num_extra_inputs: int = 0  # not a ClassVar: an instance may take more (GroupedLinear)
     num_extra_outputs: ClassVar[int] = 0
     saved_type: ClassVar[Optional[type]] = None

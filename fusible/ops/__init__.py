@@ -11,6 +11,7 @@ from fusible.ops.all_reduce import AllReduce
 from fusible.ops.basic_linear import BasicLinear
 from fusible.ops.bias import Bias
 from fusible.ops.constant_scale import ConstantScale
+from fusible.ops.attention import Attention
 from fusible.ops.cross_entropy import CrossEntropy
 from fusible.ops.dropout import Dropout
 from fusible.ops.gelu import GELU
@@ -37,7 +38,7 @@ from fusible.ops.swiglu import ClampedSwiGLU, SiTUGLU, SwiGLU
 
 __all__ = [
     "AddExtraInput", "AllGather", "AllReduce", "AllToAll", "AllToAllEqual", "BackwardResult",
-    "BasicLinear", "BasicOperation", "Bias", "ClampedSwiGLU", "ConstantScale", "CrossEntropy",
+    "Attention", "BasicLinear", "BasicOperation", "Bias", "ClampedSwiGLU", "ConstantScale", "CrossEntropy",
     "Dropout",
     "ForwardResult", "FusedOperation", "FusibleOperation", "GEGLU", "GELU", "GLU", "GroupedLinear",
     "Identity", "L2Normalization", "LayerNorm", "Linear", "LinearCrossEntropy", "MakeExtraOutput", "OperationContext",

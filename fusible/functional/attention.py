@@ -1,0 +1,223 @@
+"""Scaled dot-product attention forward and backward as separate calls (a stage computes
+each direction on its own), on the ``(batch, seq, heads, head_dim)`` layout the QKV
+preparation writes, through one of PyTorch's attention kernels chosen explicitly:
+
+- ``"flash"``: on CUDA FlashAttention-2 (``aten._flash_attention_forward``) in its
+  variable-length form, which takes that layout as it is and covers grouped-query
+  attention, sliding windows and packed documents; on the CPU PyTorch's flash kernel
+  (causal or bidirectional, grouped-query; no window, no documents).
+- ``"math"``: the formulas in PyTorch ops, float32 (float64 for float64 inputs), the
+  whole ``S x S`` score matrix in memory: the reference, and what runs where no kernel
+  fits. Never chosen on a GPU unless asked for.
+
+Masks: ``causal`` (key ``t`` seen by query ``s`` when ``t <= s``), ``window`` (Hugging
+Face's ``sliding_window``: ``|s - t| < window``) and documents (``cu_seqlens``: tokens see
+only their own document; the batch is one packed row).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import attrs
+import torch
+
+Tensor = torch.Tensor
+
+BACKENDS = ("flash", "math")
+_HALF = (torch.float16, torch.bfloat16)
+
+
+@attrs.frozen
+class AttentionOptions:
+    """What an attention call computes, and with which kernel.
+
+    Attributes
+    ----------
+    causal : bool
+    scale : float
+        The softmax scale (``1 / sqrt(head_dim)`` by default in the op).
+    window : int
+        Keys within this many positions of the query, itself included (0: no window).
+    backend : str
+        One of :data:`BACKENDS`, as :func:`choose_backend` resolved it.
+    """
+
+    causal: bool
+    scale: float
+    window: int
+    backend: str
+
+
+def _backend_refusal(backend: str, device_type: str, dtype: torch.dtype, head_dim: int,
+                     window: int, documents: bool) -> Optional[str]:
+    """Why ``backend`` cannot run this attention, or None."""
+    if backend == "math":
+        return None
+    if device_type == "cpu":
+        if backend != "flash":
+            return f"the {backend} kernel runs on CUDA only"
+        if window or documents:
+            return "PyTorch's CPU flash kernel has no sliding window and no packed documents"
+        return None
+    if device_type != "cuda":
+        return f"no {backend} kernel on {device_type}"
+    if dtype not in _HALF:
+        return f"the {backend} kernel takes float16 or bfloat16, not {dtype}"
+    if head_dim % 8 or head_dim > 256:
+        return f"head_dim {head_dim} is not a multiple of 8 up to 256"
+    return None
+
+
+def choose_backend(requested: Optional[str], device_type: str, dtype: torch.dtype,
+                   head_dim: int, window: int, documents: bool, where: str) -> str:
+    """The backend for this attention: ``requested`` if it can run it (else ValueError
+    naming ``where`` and why), or flash where it can (on the CPU, else math). On a GPU the math kernel is never chosen unasked:
+    ValueError saying why none fits."""
+    if requested is not None:
+        why = _backend_refusal(requested, device_type, dtype, head_dim, window, documents)
+        if why:
+            raise ValueError(f"{where}: backend={requested!r} cannot run this attention: {why}")
+        return requested
+    order = ("flash", "math") if device_type == "cpu" else ("flash",)
+    reasons = []
+    for backend in order:
+        why = _backend_refusal(backend, device_type, dtype, head_dim, window, documents)
+        if why is None:
+            return backend
+        reasons.append(f"{backend}: {why}")
+    raise ValueError(f"{where}: no attention kernel on {device_type} fits ({'; '.join(reasons)});"
+                     f" pass backend='math' to run the formulas with the whole score matrix")
+
+
+def mask(seq: int, options: AttentionOptions, cu_seqlens: Optional[Tensor],
+         device) -> Tensor:
+    """Which keys each query sees: bool ``(seq, seq)``."""
+    s = torch.arange(seq, device=device)
+    allowed = torch.ones(seq, seq, dtype=torch.bool, device=device)
+    if options.causal:
+        allowed &= s[None, :] <= s[:, None]
+    if options.window:
+        allowed &= (s[:, None] - s[None, :]).abs() < options.window
+    if cu_seqlens is not None:
+        doc = document_index(cu_seqlens, seq)
+        allowed &= doc[:, None] == doc[None, :]
+    return allowed
+
+
+def document_index(cu_seqlens: Tensor, tokens: int) -> Tensor:
+    """Each token's document, from the documents' start offsets ``cu_seqlens``."""
+    return torch.searchsorted(cu_seqlens[1:-1].long(),
+                              torch.arange(tokens, device=cu_seqlens.device), right=True)
+
+
+def _grouped(x: Tensor, groups: int, acc: torch.dtype) -> Tensor:
+    """``(B, S, H, D)`` as ``(B, S, K, groups, D)`` in ``acc``: query head ``h`` reads kv
+    head ``h // groups``, as Hugging Face's ``repeat_kv`` does."""
+    b, s, h, d = x.shape
+    return x.to(acc).view(b, s, h // groups, groups, d)
+
+
+def _acc(x: Tensor) -> torch.dtype:
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def _math_probabilities(q, k, options, cu_seqlens):
+    """``(p, lse, qf, kf)``: the softmax ``(B, K, g, S, S)`` and its log-sum-exp."""
+    groups = q.shape[2] // k.shape[2]
+    qf, kf = _grouped(q, groups, _acc(q)), k.to(_acc(q))
+    scores = torch.einsum("bskgd,btkd->bkgst", qf, kf) * options.scale
+    allowed = mask(q.shape[1], options, cu_seqlens, q.device)
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    lse = torch.logsumexp(scores, -1)
+    return torch.exp(scores - lse[..., None]), lse, qf, kf
+
+
+def _math_forward(q, k, v, options, cu_seqlens):
+    p, lse, _, _ = _math_probabilities(q, k, options, cu_seqlens)
+    out = torch.einsum("bkgst,btkd->bskgd", p, v.to(p.dtype))
+    return out.reshape(q.shape).to(q.dtype), lse.flatten(1, 2)
+
+
+def _math_backward(dout, q, k, v, out, options, cu_seqlens):
+    p, _, qf, kf = _math_probabilities(q, k, options, cu_seqlens)
+    groups = q.shape[2] // k.shape[2]
+    do, of = _grouped(dout, groups, p.dtype), _grouped(out, groups, p.dtype)
+    dv = torch.einsum("bkgst,bskgd->btkd", p, do)
+    dp = torch.einsum("bskgd,btkd->bkgst", do, v.to(p.dtype))
+    delta = (do * of).sum(-1).permute(0, 2, 3, 1)  # (B, K, g, S)
+    ds = p * (dp - delta[..., None]) * options.scale
+    dq = torch.einsum("bkgst,btkd->bskgd", ds, kf).reshape(q.shape)
+    dk = torch.einsum("bkgst,bskgd->btkd", ds, qf)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+def _heads_first(*xs: Tensor) -> tuple:
+    """``(B, S, H, D)`` as the ``(B, H, S, D)`` views SDPA's kernels take."""
+    return tuple(x.transpose(1, 2) for x in xs)
+
+
+def _varlen(q: Tensor, cu_seqlens: Optional[Tensor]) -> tuple[Tensor, int]:
+    """FlashAttention's variable-length form: the documents' offsets, or one per batch
+    row; and the longest (the whole row for documents: no host sync to measure it)."""
+    b, s = q.shape[:2]
+    if cu_seqlens is not None:
+        return cu_seqlens.to(torch.int32), s
+    return torch.arange(0, (b + 1) * s, s, dtype=torch.int32, device=q.device), s
+
+
+def _flash_window(options: AttentionOptions) -> tuple[int, int]:
+    if not options.window:
+        return -1, -1
+    return options.window - 1, 0 if options.causal else options.window - 1
+
+
+def attention_forward(q: Tensor, k: Tensor, v: Tensor, options: AttentionOptions,
+                      cu_seqlens: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
+    """``(out, lse, rng_state)``: ``out`` ``(B, S, H, D)``; ``lse`` and ``rng_state`` as the
+    backend makes them (for :func:`attention_backward`). ``q`` ``(B, S, H, D)``, ``k`` and
+    ``v`` ``(B, S, K, D)`` with ``H`` a multiple of ``K``."""
+    backend = options.backend
+    empty = q.new_empty(0, dtype=torch.int64)
+    if backend == "math":
+        out, lse = _math_forward(q, k, v, options, cu_seqlens)
+        return out, lse, empty
+    if backend == "flash" and q.device.type == "cpu":
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            *_heads_first(q, k, v), 0.0, options.causal, scale=options.scale)
+        return out.transpose(1, 2).contiguous(), lse, empty
+    if backend == "flash" and q.device.type == "cuda":
+        b, s, h, d = q.shape
+        cu, longest = _varlen(q, cu_seqlens)
+        left, right = _flash_window(options)
+        out, lse = torch.ops.aten._flash_attention_forward(
+            q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), cu, cu, longest, longest, 0.0,
+            options.causal, False, scale=options.scale, window_size_left=left,
+            window_size_right=right)[:2]
+        # no dropout: a zero random state, as torch.nn.attention.varlen passes it
+        return out.view(b, s, h, d), lse, torch.zeros(2, dtype=torch.uint64, device=q.device)
+    raise ValueError(f"no {backend!r} attention kernel on {q.device.type}")
+
+
+def attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
+                       lse: Tensor, rng_state: Tensor, options: AttentionOptions,
+                       cu_seqlens: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
+    """``(dq, dk, dv)`` in the layouts of ``q``, ``k``, ``v`` (grouped-query: ``dk`` and
+    ``dv`` summed over each kv head's query heads)."""
+    backend = options.backend
+    if backend == "math":
+        return _math_backward(dout, q, k, v, out, options, cu_seqlens)
+    if backend == "flash" and q.device.type == "cpu":
+        grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            *_heads_first(dout, q, k, v, out), lse, 0.0, options.causal, scale=options.scale)
+        return tuple(g.transpose(1, 2).contiguous() for g in grads)
+    if backend == "flash" and q.device.type == "cuda":
+        cu, longest = _varlen(q, cu_seqlens)
+        left, right = _flash_window(options)
+        dq, dk, dv = torch.ops.aten._flash_attention_backward(
+            dout.flatten(0, 1), q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1),
+            out.flatten(0, 1), lse, cu, cu, longest, longest, 0.0, options.causal, rng_state,
+            q.new_empty(0), scale=options.scale, window_size_left=left,
+            window_size_right=right)
+        return dq.view(q.shape), dk.view(k.shape), dv.view(v.shape)
+    raise ValueError(f"no {backend!r} attention kernel on {q.device.type}")

@@ -1,0 +1,111 @@
+"""Rotary position embeddings (RoPE), in the two conventions in use, on ``(..., heads,
+head_dim)`` tensors: the plain-PyTorch arithmetic (the CPU path and the reference of the
+Triton kernel in :mod:`fusible.kernels.rotary`).
+
+A token at position ``p`` rotates each pair ``(x1, x2)`` of its first ``rotary_dim``
+features by the angle ``p * inv_freq[i]``::
+
+    y1 = x1 * cos - x2 * sin
+    y2 = x2 * cos + x1 * sin
+
+where pair ``i`` is ``(x[i], x[i + rotary_dim / 2])`` in Hugging Face's ``rotate_half``
+convention (GPT-NeoX's) and ``(x[2i], x[2i + 1])`` in the interleaved one (GPT-J's, Meta's
+original Llama); features past ``rotary_dim`` pass through (partial rotary, as GPT-NeoX
+and Phi). ``inv_freq[i] = base ** (-2i / rotary_dim)``, optionally rescaled as Llama 3.1
+does for long contexts. Angles are float32 products, as Hugging Face computes them; the
+rotation is computed in float32 (float64 for float64 inputs) and rounded once.
+"""
+
+from __future__ import annotations
+
+import math
+
+import attrs
+import torch
+
+Tensor = torch.Tensor
+
+__all__ = ["RotaryOptions", "apply_rotary", "inverse_frequencies", "rotary_angles"]
+
+
+@attrs.frozen
+class RotaryOptions:
+    """How the rotary embedding rotates (the formulas: the module notes).
+
+    Attributes
+    ----------
+    base : float
+        The frequencies' base (``rope_theta``).
+    rotary_dim : int
+        How many leading features of each head rotate (even; the head size for full
+        rotary).
+    interleaved : bool
+        Pairs ``(x[2i], x[2i+1])`` rather than ``rotate_half``'s halves.
+    scaling_factor : float
+        Llama 3.1's ``factor`` (1: no rescaling).
+    low_freq_factor, high_freq_factor : float
+        Llama 3.1's wavelength bounds, as fractions of ``original_max_position``.
+    original_max_position : int
+        The context the frequencies were trained for (``original_max_position_embeddings``).
+    """
+
+    base: float
+    rotary_dim: int
+    interleaved: bool = False
+    scaling_factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position: int = 8192
+
+
+def inverse_frequencies(options: RotaryOptions, device=None) -> Tensor:
+    """``inv_freq`` (float32, ``rotary_dim / 2``), Llama 3.1's rescaling applied where
+    ``scaling_factor != 1`` (Hugging Face's ``rope_type="llama3"``)."""
+    exponents = torch.arange(0, options.rotary_dim, 2, dtype=torch.int64, device=device)
+    inv_freq = 1.0 / (options.base ** (exponents.float() / options.rotary_dim))
+    if options.scaling_factor == 1.0:
+        return inv_freq
+    factor, old = options.scaling_factor, options.original_max_position
+    low, high = options.low_freq_factor, options.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old / low, inv_freq / factor, inv_freq)
+    smooth = (old / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < old / high) & ~(wavelen > old / low)
+    return torch.where(medium, smoothed, scaled)
+
+
+def rotary_angles(positions: Tensor, options: RotaryOptions) -> tuple[Tensor, Tensor]:
+    """``(cos, sin)`` float32 of shape ``positions.shape + (rotary_dim / 2,)``."""
+    angles = positions.float()[..., None] * inverse_frequencies(options, positions.device)
+    return angles.cos(), angles.sin()
+
+
+def _pairs(x: Tensor, options: RotaryOptions) -> tuple[Tensor, Tensor]:
+    rot = x[..., :options.rotary_dim]
+    if options.interleaved:
+        return rot[..., 0::2], rot[..., 1::2]
+    half = options.rotary_dim // 2
+    return rot[..., :half], rot[..., half:]
+
+
+def _unpairs(y1: Tensor, y2: Tensor, options: RotaryOptions) -> Tensor:
+    if options.interleaved:
+        return torch.stack((y1, y2), -1).flatten(-2)
+    return torch.cat((y1, y2), -1)
+
+
+def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor, options: RotaryOptions, *,
+                 inverse: bool = False) -> Tensor:
+    """Rotate ``x`` ``(..., S, heads, head_dim)`` by the angles ``cos, sin`` ``(..., S,
+    rotary_dim / 2)`` (one per token, shared by the heads); ``inverse`` rotates back (the
+    backward: the rotation's transpose). Computed in float32 (float64 for float64 ``x``),
+    rounded once to ``x``'s dtype."""
+    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    cos, sin = cos.to(acc)[..., None, :], sin.to(acc)[..., None, :]
+    if inverse:
+        sin = -sin
+    x1, x2 = (part.to(acc) for part in _pairs(x, options))
+    rotated = _unpairs(x1 * cos - x2 * sin, x2 * cos + x1 * sin, options)
+    rest = x[..., options.rotary_dim:].to(acc)
+    return torch.cat((rotated, rest), -1).to(x.dtype)

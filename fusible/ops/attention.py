@@ -1,0 +1,432 @@
+"""Attention: self-attention over a fused QKV projection's output, with the rotary
+embedding, grouped-query heads, per-head q/k norms, sliding windows and packed documents.
+The arithmetic: :mod:`fusible.functional.qkv` (the inputs' preparation, one Triton kernel
+each way on CUDA) and :mod:`fusible.functional.attention` (the kernels)."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import attrs
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fusible.core import checks
+from fusible.core.arg_types import DTypeArg, DeviceArg
+from fusible.core.example import Example
+from fusible.core.results import BackwardResult, ForwardResult
+from fusible.functional import attention as attn
+from fusible.functional import qkv as qkv_prep
+from fusible.functional.rotary import RotaryOptions, apply_rotary, rotary_angles
+from fusible.module import BasicOperation
+
+Tensor = torch.Tensor
+
+_INTEGER = (torch.int32, torch.int64)
+_LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor",
+                "original_max_position_embeddings")
+
+
+@attrs.define
+class AttentionForwardArgs:
+    input: Tensor
+    cu_seqlens: Optional[Tensor]
+    position_ids: Optional[Tensor]
+    q_norm_weight: Optional[Tensor]
+    k_norm_weight: Optional[Tensor]
+    layout: qkv_prep.HeadLayout
+    rotary: RotaryOptions  # rotary_dim 0: no rotary embedding
+    options: attn.AttentionOptions
+    eps: float
+
+
+@attrs.define
+class AttentionSaved:
+    """What the backward reads.
+
+    Attributes
+    ----------
+    input : Tensor or None
+        The QKV input, where q, k, v are views of it (no rotary, no norms) or the norms
+        need their inputs.
+    prepared : Tensor
+        q, k, v side by side (flat), as the kernel saw them; empty when they are views of
+        ``input``.
+    output : Tensor
+        The attention's output ``(B, S, H * D)``.
+    lse, rng_state : Tensor
+        The kernel's softmax statistics and random state, for its backward.
+    q_rstd, k_rstd : Tensor
+        The norms' statistics (empty without norms).
+    cu_seqlens, position_ids, q_norm_weight, k_norm_weight : Tensor or None
+    """
+
+    input: Optional[Tensor]
+    prepared: Tensor
+    output: Tensor
+    lse: Tensor
+    rng_state: Tensor
+    q_rstd: Tensor
+    k_rstd: Tensor
+    cu_seqlens: Optional[Tensor]
+    position_ids: Optional[Tensor]
+    q_norm_weight: Optional[Tensor]
+    k_norm_weight: Optional[Tensor]
+
+
+@attrs.define
+class AttentionBackwardArgs:
+    grad_output: Tensor
+    input: Optional[Tensor]
+    prepared: Tensor
+    output: Tensor
+    lse: Tensor
+    rng_state: Tensor
+    q_rstd: Tensor
+    k_rstd: Tensor
+    cu_seqlens: Optional[Tensor]
+    position_ids: Optional[Tensor]
+    q_norm_weight: Optional[Tensor]
+    k_norm_weight: Optional[Tensor]
+    layout: qkv_prep.HeadLayout
+    rotary: RotaryOptions
+    options: attn.AttentionOptions
+    need_grad_norms: bool
+
+
+def _rotary(options: RotaryOptions) -> Optional[RotaryOptions]:
+    return options if options.rotary_dim else None
+
+
+def _positions(x: Tensor, rotary, cu_seqlens, position_ids) -> Tensor:
+    if rotary is None:
+        return x.new_empty(0, dtype=torch.int64)
+    return qkv_prep.positions(x.shape[0], x.shape[1], cu_seqlens, position_ids, x.device)
+
+
+class Attention(BasicOperation):
+    """Self-attention over a fused QKV projection's output.
+
+    The input ``(B, S, (num_heads + 2 * num_kv_heads) * head_dim)`` holds the query heads,
+    then the key heads, then the value heads along its last dimension (Hugging Face's
+    separate q/k/v projections stacked); the output is ``(B, S, num_heads * head_dim)``,
+    heads side by side. Query head ``h`` attends with key/value head
+    ``h // (num_heads // num_kv_heads)`` (grouped-query attention, as ``repeat_kv``).
+
+    Per head, optionally: RMSNorm of q and k over ``head_dim`` (Qwen3), then the rotary
+    embedding (:mod:`fusible.functional.rotary`), then
+    ``softmax(q k^T * softmax_scale + mask) v``. On CUDA the preparation is one Triton
+    kernel each way and the attention is FlashAttention-2; the kernel is chosen when the
+    op is planned and shown in ``plan().explain()`` (see ``backend``).
+
+    Parameters
+    ----------
+    num_heads : int
+    num_kv_heads : int, optional
+        Key/value heads (a divisor of ``num_heads``); ``num_heads`` when None.
+    causal : bool
+        Each token attends to itself and the tokens before it; False: to all (encoders).
+    rotary_base : float, optional
+        Apply the rotary embedding with this base (``rope_theta``); None: none.
+    rotary_interleaved : bool
+        Rotate interleaved pairs ``(x[2i], x[2i+1])`` (GPT-J, Meta's Llama code) rather
+        than Hugging Face's ``rotate_half`` halves.
+    softmax_scale : float, optional
+        ``1 / sqrt(head_dim)`` when None.
+    rotary_fraction : float
+        The fraction of ``head_dim`` that rotates (GPT-NeoX's ``rotary_pct``, Phi's
+        ``partial_rotary_factor``); the rotated width must be even.
+    rotary_scaling : dict, optional
+        Llama 3.1's frequency rescaling, as Hugging Face's ``rope_scaling`` with
+        ``rope_type="llama3"``: ``factor``, ``low_freq_factor``, ``high_freq_factor``,
+        ``original_max_position_embeddings``.
+    head_dim : int, optional
+        Checked against the input; needed with ``qk_norm`` (the weights' size).
+    qk_norm : bool
+        RMSNorm over each q and k head before the rotary embedding, weights
+        ``q_norm_weight`` and ``k_norm_weight`` ``(head_dim,)``.
+    qk_norm_eps : float
+    window : int, optional
+        Sliding window (Hugging Face's ``sliding_window``): a query sees the keys less than
+        ``window`` positions away, itself included.
+    documents : bool
+        Packed sequences: called ``model(x, cu_seqlens)`` with ``x`` ``(1, T, ...)`` and
+        ``cu_seqlens`` (int32, ``(documents + 1,)``) the documents' start offsets and ``T``;
+        tokens attend only within their document, and rotary positions restart at each.
+    position_ids : bool
+        Rotary positions given: called ``model(x, [cu_seqlens,] position_ids)`` with
+        integer ``position_ids`` ``(B, S)`` or ``(S,)``.
+    backend : {"flash", "math"}, optional
+        The attention kernel; None: flash where it runs (CUDA with float16/bfloat16 and
+        ``head_dim`` a multiple of 8 up to 256; on the CPU PyTorch's flash kernel without
+        windows or documents), else on the CPU the math formulas. A GPU never runs the
+        math formulas (the whole score matrix) unasked: ValueError instead.
+    device, dtype
+        Of the q/k norm weights.
+    """
+
+    param_names: tuple = ()  # ("q_norm_weight", "k_norm_weight") with qk_norm
+    rounds_within = ("the attention kernels take q, k and v in the input dtype (normed and "
+                     "rotated, rounded once) and round the softmax probabilities to it for "
+                     "the second GEMM, as FlashAttention does")
+    attribute_checks = {
+        "num_heads": checks.positive_int("num_heads"),
+        "num_kv_heads": checks.positive_int("num_kv_heads"),
+        "causal": checks.boolean("causal"),
+        "rotary_base": checks.optional(checks.positive_real("rotary_base")),
+        "rotary_interleaved": checks.boolean("rotary_interleaved"),
+        "rotary_fraction": checks.positive_real("rotary_fraction"),
+        "softmax_scale": checks.optional(checks.positive_real("softmax_scale")),
+        "head_dim": checks.optional(checks.positive_int("head_dim")),
+        "qk_norm": checks.boolean("qk_norm"),
+        "qk_norm_eps": checks.positive_real("qk_norm_eps"),
+        "window": checks.optional(checks.positive_int("window")),
+        "documents": checks.boolean("documents"),
+        "position_ids": checks.boolean("position_ids"),
+        "backend": checks.optional(checks.one_of("backend", attn.BACKENDS)),
+    }
+    fwd_args_type = AttentionForwardArgs
+    bwd_args_type = AttentionBackwardArgs
+    saved_type = AttentionSaved
+
+    def __init__(self, num_heads: int, *, num_kv_heads: Optional[int] = None,
+                 causal: bool = True, rotary_base: Optional[float] = None,
+                 rotary_interleaved: bool = False, softmax_scale: Optional[float] = None,
+                 rotary_fraction: float = 1.0, rotary_scaling: Optional[dict] = None,
+                 head_dim: Optional[int] = None, qk_norm: bool = False,
+                 qk_norm_eps: float = 1e-6, window: Optional[int] = None,
+                 documents: bool = False, position_ids: bool = False,
+                 backend: Optional[str] = None, device: DeviceArg = None,
+                 dtype: DTypeArg = None):
+        super().__init__()
+        self.num_heads = num_heads
+        self.num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+        self.causal, self.rotary_base = causal, rotary_base
+        self.rotary_interleaved, self.rotary_fraction = rotary_interleaved, rotary_fraction
+        self.softmax_scale, self.head_dim = softmax_scale, head_dim
+        self.qk_norm, self.qk_norm_eps, self.window = qk_norm, qk_norm_eps, window
+        self.documents, self.position_ids, self.backend = documents, position_ids, backend
+        self.rotary_scaling = self._check_scaling(rotary_scaling)
+        self.planned_backend: Optional[str] = None  # set when planned, for explain()
+        self._check_heads()
+        self.num_extra_inputs = int(documents) + int(position_ids)
+        if qk_norm:
+            if head_dim is None:
+                raise ValueError(f"{self.describe()}: qk_norm=True needs head_dim (the size "
+                                 f"of the norms' weights)")
+            self.q_norm_weight = nn.Parameter(torch.ones(head_dim, device=device, dtype=dtype))
+            self.k_norm_weight = nn.Parameter(torch.ones(head_dim, device=device, dtype=dtype))
+            self.param_names = ("q_norm_weight", "k_norm_weight")
+
+    def _check_heads(self) -> None:
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"{self.describe()}: num_heads must be a multiple of "
+                             f"num_kv_heads, got {self.num_heads} and {self.num_kv_heads}")
+        if self.rotary_fraction > 1:
+            raise ValueError(f"{self.describe()}: rotary_fraction must be at most 1, got "
+                             f"{self.rotary_fraction}")
+        if self.rotary_scaling is not None and self.rotary_base is None:
+            raise ValueError(f"{self.describe()}: rotary_scaling given without rotary_base")
+
+    def _check_scaling(self, scaling: Optional[dict]) -> Optional[dict]:
+        if scaling is None:
+            return None
+        kind = scaling.get("rope_type", scaling.get("type", "llama3"))
+        missing = [key for key in _LLAMA3_KEYS if key not in scaling]
+        if kind != "llama3" or missing:
+            raise ValueError(f"{self.describe()}: rotary_scaling supports Llama 3.1's "
+                             f"(rope_type 'llama3' with {', '.join(_LLAMA3_KEYS)}), got "
+                             f"{scaling!r}")
+        return {key: scaling[key] for key in _LLAMA3_KEYS}
+
+    def describe(self) -> str:
+        text = f"Attention(num_heads={self.num_heads}"
+        if getattr(self, "num_kv_heads", self.num_heads) != self.num_heads:
+            text += f", num_kv_heads={self.num_kv_heads}"
+        text += f", causal={getattr(self, 'causal', True)}"
+        for name in ("rotary_base", "window", "head_dim"):
+            if getattr(self, name, None) is not None:
+                text += f", {name}={getattr(self, name)}"
+        for name in ("rotary_interleaved", "qk_norm", "documents", "position_ids"):
+            if getattr(self, name, False):
+                text += f", {name}=True"
+        if getattr(self, "rotary_fraction", 1.0) != 1.0:
+            text += f", rotary_fraction={self.rotary_fraction}"
+        backend = getattr(self, "backend", None) or getattr(self, "planned_backend", None)
+        return text + (f", backend={backend!r})" if backend else ")")
+
+    # --- shapes and configuration
+
+    def _layout(self, width: int) -> qkv_prep.HeadLayout:
+        slots = self.num_heads + 2 * self.num_kv_heads
+        if width % slots or (self.head_dim is not None and width != slots * self.head_dim):
+            want = (f"{slots} x head_dim" if self.head_dim is None
+                    else f"{slots} x {self.head_dim} = {slots * self.head_dim}")
+            raise ValueError(f"{self.describe()}: the input's last dimension must be (num_heads "
+                             f"+ 2 * num_kv_heads) x head_dim = {want}, got {width}")
+        return qkv_prep.HeadLayout(self.num_heads, self.num_kv_heads, width // slots)
+
+    def _rotary_options(self, head_dim: int) -> RotaryOptions:
+        if self.rotary_base is None:
+            return RotaryOptions(1.0, 0)
+        rotary_dim = int(round(head_dim * self.rotary_fraction))
+        if rotary_dim % 2 or not rotary_dim:
+            raise ValueError(f"{self.describe()}: the rotated width head_dim x rotary_fraction "
+                             f"= {head_dim} x {self.rotary_fraction} must be a positive even "
+                             f"number, got {rotary_dim}")
+        scaling = self.rotary_scaling or {}
+        return RotaryOptions(
+            float(self.rotary_base), rotary_dim, self.rotary_interleaved,
+            float(scaling.get("factor", 1.0)), float(scaling.get("low_freq_factor", 1.0)),
+            float(scaling.get("high_freq_factor", 4.0)),
+            int(scaling.get("original_max_position_embeddings", 8192)))
+
+    def _options(self, x_device_type: str, dtype, head_dim: int) -> attn.AttentionOptions:
+        backend = attn.choose_backend(self.backend, x_device_type, dtype, head_dim,
+                                      self.window or 0, self.documents, self.describe())
+        scale = self.softmax_scale if self.softmax_scale is not None else head_dim ** -0.5
+        return attn.AttentionOptions(self.causal, float(scale), self.window or 0, backend)
+
+    def _extras(self, extra_inputs) -> tuple:
+        """``(cu_seqlens, position_ids)`` (None where not taken)."""
+        extras = list(extra_inputs)
+        cu = extras.pop(0) if self.documents else None
+        return cu, (extras.pop(0) if self.position_ids else None)
+
+    def validate(self, shape, dtype, device, extra_inputs=()):
+        if len(shape) != 3 or not dtype.is_floating_point:
+            raise ValueError(f"{self.describe()} takes a floating input (batch, seq, features),"
+                             f" got {dtype} of shape {tuple(shape)}")
+        layout = self._layout(shape[-1])
+        self._rotary_options(layout.head_dim)
+        cu, pos = self._extras(extra_inputs)
+        if cu is not None:
+            self._check_documents(cu, shape, device)
+        if pos is not None:
+            checks.extra_tensor(self.describe(), pos, "the position ids", "an integer tensor "
+                                "(int32 or int64)", tuple(pos.shape), _INTEGER.__contains__,
+                                device)
+            if tuple(pos.shape) not in (tuple(shape[:2]), (shape[1],)):
+                raise ValueError(f"{self.describe()}: position_ids must be (batch, seq) = "
+                                 f"{tuple(shape[:2])} or (seq,), got {tuple(pos.shape)}")
+        self.planned_backend = self._options(torch.device(device).type, dtype,
+                                             layout.head_dim).backend
+        for name in self.param_names:
+            self._check_param(name, self.param(name), dtype, device, (layout.head_dim,))
+        return (*shape[:2], self.num_heads * layout.head_dim)
+
+    def _check_documents(self, cu: Tensor, shape, device) -> None:
+        checks.extra_tensor(self.describe(), cu, "cu_seqlens", "an integer tensor (int32 or "
+                            "int64) of document offsets", tuple(cu.shape),
+                            _INTEGER.__contains__, device)
+        if shape[0] != 1 or cu.dim() != 1 or cu.numel() < 2:
+            raise ValueError(f"{self.describe()}: packed documents take one row (1, T, ...) "
+                             f"and cu_seqlens (documents + 1,), got an input of shape "
+                             f"{tuple(shape)} and cu_seqlens of shape {tuple(cu.shape)}")
+
+    # --- the stage
+
+    def forward_args(self, input, params, extra_inputs, ctxs):
+        layout = self._layout(input.shape[-1])
+        cu, pos = self._extras(extra_inputs)
+        qw, kw = (params[0], params[1]) if self.qk_norm else (None, None)
+        return AttentionForwardArgs(input, cu, pos, qw, kw, layout,
+                                    self._rotary_options(layout.head_dim),
+                                    self._options(input.device.type, input.dtype,
+                                                  layout.head_dim), float(self.qk_norm_eps))
+
+    @classmethod
+    def forward_compute(cls, args, *, in_custom_op=False):
+        x, layout, rotary = args.input, args.layout, _rotary(args.rotary)
+        b, s = x.shape[:2]
+        pos = _positions(x, rotary, args.cu_seqlens, args.position_ids)
+        prepared, (q, k, v), q_rstd, k_rstd = qkv_prep.prepare_forward(
+            x, layout, pos, rotary, args.q_norm_weight, args.k_norm_weight, args.eps)
+        out, lse, rng = attn.attention_forward(q, k, v, args.options, args.cu_seqlens)
+        # aux: distinct tensors (a custom op's results may not alias one another)
+        return ForwardResult(out.view(b, s, -1), (),
+                             (x.new_empty(0) if prepared is None else prepared, lse, rng,
+                              x.new_empty(0) if q_rstd is None else q_rstd,
+                              x.new_empty(0) if k_rstd is None else k_rstd))
+
+    def save_for_backward(self, args, result, ctxs):
+        needs = ctxs[0].needs
+        if not needs.any:
+            return
+        prepared, lse, rng, q_rstd, k_rstd = result.aux
+        keep_input = not prepared.numel() or args.q_norm_weight is not None
+        ctxs[0].saved = AttentionSaved(
+            args.input if keep_input else None, prepared, result.output, lse, rng, q_rstd,
+            k_rstd, args.cu_seqlens, args.position_ids, args.q_norm_weight, args.k_norm_weight)
+
+    def backward_args(self, grad_output, grad_extra_outputs, ctxs):
+        saved, needs = ctxs[0].saved, ctxs[0].needs
+        layout = self._layout(grad_output.shape[-1] // self.num_heads
+                              * (self.num_heads + 2 * self.num_kv_heads))
+        return AttentionBackwardArgs(
+            grad_output, saved.input, saved.prepared, saved.output, saved.lse,
+            saved.rng_state, saved.q_rstd, saved.k_rstd, saved.cu_seqlens, saved.position_ids,
+            saved.q_norm_weight, saved.k_norm_weight, layout,
+            self._rotary_options(layout.head_dim),
+            self._options(grad_output.device.type, grad_output.dtype, layout.head_dim),
+            self.qk_norm and any(needs.params))
+
+    @classmethod
+    def backward_compute(cls, args, *, in_custom_op=False):
+        layout, rotary = args.layout, _rotary(args.rotary)
+        b, s = args.grad_output.shape[:2]
+        if args.prepared.numel():
+            q, k, v = qkv_prep.views(args.prepared, b, s, layout)
+        else:
+            q, k, v = qkv_prep.split(args.input, layout)
+        dout = args.grad_output.reshape(b, s, layout.heads, layout.head_dim)
+        out = args.output.view(b, s, layout.heads, layout.head_dim)
+        dq, dk, dv = attn.attention_backward(dout, q, k, v, out, args.lse, args.rng_state,
+                                             args.options, args.cu_seqlens)
+        pos = _positions(args.grad_output, rotary, args.cu_seqlens, args.position_ids)
+        norm_saved = None
+        if args.q_norm_weight is not None:
+            q_in, k_in, _ = qkv_prep.split(args.input, layout)
+            norm_saved = (q_in.contiguous(), k_in.contiguous(), args.q_rstd, args.k_rstd,
+                          args.q_norm_weight, args.k_norm_weight)
+        dqkv, dqw, dkw = qkv_prep.prepare_backward(dq, dk, dv, layout, pos, rotary, norm_saved,
+                                                   args.need_grad_norms)
+        extras = int(args.cu_seqlens is not None) + int(args.position_ids is not None)
+        params = (dqw, dkw) if args.q_norm_weight is not None else ()
+        return BackwardResult(dqkv, params, (None,) * extras)
+
+    # --- the reference
+
+    def reference(self, x, extra_inputs, params):
+        """Plain PyTorch: the split, the norms, :func:`apply_rotary`, and
+        ``F.scaled_dot_product_attention`` with k and v repeated per query head and the
+        mask given explicitly."""
+        layout = self._layout(x.shape[-1])
+        cu, pos_ids = self._extras(extra_inputs)
+        q, k, v = qkv_prep.split(x, layout)
+        if self.qk_norm:
+            q, k = _rms(q, params[0], self.qk_norm_eps), _rms(k, params[1], self.qk_norm_eps)
+        rotary = _rotary(self._rotary_options(layout.head_dim))
+        if rotary is not None:
+            pos = qkv_prep.positions(x.shape[0], x.shape[1], cu, pos_ids, x.device)
+            cos, sin = (t.to(x.dtype) for t in rotary_angles(pos, rotary))
+            q, k = apply_rotary(q, cos, sin, rotary), apply_rotary(k, cos, sin, rotary)
+        scale = self.softmax_scale if self.softmax_scale is not None else layout.head_dim ** -0.5
+        options = attn.AttentionOptions(self.causal, scale, self.window or 0, "math")
+        groups = layout.heads // layout.kv_heads
+        k, v = k.repeat_interleave(groups, 2), v.repeat_interleave(groups, 2)
+        allowed = attn.mask(x.shape[1], options, cu, x.device)
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
+                                             v.transpose(1, 2), attn_mask=allowed,
+                                             scale=options.scale)
+        return out.transpose(1, 2).flatten(2), ()
+
+    @classmethod
+    def example(cls):
+        return Example((cls(4, num_kv_heads=2, rotary_base=10000.0),), (2, 5, 64), fp8=False)
+
+
+def _rms(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    return x * torch.rsqrt(x.square().mean(-1, keepdim=True) + eps) * weight
+
