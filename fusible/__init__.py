@@ -9,7 +9,7 @@ below it (see docs/design.md) and is imported by none of them. The built-in fusi
 (``fusible.fusions``) load at the first planning, like plugins.
 """
 
-from fusible import ops, testing
+from fusible import layers, ops, testing
 from fusible.fsdp import fsdp_float8_all_gather
 from fusible.models.conversion import ConversionReport, convert, convert_module
 from fusible.models.glu_rows import deinterleave_glu_rows, interleave_glu_rows
@@ -39,7 +39,7 @@ __all__ = [
     "convert", "convert_module", "deinterleave_glu_rows", "DelayedScaling", "Example",
     "Float8BlockScaling", "Float8CurrentScaling", "Float8Format", "Float8RowwiseScaling",
     "Float8Tensor", "fsdp_float8_all_gather", "FusedOperation", "FusionPlan",
-    "interleave_glu_rows", "make_graphed_callables", "ModelPlan", "MXFP8BlockScaling", "Op",
+    "interleave_glu_rows", "layers", "make_graphed_callables", "ModelPlan", "MXFP8BlockScaling", "Op",
     "OperationContext", "ops", "Pattern", "pending_wgrad", "pipeline_stage", "plan_model",
     "PlanConditions", "PlanEnvironment", "quantize", "quantized_model_init", "Recipe",
     "recipe_from_name", "register_fusion", "register_recipe", "register_schema_type",

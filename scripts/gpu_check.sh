@@ -2,7 +2,7 @@
 # Everything the GPU machine runs, in one call: the whole test suite (CUDA tests included)
 # under the machine's PyTorch, then the GPU benchmarks. Results land in $OUT (or out/).
 # Usage there: [TESTS="tests/test_fp8.py ..."] bash scripts/gpu_check.sh [bf16] [fp8] [tp] [tiles]
-#   [idle] [breakdown] [small] [graphs] [zoo] [moe] [probe] [fsdp]
+#   [idle] [breakdown] [small] [graphs] [zoo] [moe] [probe] [fsdp] [layer]
 # (no argument: bf16 and fp8; tp needs two GPUs (kind nvidia-h200-x2); tiles: the GELU
 # kernels' tile shapes (diagnostics/activation_tiles.py); idle: host time, GPU idle and
 # kernels and host profile of the FP8 attention projections, eager and compiled (gpu_idle.py);
@@ -16,7 +16,9 @@
 # torch._scaled_grouped_mm
 # takes (diagnostics/scaled_grouped_probe.py); fsdp: FSDP2 on every GPU against one
 # (gpu_fsdp.py); pipeline: 1F1B against zero-bubble with the split backward
-# (gpu_pipeline.py); TESTS: which tests,
+# (gpu_pipeline.py); layer: a whole decoder layer at three sizes and the 8B LM head with
+# its loss against Hugging Face, torch.compile and Liger (layer.py; LAYERS: which sizes);
+# TESTS: which tests,
 # default all, "none" for none; the argument "none" runs no benchmark)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -99,6 +101,12 @@ if [[ " $benches " == *" zoo "* ]]; then
     (cd benchmarks && python3 zoo.py --configs "${ZOO_CONFIGS:-99}" --first "${ZOO_FIRST:-0}" \
         ${ZOO_ROWS:+--rows "$ZOO_ROWS"} \
         --output "$OUT_ABS/zoo.json" --profile "$OUT_ABS/zoo_profile.txt") 2>&1 | tee "$OUT/zoo.log"
+    bench_rc=$(( bench_rc || PIPESTATUS[0] ))
+fi
+if [[ " $benches " == *" layer "* ]]; then  # a decoder layer and the LM head (layer.py)
+    (cd benchmarks && python3 layer.py --output "$OUT_ABS/layer.json" \
+        --profile "$OUT_ABS/layer_profile.txt" ${LAYERS:+--layers "$LAYERS"}) 2>&1 \
+        | tee "$OUT/layer.log"
     bench_rc=$(( bench_rc || PIPESTATUS[0] ))
 fi
 if [[ " $benches " == *" probe "* ]]; then

@@ -1201,3 +1201,155 @@ def test_checkpoint_context_on_gpu():
     got = run(twin, lambda t: checkpoint(twin, t, use_reentrant=False,
                                          context_fn=fusible.checkpoint_context))
     assert len(want) == len(got) and all(same_bits(a, b) for a, b in zip(want, got))
+
+
+def _relative_error(got, want) -> float:
+    return ((got.double() - want.double()).norm() / want.double().norm()).item()
+
+
+ATTENTION_CASES = [  # (kv heads, window, documents, position ids)
+    (8, None, False, False), (2, None, False, False), (2, 64, False, False),
+    (2, None, True, False), (1, 32, True, True)]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("kv,window,documents,positions", ATTENTION_CASES)
+def test_attention_flash_on_gpu_matches_float64(dtype, kv, window, documents, positions):
+    """FlashAttention-2 through the varlen entry: grouped heads, windows, packed documents,
+    given positions, against the same op on the CPU's float64 math formulas."""
+    heads, d = 8, 64
+    batch, seq = (1, 700) if documents else (2, 333)
+    options = dict(num_kv_heads=kv, rotary_base=5e5, window=window, documents=documents,
+                   position_ids=positions)
+    gpu = ops.Sequential(ops.Attention(heads, **options)).cuda()
+    ref = ops.Sequential(ops.Attention(heads, backend="math", **options)).double()
+    assert "kernel: flash" in gpu.plan(torch.randn(batch, seq, (heads + 2 * kv) * d,
+                                                   device="cuda", dtype=dtype)).explain()
+    torch.manual_seed(0)
+    x = torch.randn(batch, seq, (heads + 2 * kv) * d, dtype=torch.float64)
+    extras = []
+    if documents:
+        extras.append(torch.tensor([0, 100, 101, 450, seq], dtype=torch.int32))
+    if positions:
+        extras.append(torch.randint(0, 4000, (seq,)))
+    x_gpu = x.to("cuda", dtype).requires_grad_()
+    x_ref = x_gpu.detach().double().cpu().requires_grad_()
+    y = gpu(x_gpu, *[e.cuda() for e in extras])
+    want = ref(x_ref, *extras)
+    dy = torch.randn_like(want)
+    y.backward(dy.to("cuda", dtype))
+    want.backward(dy)
+    bound = 8e-3 if dtype == torch.bfloat16 else 1e-3
+    assert _relative_error(y.cpu(), want) < bound
+    assert _relative_error(x_gpu.grad.cpu(), x_ref.grad) < 2 * bound
+
+
+def test_attention_on_gpu_never_runs_the_math_formulas_unasked():
+    model = ops.Sequential(ops.Attention(4, rotary_base=1e4)).cuda()
+    with pytest.raises(ValueError, match="no attention kernel on cuda fits.*backend='math'"):
+        model(torch.randn(2, 8, 12 * 16, device="cuda"))
+    with pytest.raises(ValueError, match="head_dim 12 is not a multiple of 8"):
+        model(torch.randn(2, 8, 12 * 12, device="cuda", dtype=torch.bfloat16))
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_qkv_rotary_kernel_on_gpu(interleaved, dtype):
+    """The Triton QKV split + RoPE kernel, both ways, against the PyTorch formulas."""
+    from fusible.functional.qkv import HeadLayout, split, views
+    from fusible.functional.rotary import RotaryOptions, apply_rotary, rotary_angles
+    from fusible.kernels.rotary import qkv_rotary_backward_triton, qkv_rotary_forward_triton
+    torch.manual_seed(0)
+    heads, kv, d, rot, batch, seq = 8, 2, 128, 64, 2, 300
+    layout = HeadLayout(heads, kv, d)
+    opts = RotaryOptions(5e5, rot, interleaved, 8.0, 1.0, 4.0, 8192)
+    pos = torch.randint(0, 9000, (batch, seq), device="cuda")
+    cos, sin = rotary_angles(pos, opts)
+    cos2, sin2 = cos.reshape(-1, rot // 2), sin.reshape(-1, rot // 2)
+    qkv = torch.randn(batch, seq, (heads + 2 * kv) * d, device="cuda").to(dtype)
+    got = views(qkv_rotary_forward_triton(qkv.flatten(0, 1), cos2, sin2, heads, kv,
+                                          interleaved), batch, seq, layout)
+    q, k, v = split(qkv, layout)
+    want = (apply_rotary(q, cos, sin, opts), apply_rotary(k, cos, sin, opts), v)
+    grads = [torch.randn_like(t) for t in got]
+    dqkv = qkv_rotary_backward_triton(*(g.flatten(0, 1) for g in grads), cos2, sin2,
+                                      interleaved).view(qkv.shape)
+    want_grads = (apply_rotary(grads[0], cos, sin, opts, inverse=True),
+                  apply_rotary(grads[1], cos, sin, opts, inverse=True), grads[2])
+    for a, b in zip((*got, *split(dqkv, layout)), (*want, *want_grads)):
+        assert a.shape == b.shape
+        torch.testing.assert_close(a, b, atol=1e-5 if dtype == torch.float32 else 1e-2,
+                                   rtol=1e-5 if dtype == torch.float32 else 1e-2)
+
+
+def test_transformer_layer_on_gpu_compiles_bit_for_bit(fresh_dynamo):
+    from fusible.layers import TransformerLayer
+    from fusible.testing import check_compiled_matches_eager
+    torch.manual_seed(0)
+    layer = TransformerLayer(512, 1024, 8, num_kv_heads=2, device="cuda",
+                             dtype=torch.bfloat16)
+    x = torch.randn(2, 256, 512, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    check_compiled_matches_eager(layer, x, backend="inductor")
+
+
+def test_transformer_layer_on_gpu_matches_hugging_face_llama():
+    """bf16 on the GPU against Hugging Face's LlamaDecoderLayer (sdpa) on the same weights."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.llama import modeling_llama as llama
+    from fusible.layers import TransformerLayer, llama_layer_state_dict
+    config = transformers.LlamaConfig(hidden_size=1024, intermediate_size=2816,
+                                      num_attention_heads=16, num_key_value_heads=4,
+                                      rope_theta=5e5)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    hf = llama.LlamaDecoderLayer(config, 0).to("cuda", torch.bfloat16)
+    rotary = llama.LlamaRotaryEmbedding(config).cuda()
+    ours = TransformerLayer(1024, 2816, 16, num_kv_heads=4,
+                            rotary_base=config.rope_parameters["rope_theta"],
+                            eps=config.rms_norm_eps, device="cuda", dtype=torch.bfloat16)
+    ours.load_state_dict(llama_layer_state_dict(hf.state_dict()))
+    x = torch.randn(2, 512, 1024, device="cuda", dtype=torch.bfloat16)
+    pos = torch.arange(512, device="cuda").expand(2, 512)
+    x_hf, x_ours = x.clone().requires_grad_(), x.clone().requires_grad_()
+    want = hf(x_hf, position_ids=pos, position_embeddings=rotary(x_hf, pos))
+    got = ours(x_ours)
+    dy = torch.randn_like(got)
+    want.backward(dy)
+    got.backward(dy)
+    assert _relative_error(got, want) < 1e-2
+    assert _relative_error(x_ours.grad, x_hf.grad) < 2e-2
+    grads = llama_layer_state_dict({n: p.grad for n, p in hf.named_parameters()})
+    for name, grad in grads.items():
+        assert _relative_error(ours.get_parameter(name).grad, grad) < 3e-2, name
+
+
+def test_linear_cross_entropy_on_gpu_never_holds_the_logits():
+    """The LM head and its loss at a real vocabulary: against F.cross_entropy on float32
+    logits, and the step's memory beyond its inputs stays under half the bf16 logits' (the
+    default chunks: 512 tokens of float32 logits; the weight's gradient: 128 MiB)."""
+    torch.manual_seed(0)
+    tokens, hidden, vocab = 32768, 1024, 65536
+    head = ops.LinearCrossEntropy(hidden, vocab, device="cuda", dtype=torch.bfloat16)
+    model = ops.Sequential(head)
+    x = (torch.randn(tokens, hidden, device="cuda") * 0.5).to(torch.bfloat16)
+    labels = torch.randint(0, vocab, (tokens,), device="cuda")
+    labels[::7] = -100
+    x_ref = x.clone().float().requires_grad_()
+    w_ref = head.weight.detach().float().requires_grad_()
+    want = torch.nn.functional.cross_entropy(x_ref @ w_ref.t(), labels)
+    want.backward()
+    x = x.requires_grad_()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    loss = model(x, labels)
+    loss.backward()
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - base
+    logits_bytes = tokens * vocab * 2
+    print(f"LinearCrossEntropy step: {extra / 2**20:.0f} MiB beyond its inputs; bf16 logits "
+          f"{logits_bytes / 2**20:.0f} MiB")
+    assert extra < logits_bytes / 2, (extra, logits_bytes)
+    assert abs(loss.item() - want.item()) < 2e-3 * abs(want.item())
+    assert _relative_error(x.grad, x_ref.grad) < 1e-2
+    assert _relative_error(head.weight.grad, w_ref.grad) < 1e-2

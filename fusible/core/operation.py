@@ -152,6 +152,9 @@ class BasicOperationSpec(FusibleSpec, StageSpec):
         computes in float32 and rounds once, which the test matrix holds single ops to).
         Attention says so: its kernels take 16-bit q, k, v and round the softmax's
         probabilities for the second GEMM.
+    input_dims : int or None
+        How many dimensions the op's input has (None: any, the features last). Attention
+        takes ``(batch, seq, features)``: 3.
     """
 
     param_names: tuple = ()  # not a ClassVar: an instance may name fewer (GroupedLinear)
@@ -168,6 +171,7 @@ class BasicOperationSpec(FusibleSpec, StageSpec):
     # unchanged (planning.passes.check_gated_layouts).
     keeps_features: ClassVar[bool] = False
     rounds_within: ClassVar[str] = ""
+    input_dims: ClassVar[Optional[int]] = None
     num_extra_inputs: int = 0  # not a ClassVar: an instance may take more (GroupedLinear)
     num_extra_outputs: ClassVar[int] = 0
     saved_type: ClassVar[Optional[type]] = None
@@ -220,6 +224,12 @@ class BasicOperationSpec(FusibleSpec, StageSpec):
                 made = made.clone()
         self.register_buffer(name, made)
         return made
+
+    def plan_note(self, conditions) -> str:
+        """What the op decides for a plan's conditions (:class:`PlanConditions`), shown
+        after its description in ``explain()`` and under it in the diagram: ``""``, or
+        e.g. Attention's ``"kernel: flash"``."""
+        return ""
 
     def diagram_label(self) -> str:
         """Sizes and settings shown under the op's name in plan diagrams."""

@@ -49,9 +49,10 @@ class AttentionOptions:
     backend: str
 
 
-def _backend_refusal(backend: str, device_type: str, dtype: torch.dtype, head_dim: int,
-                     window: int, documents: bool) -> Optional[str]:
-    """Why ``backend`` cannot run this attention, or None."""
+def _backend_refusal(backend: str, device_type: str, dtype: torch.dtype,
+                     head_dim: Optional[int], window: int, documents: bool) -> Optional[str]:
+    """Why ``backend`` cannot run this attention, or None (``head_dim`` None: not known yet,
+    at planning; the run checks it)."""
     if backend == "math":
         return None
     if device_type == "cpu":
@@ -64,16 +65,17 @@ def _backend_refusal(backend: str, device_type: str, dtype: torch.dtype, head_di
         return f"no {backend} kernel on {device_type}"
     if dtype not in _HALF:
         return f"the {backend} kernel takes float16 or bfloat16, not {dtype}"
-    if head_dim % 8 or head_dim > 256:
+    if head_dim is not None and (head_dim % 8 or head_dim > 256):
         return f"head_dim {head_dim} is not a multiple of 8 up to 256"
     return None
 
 
 def choose_backend(requested: Optional[str], device_type: str, dtype: torch.dtype,
-                   head_dim: int, window: int, documents: bool, where: str) -> str:
+                   head_dim: Optional[int], window: int, documents: bool, where: str) -> str:
     """The backend for this attention: ``requested`` if it can run it (else ValueError
-    naming ``where`` and why), or flash where it can (on the CPU, else math). On a GPU the math kernel is never chosen unasked:
-    ValueError saying why none fits."""
+    naming ``where`` and why), or flash where it can (on the CPU, else math). On a GPU the
+    math kernel is never chosen unasked: ValueError saying why none fits. ``head_dim``
+    None (at planning, before the input's width is known) leaves its check to the run."""
     if requested is not None:
         why = _backend_refusal(requested, device_type, dtype, head_dim, window, documents)
         if why:
@@ -136,7 +138,7 @@ def _math_probabilities(q, k, options, cu_seqlens):
 def _math_forward(q, k, v, options, cu_seqlens):
     p, lse, _, _ = _math_probabilities(q, k, options, cu_seqlens)
     out = torch.einsum("bkgst,btkd->bskgd", p, v.to(p.dtype))
-    return out.reshape(q.shape).to(q.dtype), lse.flatten(1, 2)
+    return out.reshape(q.shape).to(q.dtype).contiguous(), lse.flatten(1, 2)
 
 
 def _math_backward(dout, q, k, v, out, options, cu_seqlens):

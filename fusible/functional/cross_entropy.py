@@ -27,10 +27,10 @@ Tensor = torch.Tensor
 # What fusions may import (the rest serves fusible.ops.CrossEntropy)
 __all__ = ["LossOptions", "linear_cross_entropy_backward", "linear_cross_entropy_forward"]
 
-# Elements of one chunk's float32 logits (512 MiB): the default chunk of tokens is this
+# Elements of one chunk's float32 logits (128 MiB): the default chunk of tokens is this
 # over the vocabulary size; a chunk's logits, their softmax and its gradient are the
 # transient memory.
-_CHUNK_ELEMENTS = 2 ** 27
+_CHUNK_ELEMENTS = 2 ** 25
 REDUCTIONS = ("mean", "sum", "none")
 
 
@@ -64,7 +64,7 @@ def check_options(where: str, options: LossOptions) -> None:
 
 
 def default_chunk(vocab: int) -> int:
-    """Tokens per chunk when none is given: float32 logits of at most 512 MiB."""
+    """Tokens per chunk when none is given: float32 logits of at most 128 MiB."""
     return max(1, _CHUNK_ELEMENTS // vocab)
 
 

@@ -170,6 +170,7 @@ class Attention(BasicOperation):
     rounds_within = ("the attention kernels take q, k and v in the input dtype (normed and "
                      "rotated, rounded once) and round the softmax probabilities to it for "
                      "the second GEMM, as FlashAttention does")
+    input_dims = 3  # (batch, seq, features)
     attribute_checks = {
         "num_heads": checks.positive_int("num_heads"),
         "num_kv_heads": checks.positive_int("num_kv_heads"),
@@ -208,7 +209,6 @@ class Attention(BasicOperation):
         self.qk_norm, self.qk_norm_eps, self.window = qk_norm, qk_norm_eps, window
         self.documents, self.position_ids, self.backend = documents, position_ids, backend
         self.rotary_scaling = self._check_scaling(rotary_scaling)
-        self.planned_backend: Optional[str] = None  # set when planned, for explain()
         self._check_heads()
         self.num_extra_inputs = int(documents) + int(position_ids)
         if qk_norm:
@@ -253,8 +253,17 @@ class Attention(BasicOperation):
                 text += f", {name}=True"
         if getattr(self, "rotary_fraction", 1.0) != 1.0:
             text += f", rotary_fraction={self.rotary_fraction}"
-        backend = getattr(self, "backend", None) or getattr(self, "planned_backend", None)
+        backend = getattr(self, "backend", None)
         return text + (f", backend={backend!r})" if backend else ")")
+
+    def plan_note(self, conditions) -> str:
+        """The attention kernel these conditions get, for ``explain()`` and the diagram."""
+        try:
+            return "kernel: " + attn.choose_backend(
+                self.backend, conditions.device_type, conditions.dtype, self.head_dim,
+                self.window or 0, self.documents, self.describe())
+        except ValueError as error:
+            return f"no kernel fits: {error}"
 
     # --- shapes and configuration
 
@@ -295,7 +304,7 @@ class Attention(BasicOperation):
         return cu, (extras.pop(0) if self.position_ids else None)
 
     def validate(self, shape, dtype, device, extra_inputs=()):
-        if len(shape) != 3 or not dtype.is_floating_point:
+        if len(shape) != self.input_dims or not dtype.is_floating_point:
             raise ValueError(f"{self.describe()} takes a floating input (batch, seq, features),"
                              f" got {dtype} of shape {tuple(shape)}")
         layout = self._layout(shape[-1])
@@ -310,8 +319,7 @@ class Attention(BasicOperation):
             if tuple(pos.shape) not in (tuple(shape[:2]), (shape[1],)):
                 raise ValueError(f"{self.describe()}: position_ids must be (batch, seq) = "
                                  f"{tuple(shape[:2])} or (seq,), got {tuple(pos.shape)}")
-        self.planned_backend = self._options(torch.device(device).type, dtype,
-                                             layout.head_dim).backend
+        self._options(torch.device(device).type, dtype, layout.head_dim)
         for name in self.param_names:
             self._check_param(name, self.param(name), dtype, device, (layout.head_dim,))
         return (*shape[:2], self.num_heads * layout.head_dim)

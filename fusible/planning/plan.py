@@ -134,7 +134,7 @@ class FusionPlan:
         return out
 
     def _covered(self, stage: Stage) -> str:
-        return " + ".join(describe_op(self.ops[i]) for i in stage.indices)
+        return " + ".join(describe_op(self.ops[i], self.conditions) for i in stage.indices)
 
     def to_dot(self) -> str:
         """Graphviz DOT source of the plan diagram (no graphviz binary needed)."""
@@ -171,7 +171,12 @@ def _indices(indices) -> str:
     return "[" + ", ".join(str(i) for i in indices) + "]"
 
 
-def describe_op(op) -> str:
-    """An op's ``describe()``, or an ordinary module's class name."""
+def describe_op(op, conditions=None) -> str:
+    """An op's ``describe()`` (and its :meth:`plan_note` for ``conditions``), or an
+    ordinary module's class name."""
     describe = getattr(op, "describe", None)
-    return describe() if describe is not None else op.__class__.__name__
+    if describe is None:
+        return op.__class__.__name__
+    note = getattr(op, "plan_note", None)
+    note = note(conditions) if note is not None and conditions is not None else ""
+    return describe() + (f" [{note}]" if note else "")

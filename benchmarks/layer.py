@@ -1,0 +1,187 @@
+"""GPU: a whole decoder layer and the LM head with its loss, fusible against Hugging Face
+and the libraries users reach for, side by side in one run (bf16, fwd+bwd).
+
+Layers: transformers' ``LlamaDecoderLayer`` (sdpa attention, its rotary tables made
+once outside the step as the model does) eager and under ``torch.compile``, against
+``fusible.layers.TransformerLayer`` on the same weights, eager and compiled, at Llama-3-8B
+widths, Llama-3.2-1B widths and torchtitan's debugmodel shape. LM head: ``F.linear`` +
+``F.cross_entropy`` eager and compiled, Liger-Kernel's fused linear cross-entropy (when
+installed), ``ops.LinearCrossEntropy`` eager and compiled, at the 8B head (vocab 128256).
+Method as ``gpu_mlp.py``: median of ``triton.testing.do_bench``, peak memory of one step;
+``rel_err`` compares each row's output with the first row's.
+
+    python benchmarks/layer.py --output benchmarks/results/layer_h200.json \
+        --profile benchmarks/results/layer_profile_h200.txt
+"""
+
+import argparse
+import gc
+import json
+
+import torch
+import torch.nn.functional as F
+import triton.testing
+from torch import nn
+
+from fusible import ops
+from fusible.layers import TransformerLayer, llama_layer_state_dict
+from gpu_mlp import profile_step
+
+# name: (hidden, ffn, heads, kv heads, batch, seq)
+LAYERS = {"llama3_8b": (4096, 14336, 32, 8, 2, 4096),
+          "llama3_1b": (2048, 8192, 32, 8, 2, 4096),
+          "debugmodel": (256, 768, 16, 16, 8, 2048)}
+HEAD = (4096, 128256, 8192)  # hidden, vocab, tokens
+THETA = 500000.0
+
+
+class HFLayer(nn.Module):
+    """A Hugging Face decoder layer called as ``layer(x)``, its rotary tables given."""
+
+    def __init__(self, layer, cos_sin):
+        super().__init__()
+        self.layer, self.cos_sin = layer, cos_sin
+
+    def forward(self, x):
+        return self.layer(x, position_embeddings=self.cos_sin)
+
+
+def build_layer(row: str, shape: tuple):
+    from transformers import LlamaConfig
+    from transformers.models.llama import modeling_llama as llama
+    hidden, ffn, heads, kv, batch, seq = shape
+    config = LlamaConfig(hidden_size=hidden, intermediate_size=ffn, num_attention_heads=heads,
+                         num_key_value_heads=kv, rope_theta=THETA)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    hf = llama.LlamaDecoderLayer(config, 0).to("cuda", torch.bfloat16)
+    if row.startswith("hf"):
+        x = torch.zeros(1, device="cuda", dtype=torch.bfloat16)
+        pos = torch.arange(seq, device="cuda").expand(batch, seq)
+        model = HFLayer(hf, llama.LlamaRotaryEmbedding(config).cuda()(x, pos))
+    else:
+        model = TransformerLayer(hidden, ffn, heads, num_kv_heads=kv, rotary_base=THETA,
+                                 eps=config.rms_norm_eps, device="cuda", dtype=torch.bfloat16)
+        model.load_state_dict(llama_layer_state_dict(hf.state_dict()))
+    return model
+
+
+class TorchHead(nn.Module):
+    def __init__(self, hidden, vocab):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(vocab, hidden))
+
+    def forward(self, x, labels):
+        return F.cross_entropy(F.linear(x, self.weight).float(), labels)
+
+
+class LigerHead(nn.Module):
+    def __init__(self, hidden, vocab):
+        super().__init__()
+        from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+        self.weight = nn.Parameter(torch.empty(vocab, hidden))
+        self.loss = LigerFusedLinearCrossEntropyLoss()
+
+    def forward(self, x, labels):
+        return self.loss(self.weight, x, labels)
+
+
+def build_head(row: str):
+    hidden, vocab, _ = HEAD
+    torch.manual_seed(0)
+    cls = {"torch": TorchHead, "liger": LigerHead}.get(row.split("_")[0])
+    model = cls(hidden, vocab) if cls else ops.Sequential(ops.LinearCrossEntropy(hidden, vocab))
+    model = model.to("cuda", torch.bfloat16)
+    with torch.no_grad():
+        nn.init.normal_(model.get_parameter([n for n, _ in model.named_parameters()][0]),
+                        std=0.02)
+    return model
+
+
+def measure(model, inputs: tuple, compiled: bool, dy=None) -> tuple:
+    """``({"ms", "peak_gib"}, the output, the step)`` of fwd+bwd steps."""
+    run = torch.compile(model, fullgraph=True) if compiled else model
+    params = list(model.parameters())
+    x = inputs[0]
+
+    def step():
+        y = run(*inputs)
+        y.backward(dy if dy is not None else None)
+        x.grad = None
+        for p in params:
+            p.grad = None
+        return y
+
+    for _ in range(3):
+        out = step()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    step()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() / 2**30
+    ms = triton.testing.do_bench(step, warmup=50, rep=800, return_mode="median")
+    return {"ms": ms, "peak_gib": peak}, out.detach(), step
+
+
+def _fresh():
+    torch._dynamo.reset()
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def run_rows(rows, build, make_inputs, results: dict, key: str, output: str,
+             profile: str = "") -> None:
+    first = None
+    for row in rows:
+        _fresh()
+        try:
+            model = build(row)
+            inputs, dy = make_inputs()
+            result, out, step = measure(model, inputs, row.endswith("compile"), dy)
+            first = out.float() if first is None else first
+            result["rel_err"] = ((out.float() - first).norm() / first.norm()).item()
+            if profile and row in ("hf_eager", "fusible_eager"):
+                profile_step(step, f"{key} {row}", profile)
+        except Exception as error:  # a row that cannot run is reported, the rest go on
+            result = {"error": repr(error)[:300]}
+        results.setdefault(key, {})[row] = result
+        print(key, row, result, flush=True)
+        with open(output, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--output", default="out/layer.json")
+    parser.add_argument("--profile", default="", help="kernels of the 1B layer's eager rows")
+    parser.add_argument("--layers", default=",".join(LAYERS))
+    args = parser.parse_args()
+    if args.profile:
+        open(args.profile, "w").close()
+    results: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
+    for name in [n for n in args.layers.split(",") if n]:
+        shape = LAYERS[name]
+        hidden, batch, seq = shape[0], shape[4], shape[5]
+
+        def layer_inputs():
+            torch.manual_seed(1)
+            x = torch.randn(batch, seq, hidden, device="cuda", dtype=torch.bfloat16)
+            return (x.requires_grad_(),), torch.randn_like(x)
+
+        run_rows(["hf_eager", "hf_compile", "fusible_eager", "fusible_compile"],
+                 lambda row: build_layer(row, shape), layer_inputs, results, f"layer {name}",
+                 args.output, args.profile if name == "llama3_1b" else "")
+    hidden, vocab, tokens = HEAD
+
+    def head_inputs():
+        torch.manual_seed(1)
+        x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
+        labels = torch.randint(0, vocab, (tokens,), device="cuda")
+        return (x.requires_grad_(), labels), None
+
+    run_rows(["torch_eager", "torch_compile", "liger_eager", "fusible_eager", "fusible_compile"],
+             build_head, head_inputs, results, "lm_head 8b", args.output)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,7 @@
+"""Building blocks made of fusible ops: whole transformer layers, each one
+:class:`fusible.ops.Sequential` that the planner fuses as a whole."""
+
+from fusible.layers.hf_names import llama_layer_state_dict
+from fusible.layers.transformer_layer import TransformerLayer
+
+__all__ = ["llama_layer_state_dict", "TransformerLayer"]

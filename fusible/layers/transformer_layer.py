@@ -1,0 +1,137 @@
+"""TransformerLayer: a whole decoder (or encoder) layer as one ``ops.Sequential``, its
+residuals carried through named channels, so that the planner sees the layer whole:
+the norms' kernels take the residual branches' gradients, the output projections add
+their residuals in their GEMMs' epilogues where a fusion does, and the layer is one
+group in ``plan_model``."""
+
+from __future__ import annotations
+
+import collections
+from typing import Optional
+
+from fusible.core import checks
+from fusible.core.arg_types import DTypeArg, DeviceArg
+from fusible import ops
+
+NORMS = ("rmsnorm", "layernorm")
+ACTIVATIONS = {"swiglu": 2, "geglu": 2, "gelu": 1, "gelu_tanh": 1, "relu": 1, "silu": 1}
+RESIDUALS = ("pre_norm", "post_norm")
+
+
+def _activation(name: str):
+    return {"swiglu": lambda: ops.SwiGLU(), "geglu": lambda: ops.GEGLU(),
+            "gelu": lambda: ops.GELU(), "gelu_tanh": lambda: ops.GELU(approximate="tanh"),
+            "relu": lambda: ops.ReLU(), "silu": lambda: ops.SiLU()}[name]()
+
+
+class TransformerLayer(ops.Sequential):
+    """A transformer layer: self-attention and a feed-forward block, each with its norm
+    and residual, as one pipeline called ``layer(x)`` on ``(batch, seq, hidden_size)``.
+
+    ``residual="pre_norm"`` (Llama, Mistral, Qwen, GPT-2)::
+
+        h = x + proj(attention(qkv(norm1(x))))
+        y = h + fc2(act(fc1(norm2(h))))
+
+    ``residual="post_norm"`` (BERT)::
+
+        h = norm1(x + proj(attention(qkv(x))))
+        y = norm2(h + fc2(act(fc1(h))))
+
+    The modules are named ``input_norm`` (pre-norm) , ``qkv``, ``attention``, ``proj``,
+    ``mlp_norm``, ``fc1``, ``activation``, ``fc2`` (post-norm: ``attention_norm`` after
+    the attention's residual, ``output_norm`` at the end), which are also their
+    state-dict prefixes; ``qkv.weight`` stacks the query, key and value projections' rows
+    in that order, ``fc1.weight`` a gated activation's gate rows then its up rows.
+
+    Parameters
+    ----------
+    hidden_size, ffn_hidden_size, num_heads : int
+    num_kv_heads : int, optional
+        Grouped-query attention's key/value heads (``num_heads`` when None).
+    norm : {"rmsnorm", "layernorm"}
+    activation : {"swiglu", "geglu", "gelu", "gelu_tanh", "relu", "silu"}
+        Gated activations double ``fc1``'s output (``[gate | up]``).
+    rotary_base : float, optional
+        The rotary embedding's base (None: no rotary embedding).
+    causal : bool
+    residual : {"pre_norm", "post_norm"}
+    head_dim : int, optional
+        ``hidden_size // num_heads`` when None.
+    eps : float
+        The norms' epsilon.
+    bias : bool
+        Biases in the four linear layers.
+    qkv_bias : bool, optional
+        A bias in the QKV projection alone (Qwen2); ``bias`` when None.
+    device, dtype
+        Of the parameters.
+    **attention_options
+        Passed to :class:`fusible.ops.Attention` (``rotary_interleaved``,
+        ``rotary_fraction``, ``rotary_scaling``, ``softmax_scale``, ``qk_norm``,
+        ``window``, ``documents``, ``position_ids``, ``backend``): with ``documents`` or
+        ``position_ids`` the layer is called ``layer(x, cu_seqlens)`` /
+        ``layer(x, position_ids)``.
+    """
+
+    def __init__(self, hidden_size: int, ffn_hidden_size: int, num_heads: int, *,
+                 num_kv_heads: Optional[int] = None, norm: str = "rmsnorm",
+                 activation: str = "swiglu", rotary_base: Optional[float] = 10000.0,
+                 causal: bool = True, residual: str = "pre_norm",
+                 head_dim: Optional[int] = None, eps: float = 1e-5, bias: bool = False,
+                 qkv_bias: Optional[bool] = None, device: DeviceArg = None,
+                 dtype: DTypeArg = None, **attention_options):
+        name = "TransformerLayer"
+        for arg, value in (("hidden_size", hidden_size), ("ffn_hidden_size", ffn_hidden_size),
+                           ("num_heads", num_heads)):
+            checks.positive_int(arg)(name, value)
+        checks.one_of("norm", NORMS)(name, norm)
+        checks.one_of("activation", tuple(ACTIVATIONS))(name, activation)
+        checks.one_of("residual", RESIDUALS)(name, residual)
+        kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+        if head_dim is None:
+            if hidden_size % num_heads:
+                raise ValueError(f"{name}: hidden_size {hidden_size} is not a multiple of "
+                                 f"num_heads {num_heads}; give head_dim")
+            head_dim = hidden_size // num_heads
+        factory = {"device": device, "dtype": dtype}
+
+        def make_norm():
+            cls = ops.RMSNorm if norm == "rmsnorm" else ops.LayerNorm
+            return cls(hidden_size, eps=eps, **factory)
+
+        def linear(n_in, n_out, with_bias):
+            return ops.Linear(n_in, n_out, bias=with_bias, **factory)
+
+        attention = [
+            ("qkv", linear(hidden_size, (num_heads + 2 * kv_heads) * head_dim,
+                           bias if qkv_bias is None else qkv_bias)),
+            ("attention", ops.Attention(num_heads, num_kv_heads=kv_heads, causal=causal,
+                                        rotary_base=rotary_base, head_dim=head_dim,
+                                        **attention_options, **factory)),
+            ("proj", linear(num_heads * head_dim, hidden_size, bias))]
+        mlp = [("fc1", linear(hidden_size, ACTIVATIONS[activation] * ffn_hidden_size, bias)),
+               ("activation", _activation(activation)),
+               ("fc2", linear(ffn_hidden_size, hidden_size, bias))]
+
+        def branch(tag):
+            return ops.MakeExtraOutput(channel=tag)
+
+        def add(tag):
+            return ops.AddExtraInput(channel=tag)
+
+        if residual == "pre_norm":
+            modules = [("attention_residual", branch("attention")),
+                       ("input_norm", make_norm()), *attention,
+                       ("attention_add", add("attention")),
+                       ("mlp_residual", branch("mlp")), ("mlp_norm", make_norm()), *mlp,
+                       ("mlp_add", add("mlp"))]
+        else:
+            modules = [("attention_residual", branch("attention")), *attention,
+                       ("attention_add", add("attention")), ("attention_norm", make_norm()),
+                       ("mlp_residual", branch("mlp")), *mlp, ("mlp_add", add("mlp")),
+                       ("output_norm", make_norm())]
+        super().__init__(collections.OrderedDict(modules))
+        self.hidden_size, self.ffn_hidden_size = hidden_size, ffn_hidden_size
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, kv_heads, head_dim
+        self.norm_type, self.activation_type, self.residual = norm, activation, residual

@@ -1,0 +1,315 @@
+"""ops.Attention against references written from the conventions' definitions (Hugging
+Face's rotate_half and repeat_kv, GPT-J's interleaved pairs, F.scaled_dot_product_attention
+on the math backend, in float64), its kernels' choice, its errors, and the QKV/rotary
+Triton kernel under Triton's interpreter."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fusible
+from fusible import ops
+from fusible.functional import attention as attn
+from fusible.functional.rotary import RotaryOptions, inverse_frequencies
+from fusible.testing import check_compiled_matches_eager
+
+transformers = pytest.importorskip("transformers")
+from transformers.models.llama.modeling_llama import (  # noqa: E402
+    apply_rotary_pos_emb, repeat_kv)
+
+H, D, B, S = 4, 8, 2, 7  # an odd sequence length
+
+
+def _tables(positions, inv_freq, dtype):
+    """Hugging Face's cos/sin ``(B, S, D)``: float32 angles, both halves alike."""
+    freqs = positions.float()[..., None] * inv_freq
+    emb = torch.cat((freqs, freqs), -1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def _rotate_every_two(x):
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    return torch.stack((-x2, x1), -1).flatten(-2)
+
+
+def _interleaved(x, positions, inv_freq):
+    """GPT-J's convention: pairs (x[2i], x[2i+1]) rotated by angle i."""
+    freqs = positions.float()[..., None] * inv_freq
+    cos = freqs.cos().repeat_interleave(2, -1).to(x.dtype)[:, None]
+    sin = freqs.sin().repeat_interleave(2, -1).to(x.dtype)[:, None]
+    return x * cos + _rotate_every_two(x) * sin
+
+
+def _reference(qkv, kv_heads, *, causal=True, rotary_base=None, interleaved=False,
+               rotary_dim=D, inv_freq=None, positions=None, allowed=None, norms=None,
+               scale=None):
+    """The attention written as Hugging Face's Llama code writes it, heads first."""
+    b, s = qkv.shape[:2]
+    q, k, v = qkv.view(b, s, H + 2 * kv_heads, D).split([H, kv_heads, kv_heads], 2)
+    q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+    if norms is not None:
+        q, k = (t * torch.rsqrt(t.square().mean(-1, keepdim=True) + 1e-6) * w
+                for t, w in zip((q, k), norms))
+    if rotary_base is not None:
+        if inv_freq is None:
+            inv_freq = 1.0 / rotary_base ** (torch.arange(0, rotary_dim, 2).float() / rotary_dim)
+        pos = torch.arange(s).expand(b, s) if positions is None else positions.expand(b, s)
+        rot = (slice(None),) * 3 + (slice(0, rotary_dim),)
+        q_rot, k_rot = q[rot], k[rot]
+        if interleaved:
+            q_rot, k_rot = _interleaved(q_rot, pos, inv_freq), _interleaved(k_rot, pos, inv_freq)
+        else:
+            cos, sin = _tables(pos, inv_freq, qkv.dtype)
+            q_rot, k_rot = apply_rotary_pos_emb(q_rot, k_rot, cos, sin)
+        q = torch.cat((q_rot, q[..., rotary_dim:]), -1)
+        k = torch.cat((k_rot, k[..., rotary_dim:]), -1)
+    k, v = repeat_kv(k, H // kv_heads), repeat_kv(v, H // kv_heads)
+    if allowed is None:
+        allowed = torch.ones(s, s, dtype=torch.bool)
+        if causal:
+            allowed = allowed.tril()
+    with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scale)
+    return out.transpose(1, 2).flatten(2)
+
+
+def _qkv(kv_heads, batch=B, seq=S, dtype=torch.float64, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(batch, seq, (H + 2 * kv_heads) * D, generator=gen, dtype=dtype)
+    return x.requires_grad_()
+
+
+def _compare(op, reference_fn, qkv, *extras, atol=1e-10):
+    """Output and every gradient (input, parameters) of ``op`` against ``reference_fn``."""
+    model = ops.Sequential(op).double()
+    ref_params = [p.detach().clone().requires_grad_() for p in model.parameters()]
+    ref_in = qkv.detach().clone().requires_grad_()
+    y = model(qkv, *extras)
+    want = reference_fn(ref_in, ref_params)
+    torch.testing.assert_close(y, want, atol=atol, rtol=0)
+    dy = torch.randn_like(y)
+    y.backward(dy)
+    want.backward(dy)
+    torch.testing.assert_close(qkv.grad, ref_in.grad, atol=atol, rtol=0)
+    for p, r in zip(model.parameters(), ref_params):
+        torch.testing.assert_close(p.grad, r.grad, atol=atol, rtol=0)
+
+
+@pytest.mark.parametrize("backend", ["flash", "math"])
+@pytest.mark.parametrize("kv_heads", [4, 2, 1])
+@pytest.mark.parametrize("causal", [True, False])
+def test_matches_hugging_face_llama_attention(backend, kv_heads, causal):
+    op = ops.Attention(H, num_kv_heads=kv_heads, causal=causal, rotary_base=10000.0,
+                       backend=backend)
+    _compare(op, lambda x, _: _reference(x, kv_heads, causal=causal, rotary_base=10000.0),
+             _qkv(kv_heads))
+
+
+def test_no_rotary_and_a_softmax_scale():
+    op = ops.Attention(H, num_kv_heads=2, softmax_scale=0.3)
+    _compare(op, lambda x, _: _reference(x, 2, scale=0.3), _qkv(2))
+
+
+def test_interleaved_pairs_match_gptj():
+    op = ops.Attention(H, num_kv_heads=2, rotary_base=500.0, rotary_interleaved=True)
+    _compare(op, lambda x, _: _reference(x, 2, rotary_base=500.0, interleaved=True), _qkv(2))
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_partial_rotary_leaves_the_other_features(interleaved):
+    op = ops.Attention(H, rotary_base=10000.0, rotary_fraction=0.5,
+                       rotary_interleaved=interleaved)
+    _compare(op, lambda x, _: _reference(x, H, rotary_base=10000.0, rotary_dim=D // 2,
+                                         interleaved=interleaved), _qkv(H))
+
+
+def test_llama3_frequency_scaling_matches_hugging_face():
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
+    config = LlamaConfig(hidden_size=H * 16, num_attention_heads=H, max_position_embeddings=256,
+                         rope_parameters={"rope_theta": 10000.0, **scaling})
+    hf_inv_freq, _ = ROPE_INIT_FUNCTIONS["llama3"](config, None)
+    ours = inverse_frequencies(RotaryOptions(10000.0, 16, False, 8.0, 1.0, 4.0, 32))
+    assert torch.equal(ours, hf_inv_freq)
+    assert not torch.equal(ours, inverse_frequencies(RotaryOptions(10000.0, 16)))  # rescaled
+    op = ops.Attention(H, rotary_base=10000.0, rotary_scaling=scaling)
+    inv_freq = inverse_frequencies(RotaryOptions(10000.0, D, False, 8.0, 1.0, 4.0, 32))
+    _compare(op, lambda x, _: _reference(x, H, rotary_base=10000.0, inv_freq=inv_freq),
+             _qkv(H, seq=40))
+
+
+def test_q_and_k_norms_before_the_rotary_embedding_as_qwen3():
+    op = ops.Attention(H, num_kv_heads=2, rotary_base=10000.0, qk_norm=True, head_dim=D)
+    with torch.no_grad():
+        op.q_norm_weight.uniform_(0.5, 1.5)
+        op.k_norm_weight.uniform_(0.5, 1.5)
+    _compare(op, lambda x, p: _reference(x, 2, rotary_base=10000.0, norms=p), _qkv(2))
+
+
+def test_sliding_window_sees_the_last_window_keys():
+    op = ops.Attention(H, num_kv_heads=2, rotary_base=10000.0, window=3)
+    s = torch.arange(S)
+    allowed = (s[None, :] <= s[:, None]) & (s[:, None] - s[None, :] < 3)
+    _compare(op, lambda x, _: _reference(x, 2, rotary_base=10000.0, allowed=allowed), _qkv(2))
+    # the CPU's flash kernel has no window
+    assert "kernel: math" in ops.Sequential(op).plan(_qkv(2)).explain()
+
+
+def test_packed_documents_equal_each_document_alone():
+    """Tokens attend within their document and rotary positions restart at each: the
+    packed row gives what each document gives as a batch of its own."""
+    lengths = [3, 1, 5]
+    op = ops.Attention(H, num_kv_heads=2, rotary_base=10000.0, documents=True)
+    model = ops.Sequential(op).double()
+    qkv = _qkv(2, batch=1, seq=sum(lengths))
+    cu = torch.tensor([0, 3, 4, 9], dtype=torch.int32)
+    y = model(qkv, cu)
+    alone = ops.Sequential(ops.Attention(H, num_kv_heads=2, rotary_base=10000.0)).double()
+    parts = qkv.detach().split(lengths, 1)
+    want = torch.cat([alone(p.clone().requires_grad_()) for p in parts], 1)
+    torch.testing.assert_close(y, want, atol=1e-12, rtol=0)
+    y.sum().backward()
+    grads = []
+    for p in parts:
+        p = p.clone().requires_grad_()
+        alone(p).sum().backward()
+        grads.append(p.grad)
+    torch.testing.assert_close(qkv.grad, torch.cat(grads, 1), atol=1e-12, rtol=0)
+
+
+def test_given_positions_rotate_by_them():
+    """A shift of every position leaves the attention as it is (RoPE is relative; up to
+    the float32 angles, as Hugging Face computes them); given positions rotate by them."""
+    op = ops.Attention(H, rotary_base=10000.0, position_ids=True)
+    model = ops.Sequential(op).double()
+    qkv = _qkv(H)
+    implied = ops.Sequential(ops.Attention(H, rotary_base=10000.0)).double()(qkv)
+    shifted = model(qkv, torch.arange(S).expand(B, S) + 11)
+    torch.testing.assert_close(shifted, implied, atol=1e-6, rtol=0)
+    assert not torch.allclose(shifted, model(qkv, torch.arange(S).flip(0)), atol=1e-3)
+    positions = torch.tensor([0, 2, 3, 7, 8, 8, 30])
+    _compare(op, lambda x, _: _reference(x, H, rotary_base=10000.0, positions=positions),
+             qkv.detach().clone().requires_grad_(), positions)
+
+
+def test_cpu_flash_kernel_and_math_agree_in_float32():
+    qkv = _qkv(2, dtype=torch.float32)
+    outs = []
+    for backend in ("flash", "math"):
+        model = ops.Sequential(ops.Attention(H, num_kv_heads=2, rotary_base=1e4,
+                                             backend=backend))
+        x = qkv.detach().clone().requires_grad_()
+        y = model(x)
+        y.backward(torch.ones_like(y))
+        outs.append((y, x.grad))
+    torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=1e-5)
+
+
+def test_the_kernel_is_chosen_explicitly_and_shown():
+    op = ops.Attention(H, num_kv_heads=2, rotary_base=1e4)
+    model = ops.Sequential(op)
+    plan = model.plan(torch.randn(1, S, 8 * D))
+    assert "Attention(num_heads=4, num_kv_heads=2, causal=True, rotary_base=10000.0) " \
+           "[kernel: flash]" in plan.explain()
+    assert "kernel: flash" in plan.to_dot()
+    assert attn.choose_backend(None, "cuda", torch.bfloat16, 128, 0, False, "A") == "flash"
+    with pytest.raises(ValueError, match="no attention kernel on cuda fits .*float16 or "
+                                         "bfloat16.*backend='math'"):
+        attn.choose_backend(None, "cuda", torch.float32, 128, 0, False, "A")
+    with pytest.raises(ValueError, match="head_dim 12 is not a multiple of 8"):
+        attn.choose_backend("flash", "cuda", torch.bfloat16, 12, 0, False, "A")
+    assert attn.choose_backend("math", "cuda", torch.float32, 12, 0, False, "A") == "math"
+    windowed = ops.Sequential(ops.Attention(H, window=2, backend="flash"))
+    with pytest.raises(ValueError, match="backend='flash' cannot run this attention: PyTorch's "
+                                         "CPU flash kernel has no sliding window"):
+        windowed(torch.randn(1, S, 3 * H * D))
+
+
+@pytest.mark.parametrize("make, shape, extras, match", [
+    (lambda: ops.Attention(4, num_kv_heads=3), None, (), "multiple of num_kv_heads, got 4 and 3"),
+    (lambda: ops.Attention(4, qk_norm=True), None, (), "qk_norm=True needs head_dim"),
+    (lambda: ops.Attention(4, rotary_fraction=1.5, rotary_base=1.0), None, (), "at most 1"),
+    (lambda: ops.Attention(4, rotary_scaling={"rope_type": "yarn"}, rotary_base=1.0), None, (),
+     "supports Llama 3.1's"),
+    (lambda: ops.Attention(4), (2, 3, 50), (), r"\(num_heads \+ 2 \* num_kv_heads\) x head_dim "
+                                                r"= 12 x head_dim, got 50"),
+    (lambda: ops.Attention(4, head_dim=8), (2, 3, 48), (), "= 12 x 8 = 96, got 48"),
+    (lambda: ops.Attention(4), (6, 48), (), r"\(batch, seq, features\)"),
+    (lambda: ops.Attention(4, rotary_base=1.0, rotary_fraction=0.1), (2, 3, 96), (),
+     "must be a positive even number, got 1"),
+    (lambda: ops.Attention(4, documents=True), (2, 3, 96), (torch.tensor([0, 3]),),
+     "packed documents take one row"),
+    (lambda: ops.Attention(4, documents=True), (1, 3, 96), (torch.tensor([0.0, 3.0]),),
+     "cu_seqlens"),
+    (lambda: ops.Attention(4, position_ids=True, rotary_base=1.0), (2, 3, 96),
+     (torch.zeros(3, 2, dtype=torch.long),), r"position_ids must be \(batch, seq\)"),
+])
+def test_errors_name_the_op_and_the_values(make, shape, extras, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        op = make()
+        ops.Sequential(op)(torch.randn(shape), *extras)
+
+
+@pytest.mark.usefixtures("fresh_dynamo")
+def test_compiled_with_documents_norms_and_positions_is_bitwise_eager():
+    op = ops.Attention(H, num_kv_heads=2, rotary_base=1e4, qk_norm=True, head_dim=D,
+                       documents=True, position_ids=True, window=4)
+    model = ops.Sequential(op)
+    qkv = torch.randn(1, 9, 8 * D, requires_grad=True)
+    cu = torch.tensor([0, 4, 9], dtype=torch.int32)
+    check_compiled_matches_eager(model, qkv, cu, torch.arange(9))
+
+
+_KERNEL_SCRIPT = textwrap.dedent("""
+    import torch
+    from fusible.functional.qkv import HeadLayout, split, views
+    from fusible.functional.rotary import RotaryOptions, apply_rotary, rotary_angles
+    from fusible.kernels.rotary import qkv_rotary_backward_triton, qkv_rotary_forward_triton
+    torch.manual_seed(0)
+    B, S = 2, 7
+    for interleaved in (False, True):
+        for heads, kv, d, rot in ((4, 2, 16, 16), (3, 1, 12, 8), (2, 2, 8, 2)):
+            for per_token in (False, True):
+                layout = HeadLayout(heads, kv, d)
+                opts = RotaryOptions(10000.0, rot, interleaved)
+                pos = torch.randint(0, 50, (B, S)) if per_token else torch.arange(S)
+                cos, sin = rotary_angles(pos, opts)
+                cos2, sin2 = cos.reshape(-1, rot // 2), sin.reshape(-1, rot // 2)
+                for dtype in (torch.float32, torch.bfloat16):
+                    qkv = torch.randn(B, S, (heads + 2 * kv) * d).to(dtype)
+                    got = views(qkv_rotary_forward_triton(qkv.flatten(0, 1), cos2, sin2, heads,
+                                                          kv, interleaved), B, S, layout)
+                    q, k, v = split(qkv, layout)
+                    want = (apply_rotary(q, cos, sin, opts), apply_rotary(k, cos, sin, opts), v)
+                    grads = [torch.randn_like(t) for t in got]
+                    dqkv = qkv_rotary_backward_triton(*(g.flatten(0, 1) for g in grads), cos2,
+                                                      sin2, interleaved).view(qkv.shape)
+                    dq, dk, dv = split(dqkv, layout)
+                    want_grads = (apply_rotary(grads[0], cos, sin, opts, inverse=True),
+                                  apply_rotary(grads[1], cos, sin, opts, inverse=True), grads[2])
+                    assert torch.equal(v, want[2]) and torch.equal(dv, want_grads[2])
+                    for a, b in zip((*got[:2], dq, dk), (*want[:2], *want_grads[:2])):
+                        if dtype == torch.float32:  # the same float32 arithmetic
+                            assert torch.equal(a, b), (a - b).abs().max()
+                        else:  # the interpreter rounds to bf16 its own way: one unit apart
+                            ulp = 2.0 ** (torch.frexp(b.float())[1] - 8).float()
+                            assert ((a.float() - b.float()).abs() <= ulp).all()
+    print("ok")
+""")
+
+
+@pytest.mark.skipif(not fusible.kernels.HAVE_TRITON, reason="needs Triton")
+def test_qkv_rotary_kernel_matches_pytorch_interpreted():
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    result = subprocess.run([sys.executable, "-c", _KERNEL_SCRIPT], env=env,
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip().endswith("ok")
+
