@@ -125,7 +125,7 @@ def test_compiled_is_bitwise_eager(fresh_dynamo):
 
 @pytest.mark.parametrize("kwargs, match", [
     ({"norm": "batchnorm"}, "norm"), ({"activation": "tanh"}, "activation"),
-    ({"residual": "parallel"}, "residual"), ({"num_heads": 5}, "not a multiple of num_heads 5"),
+    ({"residual": "sandwich"}, "residual"), ({"num_heads": 5}, "not a multiple of num_heads 5"),
     ({"num_heads": 0}, "num_heads"), ({"num_kv_heads": 3}, "multiple of num_kv_heads"),
 ])
 def test_errors_name_the_argument_and_value(kwargs, match):
@@ -139,3 +139,79 @@ def test_hugging_face_names_refuse_what_has_no_place():
         llama_layer_state_dict({"mlp.extra": torch.zeros(1)})
     with pytest.raises(KeyError, match="qkv.weight needs all of"):
         llama_layer_state_dict({"self_attn.q_proj.weight": torch.zeros(1)})
+
+
+def test_fp8_runs_the_four_gemms_in_fp8_and_compiles_bitwise(fresh_dynamo):
+    """Under fusible.autocast the QKV, output and MLP GEMMs run in FP8 around the bf16
+    attention (CPU emulation), eager and compiled alike."""
+    layer = TransformerLayer(HIDDEN, FFN, HEADS, num_kv_heads=KV, dtype=torch.bfloat16)
+    x = torch.randn(B, 8, HIDDEN, dtype=torch.bfloat16, requires_grad=True)  # 16 tokens
+    with fusible.autocast():
+        totals = fusible.plan_model(layer, x).totals()
+        assert totals["FP8 GEMMs"] == 4 and totals["fusible groups"] == 1
+        check_compiled_matches_eager(layer, x)
+
+
+def _neox_state_dict(sd: dict, heads: int) -> dict:
+    """GPT-NeoX's fused QKV rows go per head (q, k, v of head 0, then head 1...); ours q
+    heads, then k, then v."""
+    out = {"input_norm.weight": sd["input_layernorm.weight"],
+           "input_norm.bias": sd["input_layernorm.bias"],
+           "mlp_norm.weight": sd["post_attention_layernorm.weight"],
+           "mlp_norm.bias": sd["post_attention_layernorm.bias"],
+           "proj.weight": sd["attention.dense.weight"], "proj.bias": sd["attention.dense.bias"],
+           "fc1.weight": sd["mlp.dense_h_to_4h.weight"], "fc1.bias": sd["mlp.dense_h_to_4h.bias"],
+           "fc2.weight": sd["mlp.dense_4h_to_h.weight"], "fc2.bias": sd["mlp.dense_4h_to_h.bias"]}
+    w, b = sd["attention.query_key_value.weight"], sd["attention.query_key_value.bias"]
+    out["qkv.weight"] = w.view(heads, 3, -1, w.shape[-1]).transpose(0, 1).reshape(w.shape)
+    out["qkv.bias"] = b.view(heads, 3, -1).transpose(0, 1).reshape(b.shape)
+    return out
+
+
+def test_parallel_residual_matches_gpt_neox_layer():
+    """GPT-NeoX: y = x + attn(ln1(x)) + mlp(ln2(x)), partial rotary, biases, exact GELU."""
+    from transformers.models.gpt_neox import modeling_gpt_neox as neox
+    config = transformers.GPTNeoXConfig(hidden_size=HIDDEN, intermediate_size=FFN,
+                                        num_attention_heads=HEADS, hidden_dropout=0.0,
+                                        attention_dropout=0.0, use_parallel_residual=True)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    hf = neox.GPTNeoXLayer(config, 0).double()
+    rotary = neox.GPTNeoXRotaryEmbedding(config)
+    fraction = config.rope_parameters.get("partial_rotary_factor", 1.0)
+    ours = TransformerLayer(HIDDEN, FFN, HEADS, norm="layernorm", activation="gelu",
+                            residual="parallel", bias=True, eps=config.layer_norm_eps,
+                            rotary_base=config.rope_parameters["rope_theta"],
+                            rotary_fraction=fraction, dtype=torch.float64)
+    assert fraction < 1  # partial rotary, GPT-NeoX's default
+    ours.load_state_dict(_neox_state_dict(hf.state_dict(), HEADS))
+    x = torch.randn(B, S, HIDDEN, dtype=torch.float64, requires_grad=True)
+    x_hf = x.detach().clone().requires_grad_()
+    positions = torch.arange(S).expand(B, S)
+    out = hf(x_hf, position_ids=positions, position_embeddings=rotary(x_hf, positions))
+    want = out[0] if isinstance(out, tuple) else out
+    got = ours(x)
+    torch.testing.assert_close(got, want, **NEAR_FP32)
+    dy = torch.randn_like(got)
+    got.backward(dy)
+    want.backward(dy)
+    torch.testing.assert_close(x.grad, x_hf.grad, **NEAR_FP32)
+    grads = _neox_state_dict({n: p.grad for n, p in hf.named_parameters()}, HEADS)
+    for name, grad in grads.items():
+        torch.testing.assert_close(ours.get_parameter(name).grad, grad, **NEAR_FP32,
+                                   msg=lambda m: f"gradient of {name}: {m}")
+
+
+@pytest.mark.parametrize("residual", ["parallel", "parallel_shared_norm"])
+def test_parallel_residuals_against_their_formula(residual):
+    """y = x + attention branch(norm1(x)) + MLP branch(norm2(x)), norm2 = norm1 when shared:
+    the layer against its own modules run one by one; compiled bitwise."""
+    layer = TransformerLayer(HIDDEN, FFN, HEADS, num_kv_heads=KV, residual=residual,
+                             dtype=torch.float64)
+    x = torch.randn(B, S, HIDDEN, dtype=torch.float64)
+    norm2 = layer.input_norm if residual.endswith("shared_norm") else layer.mlp_norm
+    attention = layer.proj(layer.attention(layer.qkv(layer.input_norm(x))))
+    mlp = layer.fc2(layer.activation(layer.fc1(norm2(x))))
+    torch.testing.assert_close(layer(x), x + attention + mlp, atol=1e-12, rtol=0)
+    assert not hasattr(layer, "mlp_norm") or residual == "parallel"
+    check_compiled_matches_eager(layer.float(), torch.randn(B, S, HIDDEN, requires_grad=True))

@@ -15,7 +15,7 @@ from fusible import ops
 
 NORMS = ("rmsnorm", "layernorm")
 ACTIVATIONS = {"swiglu": 2, "geglu": 2, "gelu": 1, "gelu_tanh": 1, "relu": 1, "silu": 1}
-RESIDUALS = ("pre_norm", "post_norm")
+RESIDUALS = ("pre_norm", "post_norm", "parallel", "parallel_shared_norm")
 
 
 def _activation(name: str):
@@ -38,10 +38,15 @@ class TransformerLayer(ops.Sequential):
         h = norm1(x + proj(attention(qkv(x))))
         y = norm2(h + fc2(act(fc1(h))))
 
-    The modules are named ``input_norm`` (pre-norm) , ``qkv``, ``attention``, ``proj``,
-    ``mlp_norm``, ``fc1``, ``activation``, ``fc2`` (post-norm: ``attention_norm`` after
-    the attention's residual, ``output_norm`` at the end), which are also their
-    state-dict prefixes; ``qkv.weight`` stacks the query, key and value projections' rows
+    ``residual="parallel"`` (GPT-NeoX) and ``"parallel_shared_norm"`` (GPT-J, Phi-2: one
+    norm, ``norm2`` is ``norm1``)::
+
+        y = x + proj(attention(qkv(norm1(x)))) + fc2(act(fc1(norm2(x))))
+
+    The modules are named ``input_norm`` (pre-norm, parallel), ``qkv``, ``attention``,
+    ``proj``, ``mlp_norm`` (not with a shared norm), ``fc1``, ``activation``, ``fc2``
+    (post-norm: ``attention_norm`` after the attention's residual, ``output_norm`` at the
+    end), which are also their state-dict prefixes; ``qkv.weight`` stacks the query, key and value projections' rows
     in that order, ``fc1.weight`` a gated activation's gate rows then its up rows.
 
     Parameters
@@ -55,7 +60,7 @@ class TransformerLayer(ops.Sequential):
     rotary_base : float, optional
         The rotary embedding's base (None: no rotary embedding).
     causal : bool
-    residual : {"pre_norm", "post_norm"}
+    residual : {"pre_norm", "post_norm", "parallel", "parallel_shared_norm"}
     head_dim : int, optional
         ``hidden_size // num_heads`` when None.
     eps : float
@@ -126,11 +131,21 @@ class TransformerLayer(ops.Sequential):
                        ("attention_add", add("attention")),
                        ("mlp_residual", branch("mlp")), ("mlp_norm", make_norm()), *mlp,
                        ("mlp_add", add("mlp"))]
-        else:
+        elif residual == "post_norm":
             modules = [("attention_residual", branch("attention")), *attention,
                        ("attention_add", add("attention")), ("attention_norm", make_norm()),
                        ("mlp_residual", branch("mlp")), *mlp, ("mlp_add", add("mlp")),
                        ("output_norm", make_norm())]
+        else:  # the MLP branch resumes from the layer's (normed) input after attention's
+            shared = residual == "parallel_shared_norm"
+            before = [("input_norm", make_norm())] if shared else []
+            after = [] if shared else [("input_norm", make_norm())]
+            modules = [("attention_residual", branch("attention")), *before,
+                       ("mlp_residual", branch("mlp")), *after, *attention,
+                       ("attention_add", add("attention")),
+                       ("mlp_resume", ops.ResumeFromChannel("mlp", keep_as="branches")),
+                       *([] if shared else [("mlp_norm", make_norm())]), *mlp,
+                       ("mlp_add", add("branches"))]
         super().__init__(collections.OrderedDict(modules))
         self.hidden_size, self.ffn_hidden_size = hidden_size, ffn_hidden_size
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, kv_heads, head_dim

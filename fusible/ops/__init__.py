@@ -29,6 +29,7 @@ from fusible.ops.quantize import Quantize
 from fusible.ops.reduce_scatter import ReduceScatter
 from fusible.ops.relu import ReLU
 from fusible.ops.reshape import Reshape
+from fusible.ops.resume_from_channel import ResumeFromChannel
 from fusible.ops.rms_norm import RMSNorm
 from fusible.ops.scaled_glu import (ScaledClampedSwiGLU, ScaledGEGLU, ScaledGLU, ScaledQGEGLU,
                                     ScaledReGLU, ScaledSiTUGLU, ScaledSReGLU, ScaledSwiGLU)
@@ -37,13 +38,13 @@ from fusible.ops.srelu import SReLU
 from fusible.ops.swiglu import ClampedSwiGLU, SiTUGLU, SwiGLU
 
 __all__ = [
-    "AddExtraInput", "AllGather", "AllReduce", "AllToAll", "AllToAllEqual", "BackwardResult",
-    "Attention", "BasicLinear", "BasicOperation", "Bias", "ClampedSwiGLU", "ConstantScale", "CrossEntropy",
-    "Dropout",
-    "ForwardResult", "FusedOperation", "FusibleOperation", "GEGLU", "GELU", "GLU", "GroupedLinear",
-    "Identity", "L2Normalization", "LayerNorm", "Linear", "LinearCrossEntropy", "MakeExtraOutput", "OperationContext",
-    "PermuteRows", "QGEGLU", "QGELU", "Quantize", "RMSNorm", "ReGLU", "ReLU", "ReduceScatter",
-    "Reshape", "SReGLU", "SReLU", "ScaledClampedSwiGLU", "ScaledGEGLU", "ScaledGLU",
+    "AddExtraInput", "AllGather", "AllReduce", "AllToAll", "AllToAllEqual", "Attention",
+    "BackwardResult", "BasicLinear", "BasicOperation", "Bias", "ClampedSwiGLU",
+    "ConstantScale", "CrossEntropy", "Dropout", "ForwardResult", "FusedOperation",
+    "FusibleOperation", "GEGLU", "GELU", "GLU", "GroupedLinear", "Identity",
+    "L2Normalization", "LayerNorm", "Linear", "LinearCrossEntropy", "MakeExtraOutput",
+    "OperationContext", "PermuteRows", "QGEGLU", "QGELU", "Quantize", "RMSNorm", "ReGLU",
+    "ReLU", "ReduceScatter", "Reshape", "ResumeFromChannel", "SReGLU", "SReLU", "ScaledClampedSwiGLU", "ScaledGEGLU", "ScaledGLU",
     "ScaledQGEGLU", "ScaledReGLU", "ScaledSReGLU", "ScaledSiTUGLU", "ScaledSwiGLU", "Sequential",
     "SiLU", "SiTUGLU", "SwiGLU",
 ]

@@ -7,7 +7,7 @@ from typing import Optional
 
 from fusible.core.results import OpGradNeeds
 from fusible.functional.parallel import NOT_PARALLEL, TensorParallel
-from fusible.planning.features.channels import channel_of
+from fusible.planning.features.channels import channel_of, write_channel_of
 
 
 def op_grad_needs(ops, conditions) -> tuple:
@@ -25,10 +25,10 @@ def op_grad_needs(ops, conditions) -> tuple:
     for op in ops:
         n, k, name = len(op.param_names), op.num_extra_inputs, channel_of(op)
         params = tuple(grad and bool(r) for r in params_rg[p_pos:p_pos + n])
+        if write_channel_of(op) is not None and op.num_extra_outputs:
+            channel_rg[write_channel_of(op)] = upstream
         if name is not None:
             extras = (channel_rg.get(name, False),) * k
-            if op.num_extra_outputs:
-                channel_rg[name] = upstream
         else:
             extras = tuple(grad and bool(r) for r in extras_rg[e_pos:e_pos + k])
             e_pos += k

@@ -4,7 +4,7 @@ device it will get (once per input signature)."""
 from __future__ import annotations
 
 from fusible.planning.exec_plan import ExecPlan
-from fusible.planning.features.channels import channel_of
+from fusible.planning.features.channels import channel_of, write_channel_of
 
 
 def validate(plan: ExecPlan, x, extra_inputs, cache: bool = True) -> None:
@@ -25,8 +25,8 @@ def validate(plan: ExecPlan, x, extra_inputs, cache: bool = True) -> None:
             k, name = op.num_extra_inputs, named and channel_of(op)
             if recipe is not None:
                 op.validate_fp8(shape, recipe)
-            if name and op.num_extra_outputs:
-                written[name] = shape
+            if named and op.num_extra_outputs and write_channel_of(op):
+                written[write_channel_of(op)] = shape
             if name and k:  # the channel's tensor: of the shape where it was written
                 extras = (x.new_empty(()).expand(written[name]),) * k
             else:

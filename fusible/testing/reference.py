@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from fusible.core.operation import BasicOperationSpec
+from fusible.planning.features.channels import channel_of, write_channel_of
 
 _REFERENCES: dict = {}
 
@@ -187,7 +188,7 @@ def reference_forward(model, x, *extra_inputs, dtype=torch.float64,
         if rounding is not None and index in rounding.before:
             x = _RoundGrad.apply(x, rounding.low)
         if isinstance(item, BasicOperationSpec):
-            k, channel = item.num_extra_inputs, getattr(item, "channel", None)
+            k, read, write = item.num_extra_inputs, channel_of(item), write_channel_of(item)
             op_params = [copy_of(p) for p in item.fusible_params()]
             gemm = fp8 is not None and bool(item.quantized_params)
             if gemm:
@@ -198,17 +199,18 @@ def reference_forward(model, x, *extra_inputs, dtype=torch.float64,
                              for name, p in zip(item.param_names, op_params)]
             elif fp8 is not None and item.quantizes(fp8.recipe, "backward"):
                 x = _QuantizedGrad.apply(x, fp8.grad)
-            taken = [channels[channel]] * k if channel and k else extras[:k]
+            taken = [channels[read]] * k if read and k else extras[:k]
+            if not read:
+                extras = extras[k:]
             x, outs = op_reference(item, x, taken, op_params)
             if gemm:
                 assert fp8 is not None
                 x = _QuantizedGrad.apply(x, fp8.grad)
             elif fp8 is not None and item.quantizes(fp8.recipe, "forward"):
                 x = _QuantizedValue.apply(x, fp8.forward)
-            if channel and outs:  # a named channel: for the readers after it
-                channels[channel] = outs[0]
-            elif not (channel and k):
-                extras = extras[k:]
+            if write and outs:  # a named channel: for the readers after it
+                channels[write] = outs[0]
+            else:
                 extra_outputs += outs
         else:  # an ordinary module: run it on float64 copies of its parameters and buffers
             state = {name: copy_of(p) for name, p in item.named_parameters()}

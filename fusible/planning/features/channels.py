@@ -33,13 +33,20 @@ class Channels:
 
 
 def channel_of(op):
+    """The channel an op's extra inputs read (its ``channel``), None: the caller's."""
     return getattr(op, "channel", None)
+
+
+def write_channel_of(op):
+    """The channel an op's extra outputs write: its ``write_channel`` where it has one
+    (``ResumeFromChannel`` reads one channel and writes another), else its ``channel``."""
+    return getattr(op, "write_channel", None) or channel_of(op)
 
 
 def caller_counts(ops) -> tuple:
     """``(extra inputs, extra outputs)`` a caller of ``ops`` passes and receives."""
     return (sum(op.num_extra_inputs for op in ops if not channel_of(op)),
-            sum(op.num_extra_outputs for op in ops if not channel_of(op)))
+            sum(op.num_extra_outputs for op in ops if not write_channel_of(op)))
 
 
 def channels_of(ops) -> Channels:
@@ -48,8 +55,8 @@ def channels_of(ops) -> Channels:
     in_names, out_names, read = [], [], set()
     written: dict[str, str] = {}  # channel -> its writer's label
     for i, op in enumerate(ops):
-        name = channel_of(op)
-        if name is not None and op.num_extra_inputs and getattr(op, "in_place", False):
+        name = write_channel_of(op)
+        if channel_of(op) is not None and op.num_extra_inputs and getattr(op, "in_place", False):
             raise ValueError(f"{op.describe()} at [{i}]: in_place and channel do not combine")
         for _ in range(op.num_extra_outputs):
             if name is not None and name in written:
@@ -58,6 +65,7 @@ def channels_of(ops) -> Channels:
             if name is not None:
                 written[name] = f"{ops[i].describe()} at [{i}]"
             out_names.append(name)
+        name = channel_of(op)
         for _ in range(op.num_extra_inputs):
             if name is not None and name not in written:
                 raise ValueError(f"{op.describe()} at [{i}] reads channel {name!r}, which no "
@@ -97,7 +105,7 @@ def _check_channel_stages(stages) -> None:
     """A stage may not cover both the writer and a reader of a channel: the executor
     passes channels between stages, never inside one."""
     for st in stages:
-        written = {channel_of(op) for op in st.ops if op.num_extra_outputs} - {None}
+        written = {write_channel_of(op) for op in st.ops if op.num_extra_outputs} - {None}
         read = {channel_of(op) for op in st.ops if op.num_extra_inputs} - {None}
         if written & read:
             raise ValueError(f"the stage {st.provenance} covers both the writer and a reader of "
