@@ -1,10 +1,12 @@
 """GPU: a whole decoder layer and the LM head with its loss, fusible against Hugging Face
-and the libraries users reach for, side by side in one run (bf16, fwd+bwd).
+and the libraries users reach for, side by side in one run (bf16 and FP8, fwd+bwd).
 
 Layers: transformers' ``LlamaDecoderLayer`` (sdpa attention, its rotary tables made
-once outside the step as the model does) eager and under ``torch.compile``, against
-``fusible.layers.TransformerLayer`` on the same weights, eager and compiled, at Llama-3-8B
-widths, Llama-3.2-1B widths and torchtitan's debugmodel shape. LM head: ``F.linear`` +
+once outside the step as the model does) eager, under ``torch.compile`` and with
+torchao's float8 training (tensorwise) + compile, against ``fusible.layers.TransformerLayer``
+on the same weights, eager and compiled, bf16 and under ``fusible.autocast()``, at
+Llama-3-8B widths (2 x 4096 and 1 x 8192 tokens), Llama-3.2-1B widths and torchtitan's
+debugmodel shape. LM head: ``F.linear`` +
 ``F.cross_entropy`` eager and compiled, Liger-Kernel's fused linear cross-entropy (when
 installed), ``ops.LinearCrossEntropy`` eager and compiled, at the 8B head (vocab 128256).
 Method as ``gpu_mlp.py``: median of ``triton.testing.do_bench``, peak memory of one step;
@@ -15,6 +17,7 @@ Method as ``gpu_mlp.py``: median of ``triton.testing.do_bench``, peak memory of 
 """
 
 import argparse
+import contextlib
 import gc
 import json
 
@@ -23,12 +26,14 @@ import torch.nn.functional as F
 import triton.testing
 from torch import nn
 
+import fusible
 from fusible import ops
 from fusible.layers import TransformerLayer, llama_layer_state_dict
 from gpu_mlp import profile_step
 
 # name: (hidden, ffn, heads, kv heads, batch, seq)
 LAYERS = {"llama3_8b": (4096, 14336, 32, 8, 2, 4096),
+          "llama3_8b_1x8192": (4096, 14336, 32, 8, 1, 8192),
           "llama3_1b": (2048, 8192, 32, 8, 2, 4096),
           "debugmodel": (256, 768, 16, 16, 8, 2048)}
 HEAD = (4096, 128256, 8192)  # hidden, vocab, tokens
@@ -55,10 +60,13 @@ def build_layer(row: str, shape: tuple):
     config._attn_implementation = "sdpa"
     torch.manual_seed(0)
     hf = llama.LlamaDecoderLayer(config, 0).to("cuda", torch.bfloat16)
-    if row.startswith("hf"):
+    if row.startswith(("hf", "torchao")):
         x = torch.zeros(1, device="cuda", dtype=torch.bfloat16)
         pos = torch.arange(seq, device="cuda").expand(batch, seq)
         model = HFLayer(hf, llama.LlamaRotaryEmbedding(config).cuda()(x, pos))
+        if row.startswith("torchao"):  # torchao's float8 training, tensorwise scaling
+            from torchao.float8 import convert_to_float8_training
+            convert_to_float8_training(model)
     else:
         model = TransformerLayer(hidden, ffn, heads, num_kv_heads=kv, rotary_base=THETA,
                                  eps=config.rms_norm_eps, device="cuda", dtype=torch.bfloat16)
@@ -98,14 +106,17 @@ def build_head(row: str):
     return model
 
 
-def measure(model, inputs: tuple, compiled: bool, dy=None) -> tuple:
-    """``({"ms", "peak_gib"}, the output, the step)`` of fwd+bwd steps."""
+def measure(model, inputs: tuple, compiled: bool, dy=None,
+            context=contextlib.nullcontext) -> tuple:
+    """``({"ms", "peak_gib"}, the output, the step)`` of fwd+bwd steps, each forward inside
+    ``context()``."""
     run = torch.compile(model, fullgraph=True) if compiled else model
     params = list(model.parameters())
     x = inputs[0]
 
     def step():
-        y = run(*inputs)
+        with context():
+            y = run(*inputs)
         y.backward(dy if dy is not None else None)
         x.grad = None
         for p in params:
@@ -119,7 +130,7 @@ def measure(model, inputs: tuple, compiled: bool, dy=None) -> tuple:
     step()
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated() / 2**30
-    ms = triton.testing.do_bench(step, warmup=50, rep=800, return_mode="median")
+    ms = triton.testing.do_bench(step, warmup=30, rep=500, return_mode="median")
     return {"ms": ms, "peak_gib": peak}, out.detach(), step
 
 
@@ -137,7 +148,9 @@ def run_rows(rows, build, make_inputs, results: dict, key: str, output: str,
         try:
             model = build(row)
             inputs, dy = make_inputs()
-            result, out, step = measure(model, inputs, row.endswith("compile"), dy)
+            context = fusible.autocast if row.startswith("fusible_fp8") else \
+                contextlib.nullcontext
+            result, out, step = measure(model, inputs, row.endswith("compile"), dy, context)
             first = out.float() if first is None else first
             result["rel_err"] = ((out.float() - first).norm() / first.norm()).item()
             if profile and row in ("hf_eager", "fusible_eager"):
@@ -155,6 +168,8 @@ def main() -> None:
     parser.add_argument("--output", default="out/layer.json")
     parser.add_argument("--profile", default="", help="kernels of the 1B layer's eager rows")
     parser.add_argument("--layers", default=",".join(LAYERS))
+    parser.add_argument("--no-head", dest="head", action="store_false",
+                        help="skip the LM head rows")
     args = parser.parse_args()
     if args.profile:
         open(args.profile, "w").close()
@@ -168,7 +183,8 @@ def main() -> None:
             x = torch.randn(batch, seq, hidden, device="cuda", dtype=torch.bfloat16)
             return (x.requires_grad_(),), torch.randn_like(x)
 
-        run_rows(["hf_eager", "hf_compile", "fusible_eager", "fusible_compile"],
+        run_rows(["hf_eager", "hf_compile", "torchao_fp8_compile", "fusible_eager",
+                  "fusible_compile", "fusible_fp8_eager", "fusible_fp8_compile"],
                  lambda row: build_layer(row, shape), layer_inputs, results, f"layer {name}",
                  args.output, args.profile if name == "llama3_1b" else "")
     hidden, vocab, tokens = HEAD
@@ -179,8 +195,10 @@ def main() -> None:
         labels = torch.randint(0, vocab, (tokens,), device="cuda")
         return (x.requires_grad_(), labels), None
 
-    run_rows(["torch_eager", "torch_compile", "liger_eager", "fusible_eager", "fusible_compile"],
-             build_head, head_inputs, results, "lm_head 8b", args.output)
+    if args.head:
+        run_rows(["torch_eager", "torch_compile", "liger_eager", "fusible_eager",
+                  "fusible_compile"], build_head, head_inputs, results, "lm_head 8b",
+                 args.output)
 
 
 if __name__ == "__main__":
