@@ -53,19 +53,24 @@ def test_matches_hugging_face_decoder_layers(family):
     config, hf, rotary = _hf_decoder_layer(family)
     ours = _ours_like(config, family)
     ours.load_state_dict(llama_layer_state_dict(hf.state_dict()))
+    _compare_with_decoder_layer(ours, hf, rotary, llama_layer_state_dict)
+
+
+def _compare_with_decoder_layer(ours, hf, rotary, our_names) -> None:
+    """Output, input gradient and every parameter's gradient (by name: ``our_names`` maps
+    Hugging Face's to ours) of ``ours`` and the decoder layer ``hf`` in float64."""
     x = torch.randn(B, S, HIDDEN, dtype=torch.float64, requires_grad=True)
     x_hf = x.detach().clone().requires_grad_()
     positions = torch.arange(S).expand(B, S)
-    want = hf(x_hf, position_ids=positions,
-              position_embeddings=rotary(x_hf, positions))
+    out = hf(x_hf, position_ids=positions, position_embeddings=rotary(x_hf, positions))
+    want = out[0] if isinstance(out, tuple) else out
     got = ours(x)
     torch.testing.assert_close(got, want, **NEAR_FP32)
     dy = torch.randn_like(got)
     got.backward(dy)
     want.backward(dy)
     torch.testing.assert_close(x.grad, x_hf.grad, **NEAR_FP32)
-    hf_grads = {name: p.grad for name, p in hf.named_parameters()}
-    named = llama_layer_state_dict(hf_grads)
+    named = our_names({name: p.grad for name, p in hf.named_parameters()})
     assert sorted(named) == sorted(n for n, _ in ours.named_parameters())
     for name, grad in named.items():
         torch.testing.assert_close(ours.get_parameter(name).grad, grad, **NEAR_FP32,
@@ -185,21 +190,7 @@ def test_parallel_residual_matches_gpt_neox_layer():
                             rotary_fraction=fraction, dtype=torch.float64)
     assert fraction < 1  # partial rotary, GPT-NeoX's default
     ours.load_state_dict(_neox_state_dict(hf.state_dict(), HEADS))
-    x = torch.randn(B, S, HIDDEN, dtype=torch.float64, requires_grad=True)
-    x_hf = x.detach().clone().requires_grad_()
-    positions = torch.arange(S).expand(B, S)
-    out = hf(x_hf, position_ids=positions, position_embeddings=rotary(x_hf, positions))
-    want = out[0] if isinstance(out, tuple) else out
-    got = ours(x)
-    torch.testing.assert_close(got, want, **NEAR_FP32)
-    dy = torch.randn_like(got)
-    got.backward(dy)
-    want.backward(dy)
-    torch.testing.assert_close(x.grad, x_hf.grad, **NEAR_FP32)
-    grads = _neox_state_dict({n: p.grad for n, p in hf.named_parameters()}, HEADS)
-    for name, grad in grads.items():
-        torch.testing.assert_close(ours.get_parameter(name).grad, grad, **NEAR_FP32,
-                                   msg=lambda m: f"gradient of {name}: {m}")
+    _compare_with_decoder_layer(ours, hf, rotary, lambda sd: _neox_state_dict(sd, HEADS))
 
 
 @pytest.mark.parametrize("residual", ["parallel", "parallel_shared_norm"])
