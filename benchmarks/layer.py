@@ -98,7 +98,10 @@ def build_head(row: str):
     hidden, vocab, _ = HEAD
     torch.manual_seed(0)
     cls = {"torch": TorchHead, "liger": LigerHead}.get(row.split("_")[0])
-    model = cls(hidden, vocab) if cls else ops.Sequential(ops.LinearCrossEntropy(hidden, vocab))
+    # fusible_c<N>_...: chunks of N tokens (else the default, 128 MiB of float32 logits)
+    chunk = int(row.split("_")[1][1:]) if row.startswith("fusible_c") else None
+    model = cls(hidden, vocab) if cls else ops.Sequential(
+        ops.LinearCrossEntropy(hidden, vocab, chunk_size=chunk))
     model = model.to("cuda", torch.bfloat16)
     with torch.no_grad():
         nn.init.normal_(model.get_parameter([n for n, _ in model.named_parameters()][0]),
@@ -197,8 +200,8 @@ def main() -> None:
 
     if args.head:
         run_rows(["torch_eager", "torch_compile", "liger_eager", "fusible_eager",
-                  "fusible_compile"], build_head, head_inputs, results, "lm_head 8b",
-                 args.output)
+                  "fusible_compile", "fusible_c1024_eager", "fusible_c2048_eager"],
+                 build_head, head_inputs, results, "lm_head 8b", args.output)
 
 
 if __name__ == "__main__":
