@@ -235,3 +235,24 @@ def test_gradients_made_in_the_forward_round_where_the_ops_do_in_bf16(reduction,
     assert_close(x.grad, (dz @ w.detach()).reshape(x.shape), torch.bfloat16, "dx")
     assert_close(head.weight.grad, dz.reshape(-1, 24).t() @ x64.detach().reshape(-1, 32),
                  torch.bfloat16, "dweight")
+
+
+def test_logits_returned_when_asked_and_gradients_flow_through_both():
+    torch.manual_seed(0)
+    head = ops.LinearCrossEntropy(16, VOCAB, return_logits=True, dtype=torch.float64)
+    model = ops.Sequential(head)
+    x = torch.randn(2, 5, 16, dtype=torch.float64, requires_grad=True)
+    labels = _labels((2, 5))
+    loss, logits = model(x, labels)
+    plan = model.plan(x, labels)
+    assert "LinearCrossEntropy" not in stage_names(plan.forward)  # the logits are made whole
+    x_ref = x.detach().clone().requires_grad_()
+    want_logits = x_ref @ head.weight.detach().t()
+    want = _reference(want_logits, labels, "mean", 0.0, 0.0)
+    torch.testing.assert_close(logits, want_logits, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(loss, want, rtol=1e-12, atol=1e-12)
+    (loss + logits.square().mean()).backward()
+    (want + want_logits.square().mean()).backward()
+    torch.testing.assert_close(x.grad, x_ref.grad, rtol=1e-12, atol=1e-12)
+    with pytest.raises(TypeError, match="return_logits must be a bool"):
+        ops.LinearCrossEntropy(16, VOCAB, return_logits=1)

@@ -16,6 +16,7 @@ from fusible.core.arg_types import DTypeArg, DeviceArg
 from fusible.module import FusibleOperation
 from fusible.ops.basic_linear import BasicLinear
 from fusible.ops.cross_entropy import CrossEntropy
+from fusible.ops.make_extra_output import MakeExtraOutput
 
 
 class LinearCrossEntropy(FusibleOperation):
@@ -39,6 +40,11 @@ class LinearCrossEntropy(FusibleOperation):
     vocab_size : int
     ignore_index, reduction, label_smoothing, z_loss, chunk_size
         As :class:`~fusible.ops.CrossEntropy`'s.
+    return_logits : bool
+        Also return the logits: ``loss, logits = head(hidden, labels)`` (gradients flow
+        through both). They are then made whole and kept, as an unfused head's: the head
+        expands into ``BasicLinear``, ``MakeExtraOutput`` and ``CrossEntropy``, which the
+        joint fusion does not match.
     device, dtype
         Where and in which dtype to create the weight.
 
@@ -50,22 +56,25 @@ class LinearCrossEntropy(FusibleOperation):
     """
 
     attribute_checks = {"in_features": checks.positive_int("in_features"),
-                        "vocab_size": checks.positive_int("vocab_size")}
-    _ops: tuple[BasicLinear, CrossEntropy]  # set past nn.Module's __setattr__
+                        "vocab_size": checks.positive_int("vocab_size"),
+                        "return_logits": checks.boolean("return_logits")}
+    _ops: tuple  # (BasicLinear, [MakeExtraOutput,] CrossEntropy), past nn.Module's __setattr__
 
     def __init__(self, in_features: int, vocab_size: int, *, ignore_index: int = -100,
                  reduction: str = "mean", label_smoothing: float = 0.0, z_loss: float = 0.0,
-                 chunk_size: Optional[int] = None, device: DeviceArg = None,
-                 dtype: DTypeArg = None):
+                 chunk_size: Optional[int] = None, return_logits: bool = False,
+                 device: DeviceArg = None, dtype: DTypeArg = None):
         super().__init__()
         self.in_features, self.vocab_size = in_features, vocab_size
+        self.return_logits = return_logits
         loss = CrossEntropy(ignore_index=ignore_index, reduction=reduction,
                             label_smoothing=label_smoothing, z_loss=z_loss,
                             chunk_size=chunk_size)
         linear = BasicLinear(in_features, vocab_size, device="meta")
         self.weight = nn.Parameter(torch.empty(vocab_size, in_features, device=device,
                                                dtype=dtype))
-        object.__setattr__(self, "_ops", (linear, loss))
+        logits = (MakeExtraOutput(),) if return_logits else ()
+        object.__setattr__(self, "_ops", (linear, *logits, loss))
         self._link_ops()
         self.reset_parameters()
 
@@ -86,11 +95,12 @@ class LinearCrossEntropy(FusibleOperation):
     @property
     def loss(self) -> CrossEntropy:
         """The :class:`CrossEntropy` op (its options: ``head.loss.reduction``, ...)."""
-        return self._ops[1]
+        return self._ops[-1]
 
     def basic_ops(self):
         return self._ops
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, vocab_size={self.vocab_size}, "
-                f"{self.loss._options_text()}")
+                f"{self.loss._options_text()}"
+                + (", return_logits=True" if self.return_logits else ""))
