@@ -21,6 +21,8 @@ from parallel_ops import (_check_all_gather_then_column, _check_collectives,
                           _check_recompute_norm_before_column, _check_size_errors,
                           _check_state_dict_from_torch, one_rank_fails_cases,
                           one_rank_hangs_cases)
+from parallel_attention import (check_attention_heads_split,
+                                check_transformer_layer_tensor_parallel)
 from parallel_delayed import check_fp8_gather_delayed, check_linear_delayed
 from parallel_moe import (_check_expert_parallel, _check_expert_parallel_capacity,
                           _check_expert_parallel_plan)
@@ -54,7 +56,11 @@ def parallel_cases(rank, ws, device="cpu"):
              "expert parallel": lambda: _check_expert_parallel(rank, ws),
              "expert parallel fp8": lambda: _check_expert_parallel(rank, ws, fp8=True),
              "expert parallel plan": lambda: _check_expert_parallel_plan(rank, ws),
-             "expert parallel capacity": lambda: _check_expert_parallel_capacity(rank, ws)}
+             "expert parallel capacity": lambda: _check_expert_parallel_capacity(rank, ws),
+             "attention heads split": lambda: check_attention_heads_split(rank, ws),
+             **{f"transformer layer sp={sp}": (
+                 lambda sp=sp: check_transformer_layer_tensor_parallel(rank, ws, sp))
+                for sp in (False, True)}}
     for mode in ("column", "row"):
         for sp in (False, True):
             for bias in (False, True):
@@ -96,7 +102,7 @@ def test_tensor_parallel_nccl():
 def _report(results):
     report = failure_report(results)
     assert not report, report
-    assert [len(outcomes) for outcomes in results] == [66] * len(results)
+    assert [len(outcomes) for outcomes in results] == [69] * len(results)
 
 
 def test_a_rank_that_fails_alone_stops_every_rank_at_once():

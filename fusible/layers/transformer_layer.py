@@ -10,7 +10,8 @@ import collections
 from typing import Optional
 
 from fusible.core import checks
-from fusible.core.arg_types import DTypeArg, DeviceArg
+from fusible.core.arg_types import DTypeArg, DeviceArg, GroupArg
+from fusible.functional import parallel
 from fusible import ops
 
 NORMS = ("rmsnorm", "layernorm")
@@ -18,8 +19,9 @@ ACTIVATIONS = {"swiglu": 2, "geglu": 2, "gelu": 1, "gelu_tanh": 1, "relu": 1, "s
 RESIDUALS = ("pre_norm", "post_norm", "parallel", "parallel_shared_norm")
 
 
-def _activation(name: str):
-    return {"swiglu": lambda: ops.SwiGLU(), "geglu": lambda: ops.GEGLU(),
+def _activation(name: str, glu_interleave_size: Optional[int] = None):
+    gated = {"glu_interleave_size": glu_interleave_size}
+    return {"swiglu": lambda: ops.SwiGLU(**gated), "geglu": lambda: ops.GEGLU(**gated),
             "gelu": lambda: ops.GELU(), "gelu_tanh": lambda: ops.GELU(approximate="tanh"),
             "relu": lambda: ops.ReLU(), "silu": lambda: ops.SiLU()}[name]()
 
@@ -69,6 +71,19 @@ class TransformerLayer(ops.Sequential):
         Biases in the four linear layers.
     qkv_bias : bool, optional
         A bias in the QKV projection alone (Qwen2); ``bias`` when None.
+    tensor_parallel : bool
+        Megatron's tensor parallelism over ``tensor_parallel_group``: ``qkv`` and ``fc1``
+        column-parallel, the heads split (``ops.Attention(tensor_parallel=True)``),
+        ``proj`` and ``fc2`` row-parallel. The global rows of ``qkv`` are then laid out
+        rank by rank (:func:`qkv_rows_by_rank`) and a gated ``fc1``'s interleaved in
+        blocks of ``ffn_hidden_size / world_size`` (:func:`fusible.interleave_glu_rows`):
+        shard a whole layer's state dict with both, then take each rank's rows.
+    tensor_parallel_group : ProcessGroup or 1-D DeviceMesh, optional
+        The default group when None.
+    sequence_parallel : bool
+        With ``tensor_parallel``: dim 0 of the input (the batch rows of ``(B, S,
+        hidden)``, which the attention takes whole: the QKV projection all-gathers them)
+        split over the group between the layers and around the norms.
     device, dtype
         Of the parameters.
     **attention_options
@@ -84,8 +99,9 @@ class TransformerLayer(ops.Sequential):
                  activation: str = "swiglu", rotary_base: Optional[float] = 10000.0,
                  causal: bool = True, residual: str = "pre_norm",
                  head_dim: Optional[int] = None, eps: float = 1e-5, bias: bool = False,
-                 qkv_bias: Optional[bool] = None, device: DeviceArg = None,
-                 dtype: DTypeArg = None, **attention_options):
+                 qkv_bias: Optional[bool] = None, tensor_parallel: bool = False,
+                 tensor_parallel_group: GroupArg = None, sequence_parallel: bool = False,
+                 device: DeviceArg = None, dtype: DTypeArg = None, **attention_options):
         name = "TransformerLayer"
         for arg, value in (("hidden_size", hidden_size), ("ffn_hidden_size", ffn_hidden_size),
                            ("num_heads", num_heads)):
@@ -100,24 +116,39 @@ class TransformerLayer(ops.Sequential):
                                  f"num_heads {num_heads}; give head_dim")
             head_dim = hidden_size // num_heads
         factory = {"device": device, "dtype": dtype}
+        checks.boolean("tensor_parallel")(name, tensor_parallel)
+        if not tensor_parallel and (sequence_parallel or tensor_parallel_group is not None):
+            raise ValueError(f"{name}: sequence_parallel and tensor_parallel_group need "
+                             f"tensor_parallel=True")
+        group = {"tensor_parallel_group": tensor_parallel_group} if tensor_parallel else {}
+        split = ({"sequence_parallel": sequence_parallel, **group}
+                 if tensor_parallel and sequence_parallel else {})
+        world_size = (parallel.group_config(name, "column", False, tensor_parallel_group)
+                      .world_size if tensor_parallel else 1)
 
         def make_norm():
             cls = ops.RMSNorm if norm == "rmsnorm" else ops.LayerNorm
-            return cls(hidden_size, eps=eps, **factory)
+            return cls(hidden_size, eps=eps, **split, **factory)
 
-        def linear(n_in, n_out, with_bias):
-            return ops.Linear(n_in, n_out, bias=with_bias, **factory)
+        def linear(n_in, n_out, with_bias, mode):
+            tp = ({"tensor_parallel_mode": mode, "sequence_parallel": sequence_parallel,
+                   **group} if tensor_parallel else {})
+            return ops.Linear(n_in, n_out, bias=with_bias, **tp, **factory)
 
         attention = [
             ("qkv", linear(hidden_size, (num_heads + 2 * kv_heads) * head_dim,
-                           bias if qkv_bias is None else qkv_bias)),
+                           bias if qkv_bias is None else qkv_bias, "column")),
             ("attention", ops.Attention(num_heads, num_kv_heads=kv_heads, causal=causal,
                                         rotary_base=rotary_base, head_dim=head_dim,
+                                        tensor_parallel=tensor_parallel, **group,
                                         **attention_options, **factory)),
-            ("proj", linear(num_heads * head_dim, hidden_size, bias))]
-        mlp = [("fc1", linear(hidden_size, ACTIVATIONS[activation] * ffn_hidden_size, bias)),
-               ("activation", _activation(activation)),
-               ("fc2", linear(ffn_hidden_size, hidden_size, bias))]
+            ("proj", linear(num_heads * head_dim, hidden_size, bias, "row"))]
+        gated = ACTIVATIONS[activation] == 2
+        interleave = ffn_hidden_size // world_size if gated and tensor_parallel else None
+        mlp = [("fc1", linear(hidden_size, ACTIVATIONS[activation] * ffn_hidden_size, bias,
+                              "column")),
+               ("activation", _activation(activation, interleave)),
+               ("fc2", linear(ffn_hidden_size, hidden_size, bias, "row"))]
 
         def branch(tag):
             return ops.MakeExtraOutput(channel=tag)
@@ -150,3 +181,4 @@ class TransformerLayer(ops.Sequential):
         self.hidden_size, self.ffn_hidden_size = hidden_size, ffn_hidden_size
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, kv_heads, head_dim
         self.norm_type, self.activation_type, self.residual = norm, activation, residual
+        self.tensor_parallel, self.world_size = tensor_parallel, world_size

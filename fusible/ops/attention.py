@@ -13,10 +13,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from fusible.core import checks
-from fusible.core.arg_types import DTypeArg, DeviceArg
+from fusible.core.arg_types import DTypeArg, DeviceArg, GroupArg
 from fusible.core.example import Example
 from fusible.core.results import BackwardResult, ForwardResult
 from fusible.functional import attention as attn
+from fusible.functional import parallel
 from fusible.functional import qkv as qkv_prep
 from fusible.functional.rotary import RotaryOptions, apply_rotary, rotary_angles
 from fusible.module import BasicOperation
@@ -157,6 +158,16 @@ class Attention(BasicOperation):
     position_ids : bool
         Rotary positions given: called ``model(x, [cu_seqlens,] position_ids)`` with
         integer ``position_ids`` ``(B, S)`` or ``(S,)``.
+    tensor_parallel : bool
+        Split the heads over ``tensor_parallel_group`` (Megatron's attention): rank ``r``
+        computes q heads ``r * num_heads / ws ...`` and k/v heads ``r * num_kv_heads / ws
+        ...`` (both must divide by the world size ``ws``) from a column-parallel QKV
+        projection whose rows are laid out rank by rank (each rank's shard ``[its q | its
+        k | its v]``: :func:`fusible.layers.qkv_rows_by_rank`), and hands its heads'
+        outputs to a row-parallel output projection. Needs ``head_dim``; the q/k norm
+        weights' gradients are summed over the group.
+    tensor_parallel_group : ProcessGroup or 1-D DeviceMesh, optional
+        The default group when None.
     backend : {"flash", "math"}, optional
         The attention kernel; None: flash where it runs (CUDA with float16/bfloat16 and
         ``head_dim`` a multiple of 8 up to 256; on the CPU PyTorch's flash kernel without
@@ -186,6 +197,7 @@ class Attention(BasicOperation):
         "documents": checks.boolean("documents"),
         "position_ids": checks.boolean("position_ids"),
         "backend": checks.optional(checks.one_of("backend", attn.BACKENDS)),
+        "tensor_parallel": checks.boolean("tensor_parallel"),
     }
     fwd_args_type = AttentionForwardArgs
     bwd_args_type = AttentionBackwardArgs
@@ -198,9 +210,13 @@ class Attention(BasicOperation):
                  head_dim: Optional[int] = None, qk_norm: bool = False,
                  qk_norm_eps: float = 1e-6, window: Optional[int] = None,
                  documents: bool = False, position_ids: bool = False,
-                 backend: Optional[str] = None, device: DeviceArg = None,
+                 backend: Optional[str] = None, tensor_parallel: bool = False,
+                 tensor_parallel_group: GroupArg = None, device: DeviceArg = None,
                  dtype: DTypeArg = None):
         super().__init__()
+        self.tensor_parallel = tensor_parallel
+        self.parallel = parallel.tensor_parallel(
+            "Attention", "column" if tensor_parallel else None, False, tensor_parallel_group)
         self.num_heads = num_heads
         self.num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
         self.causal, self.rotary_base = causal, rotary_base
@@ -223,6 +239,15 @@ class Attention(BasicOperation):
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"{self.describe()}: num_heads must be a multiple of "
                              f"num_kv_heads, got {self.num_heads} and {self.num_kv_heads}")
+        ws = self.parallel.world_size
+        if self.num_heads % ws or self.num_kv_heads % ws:
+            raise ValueError(f"{self.describe()}: the heads split over {ws} ranks: num_heads "
+                             f"and num_kv_heads must divide by {ws}, got {self.num_heads} "
+                             f"and {self.num_kv_heads}")
+        if self.tensor_parallel and self.head_dim is None:
+            raise ValueError(f"{self.describe()}: tensor_parallel=True needs head_dim (a "
+                             f"rank's input holds its heads only; head_dim tells a whole, "
+                             f"unsplit input apart)")
         if self.rotary_fraction > 1:
             raise ValueError(f"{self.describe()}: rotary_fraction must be at most 1, got "
                              f"{self.rotary_fraction}")
@@ -248,7 +273,8 @@ class Attention(BasicOperation):
         for name in ("rotary_base", "window", "head_dim"):
             if getattr(self, name, None) is not None:
                 text += f", {name}={getattr(self, name)}"
-        for name in ("rotary_interleaved", "qk_norm", "documents", "position_ids"):
+        for name in ("rotary_interleaved", "qk_norm", "documents", "position_ids",
+                     "tensor_parallel"):
             if getattr(self, name, False):
                 text += f", {name}=True"
         if getattr(self, "rotary_fraction", 1.0) != 1.0:
@@ -268,13 +294,36 @@ class Attention(BasicOperation):
     # --- shapes and configuration
 
     def _layout(self, width: int) -> qkv_prep.HeadLayout:
-        slots = self.num_heads + 2 * self.num_kv_heads
+        """This rank's heads (all of them without tensor parallelism) for an input of
+        ``width`` features."""
+        ws = self.parallel.world_size
+        heads, kv_heads = self._local_heads()
+        slots = heads + 2 * kv_heads
         if width % slots or (self.head_dim is not None and width != slots * self.head_dim):
             want = (f"{slots} x head_dim" if self.head_dim is None
                     else f"{slots} x {self.head_dim} = {slots * self.head_dim}")
+            of_rank = f" of this rank's heads (split over {ws})" if ws > 1 else ""
             raise ValueError(f"{self.describe()}: the input's last dimension must be (num_heads "
-                             f"+ 2 * num_kv_heads) x head_dim = {want}, got {width}")
-        return qkv_prep.HeadLayout(self.num_heads, self.num_kv_heads, width // slots)
+                             f"+ 2 * num_kv_heads) x head_dim{of_rank} = {want}, got {width}")
+        return qkv_prep.HeadLayout(heads, kv_heads, width // slots)
+
+    def _local_heads(self) -> tuple:
+        """``(q heads, k/v heads)`` this rank computes."""
+        ws = self.parallel.world_size
+        return self.num_heads // ws, self.num_kv_heads // ws
+
+    def check_split_features(self, producer, world_size):
+        if self.parallel.world_size != world_size:
+            raise ValueError(
+                f"{self.describe()} after the column-parallel {producer}: each of the "
+                f"{world_size} ranks holds a slice of the QKV features. Split the heads too: "
+                f"construct the attention with tensor_parallel=True over the same group, and "
+                f"lay the projection's rows out rank by rank (fusible.layers.qkv_rows_by_rank "
+                f"on its weight and bias)")
+
+    def grad_reduction(self):
+        # the q/k norm weights are shared by every head: each rank's gradient covers its own
+        return self.parallel if self.qk_norm and self.parallel.active else None
 
     def _rotary_options(self, head_dim: int) -> RotaryOptions:
         if self.rotary_base is None:
@@ -322,7 +371,7 @@ class Attention(BasicOperation):
         self._options(torch.device(device).type, dtype, layout.head_dim)
         for name in self.param_names:
             self._check_param(name, self.param(name), dtype, device, (layout.head_dim,))
-        return (*shape[:2], self.num_heads * layout.head_dim)
+        return (*shape[:2], layout.heads * layout.head_dim)
 
     def _check_documents(self, cu: Tensor, shape, device) -> None:
         checks.extra_tensor(self.describe(), cu, "cu_seqlens", "an integer tensor (int32 or "
@@ -370,8 +419,8 @@ class Attention(BasicOperation):
 
     def backward_args(self, grad_output, grad_extra_outputs, ctxs):
         saved, needs = ctxs[0].saved, ctxs[0].needs
-        layout = self._layout(grad_output.shape[-1] // self.num_heads
-                              * (self.num_heads + 2 * self.num_kv_heads))
+        heads, kv_heads = self._local_heads()
+        layout = self._layout(grad_output.shape[-1] // heads * (heads + 2 * kv_heads))
         return AttentionBackwardArgs(
             grad_output, saved.input, saved.prepared, saved.output, saved.lse,
             saved.rng_state, saved.q_rstd, saved.k_rstd, saved.cu_seqlens, saved.position_ids,
