@@ -17,7 +17,8 @@
 # takes (diagnostics/scaled_grouped_probe.py); fsdp: FSDP2 on every GPU against one
 # (gpu_fsdp.py); pipeline: 1F1B against zero-bubble with the split backward
 # (gpu_pipeline.py); layer: a whole decoder layer at three sizes and the 8B LM head with
-# its loss against Hugging Face, torch.compile and Liger (layer.py; LAYERS: which sizes);
+# its loss against Hugging Face, torch.compile and Liger (layer.py; LAYERS: which sizes,
+# LAYER_ARGS: more arguments, e.g. --no-head);
 # TESTS: which tests,
 # default all, "none" for none; the argument "none" runs no benchmark)
 set -uo pipefail
@@ -105,7 +106,7 @@ if [[ " $benches " == *" zoo "* ]]; then
 fi
 if [[ " $benches " == *" layer "* ]]; then  # a decoder layer and the LM head (layer.py)
     (cd benchmarks && python3 layer.py --output "$OUT_ABS/layer.json" \
-        --profile "$OUT_ABS/layer_profile.txt" ${LAYERS:+--layers "$LAYERS"}) 2>&1 \
+        --profile "$OUT_ABS/layer_profile.txt" ${LAYERS:+--layers "$LAYERS"} ${LAYER_ARGS:-}) 2>&1 \
         | tee "$OUT/layer.log"
     bench_rc=$(( bench_rc || PIPESTATUS[0] ))
 fi
