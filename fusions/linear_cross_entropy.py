@@ -7,7 +7,8 @@ import attrs
 import torch
 
 from fusible import Example, FusedOperation, Op, Pattern
-from fusible.functional.cross_entropy import (LossOptions, linear_cross_entropy_backward,
+from fusible.functional.cross_entropy import (HeadFp8, LossOptions,
+                                              linear_cross_entropy_backward,
                                               linear_cross_entropy_forward)
 from fusible.ops import BackwardResult, BasicLinear, CrossEntropy, ForwardResult
 
@@ -28,6 +29,7 @@ class LinearLossForwardArgs:
     need_grad_input: bool
     need_grad_weight: bool
     gradients_now: bool
+    fp8: Optional[HeadFp8] = None
 
 
 @attrs.define
@@ -53,6 +55,7 @@ class LinearLossBackwardArgs:
     need_grad_input: bool
     need_grad_weight: bool
     weight_grad_dtype: torch.dtype
+    fp8: Optional[HeadFp8] = None
 
 
 class LinearCrossEntropy(FusedOperation):
@@ -63,9 +66,12 @@ class LinearCrossEntropy(FusedOperation):
     never exist, forward or backward.
 
     Pattern: ``BasicLinear, CrossEntropy``. Refused for tensor-parallel layers (a
-    vocabulary split needs the loss reduced over the group) and under an FP8 recipe (the
-    chunked GEMMs run in high precision: the ops then run as their own stages, the logits
-    whole), saying so in the plan.
+    vocabulary split needs the loss reduced over the group). Under an FP8 recipe with
+    per-tensor current scaling (``"tensorwise"``) the logits' and the hidden states'
+    gradient's GEMMs run in FP8, the weight's gradient in high precision
+    (:mod:`fusible.functional.head_gemms`: its float32 sum over the chunks accumulates
+    inside the GEMM), chunks of a multiple of 16 tokens; other recipes are refused (the
+    ops then run as their own stages, the logits whole), the plan saying why.
     Rounds as the basic ops do: the logits to the model's dtype after the GEMM, their
     gradient before the GEMMs of the backward. With ``reduction="mean"`` or ``"sum"`` the
     logits' gradient is made (and rounded) in the forward for an output gradient of 1, and
@@ -90,29 +96,34 @@ class LinearCrossEntropy(FusedOperation):
         if linear.parallel.active:
             return (f"{linear.describe()} is tensor-parallel: a vocabulary split over ranks "
                     f"needs the loss reduced over the group, which this stage does not do")
-        if env.recipe is not None:
-            return (f"under {env.recipe.name} scaling: the chunked LM head runs its GEMMs in "
-                    f"high precision only, so the ops run as their own stages (the logits "
-                    f"whole, the GEMM in FP8)")
+        if env.recipe is not None and _head_fp8(env.recipe) is None:
+            return (f"under {env.recipe.name} scaling: the chunked LM head runs its FP8 GEMMs "
+                    f"with per-tensor current scaling only, so the ops run as their own "
+                    f"stages (the logits whole, the GEMM in FP8)")
         return True
 
     def input_format(self, recipe, needs):
-        return None
+        return None  # high-precision hidden states: the stage casts them itself
+
+    def grad_format(self, recipe, needs):
+        return None  # the loss's gradient, a number per token at most
 
     def forward_args(self, input, params, extra_inputs, ctxs):
         linear, loss = self.match["linear"], self.match["loss"]
         needs = ctxs[0].needs
         wanted = needs.input or needs.params[0]
+        fp8 = _head_fp8(ctxs[0].recipe)
         return LinearLossForwardArgs(
-            input, params[0], extra_inputs[0], loss.options, loss.chunk(linear.out_features),
-            needs.input, needs.params[0], wanted and loss.reduction != "none")
+            input, params[0], extra_inputs[0], loss.options,
+            _chunk(loss.chunk(linear.out_features), fp8), needs.input, needs.params[0],
+            wanted and loss.reduction != "none", fp8)
 
     @classmethod
     def forward_compute(cls, args, *, in_custom_op=False):
         loss, lse, dx, dw = linear_cross_entropy_forward(
             args.input.reshape(-1, args.input.shape[-1]), args.weight,
             args.labels.reshape(-1), args.options, args.chunk, args.need_grad_input,
-            args.need_grad_weight, args.gradients_now)
+            args.need_grad_weight, args.gradients_now, args.fp8)
         if args.options.reduction == "none":
             loss = loss.view(args.labels.shape)
         if not args.gradients_now:
@@ -135,10 +146,11 @@ class LinearCrossEntropy(FusedOperation):
     def backward_args(self, grad_output, grad_extra_outputs, ctxs):
         linear, loss = self.match["linear"], self.match["loss"]
         needs = ctxs[0].needs
+        fp8 = _head_fp8(ctxs[0].recipe)
         return LinearLossBackwardArgs(
-            grad_output, ctxs[0].saved, loss.options, loss.chunk(linear.out_features),
-            needs.input, needs.params[0],
-            linear.wgrad_dtype or linear.param("weight").dtype)
+            grad_output, ctxs[0].saved, loss.options,
+            _chunk(loss.chunk(linear.out_features), fp8), needs.input, needs.params[0],
+            linear.wgrad_dtype or linear.param("weight").dtype, fp8)
 
     @classmethod
     def backward_compute(cls, args, *, in_custom_op=False):
@@ -149,7 +161,7 @@ class LinearCrossEntropy(FusedOperation):
         dx, dw = linear_cross_entropy_backward(
             args.grad_output, saved.input.reshape(-1, saved.input.shape[-1]), saved.weight,
             saved.labels.reshape(-1), saved.lse, args.options, args.chunk,
-            args.need_grad_input, args.need_grad_weight)
+            args.need_grad_input, args.need_grad_weight, args.fp8)
         dx = None if dx is None else dx.view(saved.input.shape)
         dw = None if dw is None else dw.to(args.weight_grad_dtype)
         return BackwardResult(dx, (dw,), (None,))
@@ -161,6 +173,22 @@ class LinearCrossEntropy(FusedOperation):
                         CrossEntropy(reduction="none", label_smoothing=0.25, z_loss=0.125,
                                      chunk_size=4)),
                        (2, 3, 16), extra_input_values=(labels,), fp8=False)
+
+
+def _head_fp8(recipe) -> Optional[HeadFp8]:
+    """The head's FP8 dtypes under ``recipe`` where its formats are per-tensor current
+    scaling (None: no recipe, or one the head's GEMMs do not take)."""
+    if recipe is None:
+        return None
+    formats = (recipe.input_format(), recipe.weight_format(), recipe.grad_format())
+    if any(not f.per_tensor or f.stateful for f in formats):
+        return None
+    return HeadFp8(*(f.fp8_dtype for f in formats))
+
+
+def _chunk(chunk: int, fp8: Optional[HeadFp8]) -> int:
+    """FP8 GEMMs take operands whose dimensions divide by 16: chunks of 16 tokens."""
+    return max(16, chunk // 16 * 16) if fp8 is not None else chunk
 
 
 def _scaled_forward_grads(args: LinearLossBackwardArgs) -> BackwardResult:

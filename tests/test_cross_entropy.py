@@ -181,9 +181,10 @@ def test_bad_labels_and_options_are_errors_naming_the_op():
         head(torch.randn(4, 8), torch.zeros(4, dtype=torch.long))
 
 
-def test_the_head_and_its_loss_are_one_stage_each_way_and_fp8_is_refused_saying_why():
+def test_the_head_and_its_loss_are_one_stage_each_way_and_fp8_rowwise_is_refused():
     """ops.LinearCrossEntropy, and the same two ops written by hand, plan the joint
-    fusion; under an FP8 recipe it is refused with the reason and the ops run alone."""
+    fusion; under a recipe other than per-tensor current scaling it is refused with the
+    reason and the ops run alone."""
     import fusible
     x, labels = torch.randn(16, 16, requires_grad=True), _labels((16,), ignored=())
     for model in (ops.Sequential(ops.LinearCrossEntropy(16, 32)),
@@ -191,14 +192,58 @@ def test_the_head_and_its_loss_are_one_stage_each_way_and_fp8_is_refused_saying_
         plan = model.plan(x, labels)
         assert stage_names(plan.forward) == ["LinearCrossEntropy"]
         assert stage_names(plan.backward) == ["LinearCrossEntropy"]
-    with fusible.autocast():
+    with fusible.autocast(recipe=fusible.Float8RowwiseScaling()):
         plan = model.plan(x, labels)
         refused = {c.fusion: c.reason for c in plan.candidates if c.status == "refused"}
-        assert "chunked LM head runs its GEMMs in high precision" in refused[
+        assert "runs its FP8 GEMMs with per-tensor current scaling only" in refused[
             "LinearCrossEntropy"]
         assert stage_names(plan.forward) == ["BasicLinear", "CrossEntropy"]
         model(x, labels).backward()
     assert x.grad is not None and x.grad.isfinite().all()
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_fp8_head_runs_the_logits_and_dgrad_gemms_in_fp8(reduction, monkeypatch):
+    """Under per-tensor current scaling the logits' and the hidden states' gradient's
+    GEMMs are FP8 (two per chunk of 16 tokens' multiples), the weight's gradient bf16:
+    signal-to-noise floors against float64, and the FP8 GEMMs counted."""
+    import fusible
+    from fusible.functional import head_gemms
+    from fusible.testing import snr_db
+    calls = []
+    scaled = head_gemms.scaled_gemm
+    monkeypatch.setattr(head_gemms, "scaled_gemm",
+                        lambda *a, **k: calls.append(a[0].shape) or scaled(*a, **k))
+    torch.manual_seed(0)
+    head = ops.LinearCrossEntropy(64, 96, reduction=reduction, chunk_size=40,
+                                  dtype=torch.bfloat16)
+    model = ops.Sequential(head)
+    x = torch.randn(2, 48, 64, dtype=torch.bfloat16, requires_grad=True)
+    labels = torch.randint(0, 96, (2, 48))
+    with fusible.autocast():
+        assert stage_names(model.plan(x, labels).forward) == ["LinearCrossEntropy"]
+        loss = model(x, labels)
+    loss.sum().backward()
+    # chunks of 32 tokens (40 rounded down to 16's multiple): the logits of each, and their
+    # gradient's GEMM; "none" makes the logits again in the backward
+    logits_passes = 1 if reduction == "mean" else 2
+    assert [s[0] for s in calls] == [32] * (3 * (logits_passes + 1))
+    x_ref, w_ref = x.detach().double().requires_grad_(), head.weight.detach().double()
+    w_ref.requires_grad_()
+    want = F.cross_entropy((x_ref @ w_ref.t()).reshape(-1, 96), labels.reshape(-1),
+                           reduction=reduction)
+    want.sum().backward()
+    assert snr_db(loss.double().reshape(-1), want.reshape(-1)) > 40
+    assert 25 < snr_db(x.grad, x_ref.grad) < 40  # E5M2 gradients: FP8, not bf16
+    assert snr_db(head.weight.grad, w_ref.grad) > 40  # the bf16 weight-gradient GEMM
+
+
+def test_fp8_head_compiles_bit_for_bit():
+    import fusible
+    head = ops.LinearCrossEntropy(64, 96, dtype=torch.bfloat16)
+    x = torch.randn(32, 64, dtype=torch.bfloat16, requires_grad=True)
+    with fusible.autocast():
+        check_compiled_matches_eager(ops.Sequential(head), x, torch.randint(0, 96, (32,)))
 
 
 def test_state_dict_names_as_nn_linear_and_load():

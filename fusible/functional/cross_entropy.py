@@ -22,10 +22,13 @@ from typing import Optional
 import attrs
 import torch
 
+from fusible.functional.head_gemms import HeadFp8, HeadOperands
+
 Tensor = torch.Tensor
 
 # What fusions may import (the rest serves fusible.ops.CrossEntropy)
-__all__ = ["LossOptions", "linear_cross_entropy_backward", "linear_cross_entropy_forward"]
+__all__ = ["HeadFp8", "LossOptions", "linear_cross_entropy_backward",
+           "linear_cross_entropy_forward"]
 
 # Elements of one chunk's float32 logits (128 MiB): the default chunk of tokens is this
 # over the vocabulary size; a chunk's logits, their softmax and its gradient are the
@@ -150,29 +153,10 @@ def grad_row_scale(grad_output: Tensor, labels: Tensor, options: LossOptions,
     return unit_row_scale(labels, options, dtype) * grad_output.to(dtype)
 
 
-def mm_float32(a: Tensor, b: Tensor) -> Tensor:
-    """``a @ b`` written in float32 for 16-bit ``a`` and ``b`` (their products summed in
-    float32, not rounded to their dtype): on CUDA one GEMM with a float32 output, elsewhere
-    the GEMM of their float32 copies (the same products)."""
-    if a.dtype not in (torch.bfloat16, torch.float16):
-        return a @ b
-    if a.is_cuda:
-        return torch.mm(a, b, out_dtype=torch.float32)
-    return a.to(torch.float32) @ b.to(torch.float32)
-
-
-def accumulate_mm(acc: Optional[Tensor], a: Tensor, b: Tensor) -> Tensor:
-    """``acc + a @ b`` (``acc`` None: ``a @ b``), in float32 for 16-bit ``a`` and ``b``."""
-    if acc is None:
-        return mm_float32(a, b)
-    if a.is_cuda and a.dtype in (torch.bfloat16, torch.float16):
-        return torch.addmm(acc, a, b, out_dtype=torch.float32)
-    return acc + mm_float32(a, b)
-
-
 def linear_cross_entropy_forward(x: Tensor, weight: Tensor, labels: Tensor,
                                  options: LossOptions, chunk: int, need_grad_input: bool,
-                                 need_grad_weight: bool, gradients_now: bool) -> tuple:
+                                 need_grad_weight: bool, gradients_now: bool,
+                                 fp8: Optional[HeadFp8] = None) -> tuple:
     """The loss of ``x @ weight.T`` against ``labels``, a chunk of tokens at a time.
 
     Parameters
@@ -191,6 +175,9 @@ def linear_cross_entropy_forward(x: Tensor, weight: Tensor, labels: Tensor,
     gradients_now : bool
         Make the gradients for an output gradient of 1 now, from each chunk's logits
         (a reduced loss: the backward then only scales them).
+    fp8 : HeadFp8, optional
+        Run the logits' and the hidden states' gradient's GEMMs in FP8
+        (:mod:`fusible.functional.head_gemms`).
 
     Returns
     -------
@@ -206,16 +193,17 @@ def linear_cross_entropy_forward(x: Tensor, weight: Tensor, labels: Tensor,
     scale = unit_row_scale(labels, options, acc) if gradients_now else None
     dx = x.new_empty(x.shape, dtype=acc) if gradients_now and need_grad_input else None
     dw = None
+    gemms = HeadOperands(x, weight, fp8, dx is not None)
     for lo, hi in chunks(x.shape[0], chunk):
-        z = (x[lo:hi] @ weight.t()).to(acc)  # the logits rounded to x's dtype, as a GEMM's
+        z = gemms.logits(lo, hi).to(acc)  # the logits rounded to x's dtype, as a GEMM's
         losses[lo:hi], lse[lo:hi] = chunk_losses(z, labels[lo:hi], options)
         if scale is not None:
             dz = chunk_logits_grad(z, lse[lo:hi], labels[lo:hi], options,
                                    scale[lo:hi]).to(x.dtype)
             if dx is not None:  # float32: the backward scales it, then rounds
-                dx[lo:hi] = mm_float32(dz, weight)
+                dx[lo:hi] = gemms.dgrad(dz, acc)
             if need_grad_weight:
-                dw = accumulate_mm(dw, dz.t(), x[lo:hi])
+                dw = gemms.wgrad(dw, dz, lo, hi)
     if gradients_now and need_grad_weight and dw is None:  # no token
         dw = torch.zeros(weight.shape, dtype=loss_dtype(weight.dtype), device=weight.device)
     return reduce_losses(losses, labels, options), lse, dx, dw
@@ -224,7 +212,8 @@ def linear_cross_entropy_forward(x: Tensor, weight: Tensor, labels: Tensor,
 def linear_cross_entropy_backward(grad_output: Tensor, x: Tensor, weight: Tensor,
                                   labels: Tensor, lse: Tensor, options: LossOptions,
                                   chunk: int, need_grad_input: bool,
-                                  need_grad_weight: bool) -> tuple:
+                                  need_grad_weight: bool,
+                                  fp8: Optional[HeadFp8] = None) -> tuple:
     """The gradients of :func:`linear_cross_entropy_forward`'s reduced loss, each
     chunk's logits made again from ``x`` and ``weight``.
 
@@ -232,7 +221,7 @@ def linear_cross_entropy_backward(grad_output: Tensor, x: Tensor, weight: Tensor
     ----------
     grad_output : Tensor
         The reduced loss's gradient (a number per token for ``reduction="none"``).
-    x, weight, labels, options, chunk
+    x, weight, labels, options, chunk, fp8
         As the forward's.
     lse : Tensor
         The forward's log-sum-exp per token.
@@ -247,14 +236,15 @@ def linear_cross_entropy_backward(grad_output: Tensor, x: Tensor, weight: Tensor
     scale = grad_row_scale(grad_output, labels, options, lse.dtype)
     dx = torch.empty_like(x) if need_grad_input else None
     dw = None
+    gemms = HeadOperands(x, weight, fp8, dx is not None)
     for lo, hi in chunks(x.shape[0], chunk):
-        z = (x[lo:hi] @ weight.t()).to(lse.dtype)
+        z = gemms.logits(lo, hi).to(lse.dtype)
         dz = chunk_logits_grad(z, lse[lo:hi], labels[lo:hi], options,
                                scale[lo:hi]).to(x.dtype)
         if dx is not None:
-            dx[lo:hi] = dz @ weight
+            dx[lo:hi] = gemms.dgrad(dz, x.dtype)
         if need_grad_weight:
-            dw = accumulate_mm(dw, dz.t(), x[lo:hi])
+            dw = gemms.wgrad(dw, dz, lo, hi)
     if need_grad_weight and dw is None:
         dw = torch.zeros(weight.shape, dtype=loss_dtype(weight.dtype), device=weight.device)
     return dx, dw
