@@ -200,7 +200,8 @@ def main() -> None:
 
     if args.head:
         run_rows(["torch_eager", "torch_compile", "liger_eager", "fusible_eager",
-                  "fusible_compile", "fusible_c1024_eager", "fusible_c2048_eager"],
+                  "fusible_compile", "fusible_c1024_eager", "fusible_c2048_eager",
+                  "fusible_fp8_eager", "fusible_fp8_compile"],
                  build_head, head_inputs, results, "lm_head 8b", args.output)
 
 

@@ -1353,3 +1353,26 @@ def test_linear_cross_entropy_on_gpu_never_holds_the_logits():
     assert abs(loss.item() - want.item()) < 2e-3 * abs(want.item())
     assert _relative_error(x.grad, x_ref.grad) < 1e-2
     assert _relative_error(head.weight.grad, w_ref.grad) < 1e-2
+
+
+def test_fp8_lm_head_on_gpu():
+    """Under fusible.autocast the head's logits and dgrad GEMMs run in FP8 (torch's
+    _scaled_mm): signal-to-noise floors against float32 logits' cross-entropy."""
+    torch.manual_seed(0)
+    tokens, hidden, vocab = 4096, 1024, 32000
+    head = ops.LinearCrossEntropy(hidden, vocab, device="cuda", dtype=torch.bfloat16)
+    x = (torch.randn(tokens, hidden, device="cuda") * 0.5).to(torch.bfloat16)
+    labels = torch.randint(0, vocab, (tokens,), device="cuda")
+    x_ref = x.clone().float().requires_grad_()
+    w_ref = head.weight.detach().float().requires_grad_()
+    want = torch.nn.functional.cross_entropy(x_ref @ w_ref.t(), labels)
+    want.backward()
+    x = x.requires_grad_()
+    with fusible.autocast():
+        assert stage_names(ops.Sequential(head).plan(x, labels).forward) == [
+            "LinearCrossEntropy"]
+        loss = ops.Sequential(head)(x, labels)
+    loss.backward()
+    assert abs(loss.item() - want.item()) < 1e-2 * want.item()
+    assert snr_db(x.grad, x_ref.grad) > 20
+    assert snr_db(head.weight.grad, w_ref.grad) > 30
