@@ -6,7 +6,7 @@ import attrs
 import torch
 
 from fusible import Example, FusedOperation, Op, Pattern
-from fusible.functional.linear import gemm_backward, like_tokens, split_gemm_backward
+from fusible.functional.linear import gemm_backward, split_dgrad, split_gemm_backward
 from fusible.functional.linear_records import GemmBackwardArgs
 from fusible.functional.linear_state import gemm_backward_args
 from fusible.ops import BackwardResult, BasicLinear, MakeExtraOutput
@@ -56,8 +56,7 @@ class BackwardLinearAdd(FusedOperation):
     @classmethod
     def dgrad_compute(cls, args, *, in_custom_op=False):
         dgrad, wgrad = split_gemm_backward(args.gemm)
-        dx, _ = gemm_backward(dgrad, accumulate_into=args.grad_extra_output)
-        dx = dx if dx is None else like_tokens(dx, args.gemm.grad_output)
+        dx = split_dgrad(dgrad, args.gemm.grad_output, accumulate_into=args.grad_extra_output)
         return BackwardResult(dx, (None,)), LinearAddBackwardArgs(wgrad, None)
 
     @classmethod

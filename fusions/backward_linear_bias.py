@@ -1,7 +1,7 @@
 """BackwardLinearBias: the whole backward of a linear layer with bias in one stage."""
 
 from fusible import Example, FusedOperation, Op, Pattern
-from fusible.functional.linear import bias_grad, gemm_backward, like_tokens, split_gemm_backward
+from fusible.functional.linear import bias_grad, gemm_backward, split_dgrad, split_gemm_backward
 from fusible.functional.linear_records import GemmBackwardArgs
 from fusible.functional.linear_state import gemm_backward_args
 from fusible.ops import BackwardResult, BasicLinear, Bias
@@ -47,8 +47,7 @@ class BackwardLinearBias(FusedOperation):
     @classmethod
     def dgrad_compute(cls, args, *, in_custom_op=False):
         dgrad, wgrad = split_gemm_backward(args)
-        dx, _ = gemm_backward(dgrad)
-        dx = dx if dx is None else like_tokens(dx, args.grad_output)
+        dx = split_dgrad(dgrad, args.grad_output)
         dbias = None if args.grad_format is None else bias_grad(args.grad_output)
         return BackwardResult(dx, (None, dbias)), wgrad
 

@@ -4,7 +4,7 @@ GEMMs."""
 import attrs
 
 from fusible import Example, FusedOperation, Op, Pattern
-from fusible.functional.linear import gemm_backward, like_tokens, split_gemm_backward
+from fusible.functional.linear import gemm_backward, split_dgrad, split_gemm_backward
 from fusible.functional.linear_records import GemmBackwardArgs
 from fusible.functional.linear_state import gemm_backward_args
 from fusible.ops import BackwardResult, BasicLinear, ConstantScale
@@ -52,8 +52,7 @@ class BackwardLinearScale(FusedOperation):
     @classmethod
     def dgrad_compute(cls, args, *, in_custom_op=False):
         dgrad, wgrad = split_gemm_backward(args.gemm)
-        dx, _ = gemm_backward(dgrad, grad_scale=args.scale)
-        dx = dx if dx is None else like_tokens(dx, args.gemm.grad_output)
+        dx = split_dgrad(dgrad, args.gemm.grad_output, grad_scale=args.scale)
         return BackwardResult(dx, (None,)), LinearScaleBackwardArgs(wgrad, args.scale)
 
     @classmethod

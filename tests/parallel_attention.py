@@ -2,11 +2,14 @@
 tensor (and sequence) parallelism, against the unsplit model in float64 (run by
 tests/test_parallel.py on every rank)."""
 
+import attrs
 import pytest
 import torch
 
 import fusible
 from fusible import ops
+from fusible.functional import parallel
+from fusible.ops import BackwardResult, ForwardResult
 from fusible.layers import TransformerLayer, qkv_rows_by_kind, qkv_rows_by_rank
 from fusible.testing import assert_close
 from parallel_layers import _part
@@ -109,3 +112,108 @@ def check_transformer_layer_tensor_parallel(rank, ws, sequence_parallel):
     grads = _layer_shards({n: p.grad for n, p in full.named_parameters()}, rank, ws)
     for name, p in layer.named_parameters():
         assert_close(p.grad, grads[name], torch.float64, f"gradient of {name}")
+
+
+def check_split_backward_of_a_parallel_layer(rank, ws):
+    """Under fusible.split_backward a tensor- and sequence-parallel layer's deferred
+    gradients (its column-parallel layers' dgrads reduce-scattered) are the unsplit
+    backward's."""
+    x = torch.randn(B, S, HIDDEN, generator=torch.Generator().manual_seed(3)).double()
+    grads = []
+    for split in (False, True):
+        torch.manual_seed(0)
+        layer = TransformerLayer(HIDDEN, FFN, HEADS, num_kv_heads=KV, bias=True,
+                                 tensor_parallel=True, sequence_parallel=True,
+                                 dtype=torch.float64)
+        with fusible.split_backward(split):
+            y = layer(x[_part(B, rank, ws)])
+        y.backward(torch.ones_like(y))
+        if split:
+            assert fusible.pending_wgrad(), "nothing deferred: the check checks nothing"
+            fusible.run_deferred_wgrad()
+        grads.append({n: p.grad for n, p in layer.named_parameters()})
+    for name, want in grads[0].items():
+        assert_close(grads[1][name], want, torch.float64, f"split gradient of {name}")
+
+
+@attrs.define
+class _ScaleArgs:
+    input: torch.Tensor
+    weight: torch.Tensor
+
+
+@attrs.define
+class _ScaleBackwardArgs:
+    grad_output: torch.Tensor
+    input: torch.Tensor
+    weight: torch.Tensor
+
+
+class SequenceParallelScale(ops.BasicOperation):
+    """``y = x * weight`` per feature, over tokens split across the group: a replicated
+    parameter (its gradient summed over the group, ``grad_reduction``) whose backward
+    splits (a plugin's, as no built-in op has one yet)."""
+
+    param_names = ("weight",)
+    fwd_args_type = _ScaleArgs
+    bwd_args_type = _ScaleBackwardArgs
+    saved_type = _ScaleBackwardArgs
+
+    def __init__(self, features):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.rand(features, dtype=torch.float64) + 0.5)
+        self.parallel = parallel.sequence_parallel("SequenceParallelScale", True, None)
+
+    def forward_args(self, input, params, extra_inputs, ctxs):
+        return _ScaleArgs(input, params[0])
+
+    @classmethod
+    def forward_compute(cls, args, *, in_custom_op=False):
+        return ForwardResult(args.input * args.weight)
+
+    def save_for_backward(self, args, result, ctxs):
+        ctxs[0].saved = _ScaleBackwardArgs(None, args.input, args.weight)
+
+    def backward_args(self, grad_output, grad_extra_outputs, ctxs):
+        saved = ctxs[0].saved
+        return _ScaleBackwardArgs(grad_output, saved.input, saved.weight)
+
+    @classmethod
+    def backward_compute(cls, args, *, in_custom_op=False):
+        return BackwardResult(args.grad_output * args.weight,
+                              ((args.grad_output * args.input).flatten(0, -2).sum(0),))
+
+    @classmethod
+    def dgrad_compute(cls, args, *, in_custom_op=False):
+        return BackwardResult(args.grad_output * args.weight, (None,)), args
+
+    @classmethod
+    def wgrad_compute(cls, args, *, in_custom_op=False):
+        return BackwardResult(None, ((args.grad_output * args.input).flatten(0, -2).sum(0),))
+
+    def deferred_params(self, recipe, needs):
+        return (True,)
+
+    def reference(self, x, extra_inputs, params):
+        return x * params[0], ()
+
+
+def check_split_backward_sums_deferred_wgrads_of_plugins(rank, ws):
+    """A plugin's deferred wgrad of a replicated parameter over split tokens is summed
+    over the group after it runs, as its unsplit backward's is."""
+    x_full = torch.randn(B * ws, S, HIDDEN, generator=torch.Generator().manual_seed(3))
+    x_full = x_full.double()
+    grads = []
+    for split in (False, True):
+        torch.manual_seed(0)
+        model = ops.Sequential(SequenceParallelScale(HIDDEN))
+        with fusible.split_backward(split):
+            y = model(x_full[_part(B * ws, rank, ws)])
+        y.backward(torch.ones_like(y))
+        if split:
+            assert fusible.pending_wgrad(), "nothing deferred: the check checks nothing"
+            fusible.run_deferred_wgrad()
+        grads.append(model[0].weight.grad)
+    want = x_full.flatten(0, -2).sum(0)  # every rank's tokens
+    assert_close(grads[0], want, torch.float64, "unsplit")
+    assert_close(grads[1], want, torch.float64, "split")

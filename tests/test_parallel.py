@@ -22,6 +22,8 @@ from parallel_ops import (_check_all_gather_then_column, _check_collectives,
                           _check_state_dict_from_torch, one_rank_fails_cases,
                           one_rank_hangs_cases)
 from parallel_attention import (check_attention_heads_split,
+                                check_split_backward_of_a_parallel_layer,
+                                check_split_backward_sums_deferred_wgrads_of_plugins,
                                 check_transformer_layer_tensor_parallel)
 from parallel_delayed import check_fp8_gather_delayed, check_linear_delayed
 from parallel_moe import (_check_expert_parallel, _check_expert_parallel_capacity,
@@ -58,6 +60,10 @@ def parallel_cases(rank, ws, device="cpu"):
              "expert parallel plan": lambda: _check_expert_parallel_plan(rank, ws),
              "expert parallel capacity": lambda: _check_expert_parallel_capacity(rank, ws),
              "attention heads split": lambda: check_attention_heads_split(rank, ws),
+             "split backward of a parallel layer": (
+                 lambda: check_split_backward_of_a_parallel_layer(rank, ws)),
+             "split backward sums deferred wgrads": (
+                 lambda: check_split_backward_sums_deferred_wgrads_of_plugins(rank, ws)),
              **{f"transformer layer sp={sp}": (
                  lambda sp=sp: check_transformer_layer_tensor_parallel(rank, ws, sp))
                 for sp in (False, True)}}
@@ -102,7 +108,7 @@ def test_tensor_parallel_nccl():
 def _report(results):
     report = failure_report(results)
     assert not report, report
-    assert [len(outcomes) for outcomes in results] == [69] * len(results)
+    assert [len(outcomes) for outcomes in results] == [71] * len(results)
 
 
 def test_a_rank_that_fails_alone_stops_every_rank_at_once():

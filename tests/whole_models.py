@@ -3,7 +3,6 @@ attention and fusible LayerNorm / Linear / GELU / residual Sequentials."""
 
 from __future__ import annotations
 
-import torch
 import torch.nn.functional as F
 from torch import nn
 

@@ -371,6 +371,20 @@ def split_gemm_backward(args: GemmBackwardArgs) -> tuple:
     return dgrad, wgrad
 
 
+def split_dgrad(dgrad: GemmBackwardArgs, grad_output: Tensor, **kwargs) -> Optional[Tensor]:
+    """The dgrad of a split backward (:func:`split_gemm_backward`'s dgrad record, through
+    :func:`gemm_backward` with ``kwargs``) with the leading dimensions of the layer's
+    ``grad_output``: its tokens may have come flat (FP8), and dim 0 is split over the group
+    where the dgrad was reduce-scattered (column + sequence parallel)."""
+    dx, _ = gemm_backward(dgrad, **kwargs)
+    if dx is None:
+        return None
+    lead, tp = tuple(grad_output.shape[:-1]), dgrad.parallel
+    if reduces_dgrad(tp) and tp.sequence_parallel:
+        lead = (lead[0] // tp.world_size, *lead[1:])
+    return dx.view(*lead, dx.shape[-1])
+
+
 def _times(scale_inv: Tensor, grad_scale: float) -> Tensor:
     """The scales times ``grad_scale`` (float32: E8M0 scales have no products)."""
     return scale_inv if grad_scale == 1.0 else scale_inv.float() * grad_scale

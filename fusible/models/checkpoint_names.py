@@ -7,7 +7,6 @@ from __future__ import annotations
 import functools
 
 import attrs
-import torch
 from torch import nn
 
 

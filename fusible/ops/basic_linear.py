@@ -13,7 +13,8 @@ from fusible.core import checks
 from fusible.core.example import Example
 from fusible.core.results import BackwardResult, ForwardResult
 from fusible.functional import parallel
-from fusible.functional.linear import gemm_backward, gemm_forward, like_tokens, split_gemm_backward
+from fusible.functional.linear import (gemm_backward, gemm_forward, split_dgrad,
+                                       split_gemm_backward)
 from fusible.functional.linear_records import GemmBackwardArgs, GemmForwardArgs, LinearSaved
 from fusible.functional.linear_state import (forward_aux, gemm_backward_args, gemm_forward_args,
                                              gemm_grad_format, gemm_input_format, save_linear)
@@ -223,9 +224,7 @@ class BasicLinear(BasicOperation):
     @classmethod
     def dgrad_compute(cls, args, *, in_custom_op=False):
         dgrad, wgrad = split_gemm_backward(args)
-        dx, _ = gemm_backward(dgrad)
-        return BackwardResult(dx if dx is None else like_tokens(dx, args.grad_output),
-                              (None,)), wgrad
+        return BackwardResult(split_dgrad(dgrad, args.grad_output), (None,)), wgrad
 
     @classmethod
     def wgrad_compute(cls, args, *, in_custom_op=False):
