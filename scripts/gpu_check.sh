@@ -2,7 +2,7 @@
 # Everything the GPU machine runs, in one call: the whole test suite (CUDA tests included)
 # under the machine's PyTorch, then the GPU benchmarks. Results land in $OUT (or out/).
 # Usage there: [TESTS="tests/test_fp8.py ..."] bash scripts/gpu_check.sh [bf16] [fp8] [tp] [tiles]
-#   [idle] [breakdown] [small] [graphs] [zoo] [moe] [probe] [fsdp] [layer]
+#   [idle] [breakdown] [small] [graphs] [zoo] [moe] [probe] [fsdp] [layer] [models]
 # (no argument: bf16 and fp8; tp needs two GPUs (kind nvidia-h200-x2); tiles: the GELU
 # kernels' tile shapes (diagnostics/activation_tiles.py); idle: host time, GPU idle and
 # kernels and host profile of the FP8 attention projections, eager and compiled (gpu_idle.py);
@@ -18,7 +18,8 @@
 # (gpu_fsdp.py); pipeline: 1F1B against zero-bubble with the split backward
 # (gpu_pipeline.py); layer: a whole decoder layer at three sizes and the 8B LM head with
 # its loss against Hugging Face, torch.compile and Liger (layer.py; LAYERS: which sizes,
-# LAYER_ARGS: more arguments, e.g. --no-head);
+# LAYER_ARGS: more arguments, e.g. --no-head); models: whole-model training steps, a process
+# per row (models.py; MODEL_CONFIGS, MODEL_ROWS);
 # TESTS: which tests,
 # default all, "none" for none; the argument "none" runs no benchmark)
 set -uo pipefail
@@ -108,6 +109,12 @@ if [[ " $benches " == *" layer "* ]]; then  # a decoder layer and the LM head (l
     (cd benchmarks && python3 layer.py --output "$OUT_ABS/layer.json" \
         --profile "$OUT_ABS/layer_profile.txt" ${LAYERS:+--layers "$LAYERS"} ${LAYER_ARGS:-}) 2>&1 \
         | tee "$OUT/layer.log"
+    bench_rc=$(( bench_rc || PIPESTATUS[0] ))
+fi
+if [[ " $benches " == *" models "* ]]; then  # whole-model training steps (models.py)
+    (cd benchmarks && python3 models.py --output "$OUT_ABS/models.json" \
+        ${MODEL_CONFIGS:+--configs "$MODEL_CONFIGS"} ${MODEL_ROWS:+--rows "$MODEL_ROWS"}) \
+        2>&1 | tee "$OUT/models.log"
     bench_rc=$(( bench_rc || PIPESTATUS[0] ))
 fi
 if [[ " $benches " == *" probe "* ]]; then

@@ -1,0 +1,151 @@
+"""GPU: whole-model training steps (forward with the loss, backward, fused AdamW), each row
+in a process of its own (Liger patches transformers' classes in place), side by side in one
+run: Hugging Face's LlamaForCausalLM eager, compiled, compiled with CUDA graphs, with
+Liger-Kernel, with torchao's float8 training + compile, and the same architecture as a
+native fusible model (``fusible.layers.CausalLM`` on the same weights) eager, compiled,
+bf16 and FP8. Reports ms per step, tokens/s, peak memory and the loss after the timed
+steps (the rows start from the same weights and see the same batch: their losses agree,
+FP8 within its tolerance).
+
+    python benchmarks/models.py --output benchmarks/results/models_h200.json
+    python benchmarks/models.py --configs debugmodel --rows hf_eager,fusible_compile
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+
+# name: (hidden, ffn, layers, heads, kv heads, vocab, tied, batch, seq, rope theta)
+CONFIGS = {
+    "llama3_8b_4_layers": (4096, 14336, 4, 32, 8, 128256, False, 2, 4096, 500000.0),
+    "llama3_2_1b": (2048, 8192, 16, 32, 8, 128256, True, 2, 4096, 500000.0),
+    "debugmodel": (256, 768, 6, 16, 16, 2048, False, 8, 2048, 500000.0),
+}
+ROWS = ["hf_eager", "hf_compile", "hf_compile_cudagraphs", "liger", "torchao_fp8_compile",
+        "fusible_eager", "fusible_compile", "fusible_compile_cudagraphs", "fusible_fp8_eager",
+        "fusible_fp8_compile"]
+STEPS, WARMUP = 20, 5
+
+
+def _hf_model(config_name: str):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+    hidden, ffn, layers, heads, kv, vocab, tied, _, _, theta = CONFIGS[config_name]
+    config = LlamaConfig(hidden_size=hidden, intermediate_size=ffn, num_hidden_layers=layers,
+                         num_attention_heads=heads, num_key_value_heads=kv, vocab_size=vocab,
+                         tie_word_embeddings=tied, rope_theta=theta,
+                         max_position_embeddings=8192)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = LlamaForCausalLM(config).to(torch.bfloat16)
+    return model
+
+
+def build(row: str, config_name: str):
+    """``(step function of (ids, labels) -> loss, the model)`` for one row."""
+    import contextlib
+    import torch
+    if row == "liger":
+        from liger_kernel.transformers import apply_liger_kernel_to_llama
+        apply_liger_kernel_to_llama()
+    hf = _hf_model(config_name)
+    context = contextlib.nullcontext
+    if row.startswith("fusible"):
+        import fusible
+        from fusible.layers import CausalLM
+        hidden, ffn, layers, heads, kv, vocab, tied, _, _, theta = CONFIGS[config_name]
+        model = CausalLM(vocab, hidden, ffn, layers, heads, num_kv_heads=kv,
+                         rotary_base=theta, eps=hf.config.rms_norm_eps, tie_embeddings=tied,
+                         device="cuda", dtype=torch.bfloat16)
+        model.load_state_dict(CausalLM.state_dict_from_llama(hf.state_dict()))
+        del hf
+
+        def forward(ids, labels):
+            return model(ids, labels)
+        if "fp8" in row:
+            context = fusible.autocast
+    else:
+        model = hf
+        if row.startswith("torchao"):
+            from torchao.float8 import convert_to_float8_training
+            convert_to_float8_training(model.model.layers)
+
+        def forward(ids, labels):
+            return model(input_ids=ids, labels=labels).loss
+    if "compile" in row:
+        mode = "reduce-overhead" if row.endswith("cudagraphs") else None
+        forward = torch.compile(forward, mode=mode)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
+
+    def step(ids, labels):
+        if row.endswith("cudagraphs"):
+            torch.compiler.cudagraph_mark_step_begin()
+        with context():
+            loss = forward(ids, labels)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss.detach()
+    return step, model
+
+
+def run_row(row: str, config_name: str) -> dict:
+    import torch
+    *_, batch, seq, _ = CONFIGS[config_name]
+    vocab = CONFIGS[config_name][5]
+    step, model = build(row, config_name)
+    ids = torch.randint(0, vocab, (batch, seq), device="cuda",
+                        generator=torch.Generator("cuda").manual_seed(1))
+    start = time.perf_counter()
+    for _ in range(WARMUP):
+        loss = step(ids, ids)
+    torch.cuda.synchronize()
+    warmup_s = time.perf_counter() - start
+    torch.cuda.reset_peak_memory_stats()
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    begin.record()
+    for _ in range(STEPS):
+        loss = step(ids, ids)
+    end.record()
+    torch.cuda.synchronize()
+    ms = begin.elapsed_time(end) / STEPS
+    return {"ms": ms, "tokens_per_s": batch * seq / ms * 1e3,
+            "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
+            "loss_after": loss.item(), "steps": WARMUP + STEPS, "warmup_s": warmup_s}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--output", default="out/models.json")
+    parser.add_argument("--configs", default=",".join(CONFIGS))
+    parser.add_argument("--rows", default=",".join(ROWS))
+    parser.add_argument("--row", help="(internal) run this one row here and print it")
+    parser.add_argument("--config", help="(internal) of --row")
+    args = parser.parse_args()
+    if args.row:
+        print(json.dumps(run_row(args.row, args.config)))
+        return
+    import torch
+    results: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
+    for config in args.configs.split(","):
+        for row in args.rows.split(","):
+            done = subprocess.run([sys.executable, __file__, "--row", row, "--config", config],
+                                  capture_output=True, text=True, timeout=900)
+            lines = done.stdout.strip().splitlines()
+            try:
+                result = json.loads(lines[-1])
+            except (IndexError, json.JSONDecodeError):
+                result = {"error": (done.stderr or done.stdout)[-600:]}
+            results.setdefault(config, {})[row] = result
+            print(config, row, result, flush=True)
+            with open(args.output, "w") as f:
+                json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
