@@ -22,7 +22,14 @@ Tensor = torch.Tensor
 
 @attrs.frozen
 class HeadFp8:
-    """The FP8 dtypes of the head's operands (per-tensor current scaling)."""
+    """The FP8 dtypes of the head's operands (per-tensor current scaling).
+
+    Attributes
+    ----------
+    input_dtype, weight_dtype, grad_dtype : torch.dtype
+        The hidden states', the weight's and the logits' gradient's FP8 dtypes (the
+        recipe's formats).
+    """
 
     input_dtype: torch.dtype
     weight_dtype: torch.dtype

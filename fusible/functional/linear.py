@@ -32,8 +32,8 @@ from fusible.quantization.tensor.quantize import requantize
 
 # What fusion authors import (docs/writing_a_fusion.md, "Helpers for fusion authors"); the
 # rest serves BasicLinear, GroupedLinear and the benchmarks' timers.
-__all__ = ["bias_grad", "gemm_backward", "gemm_forward", "like_tokens", "split_gemm_backward",
-           "tokens_2d"]
+__all__ = ["bias_grad", "gemm_backward", "gemm_forward", "like_tokens", "split_dgrad",
+           "split_gemm_backward", "tokens_2d"]
 
 Tensor = torch.Tensor
 
@@ -372,10 +372,24 @@ def split_gemm_backward(args: GemmBackwardArgs) -> tuple:
 
 
 def split_dgrad(dgrad: GemmBackwardArgs, grad_output: Tensor, **kwargs) -> Optional[Tensor]:
-    """The dgrad of a split backward (:func:`split_gemm_backward`'s dgrad record, through
-    :func:`gemm_backward` with ``kwargs``) with the leading dimensions of the layer's
+    """The dgrad of a split backward with the leading dimensions of the layer's
     ``grad_output``: its tokens may have come flat (FP8), and dim 0 is split over the group
-    where the dgrad was reduce-scattered (column + sequence parallel)."""
+    where the dgrad was reduce-scattered (column + sequence parallel).
+
+    Parameters
+    ----------
+    dgrad : GemmBackwardArgs
+        :func:`split_gemm_backward`'s dgrad record.
+    grad_output : Tensor
+        The layer's ``dy`` as it came (its leading dimensions).
+    **kwargs
+        Passed to :func:`gemm_backward` (``accumulate_into``, ``grad_scale``).
+
+    Returns
+    -------
+    Tensor or None
+        None where the record needs no dgrad.
+    """
     dx, _ = gemm_backward(dgrad, **kwargs)
     if dx is None:
         return None

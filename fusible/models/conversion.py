@@ -11,7 +11,9 @@ optimizer built before the conversion, its state and every checkpoint keep worki
   same child names), planned as one pipeline: fusions cross its layers (an MLP written
   as ``nn.Sequential(Linear, GELU, Linear)`` gets its GEMM epilogues).
 
-A module whose forward is Python (attention, a residual block) keeps that forward; its
+A Llama-style Hugging Face decoder layer runs as one TransformerLayer plan with its own
+parameters (``fuse_layers``, :mod:`fusible.models.decoder_layers`).
+Any other module whose forward is Python (attention, a residual block) keeps that forward; its
 recognised children are converted one by one, and the report says what stayed and why.
 Its Linear + residual adds are fused (``fuse_residuals=True``, the default): the forward,
 traced one level deep with ``torch.fx``, adds a residual to the output of a converted child
@@ -43,6 +45,7 @@ from torch.nn.utils import parametrize
 from torch.nn.utils.spectral_norm import SpectralNorm
 from torch.nn.utils.weight_norm import WeightNorm
 
+from fusible.models.decoder_layers import FALLBACKS, fuse_decoder_layer
 from fusible.models.gated_mlps import gated_mlp_names, merged_gated_mlp
 from fusible.models.residual_adds import FUSED, fuse_residual_adds
 from fusible.module import PipelineModule, Sequential
@@ -80,7 +83,7 @@ class ConversionReport:
 
 
 def convert(model: nn.Module, *, merge_gated_mlps: bool = False,
-            fuse_residuals: bool = True) -> ConversionReport:
+            fuse_residuals: bool = True, fuse_layers: bool = True) -> ConversionReport:
     """Swap the modules of ``model`` that fusible recognises for fusible ops, in place.
 
     Parameters
@@ -97,12 +100,18 @@ def convert(model: nn.Module, *, merge_gated_mlps: bool = False,
         Fuse the Linear + residual adds of Python forwards into the linear layers'
         pipelines (see the module docstring): each is reported as converted,
         ``(child path, "Linear + residual", "AddExtraInput fused")``.
+    fuse_layers : bool
+        Run each Llama-style decoder layer (Llama, Mistral, Qwen2, Qwen3: recognised by
+        its children, confirmed on a probe input) as one
+        :class:`fusible.layers.TransformerLayer` with its own parameters (see
+        :mod:`fusible.models.decoder_layers`); its children stay as they are, for the calls
+        the fused layer does not take (a KV cache, an attention mask).
 
     Returns
     -------
     ConversionReport
     """
-    options = _Options(merge_gated_mlps, fuse_residuals, _shared_modules(model))
+    options = _Options(merge_gated_mlps, fuse_residuals, _shared_modules(model), fuse_layers)
     converted: list[tuple[str, str, str]] = []
     left: list[tuple[str, str, str]] = []
     _convert_children(model, "", converted, left, options)
@@ -116,6 +125,7 @@ class _Options:
     merge_gated: bool
     fuse_residuals: bool
     shared: frozenset  # id() of the modules the model holds more than once
+    fuse_layers: bool = True
 
 
 def _shared_modules(model: nn.Module) -> frozenset:
@@ -169,6 +179,9 @@ def _convert_children(module, path, converted, left, options: _Options) -> None:
         where = f"{path}.{name}" if path else name
         if isinstance(child, PipelineModule):
             continue  # fusible already
+        refused = _fused_layer(child, where, converted) if options.fuse_layers else None
+        if refused is True:
+            continue  # one plan; its children stay, for the calls it does not take
         new = convert_module(child)
         gated = gated_mlp_names(child) if new is None else None
         if gated is not None:
@@ -186,16 +199,32 @@ def _convert_children(module, path, converted, left, options: _Options) -> None:
             converted.append((where, type(child).__name__, type(new).__name__))
             continue
         why = _why_left(child) if gated is None else None
+        if refused:
+            why = f"a decoder layer not fused whole: {refused}" + (f"; {why}" if why else "")
         entry = len(left)
         if why is not None:
             left.append((where, type(child).__name__, why))
         before = len(converted)
         _convert_children(child, where, converted, left, options)
-        if why is not None and why.startswith("its forward is Python"):
+        if why is not None and "its forward is Python" in why:
             left[entry] = (*left[entry][:2], why + _separate_groups_hint(converted[before:],
                                                                          where))
         if options.fuse_residuals and not isinstance(child, nn.Sequential):
             _fuse_residuals(child, where, converted, left, entry if why else None, options)
+
+
+def _fused_layer(child, where, converted) -> "bool | str | None":
+    """True where ``child`` is a decoder layer now fused whole; why a layer of that shape
+    was not (its children are then converted one by one); None for other modules."""
+    outcome = fuse_decoder_layer(child)
+    if outcome is None or isinstance(outcome, str):
+        return outcome
+    eager = getattr(getattr(child.self_attn, "config", None), "_attn_implementation", None)
+    note = ("; its model's eager attention passes a causal mask to every call: load it with "
+            "attn_implementation='sdpa' to run the fused layer" if eager == "eager" else "")
+    converted.append((where, type(child).__name__, f"TransformerLayer (the whole layer; "
+                                                   f"{FALLBACKS}{note})"))
+    return True
 
 
 def _separate_groups_hint(converted: list, where: str) -> str:

@@ -22,6 +22,7 @@ from fusible.core.operation import FusibleSpec
 from fusible.models.model_plan_dot import model_plan_dot
 from fusible.module import Sequential, outermost_fusible
 from fusible.planning.passes import op_communication
+from fusible.models.decoder_layers import FusedLayerForward
 from fusible.planning.plan import FusionPlan, describe_op
 from fusible.planning.viz import render_dot
 
@@ -196,8 +197,10 @@ def plan_model(model: nn.Module, *example_inputs: Any, **example_kwargs: Any) ->
         if started.pop() == len(items):
             items.append(ModelItem(names[id(module)], type(module).__name__))
 
+    fused_layers = _fused_decoder_layers(model)
+    names.update({id(fused): path for path, fused in fused_layers})
     try:
-        for module in outermost_fusible(model):
+        for module in [*outermost_fusible(model), *(fused for _, fused in fused_layers)]:
             handles.append(module.register_forward_pre_hook(fusible_call))
         for module in _ordinary_modules(model):
             handles.append(module.register_forward_pre_hook(ordinary_start))
@@ -211,6 +214,13 @@ def plan_model(model: nn.Module, *example_inputs: Any, **example_kwargs: Any) ->
         raise ValueError(f"plan_model: {type(model).__name__} called no fusible module on "
                          f"these inputs")
     return ModelPlan(tuple(items), collapse(items))
+
+
+def _fused_decoder_layers(model: nn.Module) -> list:
+    """``(path, TransformerLayer)`` of each decoder layer ``convert`` fused whole: its plan
+    is the layer's (:mod:`fusible.models.decoder_layers`)."""
+    return [(path, module.forward.fused) for path, module in model.named_modules()
+            if isinstance(module.__dict__.get("forward"), FusedLayerForward)]
 
 
 @contextlib.contextmanager
