@@ -144,3 +144,16 @@ def test_one_plan_per_layer_compiled_copied_and_pickled(fresh_dynamo):
         layer = other.model.layers[0]
         assert layer.forward._owner() is layer
         assert torch.equal(other(input_ids=ids, use_cache=False).logits, eager)
+
+
+def test_fp8_runs_each_fused_layers_four_gemms_in_fp8():
+    model = _model("qwen3").to(torch.bfloat16)
+    twin = copy.deepcopy(model)
+    fusible.convert(model)
+    ids = torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(1))
+    with fusible.autocast():
+        totals = fusible.plan_model(model, input_ids=ids, use_cache=False).totals()
+        got = model(input_ids=ids, labels=ids, use_cache=False).loss
+    assert totals["FP8 GEMMs"] == 2 * 4 + 1  # four per layer, and the converted lm_head
+    want = twin(input_ids=ids, labels=ids, use_cache=False).loss
+    assert abs(got.item() - want.item()) < 0.05 * abs(want.item())
