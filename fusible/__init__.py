@@ -13,6 +13,9 @@ from fusible import layers, ops, testing
 from fusible.fsdp import fsdp_float8_all_gather
 from fusible.models.conversion import ConversionReport, convert, convert_module
 from fusible.models.glu_rows import deinterleave_glu_rows, interleave_glu_rows
+from fusible.models.layer_converter import (LayerConverter, register_layer_converter,
+                                            registered_layer_converters,
+                                            unregister_layer_converter)
 from fusible.models.model_plan import ModelPlan, plan_model
 from fusible.models.state_dicts import state_dict_from_torch, state_dict_to_torch
 from fusible.pipelining import pipeline_stage
@@ -35,15 +38,17 @@ from fusible.runtime.wgrad import take as take_deferred_wgrad
 __version__ = "0.2.0"
 
 __all__ = [
-    "autocast", "Candidate", "Check", "checkpoint", "checkpoint_context", "compile_report", "CompileReport", "ConversionReport",
-    "convert", "convert_module", "deinterleave_glu_rows", "DelayedScaling", "Example",
-    "Float8BlockScaling", "Float8CurrentScaling", "Float8Format", "Float8RowwiseScaling",
-    "Float8Tensor", "fsdp_float8_all_gather", "FusedOperation", "FusionPlan",
-    "interleave_glu_rows", "layers", "make_graphed_callables", "ModelPlan", "MXFP8BlockScaling", "Op",
-    "OperationContext", "ops", "Pattern", "pending_wgrad", "pipeline_stage", "plan_model",
-    "PlanConditions", "PlanEnvironment", "quantize", "quantized_model_init", "Recipe",
-    "recipe_from_name", "register_fusion", "register_recipe", "register_schema_type",
-    "registered_fusions", "registered_recipes", "run_deferred_wgrad", "split_backward",
-    "Stage", "state_dict_from_torch", "state_dict_to_torch", "take_deferred_wgrad", "testing",
-    "unregister_fusion", "unregister_recipe",
+    "autocast", "Candidate", "Check", "checkpoint", "checkpoint_context", "compile_report",
+    "CompileReport", "ConversionReport", "convert", "convert_module", "deinterleave_glu_rows",
+    "DelayedScaling", "Example", "Float8BlockScaling", "Float8CurrentScaling", "Float8Format",
+    "Float8RowwiseScaling", "Float8Tensor", "fsdp_float8_all_gather", "FusedOperation",
+    "FusionPlan", "interleave_glu_rows", "LayerConverter", "layers", "make_graphed_callables",
+    "ModelPlan", "MXFP8BlockScaling", "Op", "OperationContext", "ops", "Pattern",
+    "pending_wgrad", "pipeline_stage", "plan_model", "PlanConditions", "PlanEnvironment",
+    "quantize", "quantized_model_init", "Recipe", "recipe_from_name", "register_fusion",
+    "register_layer_converter", "register_recipe", "register_schema_type",
+    "registered_fusions", "registered_layer_converters", "registered_recipes",
+    "run_deferred_wgrad", "split_backward", "Stage", "state_dict_from_torch",
+    "state_dict_to_torch", "take_deferred_wgrad", "testing", "unregister_fusion",
+    "unregister_layer_converter", "unregister_recipe",
 ]

@@ -1,7 +1,9 @@
-"""fusible.convert on Hugging Face decoder models: each Llama-style decoder layer (Llama,
-Qwen2, Qwen3, Mistral) runs as one TransformerLayer plan with the layer's own parameters,
-against the unconverted twin (logits, loss, every gradient by name, AdamW steps with the
-optimizer built before the conversion), the calls it does not take falling back."""
+"""fusible.convert on Hugging Face decoder models: each decoder layer of the families the
+built-in layer converters know (Llama, Qwen2, Qwen3, Mistral, Phi-3, GPT-NeoX with both
+residuals) runs as one TransformerLayer plan with the layer's own parameters, against the
+unconverted twin (logits, loss, every gradient by name, AdamW steps with the optimizer
+built before the conversion), the calls it does not take falling back; a user's own
+converter."""
 
 import copy
 import pickle
@@ -20,6 +22,11 @@ FAMILIES = {
     "qwen2": lambda **k: transformers.Qwen2Config(**k),  # q/k/v biases
     "qwen3": lambda **k: transformers.Qwen3Config(head_dim=16, **k),  # q/k norms
     "mistral": lambda **k: transformers.MistralConfig(**k),
+    "phi3": lambda **k: transformers.Phi3Config(pad_token_id=0, **k),  # fused q/k/v, gate/up
+    "gpt_neox": lambda **k: transformers.GPTNeoXConfig(  # per-head QKV, parallel residual
+        **{**k, "num_key_value_heads": None}),
+    "gpt_neox_sequential": lambda **k: transformers.GPTNeoXConfig(
+        use_parallel_residual=False, **{**k, "num_key_value_heads": None}),
 }
 
 
@@ -53,7 +60,8 @@ def test_every_decoder_layer_fused_and_equal_to_the_twin(family):
     twin = copy.deepcopy(model)
     report = fusible.convert(model)
     fused = [p for p, _, new in report.converted if new.startswith("TransformerLayer")]
-    assert fused == ["model.layers.0", "model.layers.1"], str(report)
+    assert [p.rsplit(".", 2)[-2:] for p in fused] == [["layers", "0"], ["layers", "1"]], \
+        str(report)
     ids = _ids()
     got, want = _step(model, ids), _step(twin, ids)
     torch.testing.assert_close(got.logits, want.logits, atol=1e-5, rtol=1e-5)
@@ -62,7 +70,7 @@ def test_every_decoder_layer_fused_and_equal_to_the_twin(family):
     for name, p in model.named_parameters():
         torch.testing.assert_close(p.grad, grads[name].grad, atol=1e-5, rtol=1e-4,
                                    msg=lambda m: f"gradient of {name}: {m}")
-    for layer in model.model.layers:
+    for layer in model.base_model.layers:
         assert isinstance(layer.forward, FusedLayerForward) and not layer.forward.fallbacks
 
 
@@ -157,3 +165,62 @@ def test_fp8_runs_each_fused_layers_four_gemms_in_fp8():
     assert totals["FP8 GEMMs"] == 2 * 4 + 1  # four per layer, and the converted lm_head
     want = twin(input_ids=ids, labels=ids, use_cache=False).loss
     assert abs(got.item() - want.item()) < 0.05 * abs(want.item())
+
+
+class _MyBlock(torch.nn.Module):
+    """A user's own pre-norm block: no rotary embedding, one QKV weight, SwiGLU."""
+
+    def __init__(self, hidden=32, ffn=48, heads=4):
+        super().__init__()
+        self.heads = heads
+        self.norm1, self.norm2 = torch.nn.RMSNorm(hidden, eps=1e-6), torch.nn.RMSNorm(hidden,
+                                                                                     eps=1e-6)
+        self.qkv = torch.nn.Linear(hidden, 3 * hidden, bias=False)
+        self.out = torch.nn.Linear(hidden, hidden, bias=False)
+        self.gate_up = torch.nn.Linear(hidden, 2 * ffn, bias=False)
+        self.down = torch.nn.Linear(ffn, hidden, bias=False)
+
+    def forward(self, x):
+        b, s, h = x.shape
+        q, k, v = (t.view(b, s, self.heads, -1).transpose(1, 2)
+                   for t in self.qkv(self.norm1(x)).chunk(3, -1))
+        a = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.out(a.transpose(1, 2).reshape(b, s, h))
+        gate, up = self.gate_up(self.norm2(x)).chunk(2, -1)
+        return x + self.down(torch.nn.functional.silu(gate) * up)
+
+
+class _MyBlockConverter(fusible.LayerConverter):
+    name = "my_block"
+
+    def recognise(self, layer):
+        if not isinstance(layer, _MyBlock):
+            return None
+        return dict(hidden_size=32, ffn_hidden_size=48, num_heads=layer.heads,
+                    rotary_base=None, eps=layer.norm1.eps)
+
+    def parameters(self, layer, spec):
+        return {"input_norm.weight": layer.norm1.weight, "qkv.weight": layer.qkv.weight,
+                "proj.weight": layer.out.weight, "mlp_norm.weight": layer.norm2.weight,
+                "fc1.weight": layer.gate_up.weight, "fc2.weight": layer.down.weight}
+
+    def probe_kwargs(self, layer, spec, x, positions):
+        return {}
+
+
+def test_a_users_own_layer_converter():
+    converter = fusible.register_layer_converter(_MyBlockConverter())
+    try:
+        with pytest.raises(ValueError, match="'my_block' is registered already"):
+            fusible.register_layer_converter(_MyBlockConverter())
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(_MyBlock(), _MyBlock())
+        twin = copy.deepcopy(model)
+        report = fusible.convert(model)
+        assert [p for p, _, new in report.converted if new.startswith("TransformerLayer")] \
+            == ["0", "1"]
+        x = torch.randn(2, 5, 32, requires_grad=True)
+        torch.testing.assert_close(model(x), twin(x), atol=1e-5, rtol=1e-5)
+    finally:
+        fusible.unregister_layer_converter(converter.name)
+    assert "my_block" not in fusible.registered_layer_converters()

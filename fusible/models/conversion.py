@@ -47,6 +47,7 @@ from torch.nn.utils.weight_norm import WeightNorm
 
 from fusible.models.decoder_layers import FALLBACKS, fuse_decoder_layer
 from fusible.models.gated_mlps import gated_mlp_names, merged_gated_mlp
+from fusible.models.layer_converter import attention_implementation
 from fusible.models.residual_adds import FUSED, fuse_residual_adds
 from fusible.module import PipelineModule, Sequential
 from fusible.ops.dropout import Dropout
@@ -219,9 +220,9 @@ def _fused_layer(child, where, converted) -> "bool | str | None":
     outcome = fuse_decoder_layer(child)
     if outcome is None or isinstance(outcome, str):
         return outcome
-    eager = getattr(getattr(child.self_attn, "config", None), "_attn_implementation", None)
     note = ("; its model's eager attention passes a causal mask to every call: load it with "
-            "attn_implementation='sdpa' to run the fused layer" if eager == "eager" else "")
+            "attn_implementation='sdpa' to run the fused layer"
+            if attention_implementation(child) == "eager" else "")
     converted.append((where, type(child).__name__, f"TransformerLayer (the whole layer; "
                                                    f"{FALLBACKS}{note})"))
     return True

@@ -1,0 +1,149 @@
+"""LayerConverter: how one kind of decoder layer (a model family's class, or a user's
+own) runs as a :class:`fusible.layers.TransformerLayer`. ``fusible.convert`` asks each
+registered converter in turn (``fusible/models/layer_converters/``, one file each; a user
+registers theirs with :func:`register_layer_converter`), and confirms the answer on a
+probe input (:mod:`fusible.models.decoder_layers`)."""
+
+from __future__ import annotations
+
+from typing import Optional, Union
+
+import torch
+from torch import nn
+
+from fusible.functional.rotary import RotaryOptions, rotary_angles
+
+
+class LayerConverter:
+    """How a kind of decoder layer runs as one TransformerLayer.
+
+    A subclass names itself (``name``, unique) and defines :meth:`recognise` and
+    :meth:`parameters`; :meth:`probe_kwargs` where the layer's forward takes more than
+    Hugging Face's Llama-style ``position_ids`` / ``position_embeddings``.
+
+    Attributes
+    ----------
+    name : str
+        The converter's registry name, shown in reports.
+    cache_kwargs : tuple of str
+        The keyword arguments through which the layer's forward takes a KV cache (a call
+        with one runs the original forward).
+    """
+
+    name: str = ""
+    cache_kwargs: tuple = ("cache", "past_key_values")
+
+    def recognise(self, layer: nn.Module) -> Union[None, str, dict]:
+        """None: not this converter's kind of layer; a str: one, but not convertible
+        (why); a dict: :class:`TransformerLayer`'s keyword arguments for it (with
+        ``position_ids=True`` where it takes rotary positions)."""
+        raise NotImplementedError(f"{type(self).__name__}.recognise")
+
+    def parameters(self, layer: nn.Module, spec: dict) -> dict:
+        """The layer's parameters under the TransformerLayer's names (tensors computed
+        from them by autograd where the layouts differ: a concatenation, a reordering),
+        every one of the TransformerLayer's."""
+        raise NotImplementedError(f"{type(self).__name__}.parameters")
+
+    def probe_kwargs(self, layer: nn.Module, spec: dict, x: torch.Tensor,
+                     positions: torch.Tensor) -> dict:
+        """Keyword arguments of the layer's original forward for the probe input ``x``
+        ``(batch, seq, hidden)`` at ``positions`` ``(seq,)``: Hugging Face's rotary tables
+        and the causal mask its attention implementation takes."""
+        from_spec = hf_rotary_tables(spec, positions, x.dtype) if spec.get("rotary_base") \
+            else None
+        kwargs = {"position_ids": positions[None], "attention_mask": causal_mask(layer, x)}
+        if from_spec is not None:
+            kwargs["position_embeddings"] = from_spec
+        return kwargs
+
+
+_REGISTRY: dict[str, LayerConverter] = {}
+
+
+def register_layer_converter(converter: LayerConverter) -> LayerConverter:
+    """Register ``converter`` (an instance) for :func:`fusible.convert`; converters are
+    asked in registration order, the built-ins first. Raises ValueError for a name
+    registered already."""
+    if not isinstance(converter, LayerConverter) or not converter.name:
+        raise TypeError(f"register_layer_converter needs a LayerConverter instance with a "
+                        f"name, got {converter!r}")
+    if converter.name in _REGISTRY:
+        raise ValueError(f"a layer converter named {converter.name!r} is registered already")
+    _REGISTRY[converter.name] = converter
+    return converter
+
+
+def unregister_layer_converter(name: str) -> None:
+    """Remove the converter registered as ``name`` (KeyError if none)."""
+    del _REGISTRY[name]
+
+
+def registered_layer_converters() -> dict:
+    """``{name: converter}`` in the order :func:`fusible.convert` asks them."""
+    return dict(_REGISTRY)
+
+
+def layer_converter(name: str) -> LayerConverter:
+    """The converter registered as ``name`` (KeyError naming the registered ones)."""
+    if name not in _REGISTRY:
+        raise KeyError(f"no layer converter {name!r} (registered: {sorted(_REGISTRY)})")
+    return _REGISTRY[name]
+
+
+# --- helpers for converters
+
+def norm_eps(norm: nn.Module) -> Optional[float]:
+    """A norm module's epsilon (Hugging Face's ``variance_epsilon``, torch's ``eps``)."""
+    eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
+    return float(eps) if isinstance(eps, (int, float)) else None
+
+
+def rotary_options(config, head_dim: int) -> Union[str, dict]:
+    """TransformerLayer's rotary arguments from a Hugging Face config's
+    ``rope_parameters`` (default and Llama 3.1 rotary types), or why there are none."""
+    rope = dict(getattr(config, "rope_parameters", None) or {})
+    if "rope_theta" not in rope:
+        return "its config has no rope_parameters (rope_theta) to read"
+    rope_type = rope.get("rope_type", "default")
+    if rope_type not in ("default", "llama3"):
+        return f"its rotary embedding is rope_type {rope_type!r} (fused: default, llama3)"
+    options = {"rotary_base": float(rope["rope_theta"]), "position_ids": True,
+               "rotary_fraction": float(rope.get("partial_rotary_factor", 1.0))}
+    if rope_type == "llama3":
+        options["rotary_scaling"] = dict(rope, rope_type="llama3")
+    return options
+
+
+def attention_implementation(layer: nn.Module) -> Optional[str]:
+    """The attention implementation (``"sdpa"``, ``"eager"``, ...) of a Hugging Face
+    layer, read from its attention module's config (``self_attn`` or ``attention``)."""
+    attention = layer._modules.get("self_attn") or layer._modules.get("attention")
+    return getattr(getattr(attention, "config", None), "_attn_implementation", None)
+
+
+def causal_mask(layer: nn.Module, x: torch.Tensor) -> Optional[torch.Tensor]:
+    """The mask a Hugging Face model passes its layers for a causal batch without padding:
+    None, which the sdpa and flash kernels read as causal, or (the eager attention, read
+    from the layer's attention config) the additive ``(1, 1, S, S)`` mask."""
+    if attention_implementation(layer) != "eager":
+        return None
+    seq = x.shape[1]
+    blocked = torch.ones(seq, seq, dtype=torch.bool, device=x.device).triu(1)
+    return torch.zeros(seq, seq, dtype=x.dtype, device=x.device).masked_fill(
+        blocked, torch.finfo(x.dtype).min)[None, None]
+
+
+def hf_rotary_tables(spec: dict, positions: torch.Tensor, dtype) -> tuple:
+    """Hugging Face's rotary tables ``(cos, sin)`` ``(1, S, rotary_dim)`` (both halves
+    alike) for the rotary options of ``spec``."""
+    rotary_dim = int(round(spec["head_dim"] * spec.get("rotary_fraction", 1.0)))
+    scaling = spec.get("rotary_scaling") or {}
+    options = RotaryOptions(spec["rotary_base"], rotary_dim, False,
+                            float(scaling.get("factor", 1.0)),
+                            float(scaling.get("low_freq_factor", 1.0)),
+                            float(scaling.get("high_freq_factor", 4.0)),
+                            int(scaling.get("original_max_position_embeddings", 8192)))
+    cos, sin = rotary_angles(positions, options)
+    return (torch.cat((cos, cos), -1)[None].to(dtype),
+            torch.cat((sin, sin), -1)[None].to(dtype))

@@ -1,0 +1,10 @@
+"""The built-in layer converters, one file each, registered in this order (see
+:class:`fusible.models.layer_converter.LayerConverter`)."""
+
+from fusible.models.layer_converter import register_layer_converter
+from fusible.models.layer_converters.gpt_neox import GPTNeoXLayers
+from fusible.models.layer_converters.llama import LlamaLayers
+from fusible.models.layer_converters.phi3 import Phi3Layers
+
+for _converter in (LlamaLayers(), Phi3Layers(), GPTNeoXLayers()):
+    register_layer_converter(_converter)

@@ -1,0 +1,70 @@
+"""GPT-NeoX decoder layers (Pythia): LayerNorms, a fused QKV projection laid out per head
+(q, k, v of head 0, then head 1, ...: reordered on each call to TransformerLayer's q
+heads, k heads, v heads), partial rotary, a plain GELU MLP, biases, and the parallel
+residual (``use_parallel_residual``) or the sequential one."""
+
+from __future__ import annotations
+
+from typing import Union
+
+from torch import nn
+
+from fusible.models.layer_converter import LayerConverter, norm_eps, rotary_options
+
+_CHILDREN = {"input_layernorm", "post_attention_layernorm", "post_attention_dropout",
+             "post_mlp_dropout", "attention", "mlp"}
+_ACTIVATIONS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh",
+                "gelu_fast": "gelu_tanh", "relu": "relu", "silu": "silu"}
+
+
+class GPTNeoXLayers(LayerConverter):
+    name = "gpt_neox"
+    cache_kwargs = ("layer_past", "cache", "past_key_values")
+
+    def recognise(self, layer: nn.Module) -> Union[None, str, dict]:
+        attn, mlp = getattr(layer, "attention", None), getattr(layer, "mlp", None)
+        if set(layer._modules) != _CHILDREN or \
+                set(getattr(attn, "_modules", {})) != {"query_key_value", "dense"} or \
+                set(getattr(mlp, "_modules", {})) - {"act"} != {"dense_h_to_4h",
+                                                                "dense_4h_to_h"}:
+            return None
+        config = getattr(attn, "config", None)
+        if config is None:
+            return "its attention holds no config to read the heads and rotary embedding from"
+        dropouts = [layer.post_attention_dropout.p, layer.post_mlp_dropout.p,
+                    getattr(attn, "attention_dropout", 0.0)]
+        if any(dropouts):
+            return f"dropout {dropouts} (the fused layer has none)"
+        activation = _ACTIVATIONS.get(getattr(config, "hidden_act", None))
+        if activation is None:
+            return f"its activation {config.hidden_act!r} (fused: {sorted(_ACTIVATIONS)})"
+        if attn.query_key_value.bias is None or attn.dense.bias is None:
+            return "attention_bias=False: its MLP has biases, its attention none"
+        eps = norm_eps(layer.input_layernorm)
+        if eps is None or norm_eps(layer.post_attention_layernorm) != eps:
+            return "its two norms' epsilons differ or cannot be read"
+        heads = config.num_attention_heads
+        head_dim = attn.dense.in_features // heads
+        rotary = rotary_options(config, head_dim)
+        if isinstance(rotary, str):
+            return rotary
+        return dict(hidden_size=attn.dense.out_features,
+                    ffn_hidden_size=mlp.dense_h_to_4h.out_features, num_heads=heads,
+                    head_dim=head_dim, norm="layernorm", activation=activation, eps=eps,
+                    bias=True, residual="parallel" if layer.use_parallel_residual
+                    else "pre_norm", **rotary)
+
+    def parameters(self, layer: nn.Module, spec: dict) -> dict:
+        attn, mlp = layer.attention, layer.mlp
+        heads = spec["num_heads"]
+        w, b = attn.query_key_value.weight, attn.query_key_value.bias
+        return {"input_norm.weight": layer.input_layernorm.weight,
+                "input_norm.bias": layer.input_layernorm.bias,
+                "mlp_norm.weight": layer.post_attention_layernorm.weight,
+                "mlp_norm.bias": layer.post_attention_layernorm.bias,
+                "qkv.weight": w.view(heads, 3, -1, w.shape[-1]).transpose(0, 1)
+                               .reshape(w.shape),
+                "qkv.bias": b.view(heads, 3, -1).transpose(0, 1).reshape(b.shape),
+                "proj.weight": attn.dense.weight, "proj.bias": attn.dense.bias,
+                "fc1.weight": mlp.dense_h_to_4h.weight, "fc1.bias": mlp.dense_h_to_4h.bias,
+                "fc2.weight": mlp.dense_4h_to_h.weight, "fc2.bias": mlp.dense_4h_to_h.bias}

@@ -1,0 +1,91 @@
+"""Llama-style Hugging Face decoder layers (Llama, Mistral, Qwen2, Qwen3): pre-norm
+RMSNorms, separate q/k/v/o projections (Qwen2's q/k/v biases, Qwen3's per-head q/k
+norms), a gated MLP with gate/up/down projections."""
+
+from __future__ import annotations
+
+from typing import Any, Union
+
+import torch
+from torch import nn
+
+from fusible.models.layer_converter import LayerConverter, norm_eps, rotary_options
+
+_ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
+_MLP = ("gate_proj", "up_proj", "down_proj")
+
+
+class LlamaLayers(LayerConverter):
+    """The layers' q/k/v and gate/up weights are concatenated on each call (autograd
+    hands the gradients back to the separate weights)."""
+
+    name = "llama"
+
+    def recognise(self, layer: nn.Module) -> Union[None, str, dict]:
+        if not _shaped(layer):
+            return None
+        attn, mlp = layer.self_attn, layer.mlp
+        config = getattr(attn, "config", None)
+        if config is None:
+            return "its attention holds no config to read the heads and rotary embedding from"
+        if getattr(attn, "attention_dropout", 0.0):
+            return f"attention dropout {attn.attention_dropout} (the fused attention has none)"
+        eps = norm_eps(layer.input_layernorm)
+        if eps is None or norm_eps(layer.post_attention_layernorm) != eps:
+            return "its two norms' epsilons differ or cannot be read"
+        biases = {n: getattr(attn, n).bias is not None for n in _ATTENTION}
+        mlp_bias = [getattr(mlp, n).bias is not None for n in _MLP]
+        if len({biases[n] for n in _ATTENTION[:3]}) > 1 or len(set(mlp_bias)) > 1 or \
+                biases["o_proj"] != mlp_bias[0]:
+            return (f"its biases ({biases}, MLP {mlp_bias}) are not one QKV setting and one "
+                    f"for the output projection and the MLP")
+        heads = config.num_attention_heads
+        head_dim = attn.q_proj.out_features // heads
+        rotary = rotary_options(config, head_dim)
+        if isinstance(rotary, str):
+            return rotary
+        spec: dict[str, Any] = dict(
+            hidden_size=attn.q_proj.in_features, ffn_hidden_size=mlp.gate_proj.out_features,
+            num_heads=heads, num_kv_heads=config.num_key_value_heads, head_dim=head_dim,
+            eps=eps, bias=biases["o_proj"], qkv_bias=biases["q_proj"], **rotary)
+        if hasattr(attn, "q_norm"):
+            spec.update(qk_norm=True, qk_norm_eps=norm_eps(attn.q_norm))
+        scale = getattr(attn, "scaling", head_dim ** -0.5)
+        if abs(scale - head_dim ** -0.5) > 1e-12:
+            spec["softmax_scale"] = float(scale)
+        return spec
+
+    def parameters(self, layer: nn.Module, spec: dict) -> dict:
+        attn, mlp = layer.self_attn, layer.mlp
+        params = {"input_norm.weight": layer.input_layernorm.weight,
+                  "mlp_norm.weight": layer.post_attention_layernorm.weight,
+                  "qkv.weight": torch.cat([attn.q_proj.weight, attn.k_proj.weight,
+                                           attn.v_proj.weight]),
+                  "proj.weight": attn.o_proj.weight,
+                  "fc1.weight": torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]),
+                  "fc2.weight": mlp.down_proj.weight}
+        if spec["qkv_bias"]:
+            params["qkv.bias"] = torch.cat([attn.q_proj.bias, attn.k_proj.bias,
+                                            attn.v_proj.bias])
+        if spec["bias"]:
+            params.update({"proj.bias": attn.o_proj.bias, "fc2.bias": mlp.down_proj.bias,
+                           "fc1.bias": torch.cat([mlp.gate_proj.bias, mlp.up_proj.bias])})
+        if spec.get("qk_norm"):
+            params.update({"attention.q_norm_weight": attn.q_norm.weight,
+                           "attention.k_norm_weight": attn.k_norm.weight})
+        return params
+
+
+def _shaped(layer: nn.Module) -> bool:
+    """The children of a Llama-style layer and nothing else (what the fused layer would
+    leave out, the probe could miss)."""
+    attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+    return (attn is not None and mlp is not None
+            and set(layer._modules) == {"self_attn", "mlp", "input_layernorm",
+                                        "post_attention_layernorm"}
+            and all(isinstance(getattr(attn, n, None), nn.Linear) for n in _ATTENTION)
+            and all(isinstance(getattr(mlp, n, None), nn.Linear) for n in _MLP)
+            and all(isinstance(getattr(getattr(layer, n), "weight", None), nn.Parameter)
+                    for n in ("input_layernorm", "post_attention_layernorm"))
+            and set(attn._modules) <= {*_ATTENTION, "q_norm", "k_norm"}
+            and set(mlp._modules) <= {*_MLP, "act_fn"})

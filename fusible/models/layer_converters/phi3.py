@@ -1,0 +1,56 @@
+"""Phi-3 decoder layers: Llama's, with the q/k/v and gate/up projections fused into one
+weight each (``qkv_proj``, ``gate_up_proj``: TransformerLayer's layout, nothing to
+concatenate) and residual dropouts."""
+
+from __future__ import annotations
+
+from typing import Union
+
+from torch import nn
+
+from fusible.models.layer_converter import LayerConverter, norm_eps, rotary_options
+
+_CHILDREN = {"self_attn", "mlp", "input_layernorm", "post_attention_layernorm",
+             "resid_attn_dropout", "resid_mlp_dropout"}
+
+
+class Phi3Layers(LayerConverter):
+    name = "phi3"
+
+    def recognise(self, layer: nn.Module) -> Union[None, str, dict]:
+        attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+        if set(layer._modules) != _CHILDREN or \
+                set(getattr(attn, "_modules", {})) != {"qkv_proj", "o_proj"} or \
+                set(getattr(mlp, "_modules", {})) - {"activation_fn"} != {"gate_up_proj",
+                                                                          "down_proj"}:
+            return None
+        config = getattr(attn, "config", None)
+        if config is None:
+            return "its attention holds no config to read the heads and rotary embedding from"
+        dropouts = [layer.resid_attn_dropout.p, layer.resid_mlp_dropout.p,
+                    getattr(attn, "attention_dropout", 0.0)]
+        if any(dropouts):
+            return f"dropout {dropouts} (the fused layer has none)"
+        if any(m.bias is not None for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj,
+                                            mlp.down_proj)):
+            return "biases in its projections (Phi-3 has none)"
+        eps = norm_eps(layer.input_layernorm)
+        if eps is None or norm_eps(layer.post_attention_layernorm) != eps:
+            return "its two norms' epsilons differ or cannot be read"
+        heads = config.num_attention_heads
+        head_dim = attn.o_proj.in_features // heads
+        rotary = rotary_options(config, head_dim)
+        if isinstance(rotary, str):
+            return rotary
+        return dict(hidden_size=attn.o_proj.out_features,
+                    ffn_hidden_size=mlp.down_proj.in_features, num_heads=heads,
+                    num_kv_heads=config.num_key_value_heads, head_dim=head_dim, eps=eps,
+                    **rotary)
+
+    def parameters(self, layer: nn.Module, spec: dict) -> dict:
+        return {"input_norm.weight": layer.input_layernorm.weight,
+                "mlp_norm.weight": layer.post_attention_layernorm.weight,
+                "qkv.weight": layer.self_attn.qkv_proj.weight,
+                "proj.weight": layer.self_attn.o_proj.weight,
+                "fc1.weight": layer.mlp.gate_up_proj.weight,
+                "fc2.weight": layer.mlp.down_proj.weight}
