@@ -48,6 +48,7 @@ from torch.nn.utils.weight_norm import WeightNorm
 from fusible.models.decoder_layers import FALLBACKS, fuse_decoder_layer
 from fusible.models.gated_mlps import gated_mlp_names, merged_gated_mlp
 from fusible.models.layer_converter import attention_implementation
+from fusible.models.probed_modules import PROBE_TOLERANCE, probed_module
 from fusible.models.residual_adds import FUSED, fuse_residual_adds
 from fusible.module import PipelineModule, Sequential
 from fusible.ops.dropout import Dropout
@@ -145,8 +146,8 @@ def convert_module(module: nn.Module) -> Optional[nn.Module]:
             zip(module._modules, children)))  # the same child names
         seq.training = module.training  # its children took their own modes
         return keep_hooks(module, seq)
-    make = _LEAVES.get(type(module))
-    new = None if make is None or _reparametrization(module) else make(module)
+    make = _LEAVES.get(type(module), probed_module)
+    new = None if _reparametrization(module) else make(module)
     # the mode of what it replaces (a model from from_pretrained is in eval mode)
     return None if new is None else keep_hooks(module, new.train(module.training))
 
@@ -183,6 +184,8 @@ def _convert_children(module, path, converted, left, options: _Options) -> None:
         refused = _fused_layer(child, where, converted) if options.fuse_layers else None
         if refused is True:
             continue  # one plan; its children stay, for the calls it does not take
+        if type(child) is nn.Dropout and child.p == 0.0:
+            continue  # alone it computes nothing: a fusible group of it would only cost
         new = convert_module(child)
         gated = gated_mlp_names(child) if new is None else None
         if gated is not None:
@@ -197,7 +200,10 @@ def _convert_children(module, path, converted, left, options: _Options) -> None:
                                  .train(child.training))
         if new is not None:
             setattr(module, name, new)
-            converted.append((where, type(child).__name__, type(new).__name__))
+            probed = "" if type(child) in _LEAVES or isinstance(child, nn.Sequential) or \
+                gated is not None else (f" (recognised by computation: within "
+                                        f"{PROBE_TOLERANCE} on a probe input)")
+            converted.append((where, type(child).__name__, type(new).__name__ + probed))
             continue
         why = _why_left(child) if gated is None else None
         if refused:
@@ -251,7 +257,8 @@ def _fuse_residuals(module, path, converted, left, entry: Optional[int],
                   for name in done.fused]
     notes = [why for _, why in done.unfused]
     if done.untraced:
-        notes.append(f"fx could not trace it to fuse its residual adds ({done.untraced})")
+        notes.append(f"its residual adds, if it has any, stay unfused: fx could not trace "
+                     f"it ({done.untraced})")
     if done.fused:
         notes.insert(0, f"rewritten to fuse the residual adds of {', '.join(done.fused)}")
     if not notes:

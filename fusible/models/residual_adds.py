@@ -13,8 +13,11 @@ the add would broadcast; another dtype, which it would promote, as under
 
 from __future__ import annotations
 
+import ast
 import collections
+import inspect
 import operator
+import textwrap
 import types
 from typing import Any, Optional, cast
 
@@ -66,6 +69,23 @@ class _ChildrenAsLeaves(fx.Tracer):
         return True
 
 
+def _writes_an_add(forward) -> bool:
+    """Whether a forward's own code adds (``+``, ``+=``, ``.add(``, ``torch.add``): the
+    one-level trace fuses only adds written there, so a forward without one (a causal-LM
+    head's) has none to fuse. True where the source cannot be read."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(inspect.unwrap(forward))))
+    except (OSError, TypeError, SyntaxError):
+        return True
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.BinOp, ast.AugAssign)) and isinstance(node.op, ast.Add):
+            return True
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and \
+                node.func.attr in ("add", "add_"):
+            return True
+    return False
+
+
 def fuse_residual_adds(module: nn.Module, path: str, shared: frozenset) -> ResidualFusion:
     """Fuse the ``residual + child(y)`` adds of ``module``'s forward into its children,
     installing the rewritten forward (see the module docstring).
@@ -86,6 +106,8 @@ def fuse_residual_adds(module: nn.Module, path: str, shared: frozenset) -> Resid
     fusible = {n for n, c in module.named_children() if isinstance(c, PipelineModule)}
     if not fusible or "forward" in module.__dict__:  # nothing to fuse; or patched already
         return ResidualFusion()
+    if not _writes_an_add(type(module).forward):
+        return ResidualFusion()  # no add in its code: nothing to trace for
     try:
         graphs, reads = _trace_both_modes(module)
     except Exception as e:  # noqa: BLE001 - fx's errors vary (TraceError, TypeError, ...)
