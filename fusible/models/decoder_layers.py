@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import collections
 import copy
+import inspect
 import weakref
 from typing import Optional, Union
 
@@ -97,16 +98,21 @@ class FusedLayerForward:
 
     def __call__(self, hidden_states, *args, **kwargs):
         layer = self._owner()
-        why = self._fallback_reason(args, kwargs)
+        named = _named_arguments(layer, hidden_states, args, kwargs) if args else kwargs
+        why = self._fallback_reason(layer, named)
         if why is not None:
             self.fallbacks[why] += 1
             return type(layer).forward(layer, hidden_states, *args, **kwargs)
-        return self.run(layer, hidden_states, kwargs.get("position_ids"))
+        return self.run(layer, hidden_states, named.get("position_ids"))
 
-    def _fallback_reason(self, args: tuple, kwargs: dict) -> Optional[str]:
-        if args:
-            return "positional arguments after hidden_states"
-        cache = layer_converter(self.converter).cache_kwargs
+    def _fallback_reason(self, layer: nn.Module, kwargs: Optional[dict]) -> Optional[str]:
+        if kwargs is None:
+            return "arguments its forward's signature does not name"
+        converter = layer_converter(self.converter)
+        why = converter.fallback(layer)
+        if why is not None:
+            return why
+        cache = converter.cache_kwargs
         if any(kwargs.get(name) is not None for name in cache):
             return "a KV cache"
         if kwargs.get("attention_mask") is not None:
@@ -150,10 +156,15 @@ class FusedLayerForward:
                         device=weight.device).to(weight.dtype)
         positions = torch.arange(8, device=weight.device)
         kwargs = layer_converter(self.converter).probe_kwargs(layer, self.spec, x, positions)
-        with torch.no_grad():
-            want = type(layer).forward(layer, x, **kwargs)
-            want = want[0] if isinstance(want, tuple) else want
-            got = self.run(layer, x, positions[None])
+        training = layer.training
+        try:  # in evaluation mode: no dropout
+            layer.eval()
+            with torch.no_grad():
+                want = type(layer).forward(layer, x, **kwargs)
+                want = want[0] if isinstance(want, tuple) else want
+                got = self.run(layer, x, positions[None])
+        finally:
+            layer.train(training)
         # against what the layer adds to its input: the residual would hide the rest
         error = (got.double() - want.double()).abs().max().item()
         bound = tolerance * (want.double() - x.double()).abs().max().item()
@@ -172,3 +183,23 @@ class FusedLayerForward:
 
     def __reduce__(self):
         return FusedLayerForward, (self._owner(), self.converter, self.spec, self.dtype)
+
+
+def _named_arguments(layer: nn.Module, hidden_states, args: tuple,
+                     kwargs: dict) -> Optional[dict]:
+    """The call's arguments after ``hidden_states`` by name (GPT-2's model passes its
+    cache and mask positionally), or None where the signature does not bind them."""
+    try:
+        bound = inspect.signature(type(layer).forward).bind(layer, hidden_states, *args,
+                                                             **kwargs)
+    except TypeError:
+        return None
+    named = dict(bound.arguments)
+    for name in list(named)[:2]:  # self, hidden_states
+        named.pop(name)
+    for name, value in list(named.items()):  # **kwargs spread out
+        if inspect.signature(type(layer).forward).parameters[name].kind is \
+                inspect.Parameter.VAR_KEYWORD:
+            named.pop(name)
+            named.update(value)
+    return named

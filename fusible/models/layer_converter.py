@@ -45,6 +45,16 @@ class LayerConverter:
         every one of the TransformerLayer's."""
         raise NotImplementedError(f"{type(self).__name__}.parameters")
 
+    def fallback(self, layer: nn.Module) -> Optional[str]:
+        """Why this call of ``layer`` runs its original forward (e.g. dropout in training,
+        which the fused layer does not apply), or None. Default: dropout with ``p > 0``
+        anywhere in the layer, in training mode."""
+        if not layer.training:
+            return None
+        rates = sorted({m.p for m in layer.modules() if isinstance(m, nn.Dropout) and m.p}
+                       | {getattr(m, "attention_dropout", 0.0) for m in layer.modules()} - {0.0})
+        return f"dropout in training (p={rates})" if rates else None
+
     def probe_kwargs(self, layer: nn.Module, spec: dict, x: torch.Tensor,
                      positions: torch.Tensor) -> dict:
         """Keyword arguments of the layer's original forward for the probe input ``x``

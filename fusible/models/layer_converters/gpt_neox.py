@@ -31,10 +31,6 @@ class GPTNeoXLayers(LayerConverter):
         config = getattr(attn, "config", None)
         if config is None:
             return "its attention holds no config to read the heads and rotary embedding from"
-        dropouts = [layer.post_attention_dropout.p, layer.post_mlp_dropout.p,
-                    getattr(attn, "attention_dropout", 0.0)]
-        if any(dropouts):
-            return f"dropout {dropouts} (the fused layer has none)"
         activation = _ACTIVATIONS.get(getattr(config, "hidden_act", None))
         if activation is None:
             return f"its activation {config.hidden_act!r} (fused: {sorted(_ACTIVATIONS)})"

@@ -28,8 +28,6 @@ class LlamaLayers(LayerConverter):
         config = getattr(attn, "config", None)
         if config is None:
             return "its attention holds no config to read the heads and rotary embedding from"
-        if getattr(attn, "attention_dropout", 0.0):
-            return f"attention dropout {attn.attention_dropout} (the fused attention has none)"
         eps = norm_eps(layer.input_layernorm)
         if eps is None or norm_eps(layer.post_attention_layernorm) != eps:
             return "its two norms' epsilons differ or cannot be read"

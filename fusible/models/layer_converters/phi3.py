@@ -27,10 +27,6 @@ class Phi3Layers(LayerConverter):
         config = getattr(attn, "config", None)
         if config is None:
             return "its attention holds no config to read the heads and rotary embedding from"
-        dropouts = [layer.resid_attn_dropout.p, layer.resid_mlp_dropout.p,
-                    getattr(attn, "attention_dropout", 0.0)]
-        if any(dropouts):
-            return f"dropout {dropouts} (the fused layer has none)"
         if any(m.bias is not None for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj,
                                             mlp.down_proj)):
             return "biases in its projections (Phi-3 has none)"
