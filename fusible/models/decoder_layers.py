@@ -36,9 +36,9 @@ _PROBE_TOLERANCE = {torch.float64: 1e-5, torch.float32: 1e-4}
 # Keyword arguments the fused layer takes (or that mean nothing without a cache)
 _TAKEN = frozenset({"attention_mask", "position_ids", "use_cache", "position_embeddings",
                     "cache_position", "output_attentions"})
-FALLBACKS = ("falls back to the original code for a KV cache, an attention mask (padding; "
-             "the eager attention's causal mask), output_attentions and packed-sequence "
-             "arguments")
+FALLBACKS = ("falls back to the original code for dropout in training, a KV cache, an "
+             "attention mask (padding; the eager attention's causal mask), output_attentions "
+             "and packed-sequence arguments")
 
 
 def fuse_decoder_layer(layer: nn.Module) -> Union[None, str, "FusedLayerForward"]:
