@@ -109,6 +109,31 @@ def norm_eps(norm: nn.Module) -> Optional[float]:
     return float(eps) if isinstance(eps, (int, float)) else None
 
 
+def shared_eps(*norms: nn.Module) -> Union[str, float]:
+    """The norms' one epsilon, or why there is none (they differ, or cannot be read)."""
+    values = {norm_eps(n) for n in norms}
+    if len(values) != 1 or None in values:
+        return "its norms' epsilons differ or cannot be read"
+    return values.pop()
+
+
+NO_CONFIG = "its attention holds no config to read the heads and rotary embedding from"
+
+
+def common_spec(config, norms: tuple, attention_width: int) -> Union[str, dict]:
+    """The TransformerLayer arguments every rotary Hugging Face layer reads alike: the
+    heads (``attention_width`` over the config's ``num_attention_heads``), the norms'
+    epsilon and the rotary embedding's; or why they cannot be read."""
+    eps = shared_eps(*norms)
+    if isinstance(eps, str):
+        return eps
+    heads = config.num_attention_heads
+    rotary = rotary_options(config, attention_width // heads)
+    if isinstance(rotary, str):
+        return rotary
+    return dict(num_heads=heads, head_dim=attention_width // heads, eps=eps, **rotary)
+
+
 def rotary_options(config, head_dim: int) -> Union[str, dict]:
     """TransformerLayer's rotary arguments from a Hugging Face config's
     ``rope_parameters`` (default and Llama 3.1 rotary types), or why there are none."""

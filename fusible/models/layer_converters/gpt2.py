@@ -9,7 +9,7 @@ from typing import Union
 
 from torch import nn
 
-from fusible.models.layer_converter import LayerConverter, norm_eps
+from fusible.models.layer_converter import NO_CONFIG, LayerConverter, shared_eps
 
 _CHILDREN = {"ln_1", "attn", "ln_2", "mlp"}
 _ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh",
@@ -35,16 +35,16 @@ class GPT2Layers(LayerConverter):
             return None
         config = getattr(attn, "config", None)
         if config is None:
-            return "its attention holds no config to read the heads from"
+            return NO_CONFIG
         if getattr(attn, "scale_attn_by_inverse_layer_idx", False) or \
                 getattr(attn, "reorder_and_upcast_attn", False):
             return "scale_attn_by_inverse_layer_idx or reorder_and_upcast_attn"
         activation = _ACTIVATIONS.get(getattr(config, "activation_function", None))
         if activation is None:
             return f"its activation {config.activation_function!r} (fused: {sorted(_ACTIVATIONS)})"
-        eps = norm_eps(layer.ln_1)
-        if eps is None or norm_eps(layer.ln_2) != eps:
-            return "its two norms' epsilons differ or cannot be read"
+        eps = shared_eps(layer.ln_1, layer.ln_2)
+        if isinstance(eps, str):
+            return eps
         hidden, heads = attn.c_proj.weight.shape[1], attn.num_heads
         spec = dict(hidden_size=hidden, ffn_hidden_size=mlp.c_fc.weight.shape[1],
                     num_heads=heads, head_dim=hidden // heads, norm="layernorm",

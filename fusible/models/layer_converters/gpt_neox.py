@@ -9,7 +9,7 @@ from typing import Union
 
 from torch import nn
 
-from fusible.models.layer_converter import LayerConverter, norm_eps, rotary_options
+from fusible.models.layer_converter import NO_CONFIG, LayerConverter, common_spec
 
 _CHILDREN = {"input_layernorm", "post_attention_layernorm", "post_attention_dropout",
              "post_mlp_dropout", "attention", "mlp"}
@@ -30,25 +30,20 @@ class GPTNeoXLayers(LayerConverter):
             return None
         config = getattr(attn, "config", None)
         if config is None:
-            return "its attention holds no config to read the heads and rotary embedding from"
+            return NO_CONFIG
         activation = _ACTIVATIONS.get(getattr(config, "hidden_act", None))
         if activation is None:
             return f"its activation {config.hidden_act!r} (fused: {sorted(_ACTIVATIONS)})"
         if attn.query_key_value.bias is None or attn.dense.bias is None:
             return "attention_bias=False: its MLP has biases, its attention none"
-        eps = norm_eps(layer.input_layernorm)
-        if eps is None or norm_eps(layer.post_attention_layernorm) != eps:
-            return "its two norms' epsilons differ or cannot be read"
-        heads = config.num_attention_heads
-        head_dim = attn.dense.in_features // heads
-        rotary = rotary_options(config, head_dim)
-        if isinstance(rotary, str):
-            return rotary
+        common = common_spec(config, (layer.input_layernorm, layer.post_attention_layernorm),
+                             attn.dense.in_features)
+        if isinstance(common, str):
+            return common
         return dict(hidden_size=attn.dense.out_features,
-                    ffn_hidden_size=mlp.dense_h_to_4h.out_features, num_heads=heads,
-                    head_dim=head_dim, norm="layernorm", activation=activation, eps=eps,
-                    bias=True, residual="parallel" if layer.use_parallel_residual
-                    else "pre_norm", **rotary)
+                    ffn_hidden_size=mlp.dense_h_to_4h.out_features, norm="layernorm",
+                    activation=activation, bias=True, residual="parallel"
+                    if layer.use_parallel_residual else "pre_norm", **common)
 
     def parameters(self, layer: nn.Module, spec: dict) -> dict:
         attn, mlp = layer.attention, layer.mlp

@@ -9,7 +9,7 @@ from typing import Any, Union
 import torch
 from torch import nn
 
-from fusible.models.layer_converter import LayerConverter, norm_eps, rotary_options
+from fusible.models.layer_converter import NO_CONFIG, LayerConverter, common_spec, norm_eps
 
 _ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 _MLP = ("gate_proj", "up_proj", "down_proj")
@@ -27,27 +27,24 @@ class LlamaLayers(LayerConverter):
         attn, mlp = layer.self_attn, layer.mlp
         config = getattr(attn, "config", None)
         if config is None:
-            return "its attention holds no config to read the heads and rotary embedding from"
-        eps = norm_eps(layer.input_layernorm)
-        if eps is None or norm_eps(layer.post_attention_layernorm) != eps:
-            return "its two norms' epsilons differ or cannot be read"
+            return NO_CONFIG
         biases = {n: getattr(attn, n).bias is not None for n in _ATTENTION}
         mlp_bias = [getattr(mlp, n).bias is not None for n in _MLP]
         if len({biases[n] for n in _ATTENTION[:3]}) > 1 or len(set(mlp_bias)) > 1 or \
                 biases["o_proj"] != mlp_bias[0]:
             return (f"its biases ({biases}, MLP {mlp_bias}) are not one QKV setting and one "
                     f"for the output projection and the MLP")
-        heads = config.num_attention_heads
-        head_dim = attn.q_proj.out_features // heads
-        rotary = rotary_options(config, head_dim)
-        if isinstance(rotary, str):
-            return rotary
+        common = common_spec(config, (layer.input_layernorm, layer.post_attention_layernorm),
+                             attn.q_proj.out_features)
+        if isinstance(common, str):
+            return common
         spec: dict[str, Any] = dict(
             hidden_size=attn.q_proj.in_features, ffn_hidden_size=mlp.gate_proj.out_features,
-            num_heads=heads, num_kv_heads=config.num_key_value_heads, head_dim=head_dim,
-            eps=eps, bias=biases["o_proj"], qkv_bias=biases["q_proj"], **rotary)
+            num_kv_heads=config.num_key_value_heads, bias=biases["o_proj"],
+            qkv_bias=biases["q_proj"], **common)
         if hasattr(attn, "q_norm"):
             spec.update(qk_norm=True, qk_norm_eps=norm_eps(attn.q_norm))
+        head_dim = spec["head_dim"]
         scale = getattr(attn, "scaling", head_dim ** -0.5)
         if abs(scale - head_dim ** -0.5) > 1e-12:
             spec["softmax_scale"] = float(scale)

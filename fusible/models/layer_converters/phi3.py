@@ -8,7 +8,7 @@ from typing import Union
 
 from torch import nn
 
-from fusible.models.layer_converter import LayerConverter, norm_eps, rotary_options
+from fusible.models.layer_converter import NO_CONFIG, LayerConverter, common_spec
 
 _CHILDREN = {"self_attn", "mlp", "input_layernorm", "post_attention_layernorm",
              "resid_attn_dropout", "resid_mlp_dropout"}
@@ -26,22 +26,17 @@ class Phi3Layers(LayerConverter):
             return None
         config = getattr(attn, "config", None)
         if config is None:
-            return "its attention holds no config to read the heads and rotary embedding from"
+            return NO_CONFIG
         if any(m.bias is not None for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj,
                                             mlp.down_proj)):
             return "biases in its projections (Phi-3 has none)"
-        eps = norm_eps(layer.input_layernorm)
-        if eps is None or norm_eps(layer.post_attention_layernorm) != eps:
-            return "its two norms' epsilons differ or cannot be read"
-        heads = config.num_attention_heads
-        head_dim = attn.o_proj.in_features // heads
-        rotary = rotary_options(config, head_dim)
-        if isinstance(rotary, str):
-            return rotary
+        common = common_spec(config, (layer.input_layernorm, layer.post_attention_layernorm),
+                             attn.o_proj.in_features)
+        if isinstance(common, str):
+            return common
         return dict(hidden_size=attn.o_proj.out_features,
-                    ffn_hidden_size=mlp.down_proj.in_features, num_heads=heads,
-                    num_kv_heads=config.num_key_value_heads, head_dim=head_dim, eps=eps,
-                    **rotary)
+                    ffn_hidden_size=mlp.down_proj.in_features,
+                    num_kv_heads=config.num_key_value_heads, **common)
 
     def parameters(self, layer: nn.Module, spec: dict) -> dict:
         return {"input_norm.weight": layer.input_layernorm.weight,
