@@ -245,3 +245,32 @@ def test_dropout_in_training_runs_the_original_code():
     torch.testing.assert_close(got, twin(input_ids=_ids(), use_cache=False).logits,
                                atol=1e-5, rtol=1e-5)
     assert counts == {"dropout in training (p=[0.1])": 1}  # evaluation: fused
+
+
+def test_bert_encoder_layers_post_norm_and_bidirectional():
+    config = transformers.BertConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48,
+                                     num_hidden_layers=2, num_attention_heads=4,
+                                     hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    model = transformers.BertModel(config)
+    twin = copy.deepcopy(model)
+    report = fusible.convert(model)
+    assert [p for p, _, new in report.converted if new.startswith("TransformerLayer")] == \
+        ["encoder.layer.0", "encoder.layer.1"]
+    ids = _ids()
+    got, want = (m(input_ids=ids).last_hidden_state for m in (model, twin))
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    got.square().sum().backward()
+    want.square().sum().backward()
+    grads = dict(twin.named_parameters())
+    for name, p in model.named_parameters():
+        if p.grad is not None or grads[name].grad is not None:  # the pooler has none
+            torch.testing.assert_close(p.grad, grads[name].grad, atol=1e-4, rtol=1e-4,
+                                       msg=lambda m: f"gradient of {name}: {m}")
+    assert not model.encoder.layer[0].forward.fallbacks
+    mask = torch.ones(B, S, dtype=torch.long)
+    mask[0, 5:] = 0
+    torch.testing.assert_close(model(input_ids=ids, attention_mask=mask).last_hidden_state,
+                               twin(input_ids=ids, attention_mask=mask).last_hidden_state)
+    assert model.encoder.layer[0].forward.fallbacks == {"an attention mask": 1}
