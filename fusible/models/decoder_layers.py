@@ -135,7 +135,8 @@ class FusedLayerForward:
             elif position_ids.shape[0] == 1:
                 position_ids = position_ids[0]
             inputs = (hidden_states, position_ids)
-        self.fused.train(layer.training)
+        if self.fused.training != layer.training:  # train() walks every submodule
+            self.fused.train(layer.training)
         params = layer_converter(self.converter).parameters(layer, self.spec)
         return torch.func.functional_call(self.fused, params, inputs)
 
