@@ -77,7 +77,7 @@ def prepare_forward(qkv: Tensor, layout: HeadLayout, pos: Tensor,
     norms and rotary: then views of ``qkv``); the rstds (None without norms) for the
     backward."""
     b, s = qkv.shape[:2]
-    if _kernel_ok(qkv, rotary, q_weight is not None):
+    if rotary is not None and _kernel_ok(qkv, rotary, q_weight is not None):
         cos, sin = rotary_angles(pos, rotary)
         prepared = rotary_kernels.qkv_rotary_forward_triton(
             qkv.flatten(0, 1), cos.reshape(-1, cos.shape[-1]), sin.reshape(-1, sin.shape[-1]),
@@ -88,13 +88,14 @@ def prepare_forward(qkv: Tensor, layout: HeadLayout, pos: Tensor,
         return None, (q, k, v), None, None
     q_rstd = k_rstd = None
     if q_weight is not None:
+        assert k_weight is not None  # the norms come in pairs
         q, q_rstd = rms_norm_forward(q.contiguous(), q_weight, [layout.head_dim], eps)
         k, k_rstd = rms_norm_forward(k.contiguous(), k_weight, [layout.head_dim], eps)
     if rotary is not None:
         cos, sin = rotary_angles(pos, rotary)
         q, k = apply_rotary(q, cos, sin, rotary), apply_rotary(k, cos, sin, rotary)
-    prepared = torch.cat([q.reshape(-1), k.reshape(-1), v.reshape(-1)])
-    return prepared, views(prepared, b, s, layout), q_rstd, k_rstd
+    flat = torch.cat([q.reshape(-1), k.reshape(-1), v.reshape(-1)])
+    return flat, views(flat, b, s, layout), q_rstd, k_rstd
 
 
 def prepare_backward(dq: Tensor, dk: Tensor, dv: Tensor, layout: HeadLayout, pos: Tensor,
@@ -104,8 +105,8 @@ def prepare_backward(dq: Tensor, dk: Tensor, dv: Tensor, layout: HeadLayout, pos
     norm weights' gradients (None without norms, or when not needed). ``norm_saved`` is
     ``(q_in, k_in, q_rstd, k_rstd, q_weight, k_weight)``: the norms' inputs (the split
     heads), statistics and weights."""
-    if _kernel_ok(dq, rotary, norm_saved is not None) and dk.is_contiguous() and \
-            dv.is_contiguous():
+    if rotary is not None and _kernel_ok(dq, rotary, norm_saved is not None) and \
+            dk.is_contiguous() and dv.is_contiguous():
         cos, sin = rotary_angles(pos, rotary)
         dqkv = rotary_kernels.qkv_rotary_backward_triton(
             dq.flatten(0, 1), dk.flatten(0, 1), dv.flatten(0, 1),
@@ -115,13 +116,16 @@ def prepare_backward(dq: Tensor, dk: Tensor, dv: Tensor, layout: HeadLayout, pos
         cos, sin = rotary_angles(pos, rotary)
         dq = apply_rotary(dq, cos, sin, rotary, inverse=True)
         dk = apply_rotary(dk, cos, sin, rotary, inverse=True)
-    dqw = dkw = None
+    dqw: Optional[Tensor] = None
+    dkw: Optional[Tensor] = None
     if norm_saved is not None:
         q_in, k_in, q_rstd, k_rstd, q_weight, k_weight = norm_saved
         shape = [layout.head_dim]
-        dq, dqw = rms_norm_backward(dq.contiguous(), q_in, q_rstd, q_weight, shape, True,
-                                    need_norm_weights)
-        dk, dkw = rms_norm_backward(dk.contiguous(), k_in, k_rstd, k_weight, shape, True,
-                                    need_norm_weights)
+        dq_normed, dqw = rms_norm_backward(dq.contiguous(), q_in, q_rstd, q_weight, shape,
+                                           True, need_norm_weights)
+        dk_normed, dkw = rms_norm_backward(dk.contiguous(), k_in, k_rstd, k_weight, shape,
+                                           True, need_norm_weights)
+        assert dq_normed is not None and dk_normed is not None  # asked for: True above
+        dq, dk = dq_normed, dk_normed
     dqkv = torch.cat([g.flatten(-2) for g in (dq, dk, dv)], -1)
     return dqkv, dqw, dkw

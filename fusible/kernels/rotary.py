@@ -93,7 +93,7 @@ def _launch(packed, q, k, v, cos, sin, heads, kv_heads, head_dim, interleaved, b
 
 def qkv_rotary_forward_triton(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                               heads: int, kv_heads: int, interleaved: bool,
-                              block_t: int = _BLOCK_T) -> tuple:
+                              block_t: int = _BLOCK_T) -> torch.Tensor:
     """q ``(T, H, D)``, k and v ``(T, K, D)``, one after another in one flat buffer (the
     result), from ``qkv`` ``(T, (H + 2K) * D)`` contiguous, q and k rotated by the tables
     ``cos``, ``sin`` ``(R, rotary_dim / 2)`` float32, row ``t % R`` for token ``t``."""

@@ -5,7 +5,7 @@ it."""
 from __future__ import annotations
 
 import collections
-from typing import Optional
+from typing import Any, Optional, cast
 
 import torch
 import torch.nn.functional as F
@@ -57,18 +57,19 @@ class CausalLM(nn.Module):
                  dtype: DTypeArg = None, **layer_options):
         super().__init__()
         checks.positive_int("num_layers")("CausalLM", num_layers)
-        factory = {"device": device, "dtype": dtype}
+        factory: dict[str, Any] = {"device": device, "dtype": dtype}
         self.embed = nn.Embedding(vocab_size, hidden_size, **factory)
         self.layers = nn.ModuleList(
             TransformerLayer(hidden_size, ffn_hidden_size, num_heads, num_kv_heads=num_kv_heads,
                              rotary_base=rotary_base, eps=eps, **layer_options, **factory)
             for _ in range(num_layers))
-        self.head = ops.Sequential(collections.OrderedDict(
-            norm=ops.RMSNorm(hidden_size, eps=eps, **factory),
-            lm_head=ops.LinearCrossEntropy(hidden_size, vocab_size, **factory)))
-        self.tie_embeddings = tie_embeddings
+        norm = ops.RMSNorm(hidden_size, eps=eps, **factory)
+        lm_head = ops.LinearCrossEntropy(hidden_size, vocab_size, **factory)
         if tie_embeddings:
-            self.head.lm_head.weight = self.embed.weight
+            lm_head.weight = cast(nn.Parameter, self.embed.weight)
+        self.head = ops.Sequential(collections.OrderedDict(  # type: ignore[arg-type]
+            norm=norm, lm_head=lm_head))
+        self.tie_embeddings = tie_embeddings
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """The mean next-token loss of ``input_ids`` ``(batch, seq)`` against ``labels``
@@ -85,14 +86,16 @@ class CausalLM(nn.Module):
     def logits(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The whole logits ``(batch, seq, vocab)`` (for generation or evaluation: made
         whole, unlike the loss's)."""
-        return F.linear(self.head.norm(self.hidden_states(input_ids)),
-                        self.head.lm_head.weight)
+        norm = cast(ops.RMSNorm, self.head.norm)
+        lm_head = cast(ops.LinearCrossEntropy, self.head.lm_head)
+        return F.linear(norm(self.hidden_states(input_ids)), lm_head.weight)
 
     @staticmethod
     def state_dict_from_llama(hf_state: dict) -> dict:
         """A Hugging Face ``LlamaForCausalLM`` (Mistral, Qwen2, Qwen3) state dict in this
         model's names (the layers' by :func:`llama_layer_state_dict`)."""
-        out, layers = {}, {}
+        out: dict = {}
+        layers: dict = {}
         for key, value in hf_state.items():
             if key.startswith("model.layers."):
                 index, rest = key[len("model.layers."):].split(".", 1)

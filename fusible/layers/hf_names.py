@@ -24,7 +24,8 @@ def llama_layer_state_dict(hf_state: dict) -> dict:
 
     Raises KeyError naming the keys it has no place for, or the ones it lacks.
     """
-    out, used = {}, set()
+    out: dict = {}
+    used: set = set()
     for ours, theirs in _RENAMED.items():
         if theirs in hf_state:
             out[ours], used = hf_state[theirs], used | {theirs}

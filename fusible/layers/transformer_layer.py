@@ -7,7 +7,7 @@ group in ``plan_model``."""
 from __future__ import annotations
 
 import collections
-from typing import Optional
+from typing import Any, Optional
 
 from fusible.core import checks
 from fusible.core.arg_types import DTypeArg, DeviceArg, GroupArg
@@ -20,7 +20,7 @@ RESIDUALS = ("pre_norm", "post_norm", "parallel", "parallel_shared_norm")
 
 
 def _activation(name: str, glu_interleave_size: Optional[int] = None):
-    gated = {"glu_interleave_size": glu_interleave_size}
+    gated: dict[str, Any] = {"glu_interleave_size": glu_interleave_size}
     return {"swiglu": lambda: ops.SwiGLU(**gated), "geglu": lambda: ops.GEGLU(**gated),
             "gelu": lambda: ops.GELU(), "gelu_tanh": lambda: ops.GELU(approximate="tanh"),
             "relu": lambda: ops.ReLU(), "silu": lambda: ops.SiLU()}[name]()
@@ -115,13 +115,14 @@ class TransformerLayer(ops.Sequential):
                 raise ValueError(f"{name}: hidden_size {hidden_size} is not a multiple of "
                                  f"num_heads {num_heads}; give head_dim")
             head_dim = hidden_size // num_heads
-        factory = {"device": device, "dtype": dtype}
+        factory: dict[str, Any] = {"device": device, "dtype": dtype}
         checks.boolean("tensor_parallel")(name, tensor_parallel)
         if not tensor_parallel and (sequence_parallel or tensor_parallel_group is not None):
             raise ValueError(f"{name}: sequence_parallel and tensor_parallel_group need "
                              f"tensor_parallel=True")
-        group = {"tensor_parallel_group": tensor_parallel_group} if tensor_parallel else {}
-        split = ({"sequence_parallel": sequence_parallel, **group}
+        group: dict[str, Any] = ({"tensor_parallel_group": tensor_parallel_group}
+                                 if tensor_parallel else {})
+        split: dict[str, Any] = ({"sequence_parallel": sequence_parallel, **group}
                  if tensor_parallel and sequence_parallel else {})
         world_size = (parallel.group_config(name, "column", False, tensor_parallel_group)
                       .world_size if tensor_parallel else 1)
@@ -177,7 +178,7 @@ class TransformerLayer(ops.Sequential):
                        ("mlp_resume", ops.ResumeFromChannel("mlp", keep_as="branches")),
                        *([] if shared else [("mlp_norm", make_norm())]), *mlp,
                        ("mlp_add", add("branches"))]
-        super().__init__(collections.OrderedDict(modules))
+        super().__init__(collections.OrderedDict(modules))  # type: ignore[arg-type]
         self.hidden_size, self.ffn_hidden_size = hidden_size, ffn_hidden_size
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, kv_heads, head_dim
         self.norm_type, self.activation_type, self.residual = norm, activation, residual

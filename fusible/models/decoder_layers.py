@@ -127,7 +127,7 @@ class FusedLayerForward:
 
     def run(self, layer: nn.Module, hidden_states, position_ids=None):
         """The fused computation on ``(batch, seq, hidden)`` at ``position_ids``."""
-        inputs = (hidden_states,)
+        inputs: tuple = (hidden_states,)
         if self.spec.get("position_ids"):
             if position_ids is None:
                 position_ids = torch.arange(hidden_states.shape[1],

@@ -62,7 +62,8 @@ class LayerConverter:
         and the causal mask its attention implementation takes."""
         from_spec = hf_rotary_tables(spec, positions, x.dtype) if spec.get("rotary_base") \
             else None
-        kwargs = {"position_ids": positions[None], "attention_mask": causal_mask(layer, x)}
+        kwargs: dict = {"position_ids": positions[None],
+                        "attention_mask": causal_mask(layer, x)}
         if from_spec is not None:
             kwargs["position_embeddings"] = from_spec
         return kwargs
@@ -112,9 +113,8 @@ def norm_eps(norm: nn.Module) -> Optional[float]:
 def shared_eps(*norms: nn.Module) -> Union[str, float]:
     """The norms' one epsilon, or why there is none (they differ, or cannot be read)."""
     values = {norm_eps(n) for n in norms}
-    if len(values) != 1 or None in values:
-        return "its norms' epsilons differ or cannot be read"
-    return values.pop()
+    eps = values.pop() if len(values) == 1 else None
+    return "its norms' epsilons differ or cannot be read" if eps is None else eps
 
 
 NO_CONFIG = "its attention holds no config to read the heads and rotary embedding from"
@@ -131,7 +131,8 @@ def common_spec(config, norms: tuple, attention_width: int) -> Union[str, dict]:
     rotary = rotary_options(config, attention_width // heads)
     if isinstance(rotary, str):
         return rotary
-    return dict(num_heads=heads, head_dim=attention_width // heads, eps=eps, **rotary)
+    spec: dict = dict(num_heads=heads, head_dim=attention_width // heads, eps=eps)
+    return {**spec, **rotary}
 
 
 def rotary_options(config, head_dim: int) -> Union[str, dict]:
@@ -143,7 +144,7 @@ def rotary_options(config, head_dim: int) -> Union[str, dict]:
     rope_type = rope.get("rope_type", "default")
     if rope_type not in ("default", "llama3"):
         return f"its rotary embedding is rope_type {rope_type!r} (fused: default, llama3)"
-    options = {"rotary_base": float(rope["rope_theta"]), "position_ids": True,
+    options: dict = {"rotary_base": float(rope["rope_theta"]), "position_ids": True,
                "rotary_fraction": float(rope.get("partial_rotary_factor", 1.0))}
     if rope_type == "llama3":
         options["rotary_scaling"] = dict(rope, rope_type="llama3")

@@ -45,6 +45,7 @@ def _probed_norm(module: nn.Module, params: dict) -> Optional[nn.Module]:
     if eps is None:
         return None
     size, bias = weight.numel(), params.get("bias")
+    candidates: list[nn.Module]
     if bias is None:
         candidates = [RMSNorm(size, eps=eps, zero_centered_gamma=z, device="meta",
                               dtype=weight.dtype) for z in (False, True)]

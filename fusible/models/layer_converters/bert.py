@@ -4,10 +4,9 @@ decoder), a GELU MLP, no rotary embedding (the model adds learned positions firs
 
 from __future__ import annotations
 
-from typing import Union
+from typing import Any, Union
 
 import torch
-from torch import nn
 
 from fusible.models.layer_converter import NO_CONFIG, LayerConverter, causal_mask, shared_eps
 
@@ -22,20 +21,20 @@ def _children(module, names) -> bool:
 class BertLayers(LayerConverter):
     name = "bert"
 
-    def recognise(self, layer: nn.Module) -> Union[None, str, dict]:
-        attention = layer._modules.get("attention")
+    def recognise(self, layer: Any) -> Union[None, str, dict]:
+        attention: Any = layer._modules.get("attention")
         if not (_children(layer, ("attention", "intermediate", "output"))
                 and _children(attention, ("self", "output"))
                 and _children(attention.self, ("query", "key", "value", "dropout"))
                 and _children(attention.output, ("dense", "LayerNorm", "dropout"))
                 and _children(layer.output, ("dense", "LayerNorm", "dropout"))):
             return None
-        config = getattr(attention.self, "config", None)
+        config: Any = getattr(attention.self, "config", None)
         if config is None:
             return NO_CONFIG
         if getattr(layer, "chunk_size_feed_forward", 0):
             return "chunk_size_feed_forward (the MLP run in chunks of tokens)"
-        activation = _ACTIVATIONS.get(getattr(config, "hidden_act", None))
+        activation = _ACTIVATIONS.get(str(getattr(config, "hidden_act", None)))
         if activation is None:
             return f"its activation {config.hidden_act!r} (fused: {sorted(_ACTIVATIONS)})"
         eps = shared_eps(attention.output.LayerNorm, layer.output.LayerNorm)
@@ -49,7 +48,7 @@ class BertLayers(LayerConverter):
                     causal=bool(getattr(attention.self, "is_causal", False)),
                     residual="post_norm")
 
-    def parameters(self, layer: nn.Module, spec: dict) -> dict:
+    def parameters(self, layer: Any, spec: dict) -> dict:
         attn = layer.attention
         q, k, v = attn.self.query, attn.self.key, attn.self.value
         return {"qkv.weight": torch.cat([q.weight, k.weight, v.weight]),

@@ -5,9 +5,7 @@ learned positions before the first block)."""
 
 from __future__ import annotations
 
-from typing import Union
-
-from torch import nn
+from typing import Any, Union
 
 from fusible.models.layer_converter import NO_CONFIG, LayerConverter, shared_eps
 
@@ -25,21 +23,22 @@ def _conv1d(module) -> bool:
 class GPT2Layers(LayerConverter):
     name = "gpt2"
 
-    def recognise(self, layer: nn.Module) -> Union[None, str, dict]:
-        attn, mlp = getattr(layer, "attn", None), getattr(layer, "mlp", None)
+    def recognise(self, layer: Any) -> Union[None, str, dict]:
+        attn: Any = getattr(layer, "attn", None)
+        mlp: Any = getattr(layer, "mlp", None)
         if set(layer._modules) != _CHILDREN or \
                 set(getattr(attn, "_modules", {})) != {"c_attn", "c_proj", "attn_dropout",
                                                         "resid_dropout"} or \
                 set(getattr(mlp, "_modules", {})) != {"c_fc", "c_proj", "act", "dropout"} or \
                 not all(_conv1d(m) for m in (attn.c_attn, attn.c_proj, mlp.c_fc, mlp.c_proj)):
             return None
-        config = getattr(attn, "config", None)
+        config: Any = getattr(attn, "config", None)
         if config is None:
             return NO_CONFIG
         if getattr(attn, "scale_attn_by_inverse_layer_idx", False) or \
                 getattr(attn, "reorder_and_upcast_attn", False):
             return "scale_attn_by_inverse_layer_idx or reorder_and_upcast_attn"
-        activation = _ACTIVATIONS.get(getattr(config, "activation_function", None))
+        activation = _ACTIVATIONS.get(str(getattr(config, "activation_function", None)))
         if activation is None:
             return f"its activation {config.activation_function!r} (fused: {sorted(_ACTIVATIONS)})"
         eps = shared_eps(layer.ln_1, layer.ln_2)
@@ -53,7 +52,7 @@ class GPT2Layers(LayerConverter):
             spec["softmax_scale"] = 1.0
         return spec
 
-    def parameters(self, layer: nn.Module, spec: dict) -> dict:
+    def parameters(self, layer: Any, spec: dict) -> dict:
         attn, mlp = layer.attn, layer.mlp
         return {"input_norm.weight": layer.ln_1.weight, "input_norm.bias": layer.ln_1.bias,
                 "mlp_norm.weight": layer.ln_2.weight, "mlp_norm.bias": layer.ln_2.bias,

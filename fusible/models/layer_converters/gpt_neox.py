@@ -5,9 +5,7 @@ residual (``use_parallel_residual``) or the sequential one."""
 
 from __future__ import annotations
 
-from typing import Union
-
-from torch import nn
+from typing import Any, Union
 
 from fusible.models.layer_converter import NO_CONFIG, LayerConverter, common_spec
 
@@ -21,17 +19,18 @@ class GPTNeoXLayers(LayerConverter):
     name = "gpt_neox"
     cache_kwargs = ("layer_past", "cache", "past_key_values")
 
-    def recognise(self, layer: nn.Module) -> Union[None, str, dict]:
-        attn, mlp = getattr(layer, "attention", None), getattr(layer, "mlp", None)
+    def recognise(self, layer: Any) -> Union[None, str, dict]:
+        attn: Any = getattr(layer, "attention", None)
+        mlp: Any = getattr(layer, "mlp", None)
         if set(layer._modules) != _CHILDREN or \
                 set(getattr(attn, "_modules", {})) != {"query_key_value", "dense"} or \
                 set(getattr(mlp, "_modules", {})) - {"act"} != {"dense_h_to_4h",
                                                                 "dense_4h_to_h"}:
             return None
-        config = getattr(attn, "config", None)
+        config: Any = getattr(attn, "config", None)
         if config is None:
             return NO_CONFIG
-        activation = _ACTIVATIONS.get(getattr(config, "hidden_act", None))
+        activation = _ACTIVATIONS.get(str(getattr(config, "hidden_act", None)))
         if activation is None:
             return f"its activation {config.hidden_act!r} (fused: {sorted(_ACTIVATIONS)})"
         if attn.query_key_value.bias is None or attn.dense.bias is None:
@@ -45,7 +44,7 @@ class GPTNeoXLayers(LayerConverter):
                     activation=activation, bias=True, residual="parallel"
                     if layer.use_parallel_residual else "pre_norm", **common)
 
-    def parameters(self, layer: nn.Module, spec: dict) -> dict:
+    def parameters(self, layer: Any, spec: dict) -> dict:
         attn, mlp = layer.attention, layer.mlp
         heads = spec["num_heads"]
         w, b = attn.query_key_value.weight, attn.query_key_value.bias

@@ -21,11 +21,11 @@ class LlamaLayers(LayerConverter):
 
     name = "llama"
 
-    def recognise(self, layer: nn.Module) -> Union[None, str, dict]:
+    def recognise(self, layer: Any) -> Union[None, str, dict]:
         if not _shaped(layer):
             return None
         attn, mlp = layer.self_attn, layer.mlp
-        config = getattr(attn, "config", None)
+        config: Any = getattr(attn, "config", None)
         if config is None:
             return NO_CONFIG
         biases = {n: getattr(attn, n).bias is not None for n in _ATTENTION}
@@ -50,7 +50,7 @@ class LlamaLayers(LayerConverter):
             spec["softmax_scale"] = float(scale)
         return spec
 
-    def parameters(self, layer: nn.Module, spec: dict) -> dict:
+    def parameters(self, layer: Any, spec: dict) -> dict:
         attn, mlp = layer.self_attn, layer.mlp
         params = {"input_norm.weight": layer.input_layernorm.weight,
                   "mlp_norm.weight": layer.post_attention_layernorm.weight,
@@ -74,7 +74,8 @@ class LlamaLayers(LayerConverter):
 def _shaped(layer: nn.Module) -> bool:
     """The children of a Llama-style layer and nothing else (what the fused layer would
     leave out, the probe could miss)."""
-    attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+    attn: Any = getattr(layer, "self_attn", None)
+    mlp: Any = getattr(layer, "mlp", None)
     return (attn is not None and mlp is not None
             and set(layer._modules) == {"self_attn", "mlp", "input_layernorm",
                                         "post_attention_layernorm"}

@@ -4,9 +4,7 @@ concatenate) and residual dropouts."""
 
 from __future__ import annotations
 
-from typing import Union
-
-from torch import nn
+from typing import Any, Union
 
 from fusible.models.layer_converter import NO_CONFIG, LayerConverter, common_spec
 
@@ -17,14 +15,15 @@ _CHILDREN = {"self_attn", "mlp", "input_layernorm", "post_attention_layernorm",
 class Phi3Layers(LayerConverter):
     name = "phi3"
 
-    def recognise(self, layer: nn.Module) -> Union[None, str, dict]:
-        attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+    def recognise(self, layer: Any) -> Union[None, str, dict]:
+        attn: Any = getattr(layer, "self_attn", None)
+        mlp: Any = getattr(layer, "mlp", None)
         if set(layer._modules) != _CHILDREN or \
                 set(getattr(attn, "_modules", {})) != {"qkv_proj", "o_proj"} or \
                 set(getattr(mlp, "_modules", {})) - {"activation_fn"} != {"gate_up_proj",
                                                                           "down_proj"}:
             return None
-        config = getattr(attn, "config", None)
+        config: Any = getattr(attn, "config", None)
         if config is None:
             return NO_CONFIG
         if any(m.bias is not None for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj,
@@ -38,7 +37,7 @@ class Phi3Layers(LayerConverter):
                     ffn_hidden_size=mlp.down_proj.in_features,
                     num_kv_heads=config.num_key_value_heads, **common)
 
-    def parameters(self, layer: nn.Module, spec: dict) -> dict:
+    def parameters(self, layer: Any, spec: dict) -> dict:
         return {"input_norm.weight": layer.input_layernorm.weight,
                 "mlp_norm.weight": layer.post_attention_layernorm.weight,
                 "qkv.weight": layer.self_attn.qkv_proj.weight,
