@@ -150,6 +150,8 @@ def test_one_plan_per_layer_compiled_copied_and_pickled(fresh_dynamo):
     assert plans[:2] == ["model.layers.0", "model.layers.1"]
     eager = model(input_ids=ids, use_cache=False).logits
     compiled = torch.compile(model, backend="aot_eager")
+    # (compiled, transformers hands the layers its causal mask: they run the original
+    # code, which for this Llama gives the fused layer's bits)
     assert torch.equal(compiled(input_ids=ids, use_cache=False).logits, eager)
     for other in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
         layer = other.model.layers[0]
@@ -274,3 +276,17 @@ def test_bert_encoder_layers_post_norm_and_bidirectional():
     torch.testing.assert_close(model(input_ids=ids, attention_mask=mask).last_hidden_state,
                                twin(input_ids=ids, attention_mask=mask).last_hidden_state)
     assert model.encoder.layer[0].forward.fallbacks == {"an attention mask": 1}
+
+
+def test_a_compiled_converted_layer_is_bitwise_its_eager_self(fresh_dynamo):
+    """The fused layer under torch.compile, given the tensors its graph holds (the
+    concatenated weights are not the TransformerLayer's attributes: the ops check what the
+    graph gives them)."""
+    model = _model("qwen3")
+    fusible.convert(model)
+    layer = model.model.layers[0]
+    x, positions = torch.randn(B, S, 32, requires_grad=True), torch.arange(S)[None]
+    run = lambda h: layer(h, position_ids=positions)  # noqa: E731
+    eager = run(x)
+    compiled = torch.compile(run, backend="aot_eager", fullgraph=True)(x)
+    assert torch.equal(compiled, eager) and not layer.forward.fallbacks

@@ -11,10 +11,11 @@ of this contract (``fusible.module``).
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import sys
 import threading
-from typing import TYPE_CHECKING, Any, ClassVar, Optional
+from typing import TYPE_CHECKING, Any, ClassVar, Iterator, Optional
 
 import attrs
 import torch
@@ -32,6 +33,28 @@ CASTING = threading.local()
 # An op's parallel state: its ``parallel`` record (``fusible.functional.parallel.
 # TensorParallel``), set once in the constructor, and the read-only views of it named as
 # the constructor's arguments (``tensor_parallel_mode``, ``sequence_parallel``, ...).
+# The parameters a traced group was given, by op (params_given): under
+# torch.func.functional_call a compiled graph's tensors are not the module's attributes
+_GIVEN = threading.local()
+
+
+@contextlib.contextmanager
+def params_given(ops, params) -> Iterator[None]:
+    """Within the block each op's :meth:`~BasicOperationSpec.param` returns its share of
+    ``params`` (the ops' parameters in order, as a runner reads them): a compiled group's
+    ops check the tensors the graph gives them, which under
+    ``torch.func.functional_call`` are not their module attributes."""
+    given, it = {}, iter(params)
+    for op in ops:
+        given[id(op)] = {name: next(it) for name in op.param_names}
+    outer = getattr(_GIVEN, "params", None)
+    _GIVEN.params = {**(outer or {}), **given}
+    try:
+        yield
+    finally:
+        _GIVEN.params = outer
+
+
 _CONSTRUCTION_ONLY = frozenset({"parallel", "tensor_parallel_mode", "sequence_parallel",
                                 "tensor_parallel", "tensor_parallel_group", "process_group"})
 
@@ -196,9 +219,13 @@ class BasicOperationSpec(FusibleSpec, StageSpec):
         return [self.param(name) for name in self.param_names]
 
     def param(self, name: str):
-        """The tensor the op computes with for parameter ``name``: the registered parameter,
-        or, where a parametrization or pruning replaced it, what the module attribute gives
-        (computed from the original, so gradients reach it)."""
+        """The tensor the op computes with for parameter ``name``: the one a compiled group
+        was given (:func:`params_given`), the registered parameter, or, where a
+        parametrization or pruning replaced it, what the module attribute gives (computed
+        from the original, so gradients reach it)."""
+        given = getattr(_GIVEN, "params", None)
+        if given is not None and id(self) in given:
+            return given[id(self)][name]
         found = self._parameters.get(name)
         if found is not None:
             return found

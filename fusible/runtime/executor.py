@@ -73,7 +73,8 @@ def run_forward(plan: ExecPlan, x, params, extra_inputs, ctxs, *, save: bool,
     the compute methods directly. ``tensors``: the feature tensors, by feature name.
     """
     if traced or (x.shape, x.device) not in plan.validated or extra_inputs:
-        validate(plan, x, extra_inputs, cache=not traced)  # symbolic shapes: no cache
+        # symbolic shapes: no cache; traced, the ops check the tensors the graph gives
+        validate(plan, x, extra_inputs, cache=not traced, params=params if traced else None)
     # Same layouts in eager and compiled runs: the kernels (GEMMs, reductions) and so the
     # bits can depend on the input's strides, which a compiled graph may change.
     x = x.contiguous()

@@ -3,16 +3,22 @@ device it will get (once per input signature)."""
 
 from __future__ import annotations
 
+from fusible.core.operation import params_given
 from fusible.planning.exec_plan import ExecPlan
 from fusible.planning.features.channels import channel_of, write_channel_of
 
 
-def validate(plan: ExecPlan, x, extra_inputs, cache: bool = True) -> None:
+def validate(plan: ExecPlan, x, extra_inputs, cache: bool = True, params=None) -> None:
     """Let every op check the shape, dtype and device it will see (once per signature).
 
     Shapes are inferred op by op, so ops inside a fused stage are checked too; under an
     FP8 recipe each op also checks the shape against the recipe (``validate_fp8``).
+    ``params``: the ops' parameters as the call has them (a compiled group's, which the
+    ops then check rather than their attributes: :func:`params_given`).
     """
+    if params is not None:
+        with params_given(plan.ops, params):
+            return validate(plan, x, extra_inputs, cache)
     if cache:
         signature = (x.shape, x.device, *[(e.shape, e.dtype, e.device) for e in extra_inputs])
         if signature in plan.validated:
