@@ -290,3 +290,81 @@ def test_a_compiled_converted_layer_is_bitwise_its_eager_self(fresh_dynamo):
     eager = run(x)
     compiled = torch.compile(run, backend="aot_eager", fullgraph=True)(x)
     assert torch.equal(compiled, eager) and not layer.forward.fallbacks
+
+
+class _NanoLayerNorm(torch.nn.Module):
+    """nanoGPT's LayerNorm: an optional bias, epsilon 1e-5 in its forward."""
+
+    def __init__(self, ndim, bias):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(ndim))
+        self.bias = torch.nn.Parameter(torch.zeros(ndim)) if bias else None
+
+    def forward(self, x):
+        return torch.nn.functional.layer_norm(x, self.weight.shape, self.weight, self.bias,
+                                              1e-5)
+
+
+class _NanoAttention(torch.nn.Module):
+    def __init__(self, n_embd, n_head, bias):
+        super().__init__()
+        self.c_attn = torch.nn.Linear(n_embd, 3 * n_embd, bias=bias)
+        self.c_proj = torch.nn.Linear(n_embd, n_embd, bias=bias)
+        self.attn_dropout, self.resid_dropout = torch.nn.Dropout(0.0), torch.nn.Dropout(0.0)
+        self.n_head, self.n_embd = n_head, n_embd
+
+    def forward(self, x):
+        b, t, c = x.size()
+        q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
+        q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2)
+                   for z in (q, k, v))
+        y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.resid_dropout(self.c_proj(y.transpose(1, 2).contiguous().view(b, t, c)))
+
+
+class _NanoMLP(torch.nn.Module):
+    def __init__(self, n_embd, bias):
+        super().__init__()
+        self.c_fc = torch.nn.Linear(n_embd, 4 * n_embd, bias=bias)
+        self.gelu = torch.nn.GELU()
+        self.c_proj = torch.nn.Linear(4 * n_embd, n_embd, bias=bias)
+        self.dropout = torch.nn.Dropout(0.0)
+
+    def forward(self, x):
+        return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))
+
+
+class _NanoBlock(torch.nn.Module):
+    def __init__(self, n_embd=32, n_head=4, bias=True):
+        super().__init__()
+        self.ln_1, self.ln_2 = _NanoLayerNorm(n_embd, bias), _NanoLayerNorm(n_embd, bias)
+        self.attn, self.mlp = _NanoAttention(n_embd, n_head, bias), _NanoMLP(n_embd, bias)
+
+    def forward(self, x):
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_nanogpt_blocks(bias):
+    """nanoGPT's own code: its blocks fused whole (bias=True), or left with the reason and
+    their linear layers, norms and activations converted one by one (bias=False)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(_NanoBlock(bias=bias), _NanoBlock(bias=bias))
+    twin = copy.deepcopy(model)
+    report = fusible.convert(model)
+    fused = [p for p, _, new in report.converted if new.startswith("TransformerLayer")]
+    assert fused == (["0", "1"] if bias else []), str(report)
+    if not bias:
+        assert "bias=False: a LayerNorm without bias" in dict(
+            (p, why) for p, _, why in report.left)["0"]
+    x = torch.randn(B, S, 32, requires_grad=True)
+    x_twin = x.detach().clone().requires_grad_()
+    torch.testing.assert_close(model(x), twin(x_twin), atol=1e-5, rtol=1e-5)
+    model(x).sum().backward()
+    twin(x_twin).sum().backward()
+    torch.testing.assert_close(x.grad, x_twin.grad, atol=1e-5, rtol=1e-5)
+    grads = dict(twin.named_parameters())
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, grads[name].grad, atol=1e-4, rtol=1e-4,
+                                   msg=lambda m: f"gradient of {name}: {m}")

@@ -156,7 +156,8 @@ class FusedLayerForward:
         x = torch.randn(2, 8, self.spec["hidden_size"], generator=generator,
                         device=weight.device).to(weight.dtype)
         positions = torch.arange(8, device=weight.device)
-        kwargs = layer_converter(self.converter).probe_kwargs(layer, self.spec, x, positions)
+        kwargs = _accepted(layer, layer_converter(self.converter).probe_kwargs(
+            layer, self.spec, x, positions))
         training = layer.training
         try:  # in evaluation mode: no dropout
             layer.eval()
@@ -204,3 +205,12 @@ def _named_arguments(layer: nn.Module, hidden_states, args: tuple,
             named.pop(name)
             named.update(value)
     return named
+
+
+def _accepted(layer: nn.Module, kwargs: dict) -> dict:
+    """The keyword arguments the layer's forward takes (all of them with ``**kwargs``): a
+    block of one's own code may take the hidden states alone."""
+    parameters = inspect.signature(type(layer).forward).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
+        return kwargs
+    return {k: v for k, v in kwargs.items() if k in parameters}
