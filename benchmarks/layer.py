@@ -18,6 +18,7 @@ Method as ``gpu_mlp.py``: median of ``triton.testing.do_bench``, peak memory of 
 
 import argparse
 import contextlib
+import re
 import gc
 import json
 
@@ -99,7 +100,7 @@ def build_head(row: str):
     torch.manual_seed(0)
     cls = {"torch": TorchHead, "liger": LigerHead}.get(row.split("_")[0])
     # fusible_c<N>_...: chunks of N tokens (else the default, 128 MiB of float32 logits)
-    chunk = int(row.split("_")[1][1:]) if row.startswith("fusible_c") else None
+    chunk = int(row.split("_")[1][1:]) if re.match(r"fusible_c\d+_", row) else None
     model = cls(hidden, vocab) if cls else ops.Sequential(
         ops.LinearCrossEntropy(hidden, vocab, chunk_size=chunk))
     model = model.to("cuda", torch.bfloat16)
@@ -156,7 +157,7 @@ def run_rows(rows, build, make_inputs, results: dict, key: str, output: str,
             result, out, step = measure(model, inputs, row.endswith("compile"), dy, context)
             first = out.float() if first is None else first
             result["rel_err"] = ((out.float() - first).norm() / first.norm()).item()
-            if profile and row in ("hf_eager", "fusible_eager"):
+            if profile and row in ("hf_eager", "fusible_eager", "fusible_fp8_eager"):
                 profile_step(step, f"{key} {row}", profile)
         except Exception as error:  # a row that cannot run is reported, the rest go on
             result = {"error": repr(error)[:300]}

@@ -55,12 +55,12 @@ def mm_float32(a: Tensor, b: Tensor) -> Tensor:
 
 
 def accumulate_mm(acc: Optional[Tensor], a: Tensor, b: Tensor) -> Tensor:
-    """``acc + a @ b`` (``acc`` None: ``a @ b``), in float32 for 16-bit ``a`` and ``b``."""
+    """``acc + a @ b`` (``acc`` None: ``a @ b``), in float32 for 16-bit ``a`` and ``b``: the
+    product's float32 GEMM added into ``acc`` (not ``addmm(..., out_dtype=)``, whose
+    decomposition fails under fake tensors in PyTorch 2.11: the same code runs compiled)."""
     if acc is None:
         return mm_float32(a, b)
-    if a.is_cuda and a.dtype in (torch.bfloat16, torch.float16):
-        return torch.addmm(acc, a, b, out_dtype=torch.float32)
-    return acc + mm_float32(a, b)
+    return acc.add_(mm_float32(a, b))
 
 
 class HeadOperands:

@@ -119,7 +119,7 @@ class CrossEntropy(LossOp):
     z_loss : float
         Weight of the squared log-partition per token (0: none).
     chunk_size : int or None
-        Tokens per chunk (None: float32 chunks of at most 128 MiB).
+        Tokens per chunk (None: float32 chunks of at most 512 MiB).
     """
 
     fwd_args_type = CrossEntropyForwardArgs
