@@ -69,8 +69,10 @@ def build_layer(row: str, shape: tuple):
             from torchao.float8 import convert_to_float8_training
             convert_to_float8_training(model)
     else:
+        backend = {"backend": "cudnn"} if "cudnn" in row else {}
         model = TransformerLayer(hidden, ffn, heads, num_kv_heads=kv, rotary_base=THETA,
-                                 eps=config.rms_norm_eps, device="cuda", dtype=torch.bfloat16)
+                                 eps=config.rms_norm_eps, device="cuda", dtype=torch.bfloat16,
+                                 **backend)
         model.load_state_dict(llama_layer_state_dict(hf.state_dict()))
     return model
 
@@ -188,7 +190,8 @@ def main() -> None:
             return (x.requires_grad_(),), torch.randn_like(x)
 
         run_rows(["hf_eager", "hf_compile", "torchao_fp8_compile", "fusible_eager",
-                  "fusible_compile", "fusible_fp8_eager", "fusible_fp8_compile"],
+                  "fusible_compile", "fusible_cudnn_eager", "fusible_cudnn_compile",
+                  "fusible_fp8_eager", "fusible_fp8_compile"],
                  lambda row: build_layer(row, shape), layer_inputs, results, f"layer {name}",
                  args.output, args.profile if name == "llama3_1b" else "")
     hidden, vocab, tokens = HEAD

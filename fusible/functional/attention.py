@@ -24,7 +24,7 @@ import torch
 
 Tensor = torch.Tensor
 
-BACKENDS = ("flash", "math")
+BACKENDS = ("flash", "cudnn", "math")
 _HALF = (torch.float16, torch.bfloat16)
 
 
@@ -65,6 +65,10 @@ def _backend_refusal(backend: str, device_type: str, dtype: torch.dtype,
         return f"no {backend} kernel on {device_type}"
     if dtype not in _HALF:
         return f"the {backend} kernel takes float16 or bfloat16, not {dtype}"
+    if backend == "cudnn" and (window or documents):
+        return "the cuDNN kernel here has no sliding window and no packed documents"
+    if backend == "cudnn" and head_dim is not None and head_dim > 128:
+        return f"head_dim {head_dim} is over the cuDNN kernel's 128"
     if head_dim is not None and (head_dim % 8 or head_dim > 256):
         return f"head_dim {head_dim} is not a multiple of 8 up to 256"
     return None
@@ -198,7 +202,28 @@ def attention_forward(q: Tensor, k: Tensor, v: Tensor, options: AttentionOptions
             window_size_right=right)[:2]
         # no dropout: a zero random state, as torch.nn.attention.varlen passes it
         return out.view(b, s, h, d), lse, torch.zeros(2, dtype=torch.uint64, device=q.device)
+    if backend == "cudnn" and q.device.type == "cuda":
+        groups = q.shape[2] // k.shape[2]
+        qh, kh, vh = _heads_first(q, _repeated(k, groups), _repeated(v, groups))
+        out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(
+            qh, kh, vh, None, True, 0.0, options.causal, False, scale=options.scale)[:2]
+        # (B, S, H, D): a no-op where cuDNN wrote the heads' layout, as it does for these
+        return out.transpose(1, 2).contiguous(), lse, empty  # no dropout: no random state
     raise ValueError(f"no {backend!r} attention kernel on {q.device.type}")
+
+
+def _repeated(kv: Tensor, groups: int) -> Tensor:
+    """Each kv head repeated for its query heads (``(B, S, K, D)`` to ``(B, S, H, D)``,
+    Hugging Face's ``repeat_kv``): the cuDNN kernel takes as many kv heads as q heads."""
+    return kv if groups == 1 else kv.repeat_interleave(groups, dim=2)
+
+
+def _summed(grad: Tensor, groups: int) -> Tensor:
+    """The gradient of :func:`_repeated`: each kv head's query heads summed."""
+    if groups == 1:
+        return grad
+    b, s, h, d = grad.shape
+    return grad.reshape(b, s, h // groups, groups, d).sum(3)
 
 
 def attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
@@ -222,4 +247,13 @@ def attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tenso
             q.new_empty(0), scale=options.scale, window_size_left=left,
             window_size_right=right)
         return dq.view(q.shape), dk.view(k.shape), dv.view(v.shape)
+    if backend == "cudnn" and q.device.type == "cuda":
+        groups, s = q.shape[2] // k.shape[2], q.shape[1]
+        zero = torch.zeros((), dtype=torch.int64, device=q.device)  # no dropout: unread
+        # None: the undefined tensors of an attention without bias and without documents
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+            *_heads_first(dout, q, _repeated(k, groups), _repeated(v, groups), out), lse,
+            zero, zero, None, None, None, s, s, 0.0, options.causal, scale=options.scale)
+        dq, dk, dv = (g.transpose(1, 2).contiguous() for g in (dq, dk, dv))
+        return dq, _summed(dk, groups), _summed(dv, groups)
     raise ValueError(f"no {backend!r} attention kernel on {q.device.type}")

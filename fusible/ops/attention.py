@@ -168,11 +168,14 @@ class Attention(BasicOperation):
         weights' gradients are summed over the group.
     tensor_parallel_group : ProcessGroup or 1-D DeviceMesh, optional
         The default group when None.
-    backend : {"flash", "math"}, optional
+    backend : {"flash", "cudnn", "math"}, optional
         The attention kernel; None: flash where it runs (CUDA with float16/bfloat16 and
         ``head_dim`` a multiple of 8 up to 256; on the CPU PyTorch's flash kernel without
         windows or documents), else on the CPU the math formulas. A GPU never runs the
-        math formulas (the whole score matrix) unasked: ValueError instead.
+        math formulas (the whole score matrix) unasked: ValueError instead. ``"cudnn"``:
+        cuDNN's fused attention (CUDA, float16/bfloat16, ``head_dim`` up to 128, no window
+        or documents; grouped kv heads repeated for it), the kernel PyTorch's SDPA picks on
+        Hopper; not yet the default (its first GPU run is to come).
     device, dtype
         Of the q/k norm weights.
     """
