@@ -116,15 +116,15 @@ def chunk_logits_grad(z: Tensor, lse: Tensor, labels: Tensor, options: LossOptio
     """The gradient of ``sum(row_scale * loss)`` at the chunk's logits ``z`` (float32 or
     float64), from the ``lse`` :func:`chunk_losses` gave."""
     valid = labels != options.ignore_index
-    grad = torch.exp(z - lse.unsqueeze(-1))
-    if options.z_loss:
-        grad = grad * (1.0 + 2.0 * options.z_loss * lse).unsqueeze(-1)
+    scale = torch.where(valid, row_scale.to(z.dtype), 0.0)  # per row: 0 where ignored
+    softmax_scale = scale * (1.0 + 2.0 * options.z_loss * lse) if options.z_loss else scale
+    # one (tokens, V) buffer, updated in place: each pass over it is a pass over memory
+    grad = torch.sub(z, lse.unsqueeze(-1)).exp_().mul_(softmax_scale.unsqueeze(-1))
     e = options.label_smoothing
     if e:
-        grad = grad - e / z.shape[-1]
-    picked = torch.full_like(lse, -(1.0 - e)).unsqueeze(-1)
-    grad = grad.scatter_add(-1, torch.where(valid, labels, 0).unsqueeze(-1), picked)
-    return grad * torch.where(valid, row_scale.to(z.dtype), 0.0).unsqueeze(-1)
+        grad.sub_((e / z.shape[-1]) * scale.unsqueeze(-1))
+    picked = (-(1.0 - e) * scale).unsqueeze(-1)
+    return grad.scatter_add_(-1, torch.where(valid, labels, 0).unsqueeze(-1), picked)
 
 
 def reduce_losses(losses: Tensor, labels: Tensor, options: LossOptions) -> Tensor:
