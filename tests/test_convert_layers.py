@@ -13,6 +13,7 @@ import torch
 
 import fusible
 from fusible.models.decoder_layers import FusedLayerForward
+from fusible.models.layer_converter import causal_mask, hf_rotary_tables
 
 transformers = pytest.importorskip("transformers")
 
@@ -22,6 +23,7 @@ FAMILIES = {
     "qwen2": lambda **k: transformers.Qwen2Config(**k),  # q/k/v biases
     "qwen3": lambda **k: transformers.Qwen3Config(head_dim=16, **k),  # q/k norms
     "mistral": lambda **k: transformers.MistralConfig(**k),
+    "gemma": lambda **k: transformers.GemmaConfig(head_dim=8, **k),  # 1 + w norms, GeGLU
     "phi3": lambda **k: transformers.Phi3Config(pad_token_id=0, **k),  # fused q/k/v, gate/up
     "gpt_neox": lambda **k: transformers.GPTNeoXConfig(  # per-head QKV, parallel residual
         **{**k, "num_key_value_heads": None}),
@@ -368,3 +370,35 @@ def test_nanogpt_blocks(bias):
     for name, p in model.named_parameters():
         torch.testing.assert_close(p.grad, grads[name].grad, atol=1e-4, rtol=1e-4,
                                    msg=lambda m: f"gradient of {name}: {m}")
+
+
+@pytest.mark.parametrize("softcapping", [None, 50.0])
+def test_gemma2_sandwich_layers(softcapping):
+    """Gemma 2: a norm after each branch (the "sandwich" residual). Its model offers the
+    eager attention only, whose causal mask makes every model call run the original code;
+    the fused layer, called without a mask, computes the same. Soft-capped attention (the
+    default) is refused with the reason."""
+    config = transformers.Gemma2Config(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+        attn_logit_softcapping=softcapping, final_logit_softcapping=None,
+        attn_implementation="eager")
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(-0.5, 0.5)
+    layer = model.model.layers[0]
+    twin = copy.deepcopy(layer)
+    report = fusible.convert(model)
+    if softcapping:
+        assert "soft-capping" in dict((p, w) for p, _, w in report.left)["model.layers.0"]
+        return
+    assert isinstance(layer.forward, FusedLayerForward)
+    assert layer.forward.fused.residual == "sandwich"
+    x, positions = torch.randn(B, S, 32), torch.arange(S)[None]
+    want = twin(x, attention_mask=causal_mask(twin, x), position_ids=positions,
+                position_embeddings=hf_rotary_tables(layer.forward.spec, positions[0],
+                                                     x.dtype))
+    torch.testing.assert_close(layer(x, position_ids=positions), want, atol=1e-5, rtol=1e-5)

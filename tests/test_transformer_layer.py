@@ -130,7 +130,7 @@ def test_compiled_is_bitwise_eager(fresh_dynamo):
 
 @pytest.mark.parametrize("kwargs, match", [
     ({"norm": "batchnorm"}, "norm"), ({"activation": "tanh"}, "activation"),
-    ({"residual": "sandwich"}, "residual"), ({"num_heads": 5}, "not a multiple of num_heads 5"),
+    ({"residual": "hourglass"}, "residual"), ({"num_heads": 5}, "not a multiple of num_heads 5"),
     ({"num_heads": 0}, "num_heads"), ({"num_kv_heads": 3}, "multiple of num_kv_heads"),
 ])
 def test_errors_name_the_argument_and_value(kwargs, match):

@@ -16,7 +16,7 @@ from fusible import ops
 
 NORMS = ("rmsnorm", "layernorm")
 ACTIVATIONS = {"swiglu": 2, "geglu": 2, "gelu": 1, "gelu_tanh": 1, "relu": 1, "silu": 1}
-RESIDUALS = ("pre_norm", "post_norm", "parallel", "parallel_shared_norm")
+RESIDUALS = ("pre_norm", "post_norm", "parallel", "parallel_shared_norm", "sandwich")
 
 
 def _activation(name: str, glu_interleave_size: Optional[int] = None):
@@ -45,6 +45,12 @@ class TransformerLayer(ops.Sequential):
 
         y = x + proj(attention(qkv(norm1(x)))) + fc2(act(fc1(norm2(x))))
 
+    ``residual="sandwich"`` (Gemma 2 and 3: a norm after each branch too, modules
+    ``post_attention_norm`` and ``post_mlp_norm``)::
+
+        h = x + norm3(proj(attention(qkv(norm1(x)))))
+        y = h + norm4(fc2(act(fc1(norm2(h)))))
+
     The modules are named ``input_norm`` (pre-norm, parallel), ``qkv``, ``attention``,
     ``proj``, ``mlp_norm`` (not with a shared norm), ``fc1``, ``activation``, ``fc2``
     (post-norm: ``attention_norm`` after the attention's residual, ``output_norm`` at the
@@ -62,7 +68,9 @@ class TransformerLayer(ops.Sequential):
     rotary_base : float, optional
         The rotary embedding's base (None: no rotary embedding).
     causal : bool
-    residual : {"pre_norm", "post_norm", "parallel", "parallel_shared_norm"}
+    residual : {"pre_norm", "post_norm", "parallel", "parallel_shared_norm", "sandwich"}
+    zero_centered_gamma : bool
+        The norms scale by ``1 + weight`` (Gemma's), their weights starting at zero.
     head_dim : int, optional
         ``hidden_size // num_heads`` when None.
     eps : float
@@ -98,6 +106,7 @@ class TransformerLayer(ops.Sequential):
                  num_kv_heads: Optional[int] = None, norm: str = "rmsnorm",
                  activation: str = "swiglu", rotary_base: Optional[float] = 10000.0,
                  causal: bool = True, residual: str = "pre_norm",
+                 zero_centered_gamma: bool = False,
                  head_dim: Optional[int] = None, eps: float = 1e-5, bias: bool = False,
                  qkv_bias: Optional[bool] = None, tensor_parallel: bool = False,
                  tensor_parallel_group: GroupArg = None, sequence_parallel: bool = False,
@@ -129,7 +138,8 @@ class TransformerLayer(ops.Sequential):
 
         def make_norm():
             cls = ops.RMSNorm if norm == "rmsnorm" else ops.LayerNorm
-            return cls(hidden_size, eps=eps, **split, **factory)
+            return cls(hidden_size, eps=eps, zero_centered_gamma=zero_centered_gamma, **split,
+                       **factory)
 
         def linear(n_in, n_out, with_bias, mode):
             tp = ({"tensor_parallel_mode": mode, "sequence_parallel": sequence_parallel,
@@ -163,6 +173,13 @@ class TransformerLayer(ops.Sequential):
                        ("attention_add", add("attention")),
                        ("mlp_residual", branch("mlp")), ("mlp_norm", make_norm()), *mlp,
                        ("mlp_add", add("mlp"))]
+        elif residual == "sandwich":
+            modules = [("attention_residual", branch("attention")),
+                       ("input_norm", make_norm()), *attention,
+                       ("post_attention_norm", make_norm()),
+                       ("attention_add", add("attention")),
+                       ("mlp_residual", branch("mlp")), ("mlp_norm", make_norm()), *mlp,
+                       ("post_mlp_norm", make_norm()), ("mlp_add", add("mlp"))]
         elif residual == "post_norm":
             modules = [("attention_residual", branch("attention")), *attention,
                        ("attention_add", add("attention")), ("attention_norm", make_norm()),

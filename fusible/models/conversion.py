@@ -226,8 +226,9 @@ def _fused_layer(child, where, converted) -> "bool | str | None":
     outcome = fuse_decoder_layer(child)
     if outcome is None or isinstance(outcome, str):
         return outcome
-    note = ("; its model's eager attention passes a causal mask to every call: load it with "
-            "attn_implementation='sdpa' to run the fused layer"
+    note = ("; its model's eager attention passes a causal mask to every call: the fused "
+            "layer runs where the model loads with attn_implementation='sdpa' (if it offers "
+            "it)"
             if attention_implementation(child) == "eager" else "")
     converted.append((where, type(child).__name__, f"TransformerLayer (the whole layer; "
                                                    f"{FALLBACKS}{note})"))

@@ -50,22 +50,24 @@ def fuse_decoder_layer(layer: nn.Module) -> Union[None, str, "FusedLayerForward"
         None: no converter knows the layer; a str: one does, and why it stays as it is;
         the installed forward otherwise.
     """
+    if "forward" in layer.__dict__:
+        return None  # rewritten already (a residual fusion, or fused whole)
+    refusals = []  # a layer may look like one family's and be another's (Gemma, Llama)
     for name, converter in registered_layer_converters().items():
         spec = converter.recognise(layer)
         if spec is None:
             continue
         if isinstance(spec, str):
-            return f"{spec} ({name} layer converter)"
-        if "forward" in layer.__dict__:
-            return "its forward was replaced already"
-        dtype = next(layer.parameters()).dtype
-        fused = FusedLayerForward(layer, name, spec, dtype)
+            refusals.append(f"{spec} ({name} layer converter)")
+            continue
+        fused = FusedLayerForward(layer, name, spec, next(layer.parameters()).dtype)
         why = fused.probe()
         if why:
-            return f"{why} ({name} layer converter)"
+            refusals.append(f"{why} ({name} layer converter)")
+            continue
         layer.forward = fused
         return fused
-    return None
+    return "; ".join(refusals) or None
 
 
 class FusedLayerForward:

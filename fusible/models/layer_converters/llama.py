@@ -22,7 +22,7 @@ class LlamaLayers(LayerConverter):
     name = "llama"
 
     def recognise(self, layer: Any) -> Union[None, str, dict]:
-        if not _shaped(layer):
+        if not shaped_like_llama(layer):
             return None
         attn, mlp = layer.self_attn, layer.mlp
         config: Any = getattr(attn, "config", None)
@@ -71,7 +71,7 @@ class LlamaLayers(LayerConverter):
         return params
 
 
-def _shaped(layer: nn.Module) -> bool:
+def shaped_like_llama(layer: Any) -> bool:
     """The children of a Llama-style layer and nothing else (what the fused layer would
     leave out, the probe could miss)."""
     attn: Any = getattr(layer, "self_attn", None)
