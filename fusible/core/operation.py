@@ -30,9 +30,6 @@ Tensor = torch.Tensor
 # to the compute dtype for the call, so their own dtype need not match the input's.
 CASTING = threading.local()
 
-# An op's parallel state: its ``parallel`` record (``fusible.functional.parallel.
-# TensorParallel``), set once in the constructor, and the read-only views of it named as
-# the constructor's arguments (``tensor_parallel_mode``, ``sequence_parallel``, ...).
 # The parameters a traced group was given, by op (params_given): under
 # torch.func.functional_call a compiled graph's tensors are not the module's attributes
 _GIVEN = threading.local()
@@ -55,6 +52,9 @@ def params_given(ops, params) -> Iterator[None]:
         _GIVEN.params = outer
 
 
+# An op's parallel state: its ``parallel`` record (``fusible.functional.parallel.
+# TensorParallel``), set once in the constructor, and the read-only views of it named as
+# the constructor's arguments (``tensor_parallel_mode``, ``sequence_parallel``, ...).
 _CONSTRUCTION_ONLY = frozenset({"parallel", "tensor_parallel_mode", "sequence_parallel",
                                 "tensor_parallel", "tensor_parallel_group", "process_group"})
 

@@ -11,8 +11,9 @@ optimizer built before the conversion, its state and every checkpoint keep worki
   same child names), planned as one pipeline: fusions cross its layers (an MLP written
   as ``nn.Sequential(Linear, GELU, Linear)`` gets its GEMM epilogues).
 
-A Llama-style Hugging Face decoder layer runs as one TransformerLayer plan with its own
-parameters (``fuse_layers``, :mod:`fusible.models.decoder_layers`).
+A decoder layer a registered layer converter knows (Hugging Face's Llama family, Gemma,
+Phi-3, GPT-NeoX, GPT-2, BERT, nanoGPT-style blocks) runs as one TransformerLayer plan with
+its own parameters (``fuse_layers``, :mod:`fusible.models.decoder_layers`).
 Any other module whose forward is Python (attention, a residual block) keeps that forward; its
 recognised children are converted one by one, and the report says what stayed and why.
 Its Linear + residual adds are fused (``fuse_residuals=True``, the default): the forward,
@@ -103,8 +104,10 @@ def convert(model: nn.Module, *, merge_gated_mlps: bool = False,
         pipelines (see the module docstring): each is reported as converted,
         ``(child path, "Linear + residual", "AddExtraInput fused")``.
     fuse_layers : bool
-        Run each Llama-style decoder layer (Llama, Mistral, Qwen2, Qwen3: recognised by
-        its children, confirmed on a probe input) as one
+        Run each decoder layer a registered layer converter knows (the built-ins:
+        Hugging Face's Llama, Mistral, Qwen2, Qwen3, Gemma, Gemma 2, Phi-3, GPT-NeoX, GPT-2
+        and BERT layers, nanoGPT-style blocks; recognised by its children, confirmed on a
+        probe input) as one
         :class:`fusible.layers.TransformerLayer` with its own parameters (see
         :mod:`fusible.models.decoder_layers`); its children stay as they are, for the calls
         the fused layer does not take (a KV cache, an attention mask).

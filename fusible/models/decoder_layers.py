@@ -20,7 +20,7 @@ import collections
 import copy
 import inspect
 import weakref
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 import torch
 from torch import nn
@@ -193,26 +193,37 @@ def _named_arguments(layer: nn.Module, hidden_states, args: tuple,
                      kwargs: dict) -> Optional[dict]:
     """The call's arguments after ``hidden_states`` by name (GPT-2's model passes its
     cache and mask positionally), or None where the signature does not bind them."""
+    signature = _forward_signature(type(layer))
     try:
-        bound = inspect.signature(type(layer).forward).bind(layer, hidden_states, *args,
-                                                             **kwargs)
+        bound = signature.bind(layer, hidden_states, *args, **kwargs)
     except TypeError:
         return None
     named = dict(bound.arguments)
     for name in list(named)[:2]:  # self, hidden_states
         named.pop(name)
     for name, value in list(named.items()):  # **kwargs spread out
-        if inspect.signature(type(layer).forward).parameters[name].kind is \
-                inspect.Parameter.VAR_KEYWORD:
+        if signature.parameters[name].kind is inspect.Parameter.VAR_KEYWORD:
             named.pop(name)
             named.update(value)
     return named
 
 
+_SIGNATURES: dict = {}  # layer class -> its forward's signature
+
+
+def _forward_signature(cls: Any) -> inspect.Signature:
+    """A layer class's forward signature, read once per class (a call binds against it
+    on every model step)."""
+    signature = _SIGNATURES.get(cls)
+    if signature is None:
+        signature = _SIGNATURES[cls] = inspect.signature(cls.forward)
+    return signature
+
+
 def _accepted(layer: nn.Module, kwargs: dict) -> dict:
     """The keyword arguments the layer's forward takes (all of them with ``**kwargs``): a
     block of one's own code may take the hidden states alone."""
-    parameters = inspect.signature(type(layer).forward).parameters
+    parameters = _forward_signature(type(layer)).parameters
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
         return kwargs
     return {k: v for k, v in kwargs.items() if k in parameters}

@@ -6,7 +6,7 @@ probe input (:mod:`fusible.models.decoder_layers`)."""
 
 from __future__ import annotations
 
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 import torch
 from torch import nn
@@ -103,6 +103,15 @@ def layer_converter(name: str) -> LayerConverter:
 
 
 # --- helpers for converters
+
+def has_children(module: Any, required, optional=()) -> bool:
+    """Whether ``module`` has the children ``required`` and none but them and
+    ``optional`` (what a fused layer would leave out, a probe could miss)."""
+    if module is None:
+        return False
+    names = set(module._modules)
+    return set(required) <= names <= set(required) | set(optional)
+
 
 def norm_eps(norm: nn.Module) -> Optional[float]:
     """A norm module's epsilon (Hugging Face's ``variance_epsilon``, torch's ``eps``)."""

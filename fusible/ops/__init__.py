@@ -44,7 +44,8 @@ __all__ = [
     "FusibleOperation", "GEGLU", "GELU", "GLU", "GroupedLinear", "Identity",
     "L2Normalization", "LayerNorm", "Linear", "LinearCrossEntropy", "MakeExtraOutput",
     "OperationContext", "PermuteRows", "QGEGLU", "QGELU", "Quantize", "RMSNorm", "ReGLU",
-    "ReLU", "ReduceScatter", "Reshape", "ResumeFromChannel", "SReGLU", "SReLU", "ScaledClampedSwiGLU", "ScaledGEGLU", "ScaledGLU",
+    "ReLU", "ReduceScatter", "Reshape", "ResumeFromChannel", "SReGLU", "SReLU",
+    "ScaledClampedSwiGLU", "ScaledGEGLU", "ScaledGLU",
     "ScaledQGEGLU", "ScaledReGLU", "ScaledSReGLU", "ScaledSiTUGLU", "ScaledSwiGLU", "Sequential",
     "SiLU", "SiTUGLU", "SwiGLU",
 ]

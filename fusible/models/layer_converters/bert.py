@@ -8,14 +8,11 @@ from typing import Any, Union
 
 import torch
 
-from fusible.models.layer_converter import NO_CONFIG, LayerConverter, causal_mask, shared_eps
+from fusible.models.layer_converter import (NO_CONFIG, LayerConverter, causal_mask,
+                                            has_children, shared_eps)
 
 _ACTIVATIONS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh",
                 "relu": "relu", "silu": "silu"}
-
-
-def _children(module, names) -> bool:
-    return module is not None and set(module._modules) == set(names)
 
 
 class BertLayers(LayerConverter):
@@ -23,11 +20,11 @@ class BertLayers(LayerConverter):
 
     def recognise(self, layer: Any) -> Union[None, str, dict]:
         attention: Any = layer._modules.get("attention")
-        if not (_children(layer, ("attention", "intermediate", "output"))
-                and _children(attention, ("self", "output"))
-                and _children(attention.self, ("query", "key", "value", "dropout"))
-                and _children(attention.output, ("dense", "LayerNorm", "dropout"))
-                and _children(layer.output, ("dense", "LayerNorm", "dropout"))):
+        if not (has_children(layer, ("attention", "intermediate", "output"))
+                and has_children(attention, ("self", "output"))
+                and has_children(attention.self, ("query", "key", "value", "dropout"))
+                and has_children(attention.output, ("dense", "LayerNorm", "dropout"))
+                and has_children(layer.output, ("dense", "LayerNorm", "dropout"))):
             return None
         config: Any = getattr(attention.self, "config", None)
         if config is None:

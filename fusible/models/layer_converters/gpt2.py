@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any, Union
 
-from fusible.models.layer_converter import NO_CONFIG, LayerConverter, shared_eps
+from fusible.models.layer_converter import NO_CONFIG, LayerConverter, has_children, shared_eps
 
 _CHILDREN = {"ln_1", "attn", "ln_2", "mlp"}
 _ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh",
@@ -26,11 +26,10 @@ class GPT2Layers(LayerConverter):
     def recognise(self, layer: Any) -> Union[None, str, dict]:
         attn: Any = getattr(layer, "attn", None)
         mlp: Any = getattr(layer, "mlp", None)
-        if set(layer._modules) != _CHILDREN or \
-                set(getattr(attn, "_modules", {})) != {"c_attn", "c_proj", "attn_dropout",
-                                                        "resid_dropout"} or \
-                set(getattr(mlp, "_modules", {})) != {"c_fc", "c_proj", "act", "dropout"} or \
-                not all(_conv1d(m) for m in (attn.c_attn, attn.c_proj, mlp.c_fc, mlp.c_proj)):
+        if not (has_children(layer, _CHILDREN)
+                and has_children(attn, ("c_attn", "c_proj", "attn_dropout", "resid_dropout"))
+                and has_children(mlp, ("c_fc", "c_proj", "act", "dropout"))
+                and all(_conv1d(m) for m in (attn.c_attn, attn.c_proj, mlp.c_fc, mlp.c_proj))):
             return None
         config: Any = getattr(attn, "config", None)
         if config is None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any, Union
 
-from fusible.models.layer_converter import NO_CONFIG, LayerConverter, common_spec
+from fusible.models.layer_converter import NO_CONFIG, LayerConverter, common_spec, has_children
 
 _CHILDREN = {"input_layernorm", "post_attention_layernorm", "post_attention_dropout",
              "post_mlp_dropout", "attention", "mlp"}
@@ -22,10 +22,9 @@ class GPTNeoXLayers(LayerConverter):
     def recognise(self, layer: Any) -> Union[None, str, dict]:
         attn: Any = getattr(layer, "attention", None)
         mlp: Any = getattr(layer, "mlp", None)
-        if set(layer._modules) != _CHILDREN or \
-                set(getattr(attn, "_modules", {})) != {"query_key_value", "dense"} or \
-                set(getattr(mlp, "_modules", {})) - {"act"} != {"dense_h_to_4h",
-                                                                "dense_4h_to_h"}:
+        if not (has_children(layer, _CHILDREN)
+                and has_children(attn, ("query_key_value", "dense"))
+                and has_children(mlp, ("dense_h_to_4h", "dense_4h_to_h"), ("act",))):
             return None
         config: Any = getattr(attn, "config", None)
         if config is None:

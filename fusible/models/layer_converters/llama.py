@@ -9,7 +9,8 @@ from typing import Any, Union
 import torch
 from torch import nn
 
-from fusible.models.layer_converter import NO_CONFIG, LayerConverter, common_spec, norm_eps
+from fusible.models.layer_converter import (NO_CONFIG, LayerConverter, common_spec,
+                                            has_children, norm_eps)
 
 _ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 _MLP = ("gate_proj", "up_proj", "down_proj")
@@ -76,12 +77,11 @@ def shaped_like_llama(layer: Any) -> bool:
     leave out, the probe could miss)."""
     attn: Any = getattr(layer, "self_attn", None)
     mlp: Any = getattr(layer, "mlp", None)
-    return (attn is not None and mlp is not None
-            and set(layer._modules) == {"self_attn", "mlp", "input_layernorm",
-                                        "post_attention_layernorm"}
-            and all(isinstance(getattr(attn, n, None), nn.Linear) for n in _ATTENTION)
-            and all(isinstance(getattr(mlp, n, None), nn.Linear) for n in _MLP)
+    return (has_children(layer, ("self_attn", "mlp", "input_layernorm",
+                                 "post_attention_layernorm"))
+            and has_children(attn, _ATTENTION, ("q_norm", "k_norm"))
+            and has_children(mlp, _MLP, ("act_fn",))
+            and all(isinstance(getattr(attn, n), nn.Linear) for n in _ATTENTION)
+            and all(isinstance(getattr(mlp, n), nn.Linear) for n in _MLP)
             and all(isinstance(getattr(getattr(layer, n), "weight", None), nn.Parameter)
-                    for n in ("input_layernorm", "post_attention_layernorm"))
-            and set(attn._modules) <= {*_ATTENTION, "q_norm", "k_norm"}
-            and set(mlp._modules) <= {*_MLP, "act_fn"})
+                    for n in ("input_layernorm", "post_attention_layernorm")))

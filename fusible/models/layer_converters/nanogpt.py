@@ -9,7 +9,7 @@ from typing import Any, Union
 
 from torch import nn
 
-from fusible.models.layer_converter import LayerConverter, norm_eps
+from fusible.models.layer_converter import LayerConverter, has_children, norm_eps
 
 _DEFAULT_EPS = 1e-5  # nanoGPT's LayerNorm passes it to F.layer_norm; the probe checks it
 
@@ -20,14 +20,13 @@ class NanoGPTLayers(LayerConverter):
     def recognise(self, layer: Any) -> Union[None, str, dict]:
         attn: Any = getattr(layer, "attn", None)
         mlp: Any = getattr(layer, "mlp", None)
-        if set(layer._modules) != {"ln_1", "attn", "ln_2", "mlp"} or \
-                set(getattr(attn, "_modules", {})) != {"c_attn", "c_proj", "attn_dropout",
-                                                        "resid_dropout"} or \
-                set(getattr(mlp, "_modules", {})) != {"c_fc", "gelu", "c_proj", "dropout"} or \
-                not all(isinstance(m, nn.Linear) for m in (attn.c_attn, attn.c_proj, mlp.c_fc,
-                                                           mlp.c_proj)) or \
-                not isinstance(getattr(attn, "n_head", None), int) or \
-                not isinstance(mlp.gelu, nn.GELU):
+        if not (has_children(layer, ("ln_1", "attn", "ln_2", "mlp"))
+                and has_children(attn, ("c_attn", "c_proj", "attn_dropout", "resid_dropout"))
+                and has_children(mlp, ("c_fc", "gelu", "c_proj", "dropout"))
+                and all(isinstance(m, nn.Linear) for m in (attn.c_attn, attn.c_proj,
+                                                           mlp.c_fc, mlp.c_proj))
+                and isinstance(getattr(attn, "n_head", None), int)
+                and isinstance(mlp.gelu, nn.GELU)):
             return None
         linears = (attn.c_attn, attn.c_proj, mlp.c_fc, mlp.c_proj)
         if any(m.bias is None for m in linears) or \

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any, Union
 
-from fusible.models.layer_converter import NO_CONFIG, LayerConverter, common_spec
+from fusible.models.layer_converter import NO_CONFIG, LayerConverter, common_spec, has_children
 
 _CHILDREN = {"self_attn", "mlp", "input_layernorm", "post_attention_layernorm",
              "resid_attn_dropout", "resid_mlp_dropout"}
@@ -18,10 +18,8 @@ class Phi3Layers(LayerConverter):
     def recognise(self, layer: Any) -> Union[None, str, dict]:
         attn: Any = getattr(layer, "self_attn", None)
         mlp: Any = getattr(layer, "mlp", None)
-        if set(layer._modules) != _CHILDREN or \
-                set(getattr(attn, "_modules", {})) != {"qkv_proj", "o_proj"} or \
-                set(getattr(mlp, "_modules", {})) - {"activation_fn"} != {"gate_up_proj",
-                                                                          "down_proj"}:
+        if not (has_children(layer, _CHILDREN) and has_children(attn, ("qkv_proj", "o_proj"))
+                and has_children(mlp, ("gate_up_proj", "down_proj"), ("activation_fn",))):
             return None
         config: Any = getattr(attn, "config", None)
         if config is None:
