@@ -39,6 +39,9 @@ LAYERS = {"llama3_8b": (4096, 14336, 32, 8, 2, 4096),
           "debugmodel": (256, 768, 16, 16, 8, 2048)}
 HEAD = (4096, 128256, 8192)  # hidden, vocab, tokens
 THETA = 500000.0
+# rows whose kernels --profile writes out
+PROFILED = ("hf_eager", "torchao_fp8_compile", "fusible_eager", "fusible_cudnn_eager",
+            "fusible_fp8_eager", "torch_compile", "liger_eager")
 
 
 class HFLayer(nn.Module):
@@ -159,7 +162,7 @@ def run_rows(rows, build, make_inputs, results: dict, key: str, output: str,
             result, out, step = measure(model, inputs, row.endswith("compile"), dy, context)
             first = out.float() if first is None else first
             result["rel_err"] = ((out.float() - first).norm() / first.norm()).item()
-            if profile and row in ("hf_eager", "fusible_eager", "fusible_fp8_eager"):
+            if profile and row in PROFILED:
                 profile_step(step, f"{key} {row}", profile)
         except Exception as error:  # a row that cannot run is reported, the rest go on
             result = {"error": repr(error)[:300]}
@@ -172,7 +175,7 @@ def run_rows(rows, build, make_inputs, results: dict, key: str, output: str,
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--output", default="out/layer.json")
-    parser.add_argument("--profile", default="", help="kernels of the 1B layer's eager rows")
+    parser.add_argument("--profile", default="", help="kernels of the 1B layer's and the head's PROFILED rows")
     parser.add_argument("--layers", default=",".join(LAYERS))
     parser.add_argument("--no-head", dest="head", action="store_false",
                         help="skip the LM head rows")
@@ -206,7 +209,7 @@ def main() -> None:
         run_rows(["torch_eager", "torch_compile", "liger_eager", "fusible_eager",
                   "fusible_compile", "fusible_c1024_eager", "fusible_c2048_eager",
                   "fusible_fp8_eager", "fusible_fp8_compile"],
-                 build_head, head_inputs, results, "lm_head 8b", args.output)
+                 build_head, head_inputs, results, "lm_head 8b", args.output, args.profile)
 
 
 if __name__ == "__main__":
