@@ -30,6 +30,7 @@ class LinearLossForwardArgs:
     need_grad_weight: bool
     gradients_now: bool
     fp8: Optional[HeadFp8] = None
+    grad_weight_dtype: Optional[torch.dtype] = None
 
 
 @attrs.define
@@ -68,12 +69,16 @@ class LinearCrossEntropy(FusedOperation):
     Pattern: ``BasicLinear, CrossEntropy``. Refused for tensor-parallel layers (a
     vocabulary split needs the loss reduced over the group). Under an FP8 recipe with
     per-tensor current scaling (``"tensorwise"``) the logits' and the hidden states'
-    gradient's GEMMs run in FP8, the weight's gradient in high precision
-    (:mod:`fusible.functional.head_gemms`: its float32 sum over the chunks accumulates
-    inside the GEMM), chunks of a multiple of 16 tokens; other recipes are refused (the
-    ops then run as their own stages, the logits whole), the plan saying why.
+    gradient's GEMMs run in FP8, the weight's gradient in high precision, chunks of a
+    multiple of 16 tokens; other recipes are refused (the ops then run as their own
+    stages, the logits whole), the plan saying why. On CUDA each chunk's losses and
+    logit gradient are one Triton kernel (:mod:`fusible.kernels.cross_entropy`), the
+    gradient written over the chunk's logits.
     Rounds as the basic ops do: the logits to the model's dtype after the GEMM, their
-    gradient before the GEMMs of the backward. With ``reduction="mean"`` or ``"sum"`` the
+    gradient before the GEMMs of the backward; the weight's gradient is summed over the
+    chunks in its own dtype, each chunk's GEMM adding into it (one rounding per chunk where
+    the unfused GEMM rounds once; float32 where it goes into ``main_grad``:
+    :mod:`fusible.functional.head_gemms`). With ``reduction="mean"`` or ``"sum"`` the
     logits' gradient is made (and rounded) in the forward for an output gradient of 1, and
     the backward scales the float32 results by the actual one: the same roundings as the
     ops' for an output gradient of 1 or any power of two (``loss.backward()``, a loss
@@ -116,14 +121,14 @@ class LinearCrossEntropy(FusedOperation):
         return LinearLossForwardArgs(
             input, params[0], extra_inputs[0], loss.options,
             _chunk(loss.chunk(linear.out_features), fp8), needs.input, needs.params[0],
-            wanted and loss.reduction != "none", fp8)
+            wanted and loss.reduction != "none", fp8, linear.wgrad_dtype or params[0].dtype)
 
     @classmethod
     def forward_compute(cls, args, *, in_custom_op=False):
         loss, lse, dx, dw = linear_cross_entropy_forward(
             args.input.reshape(-1, args.input.shape[-1]), args.weight,
             args.labels.reshape(-1), args.options, args.chunk, args.need_grad_input,
-            args.need_grad_weight, args.gradients_now, args.fp8)
+            args.need_grad_weight, args.gradients_now, args.fp8, args.grad_weight_dtype)
         if args.options.reduction == "none":
             loss = loss.view(args.labels.shape)
         if not args.gradients_now:
@@ -161,9 +166,8 @@ class LinearCrossEntropy(FusedOperation):
         dx, dw = linear_cross_entropy_backward(
             args.grad_output, saved.input.reshape(-1, saved.input.shape[-1]), saved.weight,
             saved.labels.reshape(-1), saved.lse, args.options, args.chunk,
-            args.need_grad_input, args.need_grad_weight, args.fp8)
+            args.need_grad_input, args.need_grad_weight, args.fp8, args.weight_grad_dtype)
         dx = None if dx is None else dx.view(saved.input.shape)
-        dw = None if dw is None else dw.to(args.weight_grad_dtype)
         return BackwardResult(dx, (dw,), (None,))
 
     @classmethod

@@ -259,7 +259,8 @@ def test_gradients_made_in_the_forward_round_where_the_ops_do_in_bf16(reduction,
     """For a reduced loss the logits' gradient is made in the forward for an output
     gradient of 1: with 1 or a power of two (loss.backward(), a loss scale) its roundings
     are the ops' own (the logits after the GEMM, their gradient before the GEMMs), so the
-    results are the FP64 computation rounded at those points, within two units."""
+    results are the FP64 computation rounded at those points, within two units; the
+    weight's gradient is summed over the chunks in bf16, rounded after each chunk's GEMM."""
     from fusible.testing import assert_close
     torch.manual_seed(0)
     head = ops.LinearCrossEntropy(32, 24, reduction=reduction, label_smoothing=0.1,
@@ -278,8 +279,40 @@ def test_gradients_made_in_the_forward_round_where_the_ops_do_in_bf16(reduction,
     dz = logits.grad.bfloat16().double()  # rounded before the GEMMs
     assert_close(loss, want, torch.bfloat16, "loss")
     assert_close(x.grad, (dz @ w.detach()).reshape(x.shape), torch.bfloat16, "dx")
-    assert_close(head.weight.grad, dz.reshape(-1, 24).t() @ x64.detach().reshape(-1, 32),
+    assert_close(head.weight.grad, _chunked_bf16_sum(dz.reshape(-1, 24),
+                                                     x64.detach().reshape(-1, 32), 5),
                  torch.bfloat16, "dweight")
+
+
+def _chunked_bf16_sum(dz, x, chunk):
+    """``dz.T @ x`` in float64 a chunk of rows at a time, the sum rounded to bf16 after each
+    chunk (as the head's GEMMs add into the bf16 gradient)."""
+    total = None
+    for lo in range(0, dz.shape[0], chunk):
+        part = dz[lo:lo + chunk].t() @ x[lo:lo + chunk]
+        total = (part if total is None else total + part).bfloat16().double()
+    return total
+
+
+def test_a_float32_main_grad_head_sums_the_chunks_in_float32():
+    """Written by hand with accumulate_into_main_grad, the head (still one fused stage)
+    sums the weight's gradient over the chunks in float32: float32 close to the FP64 sum
+    of the bf16 logit gradients, where a bf16 sum would be two hundred times further."""
+    from fusible.testing import assert_close
+    torch.manual_seed(0)
+    linear = ops.BasicLinear(32, 24, accumulate_into_main_grad=True, dtype=torch.bfloat16)
+    model = ops.Sequential(linear, ops.CrossEntropy(reduction="sum", chunk_size=5))
+    linear.weight.main_grad = torch.zeros(24, 32)
+    x = torch.randn(3, 7, 32, dtype=torch.bfloat16)
+    labels = torch.randint(0, 24, (3, 7))
+    assert "LinearCrossEntropy" in stage_names(model.plan(x, labels).forward)
+    model(x, labels).backward()
+    w = linear.weight.detach().double()
+    logits = (x.double() @ w.t()).bfloat16().double().requires_grad_()
+    _reference(logits, labels, "sum", 0.0, 0.0).backward()
+    dz = logits.grad.bfloat16().double().reshape(-1, 24)
+    assert_close(linear.weight.main_grad, dz.t() @ x.double().reshape(-1, 32), torch.float32,
+                 "main_grad")
 
 
 def test_logits_returned_when_asked_and_gradients_flow_through_both():

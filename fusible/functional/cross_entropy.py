@@ -23,6 +23,8 @@ import attrs
 import torch
 
 from fusible.functional.head_gemms import HeadFp8, HeadOperands
+from fusible.kernels import cross_entropy as ce_kernels
+from fusible.kernels import triton_can_run
 
 Tensor = torch.Tensor
 
@@ -127,6 +129,47 @@ def chunk_logits_grad(z: Tensor, lse: Tensor, labels: Tensor, options: LossOptio
     return grad.scatter_add_(-1, torch.where(valid, labels, 0).unsqueeze(-1), picked)
 
 
+def _kernel_ok(z: Tensor, *others: Tensor) -> bool:
+    return triton_can_run(z) and z.is_contiguous() and all(t.is_contiguous() for t in others)
+
+
+def chunk_forward(z: Tensor, labels: Tensor, options: LossOptions, losses: Tensor,
+                  lse: Tensor, row_scale: Optional[Tensor] = None,
+                  in_place: bool = False) -> Optional[Tensor]:
+    """A chunk's losses and log-sum-exps into ``losses`` and ``lse`` (the chunk's slices of
+    the float32 or float64 buffers) and, with ``row_scale``, the gradient of
+    ``sum(row_scale * loss)`` at ``z`` returned, rounded to ``z``'s dtype (with
+    ``in_place``, written over ``z`` where the Triton kernel runs). One kernel on CUDA
+    (:mod:`fusible.kernels.cross_entropy`), else :func:`chunk_losses` and
+    :func:`chunk_logits_grad` on ``z`` upcast."""
+    if _kernel_ok(z, labels, losses, lse) and losses.dtype == torch.float32:
+        dz = None if row_scale is None else z if in_place else torch.empty_like(z)
+        ce_kernels.chunk_cross_entropy_triton(
+            z, labels, options.ignore_index, options.label_smoothing, options.z_loss, losses,
+            lse, row_scale, dz)
+        return dz
+    acc = z.to(losses.dtype)
+    chunk_loss, chunk_lse = chunk_losses(acc, labels, options)
+    losses.copy_(chunk_loss)
+    lse.copy_(chunk_lse)
+    if row_scale is None:
+        return None
+    return chunk_logits_grad(acc, chunk_lse, labels, options, row_scale).to(z.dtype)
+
+
+def chunk_grad(z: Tensor, labels: Tensor, options: LossOptions, lse: Tensor,
+               row_scale: Tensor, out: Tensor) -> None:
+    """The gradient of ``sum(row_scale * loss)`` at a chunk's logits ``z`` into ``out``
+    (``z``'s shape, rounded to its dtype; ``z`` itself allowed), from the forward's
+    log-sum-exp ``lse``."""
+    if _kernel_ok(z, labels, lse, out) and lse.dtype == torch.float32:
+        ce_kernels.chunk_cross_entropy_triton(
+            z, labels, options.ignore_index, options.label_smoothing, options.z_loss, lse,
+            lse, row_scale.contiguous(), out, lse_given=True)
+        return
+    out.copy_(chunk_logits_grad(z.to(lse.dtype), lse, labels, options, row_scale))
+
+
 def reduce_losses(losses: Tensor, labels: Tensor, options: LossOptions) -> Tensor:
     """The reduction of the per-token losses (``labels``' shape for ``"none"``)."""
     if options.reduction == "none":
@@ -158,7 +201,8 @@ def grad_row_scale(grad_output: Tensor, labels: Tensor, options: LossOptions,
 def linear_cross_entropy_forward(x: Tensor, weight: Tensor, labels: Tensor,
                                  options: LossOptions, chunk: int, need_grad_input: bool,
                                  need_grad_weight: bool, gradients_now: bool,
-                                 fp8: Optional[HeadFp8] = None) -> tuple:
+                                 fp8: Optional[HeadFp8] = None,
+                                 grad_weight_dtype: Optional[torch.dtype] = None) -> tuple:
     """The loss of ``x @ weight.T`` against ``labels``, a chunk of tokens at a time.
 
     Parameters
@@ -180,13 +224,17 @@ def linear_cross_entropy_forward(x: Tensor, weight: Tensor, labels: Tensor,
     fp8 : HeadFp8, optional
         Run the logits' and the hidden states' gradient's GEMMs in FP8
         (:mod:`fusible.functional.head_gemms`).
+    grad_weight_dtype : torch.dtype, optional
+        The weight gradient's dtype, which its sum over the chunks is kept in (None: the
+        weight's).
 
     Returns
     -------
     tuple
         ``(loss, lse, dx, dw)``: the loss reduced by ``options.reduction`` (per token for
-        ``"none"``) and each token's log-sum-exp (float32 for 16-bit ``x``), and with ``gradients_now`` the gradients (float32 for 16-bit tensors;
-        ``dw`` zeros without tokens), else None.
+        ``"none"``) and each token's log-sum-exp (float32 for 16-bit ``x``), and with
+        ``gradients_now`` the gradients (``dx`` float32 for 16-bit ``x``, ``dw`` in
+        ``grad_weight_dtype``, zeros without tokens), else None.
     """
     check_labels(labels, weight.shape[0], options, "LinearCrossEntropy")
     acc = loss_dtype(x.dtype)
@@ -195,19 +243,19 @@ def linear_cross_entropy_forward(x: Tensor, weight: Tensor, labels: Tensor,
     scale = unit_row_scale(labels, options, acc) if gradients_now else None
     dx = x.new_empty(x.shape, dtype=acc) if gradients_now and need_grad_input else None
     dw = None
+    dw_dtype = grad_weight_dtype or weight.dtype
     gemms = HeadOperands(x, weight, fp8, dx is not None)
     for lo, hi in chunks(x.shape[0], chunk):
-        z = gemms.logits(lo, hi).to(acc)  # the logits rounded to x's dtype, as a GEMM's
-        losses[lo:hi], lse[lo:hi] = chunk_losses(z, labels[lo:hi], options)
-        if scale is not None:
-            dz = chunk_logits_grad(z, lse[lo:hi], labels[lo:hi], options,
-                                   scale[lo:hi]).to(x.dtype)
+        z = gemms.logits(lo, hi)  # rounded to x's dtype, as a GEMM's output
+        dz = chunk_forward(z, labels[lo:hi], options, losses[lo:hi], lse[lo:hi],
+                           None if scale is None else scale[lo:hi], in_place=True)
+        if dz is not None:
             if dx is not None:  # float32: the backward scales it, then rounds
                 dx[lo:hi] = gemms.dgrad(dz, acc)
             if need_grad_weight:
-                dw = gemms.wgrad(dw, dz, lo, hi)
+                dw = gemms.wgrad(dw, dz, lo, hi, dw_dtype)
     if gradients_now and need_grad_weight and dw is None:  # no token
-        dw = torch.zeros(weight.shape, dtype=loss_dtype(weight.dtype), device=weight.device)
+        dw = torch.zeros(weight.shape, dtype=dw_dtype, device=weight.device)
     return reduce_losses(losses, labels, options), lse, dx, dw
 
 
@@ -215,7 +263,8 @@ def linear_cross_entropy_backward(grad_output: Tensor, x: Tensor, weight: Tensor
                                   labels: Tensor, lse: Tensor, options: LossOptions,
                                   chunk: int, need_grad_input: bool,
                                   need_grad_weight: bool,
-                                  fp8: Optional[HeadFp8] = None) -> tuple:
+                                  fp8: Optional[HeadFp8] = None,
+                                  grad_weight_dtype: Optional[torch.dtype] = None) -> tuple:
     """The gradients of :func:`linear_cross_entropy_forward`'s reduced loss, each
     chunk's logits made again from ``x`` and ``weight``.
 
@@ -223,7 +272,7 @@ def linear_cross_entropy_backward(grad_output: Tensor, x: Tensor, weight: Tensor
     ----------
     grad_output : Tensor
         The reduced loss's gradient (a number per token for ``reduction="none"``).
-    x, weight, labels, options, chunk, fp8
+    x, weight, labels, options, chunk, fp8, grad_weight_dtype
         As the forward's.
     lse : Tensor
         The forward's log-sum-exp per token.
@@ -232,21 +281,21 @@ def linear_cross_entropy_backward(grad_output: Tensor, x: Tensor, weight: Tensor
     Returns
     -------
     tuple
-        ``(dx, dw)``: ``dx`` in ``x``'s dtype, ``dw`` float32 for 16-bit tensors; None
-        where not needed.
+        ``(dx, dw)``: ``dx`` in ``x``'s dtype, ``dw`` in ``grad_weight_dtype``; None where
+        not needed.
     """
     scale = grad_row_scale(grad_output, labels, options, lse.dtype)
     dx = torch.empty_like(x) if need_grad_input else None
     dw = None
+    dw_dtype = grad_weight_dtype or weight.dtype
     gemms = HeadOperands(x, weight, fp8, dx is not None)
     for lo, hi in chunks(x.shape[0], chunk):
-        z = gemms.logits(lo, hi).to(lse.dtype)
-        dz = chunk_logits_grad(z, lse[lo:hi], labels[lo:hi], options,
-                               scale[lo:hi]).to(x.dtype)
+        dz = gemms.logits(lo, hi)
+        chunk_grad(dz, labels[lo:hi], options, lse[lo:hi], scale[lo:hi], out=dz)
         if dx is not None:
             dx[lo:hi] = gemms.dgrad(dz, x.dtype)
         if need_grad_weight:
-            dw = gemms.wgrad(dw, dz, lo, hi)
+            dw = gemms.wgrad(dw, dz, lo, hi, dw_dtype)
     if need_grad_weight and dw is None:
-        dw = torch.zeros(weight.shape, dtype=loss_dtype(weight.dtype), device=weight.device)
+        dw = torch.zeros(weight.shape, dtype=dw_dtype, device=weight.device)
     return dx, dw

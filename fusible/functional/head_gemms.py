@@ -1,10 +1,13 @@
 """The LM head's GEMMs, a chunk of tokens at a time, in high precision or FP8: the logits
 ``x @ W.T`` and the hidden states' gradient ``dz @ W`` in FP8 under per-tensor current
 scaling (``x`` and ``W`` cast once for all the chunks, each chunk's logit gradient cast on
-its own), the weight's gradient ``dz.T @ x`` always in high precision, accumulated over the
-chunks in float32 inside the GEMM (``addmm``; an FP8 GEMM has no accumulating input, and
-writing each chunk's float32 ``(vocab, hidden)`` product to add it would cost more memory
-traffic than the GEMM saves)."""
+its own), the weight's gradient ``dz.T @ x`` always in high precision (an FP8 GEMM has no
+accumulating input, and writing each chunk's ``(vocab, hidden)`` product to add it would
+cost more memory traffic than the GEMM saves), summed over the chunks in the weight
+gradient's dtype: each chunk's GEMM sums its products in float32 and adds its result into
+the gradient (``addmm_``), rounding once per chunk, so no float32 copy of the weight
+exists (twice the weight's memory, which would set the head's peak). A float32 gradient
+(``main_grad``) is summed in float32."""
 
 from __future__ import annotations
 
@@ -93,6 +96,11 @@ class HeadOperands:
         return scaled_gemm(dz_data, dz_scale_inv, self.w_transposed.t(), self.w_scale_inv,
                            None, out_dtype)
 
-    def wgrad(self, acc: Optional[Tensor], dz: Tensor, lo: int, hi: int) -> Tensor:
-        """``acc + dz.T @ x[lo:hi]`` in float32 (high precision: see the module notes)."""
-        return accumulate_mm(acc, dz.t(), self.x[lo:hi])
+    def wgrad(self, acc: Optional[Tensor], dz: Tensor, lo: int, hi: int,
+              dtype: torch.dtype) -> Tensor:
+        """``acc + dz.T @ x[lo:hi]`` in ``dtype`` (``acc`` None: the first chunk's), in
+        place (see the module notes)."""
+        a, b = dz.t(), self.x[lo:hi]
+        if dtype != dz.dtype:  # float32 sums of 16-bit products
+            return accumulate_mm(acc, a, b)
+        return torch.mm(a, b) if acc is None else acc.addmm_(a, b)

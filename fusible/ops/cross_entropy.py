@@ -155,8 +155,7 @@ class CrossEntropy(LossOp):
         losses = z.new_empty(labels.shape, dtype=acc)
         lse = torch.empty_like(losses)
         for lo, hi in ce.chunks(z.shape[0], args.chunk):
-            losses[lo:hi], lse[lo:hi] = ce.chunk_losses(z[lo:hi].to(acc), labels[lo:hi],
-                                                        args.options)
+            ce.chunk_forward(z[lo:hi], labels[lo:hi], args.options, losses[lo:hi], lse[lo:hi])
         loss = ce.reduce_losses(losses, args.labels, args.options)
         return ForwardResult(loss, (), (lse,))
 
@@ -176,8 +175,8 @@ class CrossEntropy(LossOp):
         scale = ce.grad_row_scale(args.grad_output, labels, args.options, args.lse.dtype)
         dz = torch.empty_like(z)
         for lo, hi in ce.chunks(z.shape[0], args.chunk):
-            dz[lo:hi] = ce.chunk_logits_grad(z[lo:hi].to(args.lse.dtype), args.lse[lo:hi],
-                                             labels[lo:hi], args.options, scale[lo:hi])
+            ce.chunk_grad(z[lo:hi], labels[lo:hi], args.options, args.lse[lo:hi], scale[lo:hi],
+                          out=dz[lo:hi])
         return BackwardResult(dz.view(args.logits.shape), (), (None,))
 
     def reference(self, x, extra_inputs, params):
