@@ -1355,6 +1355,47 @@ def test_linear_cross_entropy_on_gpu_never_holds_the_logits():
     assert _relative_error(head.weight.grad, w_ref.grad) < 1e-2
 
 
+@pytest.mark.parametrize("smoothing,z_loss", [(0.0, 0.0), (0.1, 1e-4)])
+def test_cross_entropy_kernel_on_gpu_matches_float64(smoothing, z_loss):
+    """The chunk kernel compiled (its loop over a vocabulary that is no multiple of its
+    block, an ignored token, in place and given the lse) against the PyTorch formulas in
+    float64 on the same bf16 logits; and CrossEntropy alone against F.cross_entropy."""
+    from fusible.functional.cross_entropy import LossOptions, chunk_logits_grad, chunk_losses
+    from fusible.kernels.cross_entropy import chunk_cross_entropy_triton
+    torch.manual_seed(0)
+    tokens, vocab = 64, 128256
+    opts = LossOptions(label_smoothing=smoothing, z_loss=z_loss)
+    z = (torch.randn(tokens, vocab, device="cuda") * 4).to(torch.bfloat16)
+    labels = torch.randint(0, vocab, (tokens,), device="cuda")
+    labels[3] = -100
+    scale = torch.rand(tokens, device="cuda") + 0.5
+    want_loss, want_lse = chunk_losses(z.double(), labels, opts)
+    want_dz = chunk_logits_grad(z.double(), want_lse, labels, opts, scale.double())
+    losses, lse = torch.empty(tokens, device="cuda"), torch.empty(tokens, device="cuda")
+    dz = torch.empty_like(z)
+    chunk_cross_entropy_triton(z, labels, -100, smoothing, z_loss, losses, lse, scale, dz)
+    assert_close(losses, want_loss, torch.float32, "loss", scale=4.0)
+    assert_close(lse, want_lse, torch.float32, "lse", scale=4.0)
+    assert_close(dz, want_dz, torch.bfloat16, "dz")
+    again = torch.empty_like(z)
+    chunk_cross_entropy_triton(z, labels, -100, smoothing, z_loss, losses, lse, scale, again,
+                               lse_given=True)
+    assert torch.equal(again, dz)
+    chunk_cross_entropy_triton(z, labels, -100, smoothing, z_loss, losses, lse, scale, z)
+    assert torch.equal(z, dz)
+    logits = (torch.randn(2, 100, 5000, device="cuda") * 3).to(torch.bfloat16).requires_grad_()
+    labels = torch.randint(0, 5000, (2, 100), device="cuda")
+    loss = ops.Sequential(ops.CrossEntropy(label_smoothing=smoothing, chunk_size=64))(
+        logits, labels)
+    loss.backward()
+    ref = logits.detach().double().requires_grad_()
+    want = torch.nn.functional.cross_entropy(ref.flatten(0, 1), labels.flatten(),
+                                             label_smoothing=smoothing)
+    want.backward()
+    assert_close(loss, want, torch.float32, "CrossEntropy", scale=4.0)
+    assert_close(logits.grad, ref.grad, torch.bfloat16, "CrossEntropy's gradient")
+
+
 def test_fp8_lm_head_on_gpu():
     """Under fusible.autocast the head's logits and dgrad GEMMs run in FP8 (torch's
     _scaled_mm): signal-to-noise floors against float32 logits' cross-entropy."""

@@ -788,3 +788,44 @@ def test_importing_triton_warns_nothing():
     out = subprocess.run([sys.executable, "-W", "error::FutureWarning", "-c", code],
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
+
+
+_CROSS_ENTROPY_SCRIPT = textwrap.dedent("""
+    import torch
+    from fusible.functional.cross_entropy import LossOptions, chunk_logits_grad, chunk_losses
+    from fusible.kernels.cross_entropy import chunk_cross_entropy_triton
+    from fusible.testing import assert_close
+    torch.manual_seed(0)
+    tokens, vocab = 9, 300  # five loop steps of 64, the last one partial
+    for dtype in (torch.float32, torch.bfloat16):
+        for smoothing, z_loss in ((0.0, 0.0), (0.1, 1e-3)):
+            opts = LossOptions(ignore_index=-100, label_smoothing=smoothing, z_loss=z_loss)
+            z = (torch.randn(tokens, vocab) * 4).to(dtype)
+            labels = torch.randint(0, vocab, (tokens,))
+            labels[2] = -100
+            labels[5] = vocab - 1  # in the partial step
+            scale = torch.rand(tokens) + 0.5
+            want_loss, want_lse = chunk_losses(z.double(), labels, opts)
+            want_dz = chunk_logits_grad(z.double(), want_lse, labels, opts, scale.double())
+            losses, lse = torch.empty(tokens), torch.empty(tokens)
+            chunk_cross_entropy_triton(z, labels, -100, smoothing, z_loss, losses, lse,
+                                       block=64)  # no gradient: z untouched
+            assert_close(losses, want_loss, torch.float32, "loss")
+            assert_close(lse, want_lse, torch.float32, "lse")
+            dz = torch.empty_like(z)
+            given = torch.empty(tokens)
+            chunk_cross_entropy_triton(z, labels, -100, smoothing, z_loss, given, lse, scale,
+                                       dz, lse_given=True, block=64)
+            assert_close(dz, want_dz, dtype, f"dz {dtype}")
+            assert not dz[2].any()  # the ignored token
+            chunk_cross_entropy_triton(z, labels, -100, smoothing, z_loss, losses, lse, scale,
+                                       z, block=64)  # in place: z becomes its gradient
+            assert_close(z, want_dz, dtype, f"dz in place {dtype}")
+            assert_close(losses, want_loss, torch.float32, "loss with the gradient")
+    print("ok")
+""")
+
+
+@_GPU_COVERS
+def test_chunk_cross_entropy_triton_matches_pytorch():
+    _run_interpreted(_CROSS_ENTROPY_SCRIPT)
