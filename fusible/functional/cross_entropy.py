@@ -32,12 +32,11 @@ Tensor = torch.Tensor
 __all__ = ["HeadFp8", "LossOptions", "linear_cross_entropy_backward",
            "linear_cross_entropy_forward"]
 
-# Elements of one chunk's float32 logits (512 MiB): the default chunk of tokens is this
-# over the vocabulary size; a chunk's logits, their softmax and its gradient are the
-# transient memory. Smaller chunks cost time: each adds the float32 weight gradient's
-# accumulation, a pass over (vocab, hidden) (on the H200 at Llama-3-8B's head, 8192 tokens:
-# 132 ms at 128 MiB chunks, 65 ms at 1 GiB).
-_CHUNK_ELEMENTS = 2 ** 27
+# Elements of one chunk's logits (512 MiB in bf16): the default chunk of tokens is this
+# over the vocabulary size. On CUDA the chunk's logits (their gradient written over them)
+# are its transient memory; the PyTorch path adds float32 copies. Smaller chunks cost
+# time: each adds a pass over the weight's gradient (vocab, hidden) to accumulate into it.
+_CHUNK_ELEMENTS = 2 ** 28
 REDUCTIONS = ("mean", "sum", "none")
 
 
@@ -71,7 +70,7 @@ def check_options(where: str, options: LossOptions) -> None:
 
 
 def default_chunk(vocab: int) -> int:
-    """Tokens per chunk when none is given: float32 logits of at most 512 MiB."""
+    """Tokens per chunk when none is given: at most 2**28 logits (512 MiB in bf16)."""
     return max(1, _CHUNK_ELEMENTS // vocab)
 
 

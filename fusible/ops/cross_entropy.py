@@ -119,7 +119,7 @@ class CrossEntropy(LossOp):
     z_loss : float
         Weight of the squared log-partition per token (0: none).
     chunk_size : int or None
-        Tokens per chunk (None: float32 chunks of at most 512 MiB).
+        Tokens per chunk (None: chunks of at most 2**28 logits, 512 MiB in bf16).
     """
 
     fwd_args_type = CrossEntropyForwardArgs
