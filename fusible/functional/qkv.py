@@ -15,7 +15,7 @@ import attrs
 import torch
 
 from fusible.functional.norms import rms_norm_backward, rms_norm_forward
-from fusible.functional.rotary import RotaryOptions, apply_rotary, rotary_angles
+from fusible.functional.rotary import RotaryOptions, apply_rotary
 from fusible.kernels import triton_can_run
 from fusible.kernels import rotary as rotary_kernels
 
@@ -69,16 +69,18 @@ def _kernel_ok(qkv: Tensor, rotary: Optional[RotaryOptions], qk_norm: bool) -> b
     return rotary is not None and not qk_norm and triton_can_run(qkv) and qkv.is_contiguous()
 
 
-def prepare_forward(qkv: Tensor, layout: HeadLayout, pos: Tensor,
+def prepare_forward(qkv: Tensor, layout: HeadLayout, angles: Optional[tuple],
                     rotary: Optional[RotaryOptions], q_weight: Optional[Tensor],
                     k_weight: Optional[Tensor], eps: float) -> tuple:
     """``(prepared, (q, k, v), q_rstd, k_rstd)``: q, k, v ``(B, S, heads, D)`` normed (with
-    the weights given) and rotated, views of the flat buffer ``prepared`` (None without
-    norms and rotary: then views of ``qkv``); the rstds (None without norms) for the
-    backward."""
+    the weights given) and rotated by ``angles`` (``(cos, sin)`` float32 ``(S, R / 2)``
+    or ``(B, S, R / 2)``; None without ``rotary``), views of the flat buffer ``prepared``
+    (None without norms and rotary: then views of ``qkv``); the rstds (None without
+    norms) for the backward."""
     b, s = qkv.shape[:2]
     if rotary is not None and _kernel_ok(qkv, rotary, q_weight is not None):
-        cos, sin = rotary_angles(pos, rotary)
+        assert angles is not None  # made for the rotary embedding
+        cos, sin = angles
         prepared = rotary_kernels.qkv_rotary_forward_triton(
             qkv.flatten(0, 1), cos.reshape(-1, cos.shape[-1]), sin.reshape(-1, sin.shape[-1]),
             layout.heads, layout.kv_heads, rotary.interleaved)
@@ -92,13 +94,15 @@ def prepare_forward(qkv: Tensor, layout: HeadLayout, pos: Tensor,
         q, q_rstd = rms_norm_forward(q.contiguous(), q_weight, [layout.head_dim], eps)
         k, k_rstd = rms_norm_forward(k.contiguous(), k_weight, [layout.head_dim], eps)
     if rotary is not None:
-        cos, sin = rotary_angles(pos, rotary)
+        assert angles is not None
+        cos, sin = angles
         q, k = apply_rotary(q, cos, sin, rotary), apply_rotary(k, cos, sin, rotary)
     flat = torch.cat([q.reshape(-1), k.reshape(-1), v.reshape(-1)])
     return flat, views(flat, b, s, layout), q_rstd, k_rstd
 
 
-def prepare_backward(dq: Tensor, dk: Tensor, dv: Tensor, layout: HeadLayout, pos: Tensor,
+def prepare_backward(dq: Tensor, dk: Tensor, dv: Tensor, layout: HeadLayout,
+                     angles: Optional[tuple],
                      rotary: Optional[RotaryOptions], norm_saved: Optional[tuple],
                      need_norm_weights: bool) -> tuple:
     """``(dqkv, dq_weight, dk_weight)``: the QKV gradient ``(B, S, (H + 2K) * D)`` and the
@@ -107,13 +111,15 @@ def prepare_backward(dq: Tensor, dk: Tensor, dv: Tensor, layout: HeadLayout, pos
     heads), statistics and weights."""
     if rotary is not None and _kernel_ok(dq, rotary, norm_saved is not None) and \
             dk.is_contiguous() and dv.is_contiguous():
-        cos, sin = rotary_angles(pos, rotary)
+        assert angles is not None
+        cos, sin = angles
         dqkv = rotary_kernels.qkv_rotary_backward_triton(
             dq.flatten(0, 1), dk.flatten(0, 1), dv.flatten(0, 1),
             cos.reshape(-1, cos.shape[-1]), sin.reshape(-1, sin.shape[-1]), rotary.interleaved)
         return dqkv.view(*dq.shape[:2], -1), None, None
     if rotary is not None:
-        cos, sin = rotary_angles(pos, rotary)
+        assert angles is not None
+        cos, sin = angles
         dq = apply_rotary(dq, cos, sin, rotary, inverse=True)
         dk = apply_rotary(dk, cos, sin, rotary, inverse=True)
     dqw: Optional[Tensor] = None

@@ -34,6 +34,8 @@ class AttentionForwardArgs:
     input: Tensor
     cu_seqlens: Optional[Tensor]
     position_ids: Optional[Tensor]
+    cos: Optional[Tensor]  # the rotary tables, when given
+    sin: Optional[Tensor]
     q_norm_weight: Optional[Tensor]
     k_norm_weight: Optional[Tensor]
     layout: qkv_prep.HeadLayout
@@ -60,7 +62,7 @@ class AttentionSaved:
         The kernel's softmax statistics and random state, for its backward.
     q_rstd, k_rstd : Tensor
         The norms' statistics (empty without norms).
-    cu_seqlens, position_ids, q_norm_weight, k_norm_weight : Tensor or None
+    cu_seqlens, position_ids, cos, sin, q_norm_weight, k_norm_weight : Tensor or None
     """
 
     input: Optional[Tensor]
@@ -72,6 +74,8 @@ class AttentionSaved:
     k_rstd: Tensor
     cu_seqlens: Optional[Tensor]
     position_ids: Optional[Tensor]
+    cos: Optional[Tensor]
+    sin: Optional[Tensor]
     q_norm_weight: Optional[Tensor]
     k_norm_weight: Optional[Tensor]
 
@@ -88,6 +92,8 @@ class AttentionBackwardArgs:
     k_rstd: Tensor
     cu_seqlens: Optional[Tensor]
     position_ids: Optional[Tensor]
+    cos: Optional[Tensor]
+    sin: Optional[Tensor]
     q_norm_weight: Optional[Tensor]
     k_norm_weight: Optional[Tensor]
     layout: qkv_prep.HeadLayout
@@ -100,10 +106,16 @@ def _rotary(options: RotaryOptions) -> Optional[RotaryOptions]:
     return options if options.rotary_dim else None
 
 
-def _positions(x: Tensor, rotary, cu_seqlens, position_ids) -> Tensor:
+def _angles(x: Tensor, rotary, cu_seqlens, position_ids, cos, sin) -> Optional[tuple]:
+    """The rotary tables ``(cos, sin)``: given (in float32, float64 for a float64 ``x``),
+    or made from the positions (None without a rotary embedding)."""
     if rotary is None:
-        return x.new_empty(0, dtype=torch.int64)
-    return qkv_prep.positions(x.shape[0], x.shape[1], cu_seqlens, position_ids, x.device)
+        return None
+    if cos is not None:
+        acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+        return cos.to(acc), sin.to(acc)
+    pos = qkv_prep.positions(x.shape[0], x.shape[1], cu_seqlens, position_ids, x.device)
+    return rotary_angles(pos, rotary)
 
 
 class Attention(BasicOperation):
@@ -158,6 +170,13 @@ class Attention(BasicOperation):
     position_ids : bool
         Rotary positions given: called ``model(x, [cu_seqlens,] position_ids)`` with
         integer ``position_ids`` ``(B, S)`` or ``(S,)``.
+    rotary_tables : bool
+        The rotary angles given rather than made from ``rotary_base`` (a model's own
+        tables: any frequency scheme, as Hugging Face's ``position_embeddings`` or
+        torchtitan's ``freqs_cis``): called ``model(x, [cu_seqlens,] cos, sin)`` with
+        floating ``cos`` and ``sin`` ``(S, R / 2)``, ``(1, S, R / 2)`` or ``(B, S, R / 2)``
+        for the rotated width ``R = head_dim * rotary_fraction`` (one angle per pair);
+        ``rotary_base``, ``rotary_scaling`` and ``position_ids`` are then not taken.
     tensor_parallel : bool
         Split the heads over ``tensor_parallel_group`` (Megatron's attention): rank ``r``
         computes q heads ``r * num_heads / ws ...`` and k/v heads ``r * num_kv_heads / ws
@@ -199,6 +218,7 @@ class Attention(BasicOperation):
         "window": checks.optional(checks.positive_int("window")),
         "documents": checks.boolean("documents"),
         "position_ids": checks.boolean("position_ids"),
+        "rotary_tables": checks.boolean("rotary_tables"),
         "backend": checks.optional(checks.one_of("backend", attn.BACKENDS)),
         "tensor_parallel": checks.boolean("tensor_parallel"),
     }
@@ -213,7 +233,7 @@ class Attention(BasicOperation):
                  head_dim: Optional[int] = None, qk_norm: bool = False,
                  qk_norm_eps: float = 1e-6, window: Optional[int] = None,
                  documents: bool = False, position_ids: bool = False,
-                 backend: Optional[str] = None, tensor_parallel: bool = False,
+                 rotary_tables: bool = False, backend: Optional[str] = None, tensor_parallel: bool = False,
                  tensor_parallel_group: GroupArg = None, device: DeviceArg = None,
                  dtype: DTypeArg = None):
         super().__init__()
@@ -227,9 +247,10 @@ class Attention(BasicOperation):
         self.softmax_scale, self.head_dim = softmax_scale, head_dim
         self.qk_norm, self.qk_norm_eps, self.window = qk_norm, qk_norm_eps, window
         self.documents, self.position_ids, self.backend = documents, position_ids, backend
+        self.rotary_tables = rotary_tables
         self.rotary_scaling = self._check_scaling(rotary_scaling)
         self._check_heads()
-        self.num_extra_inputs = int(documents) + int(position_ids)
+        self.num_extra_inputs = int(documents) + int(position_ids) + 2 * int(rotary_tables)
         if qk_norm:
             if head_dim is None:
                 raise ValueError(f"{self.describe()}: qk_norm=True needs head_dim (the size "
@@ -256,6 +277,10 @@ class Attention(BasicOperation):
                              f"{self.rotary_fraction}")
         if self.rotary_scaling is not None and self.rotary_base is None:
             raise ValueError(f"{self.describe()}: rotary_scaling given without rotary_base")
+        if self.rotary_tables and (self.rotary_base is not None or self.position_ids):
+            raise ValueError(f"{self.describe()}: rotary_tables=True takes the angles as "
+                             f"inputs: rotary_base must be None and position_ids False, got "
+                             f"{self.rotary_base} and {self.position_ids}")
 
     def _check_scaling(self, scaling: Optional[dict]) -> Optional[dict]:
         if scaling is None:
@@ -277,7 +302,7 @@ class Attention(BasicOperation):
             if getattr(self, name, None) is not None:
                 text += f", {name}={getattr(self, name)}"
         for name in ("rotary_interleaved", "qk_norm", "documents", "position_ids",
-                     "tensor_parallel"):
+                     "rotary_tables", "tensor_parallel"):
             if getattr(self, name, False):
                 text += f", {name}=True"
         if getattr(self, "rotary_fraction", 1.0) != 1.0:
@@ -329,7 +354,7 @@ class Attention(BasicOperation):
         return self.parallel if self.qk_norm and self.parallel.active else None
 
     def _rotary_options(self, head_dim: int) -> RotaryOptions:
-        if self.rotary_base is None:
+        if self.rotary_base is None and not self.rotary_tables:
             return RotaryOptions(1.0, 0)
         rotary_dim = int(round(head_dim * self.rotary_fraction))
         if rotary_dim % 2 or not rotary_dim:
@@ -338,7 +363,7 @@ class Attention(BasicOperation):
                              f"number, got {rotary_dim}")
         scaling = self.rotary_scaling or {}
         return RotaryOptions(
-            float(self.rotary_base), rotary_dim, self.rotary_interleaved,
+            float(self.rotary_base or 1.0), rotary_dim, self.rotary_interleaved,
             float(scaling.get("factor", 1.0)), float(scaling.get("low_freq_factor", 1.0)),
             float(scaling.get("high_freq_factor", 4.0)),
             int(scaling.get("original_max_position_embeddings", 8192)))
@@ -350,18 +375,20 @@ class Attention(BasicOperation):
         return attn.AttentionOptions(self.causal, float(scale), self.window or 0, backend)
 
     def _extras(self, extra_inputs) -> tuple:
-        """``(cu_seqlens, position_ids)`` (None where not taken)."""
+        """``(cu_seqlens, position_ids, cos, sin)`` (None where not taken)."""
         extras = list(extra_inputs)
         cu = extras.pop(0) if self.documents else None
-        return cu, (extras.pop(0) if self.position_ids else None)
+        pos = extras.pop(0) if self.position_ids else None
+        cos, sin = (extras[0], extras[1]) if self.rotary_tables else (None, None)
+        return cu, pos, cos, sin
 
     def validate(self, shape, dtype, device, extra_inputs=()):
         if len(shape) != self.input_dims or not dtype.is_floating_point:
             raise ValueError(f"{self.describe()} takes a floating input (batch, seq, features),"
                              f" got {dtype} of shape {tuple(shape)}")
         layout = self._layout(shape[-1])
-        self._rotary_options(layout.head_dim)
-        cu, pos = self._extras(extra_inputs)
+        rotary = self._rotary_options(layout.head_dim)
+        cu, pos, cos, sin = self._extras(extra_inputs)
         if cu is not None:
             self._check_documents(cu, shape, device)
         if pos is not None:
@@ -371,10 +398,24 @@ class Attention(BasicOperation):
             if tuple(pos.shape) not in (tuple(shape[:2]), (shape[1],)):
                 raise ValueError(f"{self.describe()}: position_ids must be (batch, seq) = "
                                  f"{tuple(shape[:2])} or (seq,), got {tuple(pos.shape)}")
+        if self.rotary_tables:
+            self._check_tables(cos, sin, shape, device, rotary.rotary_dim // 2)
         self._options(torch.device(device).type, dtype, layout.head_dim)
         for name in self.param_names:
             self._check_param(name, self.param(name), dtype, device, (layout.head_dim,))
         return (*shape[:2], layout.heads * layout.head_dim)
+
+    def _check_tables(self, cos, sin, shape, device, half: int) -> None:
+        b, s = shape[:2]
+        allowed = ((s, half), (1, s, half), (b, s, half))
+        for name, table in (("cos", cos), ("sin", sin)):
+            checks.extra_tensor(self.describe(), table, f"the rotary table {name}",
+                                "a floating tensor", tuple(getattr(table, "shape", ())),
+                                lambda dtype: dtype.is_floating_point, device)
+            if tuple(table.shape) not in allowed:
+                raise ValueError(f"{self.describe()}: the rotary table {name} must be (seq, "
+                                 f"rotary_dim / 2) = {allowed[0]}, {allowed[1]} or "
+                                 f"{allowed[2]}, got {tuple(table.shape)}")
 
     def _check_documents(self, cu: Tensor, shape, device) -> None:
         checks.extra_tensor(self.describe(), cu, "cu_seqlens", "an integer tensor (int32 or "
@@ -389,9 +430,9 @@ class Attention(BasicOperation):
 
     def forward_args(self, input, params, extra_inputs, ctxs):
         layout = self._layout(input.shape[-1])
-        cu, pos = self._extras(extra_inputs)
+        cu, pos, cos, sin = self._extras(extra_inputs)
         qw, kw = (params[0], params[1]) if self.qk_norm else (None, None)
-        return AttentionForwardArgs(input, cu, pos, qw, kw, layout,
+        return AttentionForwardArgs(input, cu, pos, cos, sin, qw, kw, layout,
                                     self._rotary_options(layout.head_dim),
                                     self._options(input.device.type, input.dtype,
                                                   layout.head_dim), float(self.qk_norm_eps))
@@ -400,9 +441,9 @@ class Attention(BasicOperation):
     def forward_compute(cls, args, *, in_custom_op=False):
         x, layout, rotary = args.input, args.layout, _rotary(args.rotary)
         b, s = x.shape[:2]
-        pos = _positions(x, rotary, args.cu_seqlens, args.position_ids)
+        angles = _angles(x, rotary, args.cu_seqlens, args.position_ids, args.cos, args.sin)
         prepared, (q, k, v), q_rstd, k_rstd = qkv_prep.prepare_forward(
-            x, layout, pos, rotary, args.q_norm_weight, args.k_norm_weight, args.eps)
+            x, layout, angles, rotary, args.q_norm_weight, args.k_norm_weight, args.eps)
         out, lse, rng = attn.attention_forward(q, k, v, args.options, args.cu_seqlens)
         # aux: distinct tensors (a custom op's results may not alias one another)
         return ForwardResult(out.view(b, s, -1), (),
@@ -418,7 +459,8 @@ class Attention(BasicOperation):
         keep_input = not prepared.numel() or args.q_norm_weight is not None
         ctxs[0].saved = AttentionSaved(
             args.input if keep_input else None, prepared, result.output, lse, rng, q_rstd,
-            k_rstd, args.cu_seqlens, args.position_ids, args.q_norm_weight, args.k_norm_weight)
+            k_rstd, args.cu_seqlens, args.position_ids, args.cos, args.sin, args.q_norm_weight,
+            args.k_norm_weight)
 
     def backward_args(self, grad_output, grad_extra_outputs, ctxs):
         saved, needs = ctxs[0].saved, ctxs[0].needs
@@ -427,7 +469,7 @@ class Attention(BasicOperation):
         return AttentionBackwardArgs(
             grad_output, saved.input, saved.prepared, saved.output, saved.lse,
             saved.rng_state, saved.q_rstd, saved.k_rstd, saved.cu_seqlens, saved.position_ids,
-            saved.q_norm_weight, saved.k_norm_weight, layout,
+            saved.cos, saved.sin, saved.q_norm_weight, saved.k_norm_weight, layout,
             self._rotary_options(layout.head_dim),
             self._options(grad_output.device.type, grad_output.dtype, layout.head_dim),
             self.qk_norm and any(needs.params))
@@ -444,15 +486,17 @@ class Attention(BasicOperation):
         out = args.output.view(b, s, layout.heads, layout.head_dim)
         dq, dk, dv = attn.attention_backward(dout, q, k, v, out, args.lse, args.rng_state,
                                              args.options, args.cu_seqlens)
-        pos = _positions(args.grad_output, rotary, args.cu_seqlens, args.position_ids)
+        angles = _angles(args.grad_output, rotary, args.cu_seqlens, args.position_ids,
+                         args.cos, args.sin)
         norm_saved = None
         if args.q_norm_weight is not None:
             q_in, k_in, _ = qkv_prep.split(args.input, layout)
             norm_saved = (q_in.contiguous(), k_in.contiguous(), args.q_rstd, args.k_rstd,
                           args.q_norm_weight, args.k_norm_weight)
-        dqkv, dqw, dkw = qkv_prep.prepare_backward(dq, dk, dv, layout, pos, rotary, norm_saved,
-                                                   args.need_grad_norms)
-        extras = int(args.cu_seqlens is not None) + int(args.position_ids is not None)
+        dqkv, dqw, dkw = qkv_prep.prepare_backward(dq, dk, dv, layout, angles, rotary,
+                                                   norm_saved, args.need_grad_norms)
+        extras = (int(args.cu_seqlens is not None) + int(args.position_ids is not None)
+                  + 2 * int(args.cos is not None))
         params = (dqw, dkw) if args.q_norm_weight is not None else ()
         return BackwardResult(dqkv, params, (None,) * extras)
 
@@ -463,14 +507,16 @@ class Attention(BasicOperation):
         ``F.scaled_dot_product_attention`` with k and v repeated per query head and the
         mask given explicitly."""
         layout = self._layout(x.shape[-1])
-        cu, pos_ids = self._extras(extra_inputs)
+        cu, pos_ids, cos, sin = self._extras(extra_inputs)
         q, k, v = qkv_prep.split(x, layout)
         if self.qk_norm:
             q, k = _rms(q, params[0], self.qk_norm_eps), _rms(k, params[1], self.qk_norm_eps)
         rotary = _rotary(self._rotary_options(layout.head_dim))
         if rotary is not None:
-            pos = qkv_prep.positions(x.shape[0], x.shape[1], cu, pos_ids, x.device)
-            cos, sin = (t.to(x.dtype) for t in rotary_angles(pos, rotary))
+            if cos is None:
+                pos = qkv_prep.positions(x.shape[0], x.shape[1], cu, pos_ids, x.device)
+                cos, sin = rotary_angles(pos, rotary)
+            cos, sin = cos.to(x.dtype), sin.to(x.dtype)
             q, k = apply_rotary(q, cos, sin, rotary), apply_rotary(k, cos, sin, rotary)
         scale = self.softmax_scale if self.softmax_scale is not None else layout.head_dim ** -0.5
         options = attn.AttentionOptions(self.causal, scale, self.window or 0, "math")
