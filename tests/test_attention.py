@@ -199,6 +199,27 @@ def test_given_positions_rotate_by_them():
              qkv.detach().clone().requires_grad_(), positions)
 
 
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_given_rotary_tables_rotate_by_them(interleaved):
+    """rotary_tables=True: the model's own tables, shared (S, R/2) or per row (B, S, R/2),
+    rotate as Hugging Face's (rotate_half) or GPT-J's (interleaved) code does with them;
+    tables of another scheme (any frequencies) rotate by their angles, not the base's."""
+    inv_freq = torch.rand(D // 2) + 0.1  # no base makes these
+    pos = torch.tensor([[0, 2, 3, 7, 8, 8, 30], [5, 1, 1, 0, 9, 2, 4]])
+    angles = pos.float()[..., None] * inv_freq
+    op = ops.Attention(H, num_kv_heads=2, rotary_tables=True, rotary_interleaved=interleaved)
+    assert "rotary_tables=True" in op.describe()
+    want = (lambda x, _: _reference(x, 2, rotary_base=1.0, interleaved=interleaved,
+                                    inv_freq=inv_freq, positions=pos))
+    _compare(op, want, _qkv(2), angles.cos(), angles.sin())
+    shared = ops.Sequential(ops.Attention(H, num_kv_heads=2, rotary_tables=True)).double()
+    qkv = _qkv(2)
+    torch.testing.assert_close(  # (S, R/2) tables: the rows of (B, S, R/2) ones alike
+        shared(qkv, angles[0].cos(), angles[0].sin()),
+        shared(qkv, angles[0].cos().expand(B, S, -1), angles[0].sin().expand(B, S, -1)),
+        rtol=0, atol=0)
+
+
 def test_cpu_flash_kernel_and_math_agree_in_float32():
     qkv = _qkv(2, dtype=torch.float32)
     outs = []
@@ -250,6 +271,14 @@ def test_the_kernel_is_chosen_explicitly_and_shown():
      "cu_seqlens"),
     (lambda: ops.Attention(4, position_ids=True, rotary_base=1.0), (2, 3, 96),
      (torch.zeros(3, 2, dtype=torch.long),), r"position_ids must be \(batch, seq\)"),
+    (lambda: ops.Attention(4, rotary_tables=True, rotary_base=1.0), None, (),
+     "rotary_base must be None and position_ids False, got 1.0 and False"),
+    (lambda: ops.Attention(4, rotary_tables=True), (2, 3, 96),
+     (torch.zeros(3, 4), torch.zeros(3, 5)), r"the rotary table sin must be \(seq, rotary_dim "
+                                             r"/ 2\) = \(3, 4\), \(1, 3, 4\) or \(2, 3, 4\), "
+                                             r"got \(3, 5\)"),
+    (lambda: ops.Attention(4, rotary_tables=True), (2, 3, 96),
+     (torch.zeros(3, 4, dtype=torch.long), torch.zeros(3, 4)), "rotary table cos"),
 ])
 def test_errors_name_the_op_and_the_values(make, shape, extras, match):
     with pytest.raises((ValueError, TypeError), match=match):
@@ -265,6 +294,10 @@ def test_compiled_with_documents_norms_and_positions_is_bitwise_eager():
     qkv = torch.randn(1, 9, 8 * D, requires_grad=True)
     cu = torch.tensor([0, 4, 9], dtype=torch.int32)
     check_compiled_matches_eager(model, qkv, cu, torch.arange(9))
+    tables = ops.Sequential(ops.Attention(H, num_kv_heads=2, rotary_tables=True,
+                                          rotary_interleaved=True))
+    angles = torch.rand(9, D // 2) * 6
+    check_compiled_matches_eager(tables, qkv, angles.cos(), angles.sin())
 
 
 _KERNEL_SCRIPT = textwrap.dedent("""

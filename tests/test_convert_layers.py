@@ -402,3 +402,46 @@ def test_gemma2_sandwich_layers(softcapping):
                 position_embeddings=hf_rotary_tables(layer.forward.spec, positions[0],
                                                      x.dtype))
     torch.testing.assert_close(layer(x, position_ids=positions), want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_torchtitan_style_blocks(qk_norm):
+    """torchtitan's Llama layout (tests/torchtitan_style.py): blocks called
+    ``block(h, freqs_cis, attention_masks, positions)`` positionally, nn.RMSNorm, interleaved
+    rotary pairs from the root's complex table (Llama 3.1-rescaled frequencies, which the
+    fused layer takes as given tables), fused whole; against the twin, and an optimizer
+    built before the conversion."""
+    from torchtitan_style import Transformer
+    torch.manual_seed(0)
+    model = Transformer(qk_norm=qk_norm)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+    twin = copy.deepcopy(model)
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (model, twin)]
+    report = fusible.convert(model)
+    fused = [p for p, _, new in report.converted if new.startswith("TransformerLayer")]
+    assert fused == ["layers.0", "layers.1"], str(report)
+    assert model.layers["0"].forward.spec["rotary_interleaved"]
+    ids = _ids()
+    for step in range(3):
+        outs = []
+        for m, opt in zip((model, twin), optimizers):
+            logits = m(ids)
+            loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids.flatten())
+            loss.backward()
+            outs.append((logits, loss, {n: p.grad.clone() for n, p in m.named_parameters()}))
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        (got, got_loss, got_grads), (want, want_loss, want_grads) = outs
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(got_loss, want_loss, atol=1e-6, rtol=1e-6)
+        for name, grad in got_grads.items():
+            torch.testing.assert_close(grad, want_grads[name], atol=1e-5, rtol=1e-4,
+                                       msg=lambda m: f"step {step}, gradient of {name}: {m}")
+    for layer in model.layers.values():
+        assert not layer.forward.fallbacks
+    positions = torch.arange(S).flip(0)[None].expand(B, S)  # the original code, the same
+    torch.testing.assert_close(model(ids, positions=positions), twin(ids, positions=positions))
+    assert "positions" in str(dict(model.layers["0"].forward.fallbacks))

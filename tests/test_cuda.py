@@ -1419,6 +1419,35 @@ def test_fp8_lm_head_on_gpu():
     assert snr_db(head.weight.grad, w_ref.grad) > 30
 
 
+def test_attention_given_rotary_tables_on_gpu_equal_its_own():
+    """The rotary kernel reading given tables (shared rows, or one per token; from a
+    strided complex view as torchtitan's freqs_cis) rotates as it does with the tables it
+    makes itself from the same angles: the same bits."""
+    from fusible.functional.rotary import RotaryOptions, rotary_angles
+    torch.manual_seed(0)
+    heads, kv, d, batch, seq = 8, 2, 64, 2, 100
+    x = torch.randn(batch, seq, (heads + 2 * kv) * d, device="cuda", dtype=torch.bfloat16)
+    own = ops.Sequential(ops.Attention(heads, num_kv_heads=kv, rotary_base=1e4,
+                                       rotary_interleaved=True))
+    given = ops.Sequential(ops.Attention(heads, num_kv_heads=kv, rotary_tables=True,
+                                         rotary_interleaved=True))
+    cos, sin = rotary_angles(torch.arange(seq, device="cuda"),
+                             RotaryOptions(1e4, d, True))
+    freqs_cis = torch.polar(torch.ones_like(cos), torch.atan2(sin, cos))
+    pairs = torch.view_as_real(freqs_cis)  # strided: every other float
+    results = []
+    for model, extras in ((own, ()), (given, (cos, sin)),
+                          (given, (cos.expand(batch, -1, -1), sin.expand(batch, -1, -1)))):
+        inp = x.clone().requires_grad_()
+        y = model(inp, *extras)
+        y.backward(torch.ones_like(y))
+        results.append((y, inp.grad))
+    for y, dx in results[1:]:
+        assert torch.equal(y, results[0][0]) and torch.equal(dx, results[0][1])
+    y = given(x, pairs[..., 0], pairs[..., 1])  # the complex table's angles, float32-close
+    assert _relative_error(y, results[0][0]) < 1e-2
+
+
 @pytest.mark.parametrize("kv,causal", [(8, True), (2, True), (2, False)])
 def test_attention_cudnn_on_gpu_matches_flash(kv, causal):
     """The cuDNN backend (opt-in) against FlashAttention on the same bf16 inputs: outputs

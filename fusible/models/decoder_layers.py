@@ -33,9 +33,6 @@ from fusible.models.layer_converter import layer_converter, registered_layer_con
 # Hugging Face computes its norms in float32 whatever the dtype; 16-bit layers are probed
 # as float32 copies (what they add would drown in the output's rounding)
 _PROBE_TOLERANCE = {torch.float64: 1e-5, torch.float32: 1e-4}
-# Keyword arguments the fused layer takes (or that mean nothing without a cache)
-_TAKEN = frozenset({"attention_mask", "position_ids", "use_cache", "position_embeddings",
-                    "cache_position", "output_attentions"})
 FALLBACKS = ("falls back to the original code for dropout in training, a KV cache, an "
              "attention mask (padding; the eager attention's causal mask), output_attentions "
              "and packed-sequence arguments")
@@ -105,7 +102,7 @@ class FusedLayerForward:
         if why is not None:
             self.fallbacks[why] += 1
             return type(layer).forward(layer, hidden_states, *args, **kwargs)
-        return self.run(layer, hidden_states, named.get("position_ids"))
+        return self.run(layer, hidden_states, named)
 
     def _fallback_reason(self, layer: nn.Module, kwargs: Optional[dict]) -> Optional[str]:
         if kwargs is None:
@@ -117,29 +114,24 @@ class FusedLayerForward:
         cache = converter.cache_kwargs
         if any(kwargs.get(name) is not None for name in cache):
             return "a KV cache"
-        if kwargs.get("attention_mask") is not None:
+        if any(kwargs.get(name) is not None for name in converter.mask_kwargs):
             return "an attention mask"
         if kwargs.get("output_attentions"):
             return "output_attentions"
         other = sorted(k for k, v in kwargs.items()
-                       if k not in _TAKEN and k not in cache and v is not None)
+                       if k not in converter.taken_kwargs and k not in cache and v is not None)
         if other:
             return f"keyword arguments the fused layer does not take ({', '.join(other)})"
         return None
 
-    def run(self, layer: nn.Module, hidden_states, position_ids=None):
-        """The fused computation on ``(batch, seq, hidden)`` at ``position_ids``."""
-        inputs: tuple = (hidden_states,)
-        if self.spec.get("position_ids"):
-            if position_ids is None:
-                position_ids = torch.arange(hidden_states.shape[1],
-                                            device=hidden_states.device)
-            elif position_ids.shape[0] == 1:
-                position_ids = position_ids[0]
-            inputs = (hidden_states, position_ids)
+    def run(self, layer: nn.Module, hidden_states, named: dict):
+        """The fused computation on ``(batch, seq, hidden)``, given the call's other
+        arguments by name (the rotary positions or tables)."""
+        converter = layer_converter(self.converter)
+        inputs = (hidden_states, *converter.fused_inputs(self.spec, hidden_states, named))
         if self.fused.training != layer.training:  # train() walks every submodule
             self.fused.train(layer.training)
-        params = layer_converter(self.converter).parameters(layer, self.spec)
+        params = converter.parameters(layer, self.spec)
         return torch.func.functional_call(self.fused, params, inputs)
 
     def probe(self) -> Optional[str]:
@@ -160,13 +152,14 @@ class FusedLayerForward:
         positions = torch.arange(8, device=weight.device)
         kwargs = _accepted(layer, layer_converter(self.converter).probe_kwargs(
             layer, self.spec, x, positions))
+        named = {"position_ids": positions[None], **kwargs}
         training = layer.training
         try:  # in evaluation mode: no dropout
             layer.eval()
             with torch.no_grad():
                 want = type(layer).forward(layer, x, **kwargs)
                 want = want[0] if isinstance(want, tuple) else want
-                got = self.run(layer, x, positions[None])
+                got = self.run(layer, x, named)
         finally:
             layer.train(training)
         # against what the layer adds to its input: the residual would hide the rest

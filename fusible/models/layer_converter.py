@@ -18,8 +18,9 @@ class LayerConverter:
     """How a kind of decoder layer runs as one TransformerLayer.
 
     A subclass names itself (``name``, unique) and defines :meth:`recognise` and
-    :meth:`parameters`; :meth:`probe_kwargs` where the layer's forward takes more than
-    Hugging Face's Llama-style ``position_ids`` / ``position_embeddings``.
+    :meth:`parameters`; :meth:`probe_kwargs` and :meth:`fused_inputs` where the layer's
+    forward takes more than Hugging Face's Llama-style ``position_ids`` /
+    ``position_embeddings``.
 
     Attributes
     ----------
@@ -28,10 +29,19 @@ class LayerConverter:
     cache_kwargs : tuple of str
         The keyword arguments through which the layer's forward takes a KV cache (a call
         with one runs the original forward).
+    mask_kwargs : tuple of str
+        Those through which it takes an attention mask (one given: the original forward).
+    taken_kwargs : frozenset of str
+        The arguments the fused layer takes or that mean nothing to it (any other given
+        and not None: the original forward).
     """
 
     name: str = ""
     cache_kwargs: tuple = ("cache", "past_key_values")
+    mask_kwargs: tuple = ("attention_mask",)
+    taken_kwargs: frozenset = frozenset({"attention_mask", "position_ids", "use_cache",
+                                         "position_embeddings", "cache_position",
+                                         "output_attentions"})
 
     def recognise(self, layer: nn.Module) -> Union[None, str, dict]:
         """None: not this converter's kind of layer; a str: one, but not convertible
@@ -54,6 +64,19 @@ class LayerConverter:
         rates = sorted({m.p for m in layer.modules() if isinstance(m, nn.Dropout) and m.p}
                        | {getattr(m, "attention_dropout", 0.0) for m in layer.modules()} - {0.0})
         return f"dropout in training (p={rates})" if rates else None
+
+    def fused_inputs(self, spec: dict, hidden_states: torch.Tensor, named: dict) -> tuple:
+        """The TransformerLayer's inputs after the hidden states, from the arguments of
+        the layer's call by name: the rotary positions (Hugging Face's ``position_ids``,
+        ``0..S-1`` when None) where the spec takes them."""
+        if not spec.get("position_ids"):
+            return ()
+        position_ids = named.get("position_ids")
+        if position_ids is None:
+            position_ids = torch.arange(hidden_states.shape[1], device=hidden_states.device)
+        elif position_ids.shape[0] == 1:
+            position_ids = position_ids[0]
+        return (position_ids,)
 
     def probe_kwargs(self, layer: nn.Module, spec: dict, x: torch.Tensor,
                      positions: torch.Tensor) -> dict:

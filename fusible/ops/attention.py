@@ -113,7 +113,7 @@ def _angles(x: Tensor, rotary, cu_seqlens, position_ids, cos, sin) -> Optional[t
         return None
     if cos is not None:
         acc = torch.float64 if x.dtype == torch.float64 else torch.float32
-        return cos.to(acc), sin.to(acc)
+        return cos.to(acc).contiguous(), sin.to(acc).contiguous()  # the kernel's rows
     pos = qkv_prep.positions(x.shape[0], x.shape[1], cu_seqlens, position_ids, x.device)
     return rotary_angles(pos, rotary)
 

@@ -9,7 +9,8 @@ from fusible.models.layer_converters.gpt_neox import GPTNeoXLayers
 from fusible.models.layer_converters.llama import LlamaLayers
 from fusible.models.layer_converters.nanogpt import NanoGPTLayers
 from fusible.models.layer_converters.phi3 import Phi3Layers
+from fusible.models.layer_converters.torchtitan import TorchTitanLayers
 
 for _converter in (LlamaLayers(), GemmaLayers(), Phi3Layers(), GPTNeoXLayers(), GPT2Layers(),
-                   BertLayers(), NanoGPTLayers()):
+                   BertLayers(), NanoGPTLayers(), TorchTitanLayers()):
     register_layer_converter(_converter)
