@@ -69,19 +69,41 @@ class _ChildrenAsLeaves(fx.Tracer):
         return True
 
 
-def _writes_an_add(forward) -> bool:
-    """Whether a forward's own code adds (``+``, ``+=``, ``.add(``, ``torch.add``): the
-    one-level trace fuses only adds written there, so a forward without one (a causal-LM
-    head's) has none to fuse. True where the source cannot be read."""
+def _adds_a_child(forward, children: set) -> bool:
+    """Whether a forward's own code adds (``+``, ``+=``, ``.add(``, ``torch.add``) a value
+    computed from one of ``children`` (``self.<child>(...)``, directly or through a local
+    name assigned from such a call): the one-level trace fuses only such adds, so a
+    forward without one (a causal-LM head's, a model's that adds sequence lengths) has
+    none to fuse. True where the source cannot be read."""
     try:
         tree = ast.parse(textwrap.dedent(inspect.getsource(inspect.unwrap(forward))))
     except (OSError, TypeError, SyntaxError):
         return True
+    derived: set = set()  # local names holding a child's output (or computed from one)
+
+    def from_child(node) -> bool:
+        for sub in ast.walk(node):
+            if isinstance(sub, ast.Call) and isinstance(sub.func, ast.Attribute) and \
+                    isinstance(sub.func.value, ast.Name) and sub.func.value.id == "self" and \
+                    sub.func.attr in children:
+                return True
+            if isinstance(sub, ast.Name) and sub.id in derived:
+                return True
+        return False
+
+    for node in ast.walk(tree):  # assignments first: walk order is not data order
+        if isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)) and node.value is not None \
+                and from_child(node.value):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            derived.update(n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name))
     for node in ast.walk(tree):
-        if isinstance(node, (ast.BinOp, ast.AugAssign)) and isinstance(node.op, ast.Add):
+        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add) and from_child(node):
+            return True
+        if isinstance(node, ast.AugAssign) and isinstance(node.op, ast.Add) and \
+                (from_child(node.value) or from_child(node.target)):
             return True
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and \
-                node.func.attr in ("add", "add_"):
+                node.func.attr in ("add", "add_") and from_child(node):
             return True
     return False
 
@@ -106,8 +128,8 @@ def fuse_residual_adds(module: nn.Module, path: str, shared: frozenset) -> Resid
     fusible = {n for n, c in module.named_children() if isinstance(c, PipelineModule)}
     if not fusible or "forward" in module.__dict__:  # nothing to fuse; or patched already
         return ResidualFusion()
-    if not _writes_an_add(type(module).forward):
-        return ResidualFusion()  # no add in its code: nothing to trace for
+    if not _adds_a_child(type(module).forward, fusible):
+        return ResidualFusion()  # no add of a child's output: nothing to trace for
     try:
         graphs, reads = _trace_both_modes(module)
     except Exception as e:  # noqa: BLE001 - fx's errors vary (TraceError, TypeError, ...)
