@@ -67,6 +67,7 @@ def test_every_decoder_layer_fused_and_equal_to_the_twin(family):
     report = fusible.convert(model)
     fused = [p for p, _, new in report.converted if new.startswith("TransformerLayer")]
     assert [p.rsplit(".", 1)[-1] for p in fused] == ["0", "1"], str(report)
+    assert "fx could not trace" not in str(report)  # no residual add left outside the layers
     ids = _ids()
     got, want = _step(model, ids), _step(twin, ids)
     torch.testing.assert_close(got.logits, want.logits, atol=1e-5, rtol=1e-5)

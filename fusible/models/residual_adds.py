@@ -72,38 +72,45 @@ class _ChildrenAsLeaves(fx.Tracer):
 def _adds_a_child(forward, children: set) -> bool:
     """Whether a forward's own code adds (``+``, ``+=``, ``.add(``, ``torch.add``) a value
     computed from one of ``children`` (``self.<child>(...)``, directly or through a local
-    name assigned from such a call): the one-level trace fuses only such adds, so a
-    forward without one (a causal-LM head's, a model's that adds sequence lengths) has
-    none to fuse. True where the source cannot be read."""
+    name assigned from such a call on an earlier line): the one-level trace fuses only
+    such adds, so a forward without one (a causal-LM head's, a model's that adds position
+    embeddings or sequence lengths) has none to fuse. True where the source cannot be
+    read."""
     try:
         tree = ast.parse(textwrap.dedent(inspect.getsource(inspect.unwrap(forward))))
     except (OSError, TypeError, SyntaxError):
         return True
-    derived: set = set()  # local names holding a child's output (or computed from one)
+    derived: dict = {}  # local name -> first line assigning it a child's output (or from one)
 
-    def from_child(node) -> bool:
+    def from_child(node, line: int) -> bool:
         for sub in ast.walk(node):
             if isinstance(sub, ast.Call) and isinstance(sub.func, ast.Attribute) and \
                     isinstance(sub.func.value, ast.Name) and sub.func.value.id == "self" and \
                     sub.func.attr in children:
                 return True
-            if isinstance(sub, ast.Name) and sub.id in derived:
+            if isinstance(sub, ast.Name) and derived.get(sub.id, line) < line:
                 return True
         return False
 
-    for node in ast.walk(tree):  # assignments first: walk order is not data order
-        if isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)) and node.value is not None \
-                and from_child(node.value):
+    statements = sorted((n for n in ast.walk(tree) if isinstance(n, ast.stmt)),
+                        key=lambda n: n.lineno)
+    for node in statements:  # in source order: a name is a child's output after it is one
+        value = getattr(node, "value", None)
+        if isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)) and value is not None \
+                and from_child(value, node.lineno + 1):
             targets = node.targets if isinstance(node, ast.Assign) else [node.target]
-            derived.update(n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name))
+            for name in (n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)):
+                derived.setdefault(name, node.lineno)
     for node in ast.walk(tree):
-        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add) and from_child(node):
+        line = getattr(node, "lineno", 0)
+        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add) and \
+                from_child(node, line):
             return True
         if isinstance(node, ast.AugAssign) and isinstance(node.op, ast.Add) and \
-                (from_child(node.value) or from_child(node.target)):
+                (from_child(node.value, line) or from_child(node.target, line)):
             return True
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and \
-                node.func.attr in ("add", "add_") and from_child(node):
+                node.func.attr in ("add", "add_") and from_child(node, line):
             return True
     return False
 
