@@ -128,12 +128,25 @@ def test_calls_it_does_not_take_run_the_original_code():
     assert torch.equal(generated, twin.eval().generate(ids, max_new_tokens=3, do_sample=False))
 
 
-def test_eager_attention_is_reported_and_runs_the_original_code():
+def test_eager_attention_masks_of_plain_calls_are_the_causal_pattern():
+    """The eager attention gets a whole causal mask on every call: in a plain call (no
+    attention mask, positions or cache) it is the layer's own pattern, and the fused layer
+    runs; with padding the original code runs. Both against the unconverted twin."""
     model = _model("llama", attn="eager")
-    report = str(fusible.convert(model))
-    assert "eager attention passes a causal mask to every call" in report
-    model(input_ids=_ids(), use_cache=False)
-    assert model.model.layers[0].forward.fallbacks == {"an attention mask": 1}
+    twin = copy.deepcopy(model)
+    fusible.convert(model)
+    ids = _ids()
+    torch.testing.assert_close(model(input_ids=ids, use_cache=False).logits,
+                               twin(input_ids=ids, use_cache=False).logits,
+                               atol=1e-5, rtol=1e-5)
+    forward = model.model.layers[0].forward
+    assert not forward.fallbacks and not forward.plain_calls.active  # marked for the call only
+    padded = torch.ones(B, S, dtype=torch.long)
+    padded[1, :3] = 0
+    torch.testing.assert_close(model(input_ids=ids, attention_mask=padded, use_cache=False).logits,
+                               twin(input_ids=ids, attention_mask=padded, use_cache=False).logits,
+                               atol=1e-5, rtol=1e-5)
+    assert forward.fallbacks == {"an attention mask": 1}
 
 
 def test_a_layer_computing_otherwise_is_left_with_the_probe_error():
@@ -446,3 +459,29 @@ def test_torchtitan_style_blocks(qk_norm):
     positions = torch.arange(S).flip(0)[None].expand(B, S)  # the original code, the same
     torch.testing.assert_close(model(ids, positions=positions), twin(ids, positions=positions))
     assert "positions" in str(dict(model.layers["0"].forward.fallbacks))
+
+
+def test_compiled_models_run_the_fused_layers(fresh_dynamo):
+    """transformers builds the whole causal mask while dynamo traces, which would send
+    every compiled call to the original code: convert marks the model's plain calls (no
+    attention mask, positions or cache), whose masks are the layers' own pattern, so the
+    compiled model runs the fused layers and computes what the eager one does. An attention
+    mask given still falls back."""
+    model = _model("llama")
+    report = fusible.convert(model)
+    assert "plain calls marked" in dict((p, new) for p, _, new in report.converted)[""]
+    ids = _ids()
+    want = model(input_ids=ids, use_cache=False).logits
+    compiled = torch.compile(model, backend="aot_eager")
+    got = compiled(input_ids=ids, use_cache=False).logits
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    layer = model.model.layers[0]
+    assert not layer.forward.fallbacks
+    padded = torch.ones(B, S, dtype=torch.long)
+    padded[0, :2] = 0
+    twin = _model("llama")
+    torch.testing.assert_close(compiled(input_ids=ids, attention_mask=padded,
+                                        use_cache=False).logits,
+                               twin(input_ids=ids, attention_mask=padded, use_cache=False).logits,
+                               rtol=1e-5, atol=1e-5)
+    assert layer.forward.fallbacks["an attention mask"] >= 1

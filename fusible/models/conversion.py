@@ -46,9 +46,9 @@ from torch.nn.utils import parametrize
 from torch.nn.utils.spectral_norm import SpectralNorm
 from torch.nn.utils.weight_norm import WeightNorm
 
-from fusible.models.decoder_layers import FALLBACKS, fuse_decoder_layer
+from fusible.models.decoder_layers import FALLBACKS, FusedLayerForward, fuse_decoder_layer
+from fusible.models.plain_calls import mark_plain_calls
 from fusible.models.gated_mlps import gated_mlp_names, merged_gated_mlp
-from fusible.models.layer_converter import attention_implementation
 from fusible.models.probed_modules import PROBE_TOLERANCE, probed_module
 from fusible.models.residual_adds import FUSED, fuse_residual_adds
 from fusible.module import PipelineModule, Sequential
@@ -122,6 +122,9 @@ def convert(model: nn.Module, *, merge_gated_mlps: bool = False,
     _convert_children(model, "", converted, left, options)
     if fuse_residuals and not isinstance(model, (PipelineModule, nn.Sequential)):
         _fuse_residuals(model, "", converted, left, None, options)
+    fused = {path: m.__dict__["forward"] for path, m in model.named_modules()
+             if isinstance(m.__dict__.get("forward"), FusedLayerForward)}
+    converted += mark_plain_calls(model, fused)
     return ConversionReport(tuple(converted), tuple(left))
 
 
@@ -229,12 +232,8 @@ def _fused_layer(child, where, converted) -> "bool | str | None":
     outcome = fuse_decoder_layer(child)
     if outcome is None or isinstance(outcome, str):
         return outcome
-    note = ("; its model's eager attention passes a causal mask to every call: the fused "
-            "layer runs where the model loads with attn_implementation='sdpa' (if it offers "
-            "it)"
-            if attention_implementation(child) == "eager" else "")
     converted.append((where, type(child).__name__, f"TransformerLayer (the whole layer; "
-                                                   f"{FALLBACKS}{note})"))
+                                                   f"{FALLBACKS})"))
     return True
 
 

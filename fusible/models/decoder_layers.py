@@ -18,16 +18,18 @@ from __future__ import annotations
 
 import collections
 import copy
-import inspect
 import weakref
-from typing import Any, Optional, Union
+from typing import Optional, Union
 
 import torch
 from torch import nn
 
 from fusible.layers.transformer_layer import TransformerLayer
+from fusible.models.call_arguments import accepted, named_arguments
 from fusible.models import layer_converters  # noqa: F401  (registers the built-ins)
-from fusible.models.layer_converter import layer_converter, registered_layer_converters
+from fusible.models.layer_converter import (hf_config, layer_converter,
+                                            registered_layer_converters)
+from fusible.models.plain_calls import PlainCalls
 
 # The probe's tolerance, relative to the largest value the layer adds to its input:
 # Hugging Face computes its norms in float32 whatever the dtype; 16-bit layers are probed
@@ -81,6 +83,9 @@ class FusedLayerForward:
         On the meta device; called with the layer's parameters.
     fallbacks : collections.Counter
         Why calls ran the original forward, and how many.
+    plain_calls : PlainCalls or None
+        Set by ``fusible.convert`` where the model marks its plain calls, during which a
+        mask is the layer's own pattern (:mod:`fusible.models.plain_calls`).
     """
 
     def __init__(self, layer: nn.Module, converter: str, spec: dict, dtype: torch.dtype):
@@ -88,6 +93,7 @@ class FusedLayerForward:
         self.converter, self.spec, self.dtype = converter, spec, dtype  # is not whole
         self.fused = TransformerLayer(**spec, device="meta", dtype=dtype)  # yet: not read
         self.fallbacks: collections.Counter = collections.Counter()
+        self.plain_calls: Optional[PlainCalls] = None
 
     def _owner(self) -> nn.Module:
         layer = self._layer()
@@ -97,14 +103,16 @@ class FusedLayerForward:
 
     def __call__(self, hidden_states, *args, **kwargs):
         layer = self._owner()
-        named = _named_arguments(layer, hidden_states, args, kwargs) if args else kwargs
-        why = self._fallback_reason(layer, named)
+        named = named_arguments(layer, (hidden_states, *args), kwargs, skip=1) if args \
+            else kwargs
+        why = self._fallback_reason(layer, named, hidden_states.shape[1])
         if why is not None:
             self.fallbacks[why] += 1
             return type(layer).forward(layer, hidden_states, *args, **kwargs)
         return self.run(layer, hidden_states, named)
 
-    def _fallback_reason(self, layer: nn.Module, kwargs: Optional[dict]) -> Optional[str]:
+    def _fallback_reason(self, layer: nn.Module, kwargs: Optional[dict],
+                         seq: int) -> Optional[str]:
         if kwargs is None:
             return "arguments its forward's signature does not name"
         converter = layer_converter(self.converter)
@@ -114,7 +122,8 @@ class FusedLayerForward:
         cache = converter.cache_kwargs
         if any(kwargs.get(name) is not None for name in cache):
             return "a KV cache"
-        if any(kwargs.get(name) is not None for name in converter.mask_kwargs):
+        if any(kwargs.get(name) is not None for name in converter.mask_kwargs) and \
+                not self._mask_is_the_pattern(layer, seq):
             return "an attention mask"
         if kwargs.get("output_attentions"):
             return "output_attentions"
@@ -123,6 +132,14 @@ class FusedLayerForward:
         if other:
             return f"keyword arguments the fused layer does not take ({', '.join(other)})"
         return None
+
+    def _mask_is_the_pattern(self, layer: nn.Module, seq: int) -> bool:
+        """Whether the call under way is a plain model call (no padding, positions or
+        cache) and no sliding window of the model's config is shorter than ``seq``."""
+        if self.plain_calls is None or not self.plain_calls.active:
+            return False
+        window = getattr(hf_config(layer), "sliding_window", None)
+        return not isinstance(window, int) or seq <= window
 
     def run(self, layer: nn.Module, hidden_states, named: dict):
         """The fused computation on ``(batch, seq, hidden)``, given the call's other
@@ -150,7 +167,7 @@ class FusedLayerForward:
         x = torch.randn(2, 8, self.spec["hidden_size"], generator=generator,
                         device=weight.device).to(weight.dtype)
         positions = torch.arange(8, device=weight.device)
-        kwargs = _accepted(layer, layer_converter(self.converter).probe_kwargs(
+        kwargs = accepted(layer, layer_converter(self.converter).probe_kwargs(
             layer, self.spec, x, positions))
         named = {"position_ids": positions[None], **kwargs}
         training = layer.training
@@ -176,47 +193,9 @@ class FusedLayerForward:
         new._layer = weakref.ref(copy.deepcopy(self._owner(), memo))
         new.fused = copy.deepcopy(self.fused, memo)
         new.fallbacks = collections.Counter()
+        new.plain_calls = copy.deepcopy(self.plain_calls, memo)
         return new
 
     def __reduce__(self):
-        return FusedLayerForward, (self._owner(), self.converter, self.spec, self.dtype)
-
-
-def _named_arguments(layer: nn.Module, hidden_states, args: tuple,
-                     kwargs: dict) -> Optional[dict]:
-    """The call's arguments after ``hidden_states`` by name (GPT-2's model passes its
-    cache and mask positionally), or None where the signature does not bind them."""
-    signature = _forward_signature(type(layer))
-    try:
-        bound = signature.bind(layer, hidden_states, *args, **kwargs)
-    except TypeError:
-        return None
-    named = dict(bound.arguments)
-    for name in list(named)[:2]:  # self, hidden_states
-        named.pop(name)
-    for name, value in list(named.items()):  # **kwargs spread out
-        if signature.parameters[name].kind is inspect.Parameter.VAR_KEYWORD:
-            named.pop(name)
-            named.update(value)
-    return named
-
-
-_SIGNATURES: dict = {}  # layer class -> its forward's signature
-
-
-def _forward_signature(cls: Any) -> inspect.Signature:
-    """A layer class's forward signature, read once per class (a call binds against it
-    on every model step)."""
-    signature = _SIGNATURES.get(cls)
-    if signature is None:
-        signature = _SIGNATURES[cls] = inspect.signature(cls.forward)
-    return signature
-
-
-def _accepted(layer: nn.Module, kwargs: dict) -> dict:
-    """The keyword arguments the layer's forward takes (all of them with ``**kwargs``): a
-    block of one's own code may take the hidden states alone."""
-    parameters = _forward_signature(type(layer)).parameters
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
-        return kwargs
-    return {k: v for k, v in kwargs.items() if k in parameters}
+        return (FusedLayerForward, (self._owner(), self.converter, self.spec, self.dtype),
+                {"plain_calls": self.plain_calls})

@@ -183,11 +183,20 @@ def rotary_options(config, head_dim: int) -> Union[str, dict]:
     return options
 
 
+def hf_config(layer: nn.Module) -> Any:
+    """A Hugging Face layer's config, read from its attention module (``self_attn``,
+    ``attention`` or ``attn``); None where there is none."""
+    for name in ("self_attn", "attention", "attn"):
+        config = getattr(layer._modules.get(name), "config", None)
+        if config is not None:
+            return config
+    return None
+
+
 def attention_implementation(layer: nn.Module) -> Optional[str]:
     """The attention implementation (``"sdpa"``, ``"eager"``, ...) of a Hugging Face
-    layer, read from its attention module's config (``self_attn`` or ``attention``)."""
-    attention = layer._modules.get("self_attn") or layer._modules.get("attention")
-    return getattr(getattr(attention, "config", None), "_attn_implementation", None)
+    layer, read from its config (:func:`hf_config`)."""
+    return getattr(hf_config(layer), "_attn_implementation", None)
 
 
 def causal_mask(layer: nn.Module, x: torch.Tensor) -> Optional[torch.Tensor]:

@@ -1,0 +1,103 @@
+"""Plain model calls: a converted model's calls that give no attention mask, positions or
+cache leave each fused layer its own attention pattern, whatever mask the model's code
+builds.
+
+A fused decoder layer takes no attention mask: a call with one runs the original code,
+since a mask may hold padding. But the mask a model builds for a call without an attention
+mask, position ids or cache is the layers' own pattern (causal, or none for an encoder),
+and transformers builds it whole in cases where it could have passed None: the eager
+attention always, and under ``torch.compile`` always (it cannot tell, while tracing, that
+position ids it made itself hold one sequence). So ``fusible.convert`` wraps the outermost
+module whose forward takes an ``attention_mask`` and holds fused layers
+(:class:`PlainCallsForward`): for the length of a plain call it marks a :class:`PlainCalls`
+shared with those layers, which then take the mask as their own pattern (unless the
+model's config has a sliding window shorter than the sequence). Dynamo traces the mark as
+a constant, so compiled calls run the fused layers too.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import weakref
+
+from torch import nn
+
+from fusible.models.call_arguments import named_arguments
+
+# A model call's arguments that leave the masks the layers' own pattern, whatever value
+_NEUTRAL = frozenset({"input_ids", "inputs_embeds", "labels", "use_cache", "output_attentions",
+                      "output_hidden_states", "return_dict", "logits_to_keep",
+                      "num_logits_to_keep", "token_type_ids"})
+
+
+class PlainCalls:
+    """Whether the wrapped model's call under way is plain (see the module notes)."""
+
+    def __init__(self) -> None:
+        self.active = False
+
+
+class PlainCallsForward:
+    """The forward installed on the model: the original one, marked plain or not."""
+
+    def __init__(self, model: nn.Module, calls: PlainCalls):
+        self._model = weakref.ref(model)
+        self.calls = calls
+
+    def _owner(self) -> nn.Module:
+        model = self._model()
+        if model is None:
+            raise ReferenceError("the model of this forward no longer exists")
+        return model
+
+    @property
+    def __signature__(self) -> inspect.Signature:  # the model's (Trainer reads its columns)
+        return inspect.signature(type(self._owner()).forward.__get__(self._owner()))
+
+    def __call__(self, *args, **kwargs):
+        model = self._owner()
+        named = named_arguments(model, args, kwargs)
+        outer = self.calls.active
+        self.calls.active = named is not None and all(
+            value is None or name in _NEUTRAL for name, value in named.items())
+        try:
+            return type(model).forward(model, *args, **kwargs)
+        finally:
+            self.calls.active = outer
+
+    def __deepcopy__(self, memo: dict) -> "PlainCallsForward":
+        new = copy.copy(self)
+        new._model = weakref.ref(copy.deepcopy(self._owner(), memo))
+        new.calls = copy.deepcopy(self.calls, memo)
+        return new
+
+    def __reduce__(self):
+        return PlainCallsForward, (self._owner(), self.calls)
+
+
+def mark_plain_calls(model: nn.Module, fused: dict) -> list:
+    """Install :class:`PlainCallsForward` on the outermost modules of ``model`` whose forward
+    takes an ``attention_mask`` and that hold fused layers (``fused``: path -> installed
+    forward), sharing a :class:`PlainCalls` with those layers' forwards (their
+    ``plain_calls``). Returns the report entries ``(path, class name, note)``."""
+    entries: list = []
+    done: list = []
+    for path, module in model.named_modules():
+        if any(path.startswith(d + ".") or not d for d in done) or path in fused:
+            continue
+        inside = {p: f for p, f in fused.items() if not path or p.startswith(path + ".")}
+        if not inside or "forward" in module.__dict__ or \
+                "attention_mask" not in inspect.signature(type(module).forward).parameters:
+            continue
+        calls = PlainCalls()
+        module.forward = PlainCallsForward(module, calls)
+        for forward in inside.values():
+            forward.plain_calls = calls
+        done.append(path)
+        entries.append((path, type(module).__name__,
+                        f"plain calls marked: a call without an attention mask, position "
+                        f"ids or cache runs its {len(inside)} fused layers whatever mask its "
+                        f"code builds (the layers' own pattern: transformers builds it whole "
+                        f"for the eager attention and under torch.compile)"))
+    return entries
