@@ -1,5 +1,7 @@
 """A module call's arguments by name, read against its class's ``forward`` signature (once
-per class: a model step binds many calls)."""
+per class: a model step binds many calls). Plain signatures bind without ``inspect`` (which
+dynamo cannot trace: a compiled model would break its graph at every layer called with
+positional arguments)."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ from typing import Any, Optional
 from torch import nn
 
 _SIGNATURES: dict = {}  # module class -> its forward's signature
+_LAYOUTS: dict = {}  # module class -> (positional names after self, keyword names, **kwargs?)
 
 
 def forward_signature(cls: Any) -> inspect.Signature:
@@ -19,10 +22,38 @@ def forward_signature(cls: Any) -> inspect.Signature:
     return signature
 
 
+def _layout(cls: Any) -> Optional[tuple]:
+    """``(positional names, all names, takes **kwargs)`` of a forward without ``*args`` or
+    positional-only parameters (after ``self``), else None."""
+    if cls not in _LAYOUTS:
+        params = list(forward_signature(cls).parameters.values())[1:]
+        kinds = {p.kind for p in params}
+        plain = not kinds & {inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.POSITIONAL_ONLY}
+        positional = tuple(p.name for p in params
+                           if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD)
+        names = frozenset(p.name for p in params if p.kind is not inspect.Parameter.VAR_KEYWORD)
+        _LAYOUTS[cls] = (positional, names, inspect.Parameter.VAR_KEYWORD in kinds) \
+            if plain else None
+    return _LAYOUTS[cls]
+
+
 def named_arguments(module: nn.Module, args: tuple, kwargs: dict,
                     skip: int = 0) -> Optional[dict]:
     """The call ``module(*args, **kwargs)``'s arguments by name (``**kwargs`` spread out),
     less the first ``skip`` of them; None where the signature does not bind them."""
+    layout = _layout(type(module))
+    if layout is not None:
+        positional, names, var_keyword = layout
+        if len(args) > len(positional):
+            return None
+        named = dict(zip(positional, args))
+        for name, value in kwargs.items():
+            if name in named or (name not in names and not var_keyword):
+                return None
+            named[name] = value
+        for name in positional[:skip]:
+            named.pop(name, None)
+        return named
     signature = forward_signature(type(module))
     try:
         bound = signature.bind(module, *args, **kwargs)
