@@ -120,9 +120,9 @@ def test_calls_it_does_not_take_run_the_original_code():
     torch.testing.assert_close(model(input_ids=ids, attention_mask=mask).logits,
                                twin(input_ids=ids, attention_mask=mask).logits)
     counts = model.model.layers[0].forward.fallbacks
-    assert counts == {"a KV cache": 1}  # the model builds a cache unless told not to
-    model(input_ids=ids, attention_mask=mask, use_cache=False)
-    assert counts["an attention mask"] == 1
+    assert counts == {"an attention mask": 1}
+    model(input_ids=ids, use_cache=True)  # asked for, in training too
+    assert counts["a KV cache"] == 1
     model.eval()
     generated = model.generate(ids, max_new_tokens=3, do_sample=False)
     assert torch.equal(generated, twin.eval().generate(ids, max_new_tokens=3, do_sample=False))
@@ -485,3 +485,21 @@ def test_compiled_models_run_the_fused_layers(fresh_dynamo):
                                twin(input_ids=ids, attention_mask=padded, use_cache=False).logits,
                                rtol=1e-5, atol=1e-5)
     assert layer.forward.fallbacks["an attention mask"] >= 1
+
+
+def test_a_training_call_builds_no_kv_cache_and_runs_fused():
+    """transformers builds a KV cache unless told not to; a training-mode call that says
+    nothing about it gets use_cache=False (no cache for a step to read), so the fused
+    layers run; in evaluation mode the cache is built, and the original code fills it."""
+    model = _model("llama")
+    twin = copy.deepcopy(model)
+    fusible.convert(model)
+    ids = _ids()
+    out = model(input_ids=ids, labels=ids)
+    assert out.past_key_values is None
+    torch.testing.assert_close(out.loss, twin(input_ids=ids, labels=ids).loss)
+    forward = model.model.layers[0].forward
+    assert not forward.fallbacks
+    model.eval()
+    assert model(input_ids=ids).past_key_values is not None
+    assert forward.fallbacks == {"a KV cache": 1}

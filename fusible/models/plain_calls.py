@@ -13,6 +13,11 @@ module whose forward takes an ``attention_mask`` and holds fused layers
 shared with those layers, which then take the mask as their own pattern (unless the
 model's config has a sliding window shorter than the sequence). Dynamo traces the mark as
 a constant, so compiled calls run the fused layers too.
+
+In training mode a call that leaves ``use_cache`` unsaid (and passes no cache) gets
+``use_cache=False``: transformers would build a KV cache (its config's ``use_cache`` is
+True) that no training step reads and that a fused layer cannot fill, so every layer would
+run its original code. Evaluation-mode calls (generation) keep the model's default.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ import weakref
 
 from torch import nn
 
-from fusible.models.call_arguments import named_arguments
+from fusible.models.call_arguments import named_arguments, takes
 
 # A model call's arguments that leave the masks the layers' own pattern, whatever value
 _NEUTRAL = frozenset({"input_ids", "inputs_embeds", "labels", "use_cache", "output_attentions",
@@ -58,6 +63,10 @@ class PlainCallsForward:
     def __call__(self, *args, **kwargs):
         model = self._owner()
         named = named_arguments(model, args, kwargs)
+        if named is not None and model.training and takes(model, "use_cache") and \
+                named.get("use_cache") is None and named.get("past_key_values") is None \
+                and named.get("cache") is None:
+            kwargs = {**kwargs, "use_cache": False}  # no KV cache for a training step
         outer = self.calls.active
         self.calls.active = named is not None and all(
             value is None or name in _NEUTRAL for name, value in named.items())
@@ -99,5 +108,9 @@ def mark_plain_calls(model: nn.Module, fused: dict) -> list:
                         f"plain calls marked: a call without an attention mask, position "
                         f"ids or cache runs its {len(inside)} fused layers whatever mask its "
                         f"code builds (the layers' own pattern: transformers builds it whole "
-                        f"for the eager attention and under torch.compile)"))
+                        f"for the eager attention and under torch.compile)"
+                        + ("; in training, use_cache=False unless given (a KV cache no "
+                           "step reads, which fused layers cannot fill)"
+                           if "use_cache" in inspect.signature(type(module).forward).parameters
+                           else "")))
     return entries
