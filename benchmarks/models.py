@@ -1,9 +1,10 @@
 """GPU: whole-model training steps (forward with the loss, backward, fused AdamW), each row
 in a process of its own (Liger patches transformers' classes in place), side by side in one
 run: Hugging Face's LlamaForCausalLM eager, compiled, compiled with CUDA graphs, with
-Liger-Kernel, with torchao's float8 training + compile, and the same architecture as a
-native fusible model (``fusible.layers.CausalLM`` on the same weights) eager, compiled,
-bf16 and FP8. Reports ms per step, tokens/s, peak memory and the loss after the timed
+Liger-Kernel, with torchao's float8 training + compile, the same model after
+``fusible.convert`` (``converted_*``: its decoder layers fused whole) and the same
+architecture as a native fusible model (``fusible.layers.CausalLM`` on the same weights),
+eager, compiled, bf16 and FP8. Reports ms per step, tokens/s, peak memory and the loss after the timed
 steps (the rows start from the same weights and see the same batch: their losses agree,
 FP8 within its tolerance).
 
@@ -26,6 +27,7 @@ CONFIGS = {
     "debugmodel": (256, 768, 6, 16, 16, 2048, False, 8, 2048, 500000.0),
 }
 ROWS = ["hf_eager", "hf_compile", "hf_compile_cudagraphs", "liger", "torchao_fp8_compile",
+        "converted_eager", "converted_compile", "converted_fp8_eager", "converted_fp8_compile",
         "fusible_eager", "fusible_compile", "fusible_compile_cudagraphs", "fusible_fp8_eager",
         "fusible_fp8_compile"]
 STEPS, WARMUP = 20, 5
@@ -71,6 +73,11 @@ def build(row: str, config_name: str):
             context = fusible.autocast
     else:
         model = hf
+        if row.startswith("converted"):
+            import fusible
+            fusible.convert(model)
+            if "fp8" in row:
+                context = fusible.autocast
         if row.startswith("torchao"):
             from torchao.float8 import convert_to_float8_training
             convert_to_float8_training(model.model.layers)
@@ -116,7 +123,22 @@ def run_row(row: str, config_name: str) -> dict:
     ms = begin.elapsed_time(end) / STEPS
     return {"ms": ms, "tokens_per_s": batch * seq / ms * 1e3,
             "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
-            "loss_after": loss.item(), "steps": WARMUP + STEPS, "warmup_s": warmup_s}
+            "loss_after": loss.item(), "steps": WARMUP + STEPS, "warmup_s": warmup_s,
+            **_fallbacks(model)}
+
+
+def _fallbacks(model) -> dict:
+    """A converted model's fused layers and the calls that ran their original code (a
+    converted row measuring Hugging Face's code would say so here)."""
+    forwards = [m.__dict__["forward"] for m in model.modules()
+                if type(m.__dict__.get("forward")).__name__ == "FusedLayerForward"]
+    if not forwards:
+        return {}
+    reasons: dict = {}
+    for forward in forwards:
+        for why, count in forward.fallbacks.items():
+            reasons[why] = reasons.get(why, 0) + count
+    return {"fused_layers": len(forwards), "fallbacks": reasons}
 
 
 def main() -> None:
