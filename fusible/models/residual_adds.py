@@ -94,13 +94,14 @@ def _adds_a_child(forward, children: set) -> bool:
 
     statements = sorted((n for n in ast.walk(tree) if isinstance(n, ast.stmt)),
                         key=lambda n: n.lineno)
-    for node in statements:  # in source order: a name is a child's output after it is one
-        value = getattr(node, "value", None)
-        if isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)) and value is not None \
-                and from_child(value, node.lineno + 1):
-            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+    for statement in statements:  # in source order: a name is a child's output after it is
+        value = getattr(statement, "value", None)
+        if isinstance(statement, (ast.Assign, ast.AnnAssign, ast.AugAssign)) and \
+                value is not None and from_child(value, statement.lineno + 1):
+            targets = statement.targets if isinstance(statement, ast.Assign) \
+                else [statement.target]
             for name in (n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)):
-                derived.setdefault(name, node.lineno)
+                derived.setdefault(name, statement.lineno)
     for node in ast.walk(tree):
         line = getattr(node, "lineno", 0)
         if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add) and \
