@@ -47,6 +47,7 @@ from torch.nn.utils.spectral_norm import SpectralNorm
 from torch.nn.utils.weight_norm import WeightNorm
 
 from fusible.models.decoder_layers import FALLBACKS, FusedLayerForward, fuse_decoder_layer
+from fusible.models.experts import FusedExpertsForward, fuse_experts
 from fusible.models.plain_calls import mark_plain_calls
 from fusible.models.gated_mlps import gated_mlp_names, merged_gated_mlp
 from fusible.models.probed_modules import PROBE_TOLERANCE, probed_module
@@ -190,6 +191,13 @@ def _convert_children(module, path, converted, left, options: _Options) -> None:
         refused = _fused_layer(child, where, converted) if options.fuse_layers else None
         if refused is True:
             continue  # one plan; its children stay, for the calls it does not take
+        experts = fuse_experts(child)
+        if isinstance(experts, FusedExpertsForward):
+            converted.append((where, type(child).__name__, f"GroupedLinear -> SwiGLU -> "
+                                                           f"GroupedLinear ({experts.num_experts}"
+                                                           f" experts; routing stays the "
+                                                           f"model's)"))
+            continue
         if type(child) is nn.Dropout and child.p == 0.0:
             continue  # alone it computes nothing: a fusible group of it would only cost
         new = convert_module(child)
@@ -214,6 +222,8 @@ def _convert_children(module, path, converted, left, options: _Options) -> None:
         why = _why_left(child) if gated is None else None
         if refused:
             why = f"a decoder layer not fused whole: {refused}" + (f"; {why}" if why else "")
+        if isinstance(experts, str):
+            why = f"an expert bank not fused: {experts}"
         entry = len(left)
         if why is not None:
             left.append((where, type(child).__name__, why))

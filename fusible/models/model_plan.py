@@ -23,6 +23,7 @@ from fusible.models.model_plan_dot import model_plan_dot
 from fusible.module import Sequential, outermost_fusible
 from fusible.planning.passes import op_communication
 from fusible.models.decoder_layers import FusedLayerForward
+from fusible.models.experts import FusedExpertsForward
 from fusible.planning.plan import FusionPlan, describe_op
 from fusible.planning.viz import render_dot
 
@@ -217,10 +218,12 @@ def plan_model(model: nn.Module, *example_inputs: Any, **example_kwargs: Any) ->
 
 
 def _fused_decoder_layers(model: nn.Module) -> list:
-    """``(path, TransformerLayer)`` of each decoder layer ``convert`` fused whole: its plan
-    is the layer's (:mod:`fusible.models.decoder_layers`)."""
+    """``(path, fusible module)`` of each decoder layer ``convert`` fused whole (its
+    TransformerLayer: :mod:`fusible.models.decoder_layers`) and each expert bank it runs as
+    grouped GEMMs (:mod:`fusible.models.experts`): their plans are those modules'."""
     return [(path, module.forward.fused) for path, module in model.named_modules()
-            if isinstance(module.__dict__.get("forward"), FusedLayerForward)]
+            if isinstance(module.__dict__.get("forward"), (FusedLayerForward,
+                                                             FusedExpertsForward))]
 
 
 @contextlib.contextmanager
