@@ -4,7 +4,8 @@ run: Hugging Face's LlamaForCausalLM eager, compiled, compiled with CUDA graphs,
 Liger-Kernel, with torchao's float8 training + compile, the same model after
 ``fusible.convert`` (``converted_*``: its decoder layers fused whole) and the same
 architecture as a native fusible model (``fusible.layers.CausalLM`` on the same weights),
-eager, compiled, bf16 and FP8. Reports ms per step, tokens/s, peak memory and the loss after the timed
+eager, compiled, bf16 and FP8; mixture-of-experts models (``MOE_CONFIGS``: Qwen3-MoE and
+Mixtral widths, two layers) in the Hugging Face and converted rows. Reports ms per step, tokens/s, peak memory and the loss after the timed
 steps (the rows start from the same weights and see the same batch: their losses agree,
 FP8 within its tolerance).
 
@@ -26,6 +27,19 @@ CONFIGS = {
     "llama3_2_1b": (2048, 8192, 16, 32, 8, 128256, True, 2, 4096, 500000.0),
     "debugmodel": (256, 768, 6, 16, 16, 2048, False, 8, 2048, 500000.0),
 }
+# Mixture-of-experts models (Hugging Face rows and converted ones; no native fusible
+# model): name -> (transformers config class, its arguments, batch, seq)
+MOE_CONFIGS = {
+    "qwen3_moe_30b_a3b_2_layers": ("Qwen3MoeConfig", dict(
+        hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+        num_hidden_layers=2, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+        num_experts=128, num_experts_per_tok=8, vocab_size=151936,
+        max_position_embeddings=8192), 2, 4096),
+    "mixtral_8x7b_2_layers": ("MixtralConfig", dict(
+        hidden_size=4096, intermediate_size=14336, num_hidden_layers=2,
+        num_attention_heads=32, num_key_value_heads=8, num_local_experts=8,
+        num_experts_per_tok=2, vocab_size=32000, max_position_embeddings=8192), 2, 4096),
+}
 ROWS = ["hf_eager", "hf_compile", "hf_compile_cudagraphs", "liger", "torchao_fp8_compile",
         "converted_eager", "converted_compile", "converted_fp8_eager", "converted_fp8_compile",
         "fusible_eager", "fusible_compile", "fusible_compile_cudagraphs", "fusible_fp8_eager",
@@ -35,7 +49,15 @@ STEPS, WARMUP = 20, 5
 
 def _hf_model(config_name: str):
     import torch
+    import transformers
     from transformers import LlamaConfig, LlamaForCausalLM
+    if config_name in MOE_CONFIGS:
+        cls, kwargs, _, _ = MOE_CONFIGS[config_name]
+        config = getattr(transformers, cls)(**kwargs)
+        config._attn_implementation = "sdpa"
+        torch.manual_seed(0)
+        with torch.device("cuda"):
+            return transformers.AutoModelForCausalLM.from_config(config).to(torch.bfloat16)
     hidden, ffn, layers, heads, kv, vocab, tied, _, _, theta = CONFIGS[config_name]
     config = LlamaConfig(hidden_size=hidden, intermediate_size=ffn, num_hidden_layers=layers,
                          num_attention_heads=heads, num_key_value_heads=kv, vocab_size=vocab,
@@ -58,6 +80,9 @@ def build(row: str, config_name: str):
     hf = _hf_model(config_name)
     context = contextlib.nullcontext
     if row.startswith("fusible"):
+        if config_name in MOE_CONFIGS:
+            raise ValueError("no native fusible model of a mixture of experts (the "
+                             "converted rows are fusible's)")
         import fusible
         from fusible.layers import CausalLM
         hidden, ffn, layers, heads, kv, vocab, tied, _, _, theta = CONFIGS[config_name]
@@ -103,8 +128,12 @@ def build(row: str, config_name: str):
 
 def run_row(row: str, config_name: str) -> dict:
     import torch
-    *_, batch, seq, _ = CONFIGS[config_name]
-    vocab = CONFIGS[config_name][5]
+    if config_name in MOE_CONFIGS:
+        _, kwargs, batch, seq = MOE_CONFIGS[config_name]
+        vocab = kwargs["vocab_size"]
+    else:
+        *_, batch, seq, _ = CONFIGS[config_name]
+        vocab = CONFIGS[config_name][5]
     step, model = build(row, config_name)
     ids = torch.randint(0, vocab, (batch, seq), device="cuda",
                         generator=torch.Generator("cuda").manual_seed(1))
