@@ -77,8 +77,8 @@ class LinearCrossEntropy(FusedOperation):
     Rounds as the basic ops do: the logits to the model's dtype after the GEMM, their
     gradient before the GEMMs of the backward; the weight's gradient is summed over the
     chunks in its own dtype, each chunk's GEMM adding into it (one rounding per chunk where
-    the unfused GEMM rounds once; float32 where it goes into ``main_grad``:
-    :mod:`fusible.functional.head_gemms`). With ``reduction="mean"`` or ``"sum"`` the
+    the unfused GEMM rounds once; in float32, rounded once, over more than eight chunks or
+    where it goes into ``main_grad``: :mod:`fusible.functional.head_gemms`). With ``reduction="mean"`` or ``"sum"`` the
     logits' gradient is made (and rounded) in the forward for an output gradient of 1, and
     the backward scales the float32 results by the actual one: the same roundings as the
     ops' for an output gradient of 1 or any power of two (``loss.backward()``, a loss

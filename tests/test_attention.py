@@ -279,6 +279,9 @@ def test_the_kernel_is_chosen_explicitly_and_shown():
                                              r"got \(3, 5\)"),
     (lambda: ops.Attention(4, rotary_tables=True), (2, 3, 96),
      (torch.zeros(3, 4, dtype=torch.long), torch.zeros(3, 4)), "rotary table cos"),
+    (lambda: ops.Attention(4, rotary_tables=True), (2, 3, 96),
+     (torch.zeros(3, 4), torch.zeros(2, 3, 4)), r"must have one shape, got \(3, 4\) and "
+                                                r"\(2, 3, 4\)"),
 ])
 def test_errors_name_the_op_and_the_values(make, shape, extras, match):
     with pytest.raises((ValueError, TypeError), match=match):

@@ -469,7 +469,7 @@ def test_compiled_models_run_the_fused_layers(fresh_dynamo):
     mask given still falls back."""
     model = _model("llama")
     report = fusible.convert(model)
-    assert "plain calls marked" in dict((p, new) for p, _, new in report.converted)[""]
+    assert "plain calls marked" in dict((p, new) for p, _, new in report.converted)["model"]
     ids = _ids()
     want = model(input_ids=ids, use_cache=False).logits
     compiled = torch.compile(model, backend="aot_eager")
@@ -503,3 +503,50 @@ def test_a_training_call_builds_no_kv_cache_and_runs_fused():
     model.eval()
     assert model(input_ids=ids).past_key_values is not None
     assert forward.fallbacks == {"a KV cache": 1}
+
+
+class _Scorer(torch.nn.Module):
+    """A user's wrapper that builds the padding mask itself from the ids (pad id 0)."""
+
+    def __init__(self, lm):
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, input_ids, attention_mask=None):
+        if attention_mask is None:
+            attention_mask = (input_ids != 0).long()
+        return self.lm(input_ids=input_ids, attention_mask=attention_mask,
+                       use_cache=False).logits
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_a_mask_built_above_the_model_is_not_taken_for_the_pattern(attn):
+    """The mark goes on the innermost module that builds the layers' mask (LlamaModel): a
+    wrapper above it that makes a padding mask of its own hands it down, and the layers
+    run their original code with it."""
+    model = _Scorer(_model("llama", attn=attn))
+    twin = copy.deepcopy(model)
+    report = fusible.convert(model)
+    assert "plain calls marked" in dict((p, new) for p, _, new in report.converted)["lm.model"]
+    ids = torch.randint(1, VOCAB, (B, S), generator=torch.Generator().manual_seed(2))
+    ids[0, :3] = 0
+    torch.testing.assert_close(model(ids), twin(ids), atol=1e-5, rtol=1e-5)
+    assert model.lm.model.layers[0].forward.fallbacks == {"an attention mask": 1}
+
+
+def test_the_plain_mark_is_per_thread():
+    """A plain call under way in one thread says nothing of another thread's call."""
+    import threading
+    model = _model("llama")
+    fusible.convert(model)
+    calls = model.model.layers[0].forward.plain_calls
+    seen = []
+    calls.active = True
+    try:
+        worker = threading.Thread(target=lambda: seen.append(calls.active))
+        worker.start()
+        worker.join()
+    finally:
+        calls.active = False
+    assert seen == [False]
+    assert pickle.loads(pickle.dumps(model)).model.layers[0].forward.plain_calls.active is False

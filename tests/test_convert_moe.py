@@ -156,3 +156,16 @@ def test_a_bank_computing_otherwise_is_left_with_the_reason():
     left = dict((p, why) for p, _, why in report.left)
     assert "does not compute SiLU" in left["model.layers.0.mlp.experts"]
     assert not _banks(model)
+
+
+def test_a_bank_with_more_state_is_left():
+    """A bank carrying more than the two weights (DeepSeek-V4's SwiGLU clamp ``limit``, a
+    bias layout flag) computes otherwise than the grouped pipeline: it stays."""
+    from fusible.models.experts import fuse_experts
+    model = _model("mixtral")
+    bank = model.model.layers[0].mlp.experts
+    bank.limit = 7.0
+    assert "(limit)" in fuse_experts(bank)
+    del bank.limit
+    bank.has_bias = True
+    assert "layout flags {'has_bias': True}" in fuse_experts(bank)

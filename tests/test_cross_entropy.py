@@ -334,3 +334,20 @@ def test_logits_returned_when_asked_and_gradients_flow_through_both():
     torch.testing.assert_close(x.grad, x_ref.grad, rtol=1e-12, atol=1e-12)
     with pytest.raises(TypeError, match="return_logits must be a bool"):
         ops.LinearCrossEntropy(16, VOCAB, return_logits=1)
+
+
+def test_many_chunks_sum_the_weight_gradient_in_float32():
+    """Over more than eight chunks a bf16 weight gradient is summed in float32 and rounded
+    once: within two units of the FP64 sum of the chunks' products (a bf16 sum rounded after
+    each of 48 chunks strays further)."""
+    from fusible.testing import assert_close
+    torch.manual_seed(0)
+    head = ops.LinearCrossEntropy(32, 24, reduction="sum", chunk_size=1).to(torch.bfloat16)
+    x = torch.randn(48, 32, dtype=torch.bfloat16)
+    labels = torch.randint(0, 24, (48,))
+    ops.Sequential(head)(x, labels).backward()
+    w = head.weight.detach().double()
+    logits = (x.double() @ w.t()).bfloat16().double().requires_grad_()
+    _reference(logits, labels, "sum", 0.0, 0.0).backward()
+    dz = logits.grad.bfloat16().double()
+    assert_close(head.weight.grad, dz.t() @ x.double(), torch.bfloat16, "dweight")

@@ -822,6 +822,22 @@ _CROSS_ENTROPY_SCRIPT = textwrap.dedent("""
                                        z, block=64)  # in place: z becomes its gradient
             assert_close(z, want_dz, dtype, f"dz in place {dtype}")
             assert_close(losses, want_loss, torch.float32, "loss with the gradient")
+    # a first block of -inf logits (a masked vocabulary), a whole row of them ignored
+    z = torch.randn(3, vocab)
+    z[0, :64] = float("-inf")
+    z[1] = float("-inf")
+    labels = torch.tensor([100, -100, 5])
+    opts = LossOptions()
+    want_loss, want_lse = chunk_losses(z.double(), labels, opts)
+    want_dz = chunk_logits_grad(z.double(), want_lse, labels, opts, torch.ones(3).double())
+    losses, lse, dz = torch.empty(3), torch.empty(3), torch.empty_like(z)
+    chunk_cross_entropy_triton(z, labels, -100, 0.0, 0.0, losses, lse, torch.ones(3), dz,
+                               block=64)
+    assert not want_dz.isnan().any() and not dz.isnan().any() and not dz[1].any()
+    assert_close(losses, want_loss, torch.float32, "loss past -inf logits")
+    assert torch.equal(lse[1], want_lse[1].float()) and lse[1] == float("-inf")
+    assert_close(lse[[0, 2]], want_lse[[0, 2]], torch.float32, "lse past -inf logits")
+    assert_close(dz, want_dz, torch.float32, "dz past -inf logits")
     print("ok")
 """)
 

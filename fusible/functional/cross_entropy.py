@@ -37,6 +37,11 @@ __all__ = ["HeadFp8", "LossOptions", "linear_cross_entropy_backward",
 # are its transient memory; the PyTorch path adds float32 copies. Smaller chunks cost
 # time: each adds a pass over the weight's gradient (vocab, hidden) to accumulate into it.
 _CHUNK_ELEMENTS = 2 ** 28
+# A 16-bit weight gradient is summed in its own dtype over at most this many chunks (one
+# rounding per chunk); over more, in float32 (a float32 copy of the weight for the length
+# of the head's step), then rounded once: the error of a sum rounded per chunk grows with
+# their number (about 50 dB against float64 for one chunk, 38 for 128)
+_ROUNDED_CHUNKS = 8
 REDUCTIONS = ("mean", "sum", "none")
 
 
@@ -77,6 +82,13 @@ def default_chunk(vocab: int) -> int:
 def chunks(tokens: int, chunk: int) -> list:
     """``(start, stop)`` of each chunk of the tokens."""
     return [(lo, min(lo + chunk, tokens)) for lo in range(0, tokens, chunk)]
+
+
+def wgrad_sum_dtype(dtype: torch.dtype, tokens: int, chunk: int) -> torch.dtype:
+    """The dtype the weight gradient (of ``dtype``) is summed in over the chunks."""
+    if dtype in (torch.bfloat16, torch.float16) and -(-tokens // chunk) > _ROUNDED_CHUNKS:
+        return torch.float32
+    return dtype
 
 
 def loss_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -125,7 +137,8 @@ def chunk_logits_grad(z: Tensor, lse: Tensor, labels: Tensor, options: LossOptio
     if e:
         grad.sub_((e / z.shape[-1]) * scale.unsqueeze(-1))
     picked = (-(1.0 - e) * scale).unsqueeze(-1)
-    return grad.scatter_add_(-1, torch.where(valid, labels, 0).unsqueeze(-1), picked)
+    grad = grad.scatter_add_(-1, torch.where(valid, labels, 0).unsqueeze(-1), picked)
+    return grad.masked_fill_(~valid.unsqueeze(-1), 0.0)  # an ignored token: 0, even at lse -inf
 
 
 def _kernel_ok(z: Tensor, *others: Tensor) -> bool:
@@ -243,6 +256,7 @@ def linear_cross_entropy_forward(x: Tensor, weight: Tensor, labels: Tensor,
     dx = x.new_empty(x.shape, dtype=acc) if gradients_now and need_grad_input else None
     dw = None
     dw_dtype = grad_weight_dtype or weight.dtype
+    sum_dtype = wgrad_sum_dtype(dw_dtype, x.shape[0], chunk)
     gemms = HeadOperands(x, weight, fp8, dx is not None)
     for lo, hi in chunks(x.shape[0], chunk):
         z = gemms.logits(lo, hi)  # rounded to x's dtype, as a GEMM's output
@@ -252,9 +266,11 @@ def linear_cross_entropy_forward(x: Tensor, weight: Tensor, labels: Tensor,
             if dx is not None:  # float32: the backward scales it, then rounds
                 dx[lo:hi] = gemms.dgrad(dz, acc)
             if need_grad_weight:
-                dw = gemms.wgrad(dw, dz, lo, hi, dw_dtype)
+                dw = gemms.wgrad(dw, dz, lo, hi, sum_dtype)
     if gradients_now and need_grad_weight and dw is None:  # no token
         dw = torch.zeros(weight.shape, dtype=dw_dtype, device=weight.device)
+    if dw is not None:
+        dw = dw.to(dw_dtype)
     return reduce_losses(losses, labels, options), lse, dx, dw
 
 
@@ -287,6 +303,7 @@ def linear_cross_entropy_backward(grad_output: Tensor, x: Tensor, weight: Tensor
     dx = torch.empty_like(x) if need_grad_input else None
     dw = None
     dw_dtype = grad_weight_dtype or weight.dtype
+    sum_dtype = wgrad_sum_dtype(dw_dtype, x.shape[0], chunk)
     gemms = HeadOperands(x, weight, fp8, dx is not None)
     for lo, hi in chunks(x.shape[0], chunk):
         dz = gemms.logits(lo, hi)
@@ -294,7 +311,7 @@ def linear_cross_entropy_backward(grad_output: Tensor, x: Tensor, weight: Tensor
         if dx is not None:
             dx[lo:hi] = gemms.dgrad(dz, x.dtype)
         if need_grad_weight:
-            dw = gemms.wgrad(dw, dz, lo, hi, dw_dtype)
+            dw = gemms.wgrad(dw, dz, lo, hi, sum_dtype)
     if need_grad_weight and dw is None:
         dw = torch.zeros(weight.shape, dtype=dw_dtype, device=weight.device)
-    return dx, dw
+    return dx, None if dw is None else dw.to(dw_dtype)

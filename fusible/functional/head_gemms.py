@@ -7,7 +7,8 @@ cost more memory traffic than the GEMM saves), summed over the chunks in the wei
 gradient's dtype: each chunk's GEMM sums its products in float32 and adds its result into
 the gradient (``addmm_``), rounding once per chunk, so no float32 copy of the weight
 exists (twice the weight's memory, which would set the head's peak). A float32 gradient
-(``main_grad``) is summed in float32."""
+(``main_grad``) is summed in float32, and so is a 16-bit one over more than eight chunks
+(then rounded once: ``cross_entropy.wgrad_sum_dtype``)."""
 
 from __future__ import annotations
 

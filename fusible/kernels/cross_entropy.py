@@ -31,9 +31,11 @@ def _row_statistics(z_row, V, BLOCK: tl.constexpr, SMOOTH: tl.constexpr):
         cols = start + tl.arange(0, BLOCK)
         z = tl.load(z_row + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
         new_m = tl.maximum(m, tl.max(z, 0))
-        # a row of -inf keeps new_m -inf: exp(-inf - -inf) is NaN, so guard the rescale
-        rescale = tl.where(new_m == float("-inf"), 0.0, tl.exp(m - new_m))
-        s = s * rescale + tl.sum(tl.exp(z - new_m), 0)
+        # while every logit so far is -inf, new_m is too: exp(-inf - -inf) is NaN, so the
+        # rescale and this block's terms are guarded (they are 0)
+        empty = new_m == float("-inf")
+        rescale = tl.where(empty, 0.0, tl.exp(m - new_m))
+        s = s * rescale + tl.sum(tl.where(empty, 0.0, tl.exp(z - new_m)), 0)
         m = new_m
         if SMOOTH:
             total += tl.sum(tl.where(cols < V, z, 0.0), 0)
@@ -75,6 +77,7 @@ def _chunk_cross_entropy_kernel(z_ptr, dz_ptr, labels_ptr, scale_ptr, loss_ptr, 
             if SMOOTH:
                 g -= (smoothing / V) * scale
             g = tl.where(cols == label, g - (1.0 - smoothing) * scale, g)
+            g = tl.where(valid, g, 0.0)  # an ignored token: 0, even where its lse is -inf
             tl.store(dz_row + cols, g.to(dz_row.dtype.element_ty), mask=cols < V)
 
 

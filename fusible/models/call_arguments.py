@@ -23,8 +23,8 @@ def forward_signature(cls: Any) -> inspect.Signature:
 
 
 def _layout(cls: Any) -> Optional[tuple]:
-    """``(positional names, all names, takes **kwargs)`` of a forward without ``*args`` or
-    positional-only parameters (after ``self``), else None."""
+    """``(positional names, all names, takes **kwargs, required names)`` of a forward
+    without ``*args`` or positional-only parameters (after ``self``), else None."""
     if cls not in _LAYOUTS:
         params = list(forward_signature(cls).parameters.values())[1:]
         kinds = {p.kind for p in params}
@@ -32,7 +32,9 @@ def _layout(cls: Any) -> Optional[tuple]:
         positional = tuple(p.name for p in params
                            if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD)
         names = frozenset(p.name for p in params if p.kind is not inspect.Parameter.VAR_KEYWORD)
-        _LAYOUTS[cls] = (positional, names, inspect.Parameter.VAR_KEYWORD in kinds) \
+        required = frozenset(p.name for p in params if p.default is inspect.Parameter.empty
+                             and p.kind is not inspect.Parameter.VAR_KEYWORD)
+        _LAYOUTS[cls] = (positional, names, inspect.Parameter.VAR_KEYWORD in kinds, required) \
             if plain else None
     return _LAYOUTS[cls]
 
@@ -43,7 +45,7 @@ def named_arguments(module: nn.Module, args: tuple, kwargs: dict,
     less the first ``skip`` of them; None where the signature does not bind them."""
     layout = _layout(type(module))
     if layout is not None:
-        positional, names, var_keyword = layout
+        positional, names, var_keyword, required = layout
         if len(args) > len(positional):
             return None
         named = dict(zip(positional, args))
@@ -51,6 +53,8 @@ def named_arguments(module: nn.Module, args: tuple, kwargs: dict,
             if name in named or (name not in names and not var_keyword):
                 return None
             named[name] = value
+        if not required <= named.keys():
+            return None
         for name in positional[:skip]:
             named.pop(name, None)
         return named

@@ -177,6 +177,8 @@ class FusedLayerForward:
                 want = type(layer).forward(layer, x, **kwargs)
                 want = want[0] if isinstance(want, tuple) else want
                 got = self.run(layer, x, named)
+        except Exception as failure:  # noqa: BLE001 - a layer the converter misread
+            return f"the probe call failed ({type(failure).__name__}: {failure})"
         finally:
             layer.train(training)
         # against what the layer adds to its input: the residual would hide the rest

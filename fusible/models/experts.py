@@ -33,6 +33,12 @@ from fusible.quantization.recipes.autocast import fp8_recipe
 
 # The probe's tolerance, relative to the largest output (float32 copies)
 _PROBE_TOLERANCE = 1e-5
+# The plain attributes of transformers' expert banks, with the values the grouped pipeline
+# computes (transformers' own grouped implementations read these flags); any other (a
+# SwiGLU clamp's ``limit``, an ``alpha``) means other arithmetic: the bank stays
+_KNOWN = {"training": None, "num_experts": None, "hidden_dim": None, "intermediate_dim": None,
+          "config": None, "has_gate": True, "has_bias": False, "has_post_expert_norm": False,
+          "is_transposed": False, "is_concatenated": True}
 
 
 def fuse_experts(module: Any) -> Union[None, str, "FusedExpertsForward"]:
@@ -46,9 +52,14 @@ def fuse_experts(module: Any) -> Union[None, str, "FusedExpertsForward"]:
     if not isinstance(probed_module(module.act_fn), ops.SiLU):
         return f"its act_fn ({type(module.act_fn).__name__}) does not compute SiLU"
     others = sorted((set(module._parameters) - {"gate_up_proj", "down_proj"})
-                    | (set(module._modules) - {"act_fn"}) | set(module._buffers))
+                    | (set(module._modules) - {"act_fn"}) | set(module._buffers)
+                    | {k for k in vars(module) if not k.startswith("_") and k not in _KNOWN})
     if others:
         return f"it holds more than the experts' two weights and act_fn ({', '.join(others)})"
+    flags = {k: vars(module)[k] for k, v in _KNOWN.items()
+             if v is not None and k in vars(module) and vars(module)[k] != v}
+    if flags:
+        return f"its layout flags {flags} are not the grouped pipeline's"
     fused = FusedExpertsForward(module, *shape)
     why = fused.probe()
     if why:
@@ -126,6 +137,7 @@ class FusedExpertsForward:
         tokens, k = 12, min(2, self.num_experts)
         x = torch.randn(tokens, probed.gate_up_proj.shape[-1], generator=generator,
                         device=device)
+        x = x * torch.logspace(0, 3, tokens, device=device)[:, None]  # large ones meet clamps
         index = torch.rand(tokens, self.num_experts, generator=generator,
                            device=device).argsort(-1)[:, :k]
         weights = torch.rand(tokens, k, generator=generator, device=device)

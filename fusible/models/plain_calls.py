@@ -7,12 +7,14 @@ since a mask may hold padding. But the mask a model builds for a call without an
 mask, position ids or cache is the layers' own pattern (causal, or none for an encoder),
 and transformers builds it whole in cases where it could have passed None: the eager
 attention always, and under ``torch.compile`` always (it cannot tell, while tracing, that
-position ids it made itself hold one sequence). So ``fusible.convert`` wraps the outermost
-module whose forward takes an ``attention_mask`` and holds fused layers
-(:class:`PlainCallsForward`): for the length of a plain call it marks a :class:`PlainCalls`
-shared with those layers, which then take the mask as their own pattern (unless the
-model's config has a sliding window shorter than the sequence). Dynamo traces the mark as
-a constant, so compiled calls run the fused layers too.
+position ids it made itself hold one sequence). So ``fusible.convert`` wraps the innermost
+modules whose forward takes an ``attention_mask`` and holds fused layers (a
+``LlamaModel``: the one that builds their mask; a caller above it that builds a mask of
+its own passes it down, and the call is not plain) with :class:`PlainCallsForward`: for
+the length of a plain call it marks a :class:`PlainCalls` shared with those layers, which
+then take the mask as their own pattern (unless the model's config has a sliding window
+shorter than the sequence). The mark is per thread; dynamo traces it as a constant, so
+compiled calls run the fused layers too.
 
 In training mode a call that leaves ``use_cache`` unsaid (and passes no cache) gets
 ``use_cache=False``: transformers would build a KV cache (its config's ``use_cache`` is
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+import threading
 import weakref
 
 from torch import nn
@@ -31,16 +34,23 @@ from torch import nn
 from fusible.models.call_arguments import named_arguments, takes
 
 # A model call's arguments that leave the masks the layers' own pattern, whatever value
+# (not token_type_ids: a prefix-LM's bidirectional prefix comes from them)
 _NEUTRAL = frozenset({"input_ids", "inputs_embeds", "labels", "use_cache", "output_attentions",
                       "output_hidden_states", "return_dict", "logits_to_keep",
-                      "num_logits_to_keep", "token_type_ids"})
+                      "num_logits_to_keep", "num_items_in_batch"})
 
 
-class PlainCalls:
-    """Whether the wrapped model's call under way is plain (see the module notes)."""
+class PlainCalls(threading.local):
+    """Whether the wrapped model's call under way in this thread is plain (see the module
+    notes)."""
 
-    def __init__(self) -> None:
-        self.active = False
+    active = False
+
+    def __reduce__(self):
+        return PlainCalls, ()  # a fresh mark: no call is under way in the new copy
+
+    def __deepcopy__(self, memo: dict) -> "PlainCalls":
+        return PlainCalls()
 
 
 class PlainCallsForward:
@@ -85,25 +95,29 @@ class PlainCallsForward:
         return PlainCallsForward, (self._owner(), self.calls)
 
 
+def _inside(path: str, fused: dict) -> dict:
+    return {p: f for p, f in fused.items() if not path or p.startswith(path + ".")}
+
+
 def mark_plain_calls(model: nn.Module, fused: dict) -> list:
-    """Install :class:`PlainCallsForward` on the outermost modules of ``model`` whose forward
+    """Install :class:`PlainCallsForward` on the innermost modules of ``model`` whose forward
     takes an ``attention_mask`` and that hold fused layers (``fused``: path -> installed
     forward), sharing a :class:`PlainCalls` with those layers' forwards (their
     ``plain_calls``). Returns the report entries ``(path, class name, note)``."""
+    candidates = {path: module for path, module in model.named_modules()
+                  if path not in fused and "forward" not in module.__dict__
+                  and _inside(path, fused)
+                  and "attention_mask" in inspect.signature(type(module).forward).parameters}
     entries: list = []
-    done: list = []
-    for path, module in model.named_modules():
-        if any(path.startswith(d + ".") or not d for d in done) or path in fused:
-            continue
-        inside = {p: f for p, f in fused.items() if not path or p.startswith(path + ".")}
-        if not inside or "forward" in module.__dict__ or \
-                "attention_mask" not in inspect.signature(type(module).forward).parameters:
-            continue
+    for path, module in candidates.items():
+        if any(other != path and (not path or other.startswith(path + "."))
+               for other in candidates):
+            continue  # a module inside it builds the layers' mask
+        inside = _inside(path, fused)
         calls = PlainCalls()
         module.forward = PlainCallsForward(module, calls)
         for forward in inside.values():
             forward.plain_calls = calls
-        done.append(path)
         entries.append((path, type(module).__name__,
                         f"plain calls marked: a call without an attention mask, position "
                         f"ids or cache runs its {len(inside)} fused layers whatever mask its "

@@ -400,6 +400,9 @@ class Attention(BasicOperation):
                                  f"{tuple(shape[:2])} or (seq,), got {tuple(pos.shape)}")
         if self.rotary_tables:
             self._check_tables(cos, sin, shape, device, rotary.rotary_dim // 2)
+            if cos.shape != sin.shape:  # the kernel reads both with cos's rows
+                raise ValueError(f"{self.describe()}: the rotary tables cos and sin must have "
+                                 f"one shape, got {tuple(cos.shape)} and {tuple(sin.shape)}")
         self._options(torch.device(device).type, dtype, layout.head_dim)
         for name in self.param_names:
             self._check_param(name, self.param(name), dtype, device, (layout.head_dim,))

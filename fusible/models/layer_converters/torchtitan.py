@@ -14,6 +14,7 @@ from typing import Any, Union
 import torch
 from torch import nn
 
+from fusible.models.call_arguments import takes
 from fusible.models.layer_converter import LayerConverter, has_children, shared_eps
 
 _ATTENTION = ("wq", "wk", "wv", "wo")
@@ -96,10 +97,12 @@ class TorchTitanLayers(LayerConverter):
 
 
 def shaped_like_torchtitan(layer: Any) -> bool:
-    """The children of a torchtitan-style block and nothing else."""
+    """The children of a torchtitan-style block and nothing else, called with
+    ``freqs_cis`` (torchtitan's Qwen3 blocks, alike otherwise, take a ``rope_cache``)."""
     attn: Any = getattr(layer, "attention", None)
     ff: Any = getattr(layer, "feed_forward", None)
-    return (has_children(layer, ("attention", "feed_forward", "attention_norm", "ffn_norm"))
+    return (takes(layer, "freqs_cis")
+            and has_children(layer, ("attention", "feed_forward", "attention_norm", "ffn_norm"))
             and has_children(attn, _ATTENTION, ("q_norm", "k_norm", "inner_attention"))
             and has_children(ff, _FEED_FORWARD)
             and all(isinstance(getattr(attn, n), nn.Linear) for n in _ATTENTION)
