@@ -28,7 +28,8 @@ from fusible.quantization import (DelayedScaling, Float8BlockScaling, Float8Curr
                                   MXFP8BlockScaling, Recipe,
                                   autocast, quantize, quantized_model_init, recipe_from_name,
                                   register_recipe, registered_recipes, unregister_recipe)
-from fusible.runtime import CompileReport, compile_report, make_graphed_callables
+from fusible.runtime import (CapturedStep, CompileReport, UncapturableError, capture_step,
+                             compile_report, make_graphed_callables)
 from fusible.core.lanes import split_backward
 from fusible.runtime.recompute import checkpoint, checkpoint_context
 from fusible.runtime.wgrad import pending as pending_wgrad
@@ -38,7 +39,7 @@ from fusible.runtime.wgrad import take as take_deferred_wgrad
 __version__ = "0.2.0"
 
 __all__ = [
-    "autocast", "Candidate", "Check", "checkpoint", "checkpoint_context", "compile_report",
+    "autocast", "Candidate", "capture_step", "CapturedStep", "Check", "checkpoint", "checkpoint_context", "compile_report",
     "CompileReport", "ConversionReport", "convert", "convert_module", "deinterleave_glu_rows",
     "DelayedScaling", "Example", "Float8BlockScaling", "Float8CurrentScaling", "Float8Format",
     "Float8RowwiseScaling", "Float8Tensor", "fsdp_float8_all_gather", "FusedOperation",
@@ -50,5 +51,4 @@ __all__ = [
     "registered_fusions", "registered_layer_converters", "registered_recipes",
     "run_deferred_wgrad", "split_backward", "Stage", "state_dict_from_torch",
     "state_dict_to_torch", "take_deferred_wgrad", "testing", "unregister_fusion",
-    "unregister_layer_converter", "unregister_recipe",
-]
+    "unregister_layer_converter", "unregister_recipe", "UncapturableError"]

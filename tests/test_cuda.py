@@ -1467,3 +1467,46 @@ def test_attention_cudnn_on_gpu_matches_flash(kv, causal):
     (y_flash, g_flash), (y_cudnn, g_cudnn) = results
     assert _relative_error(y_cudnn, y_flash) < 1e-2
     assert _relative_error(g_cudnn, g_flash) < 2e-2
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_a_captured_training_step_replays_the_eager_steps_bit_for_bit(fp8):
+    """fusible.capture_step on a native model (two TransformerLayers and the chunked LM
+    head): 50 replays against the same 50 steps run eagerly from the same weights and
+    optimizer state, fused AdamW with capturable=True; loss and every parameter equal."""
+    import contextlib
+    from fusible.layers import CausalLM
+
+    def build():
+        torch.manual_seed(0)
+        model = CausalLM(512, 128, 256, 2, 4, num_kv_heads=2, device="cuda",
+                         dtype=torch.bfloat16)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True, capturable=True)
+        return model, opt
+
+    def make_step(model, opt):
+        def step(ids):
+            with fusible.autocast() if fp8 else contextlib.nullcontext():
+                loss = model(ids, ids)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=False)
+            return loss.detach()
+        return step
+
+    gen = torch.Generator("cuda").manual_seed(1)
+    batches = [torch.randint(0, 512, (2, 64), device="cuda", generator=gen) for _ in range(54)]
+    eager_model, eager_opt = build()
+    eager = make_step(eager_model, eager_opt)
+    captured_model, captured_opt = build()
+    captured = fusible.capture_step(make_step(captured_model, captured_opt), batches[0],
+                                    optimizers=[captured_opt], warmup=3)
+    for ids in batches[:4]:  # the check run and the three warm-up steps
+        eager(ids)
+    for ids in batches[4:]:
+        want = eager(ids)
+        got = captured(ids).clone()
+        assert torch.equal(got, want)
+    torch.cuda.synchronize()
+    for (name, p), q in zip(captured_model.named_parameters(), eager_model.parameters()):
+        assert torch.equal(p, q), name

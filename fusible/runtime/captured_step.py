@@ -1,0 +1,179 @@
+"""A whole training step as one CUDA graph: :func:`capture_step`.
+
+The step is the user's own function (forward, loss, backward, the optimizer's step, the
+gradients cleared), called on static input buffers: each replay copies the new batch into
+them and replays every kernel of the step at once, so a small model's step costs no host
+time per op. What the graph cannot replay is refused before capture, naming the op, by
+running the step once under :class:`CaptureCheck`: a host synchronisation (``.item()``,
+``bool()`` or ``print`` of a device value, a copy to the CPU), a result whose shape depends
+on the values (``nonzero``, ``masked_select``, ``unique``), a CPU tensor beside CUDA ones
+(host memory is read at capture, never again), and an optimizer that keeps its step count
+on the host (it needs ``capturable=True``); a boolean mask as an index selects a
+data-dependent number of rows too. Host state the step changes is frozen at its
+captured value (a learning rate held as a Python float, Python counters): keep it in
+tensors, as ``capturable=True`` optimizers do.
+
+The warm-up runs (on a side stream, as PyTorch requires) and the check run are real
+training steps: they update the parameters. Under ``fusible.autocast`` the capture pins
+the recipe: a replay under another state raises.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from fusible.core.lanes import splitting
+from fusible.quantization.recipes.autocast import current_key
+
+_aten = torch.ops.aten
+# Ops that read a device value on the host (the step then waits for the device)
+_HOST_SYNC = {_aten._local_scalar_dense.default, _aten.equal.default,
+              _aten.is_nonzero.default}
+# Ops whose result's shape depends on the values
+_DATA_SHAPED = {_aten.nonzero.default, _aten.masked_select.default, _aten.unique_dim.default,
+                _aten._unique2.default, _aten.unique_consecutive.default,
+                _aten.repeat_interleave.Tensor}
+
+
+class UncapturableError(RuntimeError):
+    """The step does something a CUDA graph cannot replay (see :func:`capture_step`)."""
+
+
+class CaptureCheck(TorchDispatchMode):
+    """Raise :class:`UncapturableError` at the first op a CUDA graph could not replay:
+    a host synchronisation, a data-dependent shape, a CPU tensor beside CUDA ones."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _HOST_SYNC:
+            raise UncapturableError(
+                f"{func}: reads a device value on the host (.item(), bool() or printing a "
+                f"tensor): a CUDA graph replays the device's work only; keep the value on "
+                f"the device, or read it after the replay")
+        if func in _DATA_SHAPED or (func is _aten.index.Tensor and any(
+                isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in args[1])):
+            raise UncapturableError(
+                f"{func}: its result's shape depends on the values, which a CUDA graph "
+                f"fixes at capture")
+        tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        on = {t.device.type for t in tensors if t.dim() or t.device.type != "cpu"}
+        if "cpu" in on and len(on) > 1:
+            raise UncapturableError(
+                f"{func}: mixes CPU and {sorted(on - {'cpu'})} tensors: host memory is read "
+                f"once at capture (and copying to the CPU waits for the device)")
+        if func is _aten._to_copy.default and kwargs.get("device") is not None and \
+                torch.device(kwargs["device"]).type == "cpu" and "cpu" not in on:
+            raise UncapturableError(f"{func}: copies a device tensor to the CPU (a host "
+                                    f"synchronisation)")
+        return func(*args, **kwargs)
+
+
+def check_optimizers(optimizers: Sequence[torch.optim.Optimizer], name: str) -> None:
+    """Raise :class:`UncapturableError` for an optimizer that keeps its step on the host."""
+    for opt in optimizers:
+        for group in opt.param_groups:
+            if "capturable" in group and not group["capturable"]:
+                raise UncapturableError(
+                    f"{name}: {type(opt).__name__} counts its steps on the host: build it "
+                    f"with capturable=True (and fused=True where it offers it)")
+
+
+class CapturedStep:
+    """A training step captured as one CUDA graph (:func:`capture_step`).
+
+    Attributes
+    ----------
+    static_inputs : tuple of Tensor
+        The buffers the graph reads; a call copies its arguments into them.
+    static_output : Any
+        What the step returned at capture, rewritten by each replay (clone it to keep it).
+    graph : torch.cuda.CUDAGraph
+    """
+
+    def __init__(self, graph, static_inputs: tuple, static_output: Any, recipe_key,
+                 name: str):
+        self.graph, self.static_inputs = graph, static_inputs
+        self.static_output, self.recipe_key, self.name = static_output, recipe_key, name
+
+    def __call__(self, *inputs):
+        """Copy ``inputs`` into the static buffers, replay, and return the static output."""
+        if current_key() != self.recipe_key:
+            raise RuntimeError(f"{self.name}: captured under FP8 recipe {self.recipe_key!r}, "
+                               f"replayed under {current_key()!r}")
+        if len(inputs) != len(self.static_inputs):
+            raise TypeError(f"{self.name}: captured with {len(self.static_inputs)} inputs, "
+                            f"called with {len(inputs)}")
+        for i, (buffer, value) in enumerate(zip(self.static_inputs, inputs)):
+            if value.shape != buffer.shape or value.dtype != buffer.dtype:
+                raise ValueError(f"{self.name}: input {i} is {tuple(value.shape)} "
+                                 f"{value.dtype}; the graph was captured for "
+                                 f"{tuple(buffer.shape)} {buffer.dtype}")
+            buffer.copy_(value, non_blocking=True)
+        self.graph.replay()
+        return self.static_output
+
+
+def capture_step(step: Callable, *example_inputs: torch.Tensor,
+                 optimizers: Sequence[torch.optim.Optimizer] = (), warmup: int = 3,
+                 pool=None) -> CapturedStep:
+    """Capture ``step(*inputs)`` (a whole training step) as one CUDA graph.
+
+    Parameters
+    ----------
+    step : callable
+        Runs one step on its tensor arguments (forward, loss, ``backward``, the optimizers'
+        ``step`` and ``zero_grad``) and returns what a replay should give back (the loss,
+        detached).
+    *example_inputs : Tensor
+        CUDA tensors of the shapes and dtypes of every later batch; copied into the
+        static buffers.
+    optimizers : sequence of Optimizer
+        The step's optimizers, checked for ``capturable=True``.
+    warmup : int
+        Eager steps on a side stream before the capture (at least 1: Triton compiles,
+        plans are made, optimizer states are created).
+    pool
+        A graph memory pool to share (``torch.cuda.graph_pool_handle()``).
+
+    Returns
+    -------
+    CapturedStep
+        Call it with each batch: ``loss = captured(ids, labels)``.
+
+    Raises
+    ------
+    UncapturableError
+        Naming the first op of the step a CUDA graph could not replay (checked on a real
+        step before the warm-up), or an optimizer without ``capturable=True``.
+    ValueError
+        If an input is not a CUDA tensor.
+    """
+    name = f"fusible.capture_step({getattr(step, '__name__', type(step).__name__)})"
+    check_optimizers(optimizers, name)
+    if not example_inputs or not all(isinstance(t, torch.Tensor) and t.is_cuda
+                                     for t in example_inputs):
+        got = [t.device.type if isinstance(t, torch.Tensor) else type(t).__name__
+               for t in example_inputs]
+        raise ValueError(f"{name}: CUDA graphs need CUDA tensor inputs, got {got}")
+    if warmup < 1:
+        raise ValueError(f"{name}: warmup must be at least 1, got {warmup}")
+    if splitting():
+        raise UncapturableError(f"{name}: a split backward (fusible.split_backward) queues "
+                                f"weight gradients in Python, which a replay skips")
+    static_inputs = tuple(t.detach().clone() for t in example_inputs)
+    with CaptureCheck():
+        step(*static_inputs)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            step(*static_inputs)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        static_output = step(*static_inputs)
+    return CapturedStep(graph, static_inputs, static_output, current_key(), name)

@@ -1,0 +1,61 @@
+"""fusible.capture_step: what a CUDA graph cannot replay is refused before capture, naming
+the op (checked here on the CPU, where the check runs the same); the capture and its
+replays against eager steps, bit for bit, are in tests/test_cuda.py."""
+
+import pytest
+import torch
+
+import fusible
+from fusible import ops
+from fusible.runtime.captured_step import CaptureCheck
+
+
+def _model():
+    torch.manual_seed(0)
+    return ops.Sequential(ops.LayerNorm(16), ops.Linear(16, 32), ops.GELU(), ops.Linear(32, 16))
+
+
+def _steps(model, optimizer):
+    def plain(x):
+        loss = model(x).square().mean()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    def logs(x):
+        loss = plain(x)
+        print(f"loss {loss.item():.3f}")  # a host synchronisation
+        return loss
+
+    def filters(x):
+        return plain(x[x[:, 0] > 0])  # a data-dependent shape
+
+    return plain, logs, filters
+
+
+def test_the_check_passes_a_training_step_and_names_what_a_graph_cannot_replay():
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)  # no host step
+    plain, logs, filters = _steps(model, optimizer)
+    x = torch.randn(8, 16)
+    with CaptureCheck():
+        plain(x)  # fusible's stages, autograd, the optimizer: all replayable
+    with pytest.raises(fusible.UncapturableError, match="_local_scalar_dense.*reads a device "
+                                                         "value on the host"):
+        with CaptureCheck():
+            logs(x)
+    with pytest.raises(fusible.UncapturableError, match="index.Tensor.*shape depends on the values"):
+        with CaptureCheck():
+            filters(x)
+
+
+def test_capture_step_refuses_before_capturing():
+    model = _model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    plain, _, _ = _steps(model, optimizer)
+    with pytest.raises(ValueError, match=r"CUDA graphs need CUDA tensor inputs, got \['cpu'\]"):
+        fusible.capture_step(plain, torch.randn(8, 16))
+    with pytest.raises(fusible.UncapturableError, match="AdamW counts its steps on the host: "
+                                                         "build it with capturable=True"):
+        fusible.capture_step(plain, torch.randn(8, 16), optimizers=[optimizer])
