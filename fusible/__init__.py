@@ -25,6 +25,7 @@ from fusible.planning import (Candidate, FusionPlan, PlanEnvironment, Stage, reg
                               registered_fusions, unregister_fusion)
 from fusible.quantization import (DelayedScaling, Float8BlockScaling, Float8CurrentScaling,
                                   Float8Format, Float8RowwiseScaling, Float8Tensor,
+                                  Fp8GemmPolicy,
                                   MXFP8BlockScaling, Recipe,
                                   autocast, quantize, quantized_model_init, recipe_from_name,
                                   register_recipe, registered_recipes, unregister_recipe)
@@ -42,7 +43,7 @@ __all__ = [
     "autocast", "Candidate", "capture_step", "CapturedStep", "Check", "checkpoint", "checkpoint_context", "compile_report",
     "CompileReport", "ConversionReport", "convert", "convert_module", "deinterleave_glu_rows",
     "DelayedScaling", "Example", "Float8BlockScaling", "Float8CurrentScaling", "Float8Format",
-    "Float8RowwiseScaling", "Float8Tensor", "fsdp_float8_all_gather", "FusedOperation",
+    "Float8RowwiseScaling", "Float8Tensor", "Fp8GemmPolicy", "fsdp_float8_all_gather", "FusedOperation",
     "FusionPlan", "interleave_glu_rows", "LayerConverter", "layers", "make_graphed_callables",
     "ModelPlan", "MXFP8BlockScaling", "Op", "OperationContext", "ops", "Pattern",
     "pending_wgrad", "pipeline_stage", "plan_model", "PlanConditions", "PlanEnvironment",

@@ -51,7 +51,7 @@ class ForwardLinearBiasActivation(FusedOperation):
                     f"the epilogue gives only the output in high precision")
         if parallel_refusal(match["linear"]) is not True:
             return parallel_refusal(match["linear"])
-        if env.recipe is not None:
+        if env.recipe_of(match.indices[0]) is not None:  # a GEMM the FP8 policy keeps: fine
             return "torch._scaled_mm has no activation epilogue for FP8 GEMMs"
         if env.device_type not in EPILOGUE_GELU:
             return f"no GEMM activation epilogue on {env.device_type}"

@@ -101,8 +101,9 @@ class LinearCrossEntropy(FusedOperation):
         if linear.parallel.active:
             return (f"{linear.describe()} is tensor-parallel: a vocabulary split over ranks "
                     f"needs the loss reduced over the group, which this stage does not do")
-        if env.recipe is not None and _head_fp8(env.recipe) is None:
-            return (f"under {env.recipe.name} scaling: the chunked LM head runs its FP8 GEMMs "
+        recipe = env.recipe_of(match.indices[0])  # None: the FP8 policy keeps it in bf16
+        if recipe is not None and _head_fp8(recipe) is None:
+            return (f"under {recipe.name} scaling: the chunked LM head runs its FP8 GEMMs "
                     f"with per-tensor current scaling only, so the ops run as their own "
                     f"stages (the logits whole, the GEMM in FP8)")
         return True

@@ -109,10 +109,11 @@ class RecomputeNormLinear(FusedOperation):
         if not env.needs[match.indices[1]].params[0]:
             return (f"{linear.describe()}'s weight needs no gradient: the norm's output "
                     f"would not be saved")
-        fmt = None if env.recipe is None else env.recipe.input_format()
+        recipe = env.recipe_of(match.indices[1])  # the linear's (None: kept in bf16)
+        fmt = None if recipe is None else recipe.input_format()
         if fmt is not None and (not fmt.per_tensor or fmt.stateful):
             how = "from an amax history" if fmt.stateful else f"{fmt.granularity}"
-            return (f"under {env.recipe.name} scaling the norm's output is cast {how}: its "
+            return (f"under {recipe.name} scaling the norm's output is cast {how}: its "
                     f"recomputation would not give the forward's bits (recompute_output "
                     f"needs per-tensor current scaling), so the ops run as their own stages")
         return True

@@ -4,8 +4,13 @@ import sys
 import pytest
 import torch
 
+from fusible.quantization.gemm_policy import set_default_gemm_policy
 from fusible.runtime import deferred
 from plugin_registries import Plugins, Registries
+
+# The suite checks FP8 on every GEMM, whatever its size: on the GPU the default policy
+# would keep the small GEMMs of the tests in bf16 (tests/test_gemm_policy.py checks it)
+set_default_gemm_policy(None)
 
 # The examples are documentation that tests import.
 sys.path.insert(0, str(pathlib.Path(__file__).parent.parent / "examples"))

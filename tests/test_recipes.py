@@ -110,7 +110,8 @@ def test_a_plugin_recipe_runs_a_model_like_the_same_formats_built_in(plugin):
     builtin = fusible.Float8CurrentScaling("e4m3")
     want = step(model, builtin)
     assert all(torch.equal(a, b) for a, b in zip(step(model, AllE4M3()), want))
-    assert AllE4M3().key == "test_all_e4m3()" and AllE4M3().key != builtin.key
+    assert AllE4M3().key == f"test_all_e4m3(gemm_policy={AllE4M3().gemm_policy!r})"
+    assert AllE4M3().key != builtin.key
     counter = CompileCounter()
     compiled = torch.compile(model, fullgraph=True, backend=counter)
     for recipe in (builtin, AllE4M3(), AllE4M3()):

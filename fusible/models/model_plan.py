@@ -51,8 +51,8 @@ class ModelItem:
         if plan is None or plan.recipe is None:
             return []
         return [f"{type(op).__name__}[{k}]" for k, op in enumerate(plan.ops)
-                if isinstance(op, FusibleSpec) and cast(Any, op).quantizes(plan.recipe,
-                                                                            "forward")]
+                if isinstance(op, FusibleSpec) and plan.runs_fp8(k)
+                and cast(Any, op).quantizes(plan.recipe, "forward")]
 
     def signature(self) -> tuple:
         """What the item computes, for finding identical repeated blocks."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -86,6 +87,10 @@ class BasicLinear(BasicOperation):
         attribute (Megatron's DDP) has it set to True and receives a dummy gradient
         (zeros with ``zero_out_wgrad``), so that DDP's hooks run; eagerly only: a compiled
         graph does not replay that Python, and refuses such a weight.
+    fp8 : bool, optional
+        Under an FP8 recipe: True runs this GEMM in FP8, False in high precision; None
+        (default) leaves it to the recipe's ``gemm_policy``, which on CUDA keeps GEMMs
+        too small to gain in high precision (:mod:`fusible.quantization.gemm_policy`).
 
     Notes
     -----
@@ -100,7 +105,8 @@ class BasicLinear(BasicOperation):
     scaling_state_roles = ("input", "weight", "grad")
     attribute_checks = {"in_features": checks.positive_int("in_features"),
                         "out_features": checks.positive_int("out_features"),
-                        "accumulate_into_main_grad": checks.boolean("accumulate_into_main_grad")}
+                        "accumulate_into_main_grad": checks.boolean("accumulate_into_main_grad"),
+                        "fp8": checks.optional(checks.boolean("fp8"))}
     fwd_args_type = GemmForwardArgs
     bwd_args_type = GemmBackwardArgs
     saved_type = LinearSaved
@@ -109,10 +115,11 @@ class BasicLinear(BasicOperation):
                  tensor_parallel_mode: ParallelModeArg = None,
                  tensor_parallel_group: GroupArg = None, sequence_parallel: bool = False,
                  device: DeviceArg = None, dtype: DTypeArg = None,
-                 accumulate_into_main_grad: bool = False):
+                 accumulate_into_main_grad: bool = False, fp8: Optional[bool] = None):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         self.accumulate_into_main_grad = accumulate_into_main_grad
+        self.fp8 = fp8
         sequence_parallel = bool(checks.boolean("sequence_parallel")("BasicLinear", sequence_parallel))
         if sequence_parallel and tensor_parallel_mode is None:
             raise ValueError(f"{self.describe()}: sequence_parallel=True needs "
@@ -133,6 +140,10 @@ class BasicLinear(BasicOperation):
     @property
     def main_grad_params(self) -> tuple:
         return ("weight",) if self.accumulate_into_main_grad else ()
+
+    def fp8_gemm_shape(self) -> tuple:
+        """``(in_features, out_features)`` of this rank's GEMM, for the FP8 policy."""
+        return self.local_in, self.local_out
 
     @property
     def wgrad_dtype(self):

@@ -129,6 +129,10 @@ class GroupedLinear(BasicOperation):
         in float32 for 16-bit tensors, rounded once. Needs ``bias=True``.
     device, dtype
         Where and in which dtype to create the parameters.
+    fp8 : bool, optional
+        Under an FP8 recipe: True runs the grouped GEMMs in FP8, False in high precision;
+        None (default) leaves it to the recipe's ``gemm_policy`` (by the experts' weight
+        shape: :mod:`fusible.quantization.gemm_policy`).
 
     Attributes
     ----------
@@ -143,15 +147,17 @@ class GroupedLinear(BasicOperation):
     num_extra_inputs = 1
     attribute_checks = {"num_groups": checks.positive_int("num_groups"),
                         "in_features": checks.positive_int("in_features"),
-                        "out_features": checks.positive_int("out_features")}
+                        "out_features": checks.positive_int("out_features"),
+                        "fp8": checks.optional(checks.boolean("fp8"))}
     fwd_args_type = GroupedForwardArgs
     bwd_args_type = GroupedBackwardArgs
     saved_type = GroupedSaved
 
     def __init__(self, num_groups: int, in_features: int, out_features: int, *,
                  bias: bool = False, scale_bias: bool = False, device: DeviceArg = None,
-                 dtype: DTypeArg = None):
+                 dtype: DTypeArg = None, fp8: Optional[bool] = None):
         super().__init__()
+        self.fp8 = fp8
         if scale_bias and not bias:
             raise ValueError(f"GroupedLinear(num_groups={num_groups}, in_features="
                              f"{in_features}, out_features={out_features}): scale_bias=True "
@@ -167,6 +173,10 @@ class GroupedLinear(BasicOperation):
         if not bias:  # the fuser computes with the parameters it names
             self.param_names = ("weight",)
         self.reset_parameters()
+
+    def fp8_gemm_shape(self) -> tuple:
+        """``(in_features, out_features)`` of each group's GEMM, for the FP8 policy."""
+        return self.in_features, self.out_features
 
     def reset_parameters(self) -> None:
         """Each group like ``torch.nn.Linear(in_features, out_features)``."""

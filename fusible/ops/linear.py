@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Optional
 import weakref
 
 import torch
@@ -40,6 +41,9 @@ class Linear(FusibleOperation):
     accumulate_into_main_grad : bool
         As :class:`BasicLinear`: the weight's gradient goes into ``weight.main_grad``
         (the bias's to autograd as usual). An attribute too.
+    fp8 : bool, optional
+        As :class:`BasicLinear`: this GEMM in FP8 (True), in high precision (False), or as
+        the recipe's ``gemm_policy`` decides (None). An attribute too.
     """
 
     attribute_checks = {"in_features": checks.positive_int("in_features"),
@@ -50,14 +54,14 @@ class Linear(FusibleOperation):
                  tensor_parallel_mode: ParallelModeArg = None,
                  tensor_parallel_group: GroupArg = None, sequence_parallel: bool = False,
                  device: DeviceArg = None, dtype: DTypeArg = None,
-                 accumulate_into_main_grad: bool = False):
+                 accumulate_into_main_grad: bool = False, fp8: Optional[bool] = None):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features  # checked here
         checks.boolean("bias")("Linear", bias)
         linear = BasicLinear(in_features, out_features, tensor_parallel_mode=tensor_parallel_mode,
                              tensor_parallel_group=tensor_parallel_group,
                              sequence_parallel=sequence_parallel, device="meta",
-                             accumulate_into_main_grad=accumulate_into_main_grad)
+                             accumulate_into_main_grad=accumulate_into_main_grad, fp8=fp8)
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight = nn.Parameter(torch.empty(linear.weight.shape, device=device, dtype=dtype))
         column = tensor_parallel_mode == "column"
@@ -95,6 +99,16 @@ class Linear(FusibleOperation):
         if self.bias is not None:
             init_shard_(self.bias, (self.out_features,), linear_shard(linear)[:1],
                         1 / math.sqrt(self.in_features))
+
+    @property
+    def fp8(self) -> Optional[bool]:
+        """Its GEMM in FP8 (True), in high precision (False), or as the recipe's
+        ``gemm_policy`` decides (None): :class:`BasicLinear`'s ``fp8``."""
+        return self._ops[0].fp8
+
+    @fp8.setter
+    def fp8(self, value: Optional[bool]) -> None:
+        self._ops[0].fp8 = value
 
     @property
     def accumulate_into_main_grad(self) -> bool:

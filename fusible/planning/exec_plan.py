@@ -80,6 +80,9 @@ class ExecPlan:
         The caller's extra outputs that depend on nothing requiring grad.
     features : Features
         The execution features' records (``fusible.planning.features``).
+    op_recipes : tuple
+        Per op, the recipe it computes under: ``recipe``, or None for a GEMM the FP8
+        policy keeps in high precision (``planning.prepare.gemm_recipes``).
     hooks : object
         Set by the runtime when it takes the plan: the features' runtime hooks bound to
         their records (``fusible.runtime.features``).
@@ -96,6 +99,7 @@ class ExecPlan:
     num_extra_inputs: int
     constant_extra_outputs: tuple
     features: Any
+    op_recipes: tuple = ()
     hooks: Any = attrs.field(default=None, eq=False)
     validated: dict = attrs.field(factory=dict, eq=False)  # input signatures checked already
     needs_backward: bool = attrs.field(init=False)
@@ -107,14 +111,18 @@ class ExecPlan:
         derived = (("needs_backward", any(n.any for n in self.needs)),
                    ("input_needs_grad", self.needs[0].input if self.needs else False),
                    ("num_params", sum(len(op.param_names) for op in self.ops)),
-                   ("idle_ctxs", tuple(OperationContext(_idle_needs(op), self.recipe)
-                                       for op in self.ops)))
+                   ("idle_ctxs", tuple(OperationContext(_idle_needs(op), r)
+                                       for op, r in zip(self.ops, self.recipes()))))
         for name, value in derived:
             object.__setattr__(self, name, value)
 
     @property
     def conditions(self) -> PlanConditions:
         return self.group.env.conditions
+
+    def recipes(self) -> tuple:
+        """Per op, the recipe it computes under (``op_recipes``, else ``recipe``)."""
+        return self.op_recipes or (self.recipe,) * len(self.ops)
 
     @property
     def quantized_results(self) -> bool:
@@ -125,6 +133,12 @@ class ExecPlan:
     def outer_dtype(self):
         """Under an FP8 recipe, the dtype Float8Tensors dequantize to; else None."""
         return None if self.recipe is None else self.conditions.dtype
+
+
+def stage_recipe(op_recipes: tuple, lo: int, hi: int):
+    """The recipe a stage over ops ``lo:hi`` computes under: the first one of theirs (a
+    GEMM the FP8 policy keeps in high precision has None)."""
+    return next((r for r in op_recipes[lo:hi] if r is not None), None)
 
 
 def _idle_needs(op) -> OpGradNeeds:
@@ -147,3 +161,4 @@ class Preparation:
     forward: tuple
     backward: tuple
     backward_public: tuple
+    op_recipes: tuple = ()

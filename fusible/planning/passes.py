@@ -7,6 +7,7 @@ from typing import Optional
 
 from fusible.core.results import OpGradNeeds
 from fusible.functional.parallel import NOT_PARALLEL, TensorParallel
+from fusible.planning.exec_plan import stage_recipe
 from fusible.planning.features.channels import channel_of, write_channel_of
 
 
@@ -87,25 +88,27 @@ def _parallel_param_op(op) -> bool:
     return op.grad_reduction() is not None or (tp is not None and tp.mode is not None)
 
 
-def hand_off_formats(forward: list, backward: list, needs: tuple, recipe) -> tuple:
-    """Under ``recipe``, the format each stage hands its output (forward) or input
-    gradient (backward) over in: what the next stage asks for with ``input_format`` /
-    ``grad_format`` (None: a plain tensor). The producer then quantizes inside its own
-    stage (its custom op, when compiled).
+def hand_off_formats(forward: list, backward: list, needs: tuple, op_recipes: tuple) -> tuple:
+    """Under the ops' recipes (``op_recipes``, one per op), the format each stage hands its
+    output (forward) or input gradient (backward) over in: what the next stage asks for
+    with ``input_format`` / ``grad_format`` under its own recipe (None: a plain tensor).
+    The producer then quantizes inside its own stage (its custom op, when compiled).
 
     ``forward`` and ``backward`` are the prepared stages in execution order; returns
     ``(forward formats, backward formats)``, one per stage.
     """
     fwd = [None] * len(forward)
     bwd = [None] * len(backward)
-    if recipe is None:
-        return fwd, bwd
     for k in range(len(forward) - 1):
         nxt = forward[k + 1]
-        fwd[k] = nxt.op.input_format(recipe, needs[nxt.lo:nxt.hi])
+        recipe = stage_recipe(op_recipes, nxt.lo, nxt.hi)
+        if recipe is not None:
+            fwd[k] = nxt.op.input_format(recipe, needs[nxt.lo:nxt.hi])
     for k in range(len(backward) - 1):
         nxt = backward[k + 1]
-        bwd[k] = nxt.op.grad_format(recipe, needs[nxt.lo:nxt.hi])
+        recipe = stage_recipe(op_recipes, nxt.lo, nxt.hi)
+        if recipe is not None:
+            bwd[k] = nxt.op.grad_format(recipe, needs[nxt.lo:nxt.hi])
     return fwd, bwd
 
 

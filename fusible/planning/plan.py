@@ -14,6 +14,7 @@ from fusible.core.operation import FusibleSpec
 from fusible.planning.passes import op_communication
 from fusible.planning.planner import Stage
 from fusible.planning.viz import plan_to_dot, render_dot
+from fusible.quantization.gemm_policy import gemm_decision
 
 
 @attrs.frozen
@@ -56,6 +57,7 @@ class FusionPlan:
     wgrad: tuple = ()
     wgrad_kept: tuple = ()
     left_out: tuple = attrs.field(default=(), repr=False, eq=False)
+    op_recipes: dict = attrs.field(factory=dict, repr=False, eq=False)  # op index -> recipe
 
     @property
     def device_type(self) -> str:
@@ -134,7 +136,25 @@ class FusionPlan:
         return out
 
     def _covered(self, stage: Stage) -> str:
-        return " + ".join(describe_op(self.ops[i], self.conditions) for i in stage.indices)
+        return " + ".join(describe_op(self.ops[i], self.conditions)
+                          + (f" [{self.gemm_note(i)}]" if self.gemm_note(i) else "")
+                          for i in stage.indices)
+
+    def runs_fp8(self, index: int) -> bool:
+        """Whether op ``index`` computes under the plan's recipe (a GEMM the FP8 policy
+        keeps in high precision does not)."""
+        return self.recipe is not None and self.op_recipes.get(index, self.recipe) is not None
+
+    def gemm_note(self, index: int) -> str:
+        """For a GEMM op under a recipe: ``"FP8"``, or why it stays in high precision
+        (:mod:`fusible.quantization.gemm_policy`); else ``""``."""
+        op = self.ops[index]
+        if self.recipe is None or getattr(op, "fp8_gemm_shape", None) is None:
+            return ""
+        if self.runs_fp8(index):
+            return "FP8"
+        why = gemm_decision(self.recipe, op, self.device_type)
+        return "high precision" + (f": {why}" if why else "")
 
     def to_dot(self) -> str:
         """Graphviz DOT source of the plan diagram (no graphviz binary needed)."""

@@ -39,11 +39,24 @@ class PlanEnvironment:
         Global op index -> :class:`~fusible.core.results.OpGradNeeds`.
     recipe : Recipe or None
         The FP8 recipe in effect (the one ``conditions.recipe_key`` names), or None.
+    op_recipes : dict
+        Global op index -> the recipe that op computes under: ``recipe``, or None for a
+        GEMM its ``gemm_policy`` (or its ``fp8`` attribute) keeps in high precision
+        (:mod:`fusible.quantization.gemm_policy`). Empty: ``recipe`` for every op.
     """
 
     conditions: PlanConditions
     needs: dict = attrs.field(eq=False)
     recipe: Any = None
+    op_recipes: dict = attrs.field(factory=dict, eq=False)
+
+    def recipe_of(self, *indices: int):
+        """The recipe the ops at these global indices compute under: the plan's where
+        one of them does, else None (GEMMs the policy keeps in high precision)."""
+        if not self.op_recipes:
+            return self.recipe
+        return self.recipe if any(self.op_recipes.get(i, self.recipe) is not None
+                                  for i in indices) else None
 
     @property
     def device_type(self) -> str:
@@ -267,7 +280,7 @@ def _ask(fusion, match, env):
             raise TypeError(f"{fusion.__name__}.accepts() must return True or a non-empty "
                             f"reason string, got {verdict!r}")
         return verdict
-    return _fp8_contract(fusion, match, env.recipe)
+    return _fp8_contract(fusion, match, env.recipe_of(*match.indices))
 
 
 def _fp8_contract(fusion, match, recipe):

@@ -14,13 +14,16 @@ from fusible.planning.features.channels import caller_slots
 from fusible.planning.passes import (check_gated_layouts, check_sequence_parallel,
                                      hand_off_formats, op_grad_needs)
 from fusible.planning.planner import PlanEnvironment, plan_group
+from fusible.quantization.gemm_policy import gemm_decision
 
 
 def prepare_group(ops: tuple, start: int, conditions: PlanConditions, recipe) -> ExecPlan:
     """Plan a group of ``ops`` (the first at ``start``) for the group's ``conditions``;
     ``recipe`` is the FP8 recipe those conditions name (``conditions.recipe_key``)."""
     needs = op_grad_needs(ops, conditions)
-    env = PlanEnvironment(conditions, {start + i: n for i, n in enumerate(needs)}, recipe)
+    recipe, op_recipes = gemm_recipes(ops, conditions, recipe)
+    env = PlanEnvironment(conditions, {start + i: n for i, n in enumerate(needs)}, recipe,
+                          {start + i: r for i, r in enumerate(op_recipes)})
     check_sequence_parallel(ops)
     check_gated_layouts(ops)
     group = plan_group(ops, start, env)
@@ -28,17 +31,37 @@ def prepare_group(ops: tuple, start: int, conditions: PlanConditions, recipe) ->
     backward = [(_exec_stage(ops, start, s, True, needs), s) for s in group.backward]
     backward = [(es, s) for es, s in backward if any(n.any for n in needs[es.lo:es.hi])]
     backward_exec = [es for es, _ in backward]
-    fwd_formats, bwd_formats = hand_off_formats(forward, backward_exec, needs, recipe)
+    fwd_formats, bwd_formats = hand_off_formats(forward, backward_exec, needs, op_recipes)
     forward = [_with_output_format(st, f) for st, f in zip(forward, fwd_formats)]
     backward_exec = [_with_output_format(st, f) for st, f in zip(backward_exec, bwd_formats)]
     public = tuple(stage for _, stage in backward)
     prep = Preparation(ops, start, conditions, recipe, needs, tuple(forward),
-                       tuple(backward_exec), public)
+                       tuple(backward_exec), public, op_recipes)
     features = attach_features(prep)
     caller_in, caller_out = caller_slots(ops, features.channels)
     return ExecPlan(group, ops, prep.forward, prep.backward, public, needs, recipe,
                     _saved_readers(ops, start, group.forward), len(caller_in),
-                    _constant_extra_outputs(ops, needs, caller_out), features)
+                    _constant_extra_outputs(ops, needs, caller_out), features, op_recipes)
+
+
+def gemm_recipes(ops: tuple, conditions: PlanConditions, recipe) -> tuple:
+    """``(group recipe, per-op recipes)`` under the recipe's GEMM policy
+    (:mod:`fusible.quantization.gemm_policy`): each op computes under ``recipe`` but a GEMM
+    the policy (or its ``fp8`` attribute) keeps in high precision, under None; where every
+    op that would quantize is kept so, the group plans as without a recipe (the bf16
+    plan, its fusions and no casts)."""
+    if recipe is None:
+        return None, (None,) * len(ops)
+    op_recipes = tuple(None if gemm_decision(recipe, op, conditions.device_type) else recipe
+                       for op in ops)
+    kept = [r is None for op, r in zip(ops, op_recipes) if _quantizes(op, recipe)]
+    if kept and all(kept):
+        return None, (None,) * len(ops)
+    return recipe, op_recipes
+
+
+def _quantizes(op, recipe) -> bool:
+    return op.quantizes(recipe, "forward") or op.quantizes(recipe, "backward")
 
 
 def _constant_extra_outputs(ops, needs: tuple, caller_out: tuple) -> tuple:

@@ -28,11 +28,12 @@ def _quote(text: str) -> str:
     return '"' + text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
 
 
-def _op_label(op, conditions) -> str:
+def _op_label(op, conditions, gemm_note: str = "") -> str:
     label = getattr(op, "diagram_label", None)
     if label is not None:
         name = op.__class__.__name__  # a lone op's proxy reports its op's class
-        lines = [name, label(), op.plan_note(conditions) if hasattr(op, "plan_note") else ""]
+        lines = [name, label(), op.plan_note(conditions) if hasattr(op, "plan_note") else "",
+                 gemm_note]
         return "\n".join(line for line in lines if line)
     return f"{op.__class__.__name__}\n(torch module)"
 
@@ -112,7 +113,7 @@ def _stage_cluster(plan, lane, k, stage, colors) -> list:
         shape = ', shape=box3d, style=filled, fillcolor="#eeeeee"' if stage.is_module else ""
         if any(where == "is" for where, _ in comm):
             shape = f', shape=cds, style=filled, fillcolor="{_COMM}"'
-        label = _quote(_op_label(op, plan.conditions))
+        label = _quote(_op_label(op, plan.conditions, plan.gemm_note(i)))
         out.append(f"      {_node(lane, i)} [label={label}{shape}];")
         out += _comm_nodes(lane, i, comm)
     out.append("    }")

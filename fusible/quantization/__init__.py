@@ -8,6 +8,7 @@ parameters), ``fsdp_weight.py`` (FP8 all-gathers under FSDP2).
 """
 
 from fusible.quantization.format import Float8Format, to_format
+from fusible.quantization.gemm_policy import Fp8GemmPolicy
 from fusible.quantization.params import fp8_parameter, quantized_model_init
 from fusible.quantization.recipes.autocast import autocast, fp8_recipe
 from fusible.quantization.recipes.base import (Recipe, recipe_from_name, register_recipe,
@@ -19,7 +20,7 @@ from fusible.quantization.tensor.autograd import quantize
 from fusible.quantization.tensor.boundary import decode_results, encode_results
 from fusible.quantization.tensor.float8_tensor import Float8Tensor, Fp8Able
 
-__all__ = ["DelayedScaling", "Float8BlockScaling", "Float8CurrentScaling", "Float8Format",
+__all__ = ["Fp8GemmPolicy", "DelayedScaling", "Float8BlockScaling", "Float8CurrentScaling", "Float8Format",
            "Float8RowwiseScaling", "Float8Tensor", "Fp8Able", "MXFP8BlockScaling", "Recipe",
            "autocast", "decode_results", "encode_results", "fp8_parameter", "fp8_recipe",
            "quantize", "quantized_model_init", "recipe_from_name", "register_recipe",

@@ -275,7 +275,7 @@ class _PipelineFunction(torch.autograd.Function):
         # its backward, e.g. microbatches; the stages update scaling states)
         features = feature_tensors(plan, tensors[params_end:]) \
             if plan.hooks.tensors or len(tensors) > params_end else {}
-        ctxs = [OperationContext(n, plan.recipe) for n in plan.needs]
+        ctxs = [OperationContext(n, r) for n, r in zip(plan.needs, plan.recipes())]
         y, extra_outputs = run_forward(plan, x, params, extra_inputs, ctxs, save=True,
                                        traced=traced, tensors=features)
         for node in plan.hooks.forward_node:

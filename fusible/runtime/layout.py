@@ -138,6 +138,7 @@ class Layout:
         (``recipe``: the FP8 recipe they name, or None)."""
         forward, backward_groups, candidates = [], [], []
         needs: dict[int, OpGradNeeds] = {}  # pipeline index -> its op's
+        op_recipes: dict = {}  # pipeline index -> the recipe its op computes under
         wgrad_groups, kept = [], []
         for index, called, plan, upstream in self.group_plans(conditions, recipe):
             if plan is None:
@@ -148,6 +149,7 @@ class Layout:
                                                   called_alone=True),))
                 continue
             needs.update((index + i, op_needs) for i, op_needs in enumerate(plan.needs))
+            op_recipes.update((index + i, r) for i, r in enumerate(plan.recipes()))
             forward += plan.group.forward
             backward_groups.append(plan.backward_stages)  # the stages that run
             split = plan.features.split_backward
@@ -158,7 +160,7 @@ class Layout:
         backward = tuple(s for group in reversed(backward_groups) for s in group)
         wgrad = tuple(s for group in reversed(wgrad_groups) for s in group)
         return FusionPlan(tuple(forward), backward, tuple(candidates), self.items, conditions,
-                          recipe, needs, wgrad, tuple(kept), self.left_out)
+                          recipe, needs, wgrad, tuple(kept), self.left_out, op_recipes)
 
     def _positions(self):
         """Yield (index of the group's first item, (runner, Called)) for each group."""

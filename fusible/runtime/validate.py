@@ -25,10 +25,11 @@ def validate(plan: ExecPlan, x, extra_inputs, cache: bool = True, params=None) -
             return
     shape, pos, written = tuple(x.shape), 0, {}
     named = plan.features.channels is not None
-    recipe = plan.recipe
+    recipes = dict(zip(map(id, plan.ops), plan.recipes()))
     for st in plan.forward:
         for op in st.ops:
             k, name = op.num_extra_inputs, named and channel_of(op)
+            recipe = recipes.get(id(op), plan.recipe)
             if recipe is not None:
                 op.validate_fp8(shape, recipe)
             if named and op.num_extra_outputs and write_channel_of(op):

@@ -12,7 +12,7 @@ from typing import Any, Callable, Optional
 import attrs
 
 from fusible.core import tokens
-from fusible.planning.exec_plan import ExecStage, Preparation
+from fusible.planning.exec_plan import ExecStage, Preparation, stage_recipe
 from fusible.planning.features import grad_reduction
 
 
@@ -87,7 +87,8 @@ def attach(prep: Preparation, attached: dict) -> Optional[SplitBackward]:
         wanted = st.grad_mask[1] if st.num_params else ()
         if not any(wanted):
             continue
-        verdict = _deferral(st, prep.needs, prep.recipe)
+        verdict = _deferral(st, prep.needs, stage_recipe(prep.op_recipes, st.lo, st.hi)
+                            if prep.op_recipes else prep.recipe)
         if isinstance(verdict, str):
             kept.append((stage, verdict))
             continue

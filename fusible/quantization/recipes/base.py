@@ -12,11 +12,12 @@ with named ``presets`` (:func:`recipe_from_name`, as torchao's
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import ClassVar, Optional
 
 import attrs
 
 from fusible.core.plugins import EntryPointGroup
+from fusible.quantization.gemm_policy import Fp8GemmPolicy, default_gemm_policy
 
 ENTRY_POINT_GROUP = "fusible.recipes"
 ROLES = ("input", "weight", "grad")  # the tensor roles of a GEMM's operands
@@ -39,10 +40,16 @@ class Recipe:
         The registry's name of the class (a class attribute).
     presets : dict
         Named configurations: ``{preset name: keyword arguments}`` (a class attribute).
+    gemm_policy : Fp8GemmPolicy or None
+        Which GEMMs run in FP8 (keyword only; :mod:`fusible.quantization.gemm_policy`):
+        the cost model by default, which on CUDA keeps GEMMs too small to gain in bf16;
+        None: every GEMM the recipe takes.
     """
 
     name: ClassVar[str] = ""
     presets: ClassVar[dict] = {}
+    gemm_policy: Optional[Fp8GemmPolicy] = attrs.field(factory=default_gemm_policy,
+                                                       kw_only=True)
 
     def input_format(self, columnwise: bool = False):
         """The Float8Format of a GEMM's input (activations); ``columnwise``: with the

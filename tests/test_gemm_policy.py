@@ -1,0 +1,129 @@
+"""The FP8 policy per GEMM (fusible.Fp8GemmPolicy): which GEMMs a recipe runs in FP8, by
+their weight's shape, shown per GEMM in explain(), the diagram and plan_model's totals,
+overridden per op, and a group whose every GEMM stays in high precision planned as
+without a recipe. The policy decides on CUDA by default; here it is asked to decide on
+the CPU (``devices=("cpu",)``), which the same planner code serves."""
+
+import pytest
+import torch
+
+import fusible
+from fusible import ops
+from fusible.quantization.gemm_policy import (Fp8GemmPolicy, default_gemm_policy,
+                                              set_default_gemm_policy)
+from fusible.testing import stage_names
+
+POLICY = Fp8GemmPolicy(devices=("cpu",))
+
+
+def _recipe(policy=POLICY):
+    return fusible.Float8CurrentScaling(gemm_policy=policy)
+
+
+@pytest.mark.parametrize("shape,fp8", [
+    ((4096, 14336), True), ((4096, 4096), True), ((4096, 128256), True),  # Llama-3-8B
+    ((2048, 3072), True), ((2048, 2048), False), ((8192, 2048), True),    # Llama-3.2-1B
+    ((256, 768), False), ((768, 256), False),                             # debugmodel
+])
+def test_the_cost_model_keeps_gemms_too_small_to_gain(shape, fp8):
+    why = Fp8GemmPolicy().why_high_precision(*shape)
+    assert (why is None) == fp8
+    assert Fp8GemmPolicy().threshold == pytest.approx(1152, rel=1e-3)
+    if not fp8:
+        assert "FP8 would not pay: K N / (K + N)" in why
+
+
+def _mlp():
+    torch.manual_seed(0)
+    return ops.Sequential(ops.RMSNorm(256), ops.Linear(256, 768, bias=False), ops.SwiGLU(),
+                          ops.Linear(384, 4096, bias=False),
+                          ops.Linear(4096, 4096, bias=False)).to(torch.bfloat16)
+
+
+def _run(model, x, recipe):
+    x = x.detach().clone().requires_grad_()
+    with fusible.autocast(recipe=recipe):
+        y = model(x)
+    y.backward(torch.ones_like(y))
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    return y.detach(), x.grad, grads
+
+
+def test_each_gemm_decided_shown_and_run_as_decided():
+    """The two small GEMMs in bf16, the 4096 x 4096 one in FP8: explain() and the diagram
+    say so per GEMM, plan_model counts one FP8 GEMM, and the results are those of the
+    same decisions taken by hand (the ops' fp8 attributes, no policy), bit for bit."""
+    model = _mlp()
+    x = torch.randn(32, 256, dtype=torch.bfloat16)
+    with fusible.autocast(recipe=_recipe()):
+        plan = model.plan(x)
+        totals = fusible.plan_model(model, x).totals()
+    text = plan.explain()
+    assert text.count("[high precision: FP8 would not pay") == 4  # forward and backward
+    assert "BasicLinear(in_features=4096, out_features=4096) [FP8]" in text
+    assert "high precision: FP8 would not pay" in plan.to_dot()
+    assert totals["FP8 GEMMs"] == 1
+    decided = _run(model, x, _recipe())
+    model[1].fp8, model[3].fp8, model[4].fp8 = False, False, True
+    by_hand = _run(model, x, _recipe(None))
+    for a, b in zip(decided, by_hand):
+        for t, u in zip(a if isinstance(a, list) else [a], b if isinstance(b, list) else [b]):
+            assert torch.equal(t, u)
+    model[1].fp8 = model[3].fp8 = model[4].fp8 = None
+    all_fp8 = _run(model, x, _recipe(None))
+    assert not torch.equal(all_fp8[0], decided[0])  # the small GEMMs did change
+
+
+def test_a_group_whose_gemms_all_stay_plans_as_without_a_recipe():
+    """Every GEMM kept in bf16: the plan is the bf16 one (its fusions, no casts) and so
+    are the results, bit for bit."""
+    torch.manual_seed(0)
+    model = ops.Sequential(ops.Linear(256, 768), ops.GELU(approximate="tanh"),
+                           ops.Linear(768, 256)).to(torch.bfloat16)
+    x = torch.randn(32, 256, dtype=torch.bfloat16)
+    with fusible.autocast(recipe=_recipe()):
+        kept = model.plan(x)
+    plain = model.plan(x)
+    assert stage_names(kept.forward) == stage_names(plain.forward)
+    assert stage_names(kept.backward) == stage_names(plain.backward)
+    with fusible.autocast(recipe=_recipe()):
+        assert fusible.plan_model(model, x).totals()["FP8 GEMMs"] == 0
+    got = _run(model, x, _recipe())
+    x2 = x.clone().requires_grad_()
+    y = model(x2)
+    y.backward(torch.ones_like(y))
+    assert torch.equal(got[0], y.detach()) and torch.equal(got[1], x2.grad)
+
+
+def test_an_op_overrides_the_policy_and_a_change_replans():
+    model = _mlp()
+    x = torch.randn(32, 256, dtype=torch.bfloat16)
+    with fusible.autocast(recipe=_recipe()):
+        model[1].fp8 = True  # small, in FP8 all the same
+        assert "BasicLinear(in_features=256, out_features=768) [FP8]" in model.plan(x).explain()
+        model[4].fp8 = False
+        assert "out_features=4096) [high precision: BasicLinear(in_features=4096, " \
+               "out_features=4096).fp8 = False]" in model.plan(x).explain()
+        model[1].fp8 = model[4].fp8 = None
+        assert "[FP8]" in model.plan(x).explain()
+    with pytest.raises(TypeError, match="fp8"):
+        ops.Linear(16, 16, fp8="yes")
+    grouped = ops.GroupedLinear(4, 256, 768, fp8=False)
+    assert grouped.fp8 is False and grouped.fp8_gemm_shape() == (256, 768)
+
+
+def test_recipes_get_the_cost_model_unless_told_otherwise():
+    """Recipes built without gemm_policy take the default (the cost model; this suite sets
+    None in tests/conftest.py so that its FP8 checks cover every GEMM); the policy is part
+    of the recipe's key, so a plan under another policy is another plan."""
+    assert fusible.Float8CurrentScaling().gemm_policy == default_gemm_policy()
+    previous = default_gemm_policy()
+    set_default_gemm_policy(Fp8GemmPolicy())
+    try:
+        recipe = fusible.Float8CurrentScaling()
+        assert recipe.gemm_policy == Fp8GemmPolicy() and recipe.gemm_policy.devices == ("cuda",)
+        assert fusible.DelayedScaling().gemm_policy == Fp8GemmPolicy()
+    finally:
+        set_default_gemm_policy(previous)
+    assert _recipe().key != _recipe(None).key
