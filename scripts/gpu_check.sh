@@ -19,7 +19,8 @@
 # (gpu_pipeline.py); layer: a whole decoder layer at three sizes and the 8B LM head with
 # its loss against Hugging Face, torch.compile and Liger (layer.py; LAYERS: which sizes,
 # LAYER_ARGS: more arguments, e.g. --no-head); models: whole-model training steps, a process
-# per row (models.py; MODEL_CONFIGS, MODEL_ROWS);
+# per row (models.py; MODEL_CONFIGS, MODEL_ROWS); layerhost: one decoder layer's host time
+# per step, HF, converted piece by piece and whole, native, bf16 and FP8 (layer_host.py);
 # TESTS: which tests,
 # default all, "none" for none; the argument "none" runs no benchmark)
 set -uo pipefail
@@ -109,6 +110,11 @@ if [[ " $benches " == *" layer "* ]]; then  # a decoder layer and the LM head (l
     (cd benchmarks && python3 layer.py --output "$OUT_ABS/layer.json" \
         --profile "$OUT_ABS/layer_profile.txt" ${LAYERS:+--layers "$LAYERS"} ${LAYER_ARGS:-}) 2>&1 \
         | tee "$OUT/layer.log"
+    bench_rc=$(( bench_rc || PIPESTATUS[0] ))
+fi
+if [[ " $benches " == *" layerhost "* ]]; then  # a decoder layer's host time (layer_host.py)
+    (cd benchmarks && python3 layer_host.py --output "$OUT_ABS/layer_host.json") 2>&1 \
+        | tee "$OUT/layer_host.log"
     bench_rc=$(( bench_rc || PIPESTATUS[0] ))
 fi
 if [[ " $benches " == *" models "* ]]; then  # whole-model training steps (models.py)
