@@ -36,8 +36,8 @@ from fusible.models.plain_calls import PlainCalls
 # as float32 copies (what they add would drown in the output's rounding)
 _PROBE_TOLERANCE = {torch.float64: 1e-5, torch.float32: 1e-4}
 FALLBACKS = ("falls back to the original code for dropout in training, a KV cache, an "
-             "attention mask (padding; the eager attention's causal mask), output_attentions "
-             "and packed-sequence arguments")
+             "attention mask given to the model (padding), output_attentions and "
+             "packed-sequence arguments")
 
 
 def fuse_decoder_layer(layer: nn.Module) -> Union[None, str, "FusedLayerForward"]:
