@@ -550,3 +550,34 @@ def test_the_plain_mark_is_per_thread():
         calls.active = False
     assert seen == [False]
     assert pickle.loads(pickle.dumps(model)).model.layers[0].forward.plain_calls.active is False
+
+
+@pytest.mark.parametrize("rope", [
+    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16},
+    {"rope_type": "dynamic", "factor": 2.0},  # the sequence is past max_position_embeddings
+    {"rope_type": "linear", "factor": 2.0},
+], ids=lambda r: r["rope_type"])
+def test_other_rotary_types_take_the_models_own_tables(rope):
+    """Rotary types fusible does not compute (YaRN's, with its attention factor folded in
+    the tables; dynamic NTK; linear) fuse too: the attention takes the model's own
+    position_embeddings as its tables (rotary_tables=True); against the twin."""
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+        rope_parameters={**rope, "rope_theta": 10000.0})
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    twin = copy.deepcopy(model)
+    report = fusible.convert(model)
+    fused = [p for p, _, new in report.converted if new.startswith("TransformerLayer")]
+    assert fused == ["model.layers.0", "model.layers.1"], str(report)
+    assert model.model.layers[0].forward.spec["rotary_tables"]
+    ids = torch.randint(0, VOCAB, (B, 40), generator=torch.Generator().manual_seed(1))
+    got, want = _step(model, ids), _step(twin, ids)
+    torch.testing.assert_close(got.logits, want.logits, atol=1e-5, rtol=1e-5)
+    grads = dict(twin.named_parameters())
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, grads[name].grad, atol=1e-5, rtol=1e-4,
+                                   msg=lambda m: f"gradient of {name}: {m}")
+    assert not model.model.layers[0].forward.fallbacks

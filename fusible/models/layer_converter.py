@@ -68,7 +68,17 @@ class LayerConverter:
     def fused_inputs(self, spec: dict, hidden_states: torch.Tensor, named: dict) -> tuple:
         """The TransformerLayer's inputs after the hidden states, from the arguments of
         the layer's call by name: the rotary positions (Hugging Face's ``position_ids``,
-        ``0..S-1`` when None) where the spec takes them."""
+        ``0..S-1`` when None) where the spec takes them, or (``rotary_tables``) the
+        model's own ``position_embeddings`` tables, one half of each (Hugging Face repeats
+        the angles over both halves of the rotated width)."""
+        if spec.get("rotary_tables"):
+            tables = named.get("position_embeddings")
+            if tables is None:
+                raise TypeError("a Hugging Face layer whose rotary type fusible does not "
+                                "compute takes its model's position_embeddings (cos, sin); "
+                                "got None")
+            half = rotary_width(spec) // 2
+            return tables[0][..., :half], tables[1][..., :half]
         if not spec.get("position_ids"):
             return ()
         position_ids = named.get("position_ids")
@@ -84,6 +94,7 @@ class LayerConverter:
         ``(batch, seq, hidden)`` at ``positions`` ``(seq,)``: Hugging Face's rotary tables
         and the causal mask its attention implementation takes."""
         from_spec = hf_rotary_tables(spec, positions, x.dtype) if spec.get("rotary_base") \
+            else random_rotary_tables(spec, positions, x) if spec.get("rotary_tables") \
             else None
         kwargs: dict = {"position_ids": positions[None],
                         "attention_mask": causal_mask(layer, x)}
@@ -174,10 +185,12 @@ def rotary_options(config, head_dim: int) -> Union[str, dict]:
     if "rope_theta" not in rope:
         return "its config has no rope_parameters (rope_theta) to read"
     rope_type = rope.get("rope_type", "default")
-    if rope_type not in ("default", "llama3"):
-        return f"its rotary embedding is rope_type {rope_type!r} (fused: default, llama3)"
+    fraction = float(rope.get("partial_rotary_factor", 1.0))
+    if rope_type not in ("default", "llama3"):  # yarn, longrope, dynamic...: the model's
+        return {"rotary_base": None, "rotary_tables": True,  # own tables
+                "rotary_fraction": fraction}
     options: dict = {"rotary_base": float(rope["rope_theta"]), "position_ids": True,
-               "rotary_fraction": float(rope.get("partial_rotary_factor", 1.0))}
+               "rotary_fraction": fraction}
     if rope_type == "llama3":
         options["rotary_scaling"] = dict(rope, rope_type="llama3")
     return options
@@ -211,10 +224,26 @@ def causal_mask(layer: nn.Module, x: torch.Tensor) -> Optional[torch.Tensor]:
         blocked, torch.finfo(x.dtype).min)[None, None]
 
 
+def rotary_width(spec: dict) -> int:
+    """The rotated width of a TransformerLayer spec's heads."""
+    return int(round(spec["head_dim"] * spec.get("rotary_fraction", 1.0)))
+
+
+def random_rotary_tables(spec: dict, positions: torch.Tensor, x: torch.Tensor) -> tuple:
+    """Hugging Face-style tables ``(cos, sin)`` ``(1, S, rotary_dim)`` of random angles (both
+    halves alike), for probing a layer that takes its model's tables whatever their
+    frequencies: the probe checks the rotation."""
+    generator = torch.Generator(x.device).manual_seed(2)
+    angles = torch.rand(positions.shape[0], rotary_width(spec) // 2, generator=generator,
+                        device=x.device) * 6.0
+    angles = torch.cat((angles, angles), -1)[None]
+    return angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+
+
 def hf_rotary_tables(spec: dict, positions: torch.Tensor, dtype) -> tuple:
     """Hugging Face's rotary tables ``(cos, sin)`` ``(1, S, rotary_dim)`` (both halves
     alike) for the rotary options of ``spec``."""
-    rotary_dim = int(round(spec["head_dim"] * spec.get("rotary_fraction", 1.0)))
+    rotary_dim = rotary_width(spec)
     scaling = spec.get("rotary_scaling") or {}
     options = RotaryOptions(spec["rotary_base"], rotary_dim, False,
                             float(scaling.get("factor", 1.0)),
