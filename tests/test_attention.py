@@ -153,6 +153,17 @@ def test_q_and_k_norms_before_the_rotary_embedding_as_qwen3():
     _compare(op, lambda x, p: _reference(x, 2, rotary_base=10000.0, norms=p), _qkv(2))
 
 
+def test_zero_centered_q_and_k_norms_scale_by_one_plus_weight_as_gemma3():
+    op = ops.Attention(H, num_kv_heads=2, rotary_base=10000.0, qk_norm=True, head_dim=D,
+                       qk_norm_zero_centered=True)
+    assert not op.q_norm_weight.any() and "qk_norm_zero_centered=True" in op.describe()
+    with torch.no_grad():
+        op.q_norm_weight.uniform_(-0.5, 0.5)
+        op.k_norm_weight.uniform_(-0.5, 0.5)
+    _compare(op, lambda x, p: _reference(x, 2, rotary_base=10000.0, norms=[1 + w for w in p]),
+             _qkv(2))
+
+
 def test_sliding_window_sees_the_last_window_keys():
     op = ops.Attention(H, num_kv_heads=2, rotary_base=10000.0, window=3)
     s = torch.arange(S)

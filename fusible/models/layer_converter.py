@@ -182,6 +182,10 @@ def rotary_options(config, head_dim: int) -> Union[str, dict]:
     """TransformerLayer's rotary arguments from a Hugging Face config's
     ``rope_parameters`` (default and Llama 3.1 rotary types), or why there are none."""
     rope = dict(getattr(config, "rope_parameters", None) or {})
+    if rope and all(isinstance(v, dict) for v in rope.values()):  # one per layer type
+        fractions = {float(v.get("partial_rotary_factor", 1.0)) for v in rope.values()}
+        if len(fractions) == 1:  # Gemma 3: each layer gets its type's tables
+            return {"rotary_base": None, "rotary_tables": True, "rotary_fraction": fractions.pop()}
     if "rope_theta" not in rope:
         return "its config has no rope_parameters (rope_theta) to read"
     rope_type = rope.get("rope_type", "default")

@@ -19,6 +19,7 @@ from fusible.core.results import BackwardResult, ForwardResult
 from fusible.functional import attention as attn
 from fusible.functional import parallel
 from fusible.functional import qkv as qkv_prep
+from fusible.functional.norms import effective_gamma
 from fusible.functional.rotary import RotaryOptions, apply_rotary, rotary_angles
 from fusible.module import BasicOperation
 
@@ -42,6 +43,7 @@ class AttentionForwardArgs:
     rotary: RotaryOptions  # rotary_dim 0: no rotary embedding
     options: attn.AttentionOptions
     eps: float
+    qk_zero_centered: bool = False  # the q/k norms scale by 1 + weight
 
 
 @attrs.define
@@ -100,6 +102,7 @@ class AttentionBackwardArgs:
     rotary: RotaryOptions
     options: attn.AttentionOptions
     need_grad_norms: bool
+    qk_zero_centered: bool = False
 
 
 def _rotary(options: RotaryOptions) -> Optional[RotaryOptions]:
@@ -160,6 +163,9 @@ class Attention(BasicOperation):
         RMSNorm over each q and k head before the rotary embedding, weights
         ``q_norm_weight`` and ``k_norm_weight`` ``(head_dim,)``.
     qk_norm_eps : float
+    qk_norm_zero_centered : bool
+        The q/k norms scale by ``1 + weight`` (computed in float32; Gemma 3's), their
+        weights starting at zero.
     window : int, optional
         Sliding window (Hugging Face's ``sliding_window``): a query sees the keys less than
         ``window`` positions away, itself included.
@@ -215,6 +221,7 @@ class Attention(BasicOperation):
         "head_dim": checks.optional(checks.positive_int("head_dim")),
         "qk_norm": checks.boolean("qk_norm"),
         "qk_norm_eps": checks.positive_real("qk_norm_eps"),
+        "qk_norm_zero_centered": checks.boolean("qk_norm_zero_centered"),
         "window": checks.optional(checks.positive_int("window")),
         "documents": checks.boolean("documents"),
         "position_ids": checks.boolean("position_ids"),
@@ -231,7 +238,8 @@ class Attention(BasicOperation):
                  rotary_interleaved: bool = False, softmax_scale: Optional[float] = None,
                  rotary_fraction: float = 1.0, rotary_scaling: Optional[dict] = None,
                  head_dim: Optional[int] = None, qk_norm: bool = False,
-                 qk_norm_eps: float = 1e-6, window: Optional[int] = None,
+                 qk_norm_eps: float = 1e-6, qk_norm_zero_centered: bool = False,
+                 window: Optional[int] = None,
                  documents: bool = False, position_ids: bool = False,
                  rotary_tables: bool = False, backend: Optional[str] = None, tensor_parallel: bool = False,
                  tensor_parallel_group: GroupArg = None, device: DeviceArg = None,
@@ -246,6 +254,7 @@ class Attention(BasicOperation):
         self.rotary_interleaved, self.rotary_fraction = rotary_interleaved, rotary_fraction
         self.softmax_scale, self.head_dim = softmax_scale, head_dim
         self.qk_norm, self.qk_norm_eps, self.window = qk_norm, qk_norm_eps, window
+        self.qk_norm_zero_centered = qk_norm_zero_centered
         self.documents, self.position_ids, self.backend = documents, position_ids, backend
         self.rotary_tables = rotary_tables
         self.rotary_scaling = self._check_scaling(rotary_scaling)
@@ -255,8 +264,9 @@ class Attention(BasicOperation):
             if head_dim is None:
                 raise ValueError(f"{self.describe()}: qk_norm=True needs head_dim (the size "
                                  f"of the norms' weights)")
-            self.q_norm_weight = nn.Parameter(torch.ones(head_dim, device=device, dtype=dtype))
-            self.k_norm_weight = nn.Parameter(torch.ones(head_dim, device=device, dtype=dtype))
+            init = torch.zeros if qk_norm_zero_centered else torch.ones
+            self.q_norm_weight = nn.Parameter(init(head_dim, device=device, dtype=dtype))
+            self.k_norm_weight = nn.Parameter(init(head_dim, device=device, dtype=dtype))
             self.param_names = ("q_norm_weight", "k_norm_weight")
 
     def _check_heads(self) -> None:
@@ -301,8 +311,8 @@ class Attention(BasicOperation):
         for name in ("rotary_base", "window", "head_dim"):
             if getattr(self, name, None) is not None:
                 text += f", {name}={getattr(self, name)}"
-        for name in ("rotary_interleaved", "qk_norm", "documents", "position_ids",
-                     "rotary_tables", "tensor_parallel"):
+        for name in ("rotary_interleaved", "qk_norm", "qk_norm_zero_centered", "documents",
+                     "position_ids", "rotary_tables", "tensor_parallel"):
             if getattr(self, name, False):
                 text += f", {name}=True"
         if getattr(self, "rotary_fraction", 1.0) != 1.0:
@@ -438,15 +448,17 @@ class Attention(BasicOperation):
         return AttentionForwardArgs(input, cu, pos, cos, sin, qw, kw, layout,
                                     self._rotary_options(layout.head_dim),
                                     self._options(input.device.type, input.dtype,
-                                                  layout.head_dim), float(self.qk_norm_eps))
+                                                  layout.head_dim), float(self.qk_norm_eps),
+                                    self.qk_norm_zero_centered)
 
     @classmethod
     def forward_compute(cls, args, *, in_custom_op=False):
         x, layout, rotary = args.input, args.layout, _rotary(args.rotary)
         b, s = x.shape[:2]
         angles = _angles(x, rotary, args.cu_seqlens, args.position_ids, args.cos, args.sin)
+        qw, kw = _gammas(args.q_norm_weight, args.k_norm_weight, args.qk_zero_centered)
         prepared, (q, k, v), q_rstd, k_rstd = qkv_prep.prepare_forward(
-            x, layout, angles, rotary, args.q_norm_weight, args.k_norm_weight, args.eps)
+            x, layout, angles, rotary, qw, kw, args.eps)
         out, lse, rng = attn.attention_forward(q, k, v, args.options, args.cu_seqlens)
         # aux: distinct tensors (a custom op's results may not alias one another)
         return ForwardResult(out.view(b, s, -1), (),
@@ -475,7 +487,7 @@ class Attention(BasicOperation):
             saved.cos, saved.sin, saved.q_norm_weight, saved.k_norm_weight, layout,
             self._rotary_options(layout.head_dim),
             self._options(grad_output.device.type, grad_output.dtype, layout.head_dim),
-            self.qk_norm and any(needs.params))
+            self.qk_norm and any(needs.params), self.qk_norm_zero_centered)
 
     @classmethod
     def backward_compute(cls, args, *, in_custom_op=False):
@@ -495,9 +507,12 @@ class Attention(BasicOperation):
         if args.q_norm_weight is not None:
             q_in, k_in, _ = qkv_prep.split(args.input, layout)
             norm_saved = (q_in.contiguous(), k_in.contiguous(), args.q_rstd, args.k_rstd,
-                          args.q_norm_weight, args.k_norm_weight)
+                          *_gammas(args.q_norm_weight, args.k_norm_weight,
+                                   args.qk_zero_centered))
         dqkv, dqw, dkw = qkv_prep.prepare_backward(dq, dk, dv, layout, angles, rotary,
                                                    norm_saved, args.need_grad_norms)
+        if args.q_norm_weight is not None and dqw is not None:  # d(1 + w) = dw
+            dqw, dkw = dqw.to(args.q_norm_weight.dtype), dkw.to(args.k_norm_weight.dtype)
         extras = (int(args.cu_seqlens is not None) + int(args.position_ids is not None)
                   + 2 * int(args.cos is not None))
         params = (dqw, dkw) if args.q_norm_weight is not None else ()
@@ -513,7 +528,9 @@ class Attention(BasicOperation):
         cu, pos_ids, cos, sin = self._extras(extra_inputs)
         q, k, v = qkv_prep.split(x, layout)
         if self.qk_norm:
-            q, k = _rms(q, params[0], self.qk_norm_eps), _rms(k, params[1], self.qk_norm_eps)
+            qw, kw = ((1 + params[0], 1 + params[1]) if self.qk_norm_zero_centered
+                      else (params[0], params[1]))
+            q, k = _rms(q, qw, self.qk_norm_eps), _rms(k, kw, self.qk_norm_eps)
         rotary = _rotary(self._rotary_options(layout.head_dim))
         if rotary is not None:
             if cos is None:
@@ -534,6 +551,13 @@ class Attention(BasicOperation):
     @classmethod
     def example(cls):
         return Example((cls(4, num_kv_heads=2, rotary_base=10000.0),), (2, 5, 64), fp8=False)
+
+
+def _gammas(q_weight, k_weight, zero_centered: bool) -> tuple:
+    """What the q and k norms multiply by (``1 + weight`` in float32 when zero-centred)."""
+    if q_weight is None:
+        return None, None
+    return effective_gamma(q_weight, zero_centered), effective_gamma(k_weight, zero_centered)
 
 
 def _rms(x: Tensor, weight: Tensor, eps: float) -> Tensor:

@@ -2,7 +2,9 @@
 gated MLP; Gemma 2 adds a norm after each branch (TransformerLayer's ``"sandwich"``
 residual; HF's ``post_attention_layernorm`` is then the attention branch's, and
 ``pre_feedforward_layernorm`` the MLP's input norm). Refused: attention logit soft-capping
-(Gemma 2's default; the fused attention has none), Gemma 3's q/k norms."""
+(Gemma 2's default; the fused attention has none). Gemma 3's q/k norms scale by
+``1 + weight`` too (the attention's ``qk_norm_zero_centered``), and each layer takes its
+layer type's rotary tables from the model (``rotary_tables``)."""
 
 from __future__ import annotations
 
@@ -28,8 +30,8 @@ class GemmaLayers(LlamaLayers):
             return spec
         if getattr(getattr(layer.self_attn, "config", None), "attn_logit_softcapping", None):
             return "attention logit soft-capping (the fused attention has none)"
-        if hasattr(layer.self_attn, "q_norm"):
-            return "q/k norms scaling by 1 + weight (Gemma 3's; the fused ones scale by weight)"
+        if hasattr(layer.self_attn, "q_norm"):  # Gemma 3's, scaling by 1 + weight too
+            spec.update(qk_norm_zero_centered=True)
         spec.update(zero_centered_gamma=True, activation="geglu",
                     residual="sandwich" if sandwich else "pre_norm")
         return spec
