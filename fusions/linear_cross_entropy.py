@@ -206,5 +206,9 @@ def _scaled_forward_grads(args: LinearLossBackwardArgs) -> BackwardResult:
     if args.need_grad_weight:
         saved = args.saved.grad_weight
         assert saved is not None
-        dw = (saved * args.grad_output.to(saved.dtype)).to(args.weight_grad_dtype)
+        scale = args.grad_output.to(saved.dtype)
+        # scaled in place: this backward is the saved gradient's only reader (a pipeline's
+        # backward runs once), and a second (vocab, hidden) tensor would set the head's peak
+        dw = saved.mul_(scale) if saved.dtype == args.weight_grad_dtype else \
+            (saved * scale).to(args.weight_grad_dtype)
     return BackwardResult(dx, (dw,), (None,))

@@ -251,7 +251,9 @@ def test_the_kernel_is_chosen_explicitly_and_shown():
     assert "Attention(num_heads=4, num_kv_heads=2, causal=True, rotary_base=10000.0) " \
            "[kernel: flash]" in plan.explain()
     assert "kernel: flash" in plan.to_dot()
-    assert attn.choose_backend(None, "cuda", torch.bfloat16, 128, 0, False, "A") == "flash"
+    assert attn.choose_backend(None, "cuda", torch.bfloat16, 128, 0, False, "A") == "cudnn"
+    assert attn.choose_backend(None, "cuda", torch.bfloat16, 256, 0, False, "A") == "flash"
+    assert attn.choose_backend(None, "cuda", torch.bfloat16, 128, 64, False, "A") == "flash"
     with pytest.raises(ValueError, match="no attention kernel on cuda fits .*float16 or "
                                          "bfloat16.*backend='math'"):
         attn.choose_backend(None, "cuda", torch.float32, 128, 0, False, "A")

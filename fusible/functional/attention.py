@@ -77,15 +77,18 @@ def _backend_refusal(backend: str, device_type: str, dtype: torch.dtype,
 def choose_backend(requested: Optional[str], device_type: str, dtype: torch.dtype,
                    head_dim: Optional[int], window: int, documents: bool, where: str) -> str:
     """The backend for this attention: ``requested`` if it can run it (else ValueError
-    naming ``where`` and why), or flash where it can (on the CPU, else math). On a GPU the
-    math kernel is never chosen unasked: ValueError saying why none fits. ``head_dim``
-    None (at planning, before the input's width is known) leaves its check to the run."""
+    naming ``where`` and why), or on CUDA cuDNN's where it can (head_dim up to 128, no
+    window or documents: on the H200 a 1B layer's attention takes 0.33 + 0.95 ms a step
+    there against FlashAttention-2's 0.54 + 1.41), else flash; on the CPU flash, else math.
+    On a GPU the math kernel is never chosen unasked: ValueError saying why none fits.
+    ``head_dim`` None (at planning, before the input's width is known) leaves its check to
+    the run."""
     if requested is not None:
         why = _backend_refusal(requested, device_type, dtype, head_dim, window, documents)
         if why:
             raise ValueError(f"{where}: backend={requested!r} cannot run this attention: {why}")
         return requested
-    order = ("flash", "math") if device_type == "cpu" else ("flash",)
+    order = ("flash", "math") if device_type == "cpu" else ("cudnn", "flash")
     reasons = []
     for backend in order:
         why = _backend_refusal(backend, device_type, dtype, head_dim, window, documents)
