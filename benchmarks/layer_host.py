@@ -71,7 +71,7 @@ def build(row: str):
             return out[0] if isinstance(out, tuple) else out
 
     def step():
-        with context:
+        with context():
             y = call()
         y.backward(torch.ones_like(y))
         x.grad = None
@@ -80,7 +80,7 @@ def build(row: str):
 
     stages = groups = 0
     if not row.startswith("hf"):
-        with context:
+        with context():
             plan = fusible.plan_model(model, *(
                 (x,) if row.startswith("native") else ()),
                 **({} if row.startswith("native") else dict(hidden_states=x, position_ids=pos,
