@@ -47,11 +47,10 @@ def build(row: str):
                     requires_grad=True)
     pos = torch.arange(SEQ, device="cuda")[None]
     tables = rotary(x, pos)
-    context: "contextlib.AbstractContextManager" = contextlib.nullcontext()
-    if "fp8_all" in row:
-        context = fusible.autocast(recipe=fusible.Float8CurrentScaling(gemm_policy=None))
-    elif "fp8" in row:
-        context = fusible.autocast()
+    def context():  # a fresh context manager per use
+        if "fp8_all" in row:
+            return fusible.autocast(recipe=fusible.Float8CurrentScaling(gemm_policy=None))
+        return fusible.autocast() if "fp8" in row else contextlib.nullcontext()
     if row.startswith("native"):
         model = TransformerLayer(HIDDEN, FFN, HEADS, rotary_base=10000.0, device="cuda",
                                  dtype=torch.bfloat16)
