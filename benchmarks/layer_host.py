@@ -60,10 +60,11 @@ def build(row: str):
             return model(x)
     else:
         model = copy.deepcopy(layer)
+        holder = torch.nn.ModuleList([model])  # convert works on a root's children
         if row.startswith("pieces"):
-            fusible.convert(model, fuse_layers=False)
+            fusible.convert(holder, fuse_layers=False)
         elif row.startswith("whole"):
-            fusible.convert(model)
+            fusible.convert(holder)
 
         def call():
             out = model(x, position_ids=pos, position_embeddings=tables)
