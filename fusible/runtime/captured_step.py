@@ -20,7 +20,7 @@ the recipe: a replay under another state raises.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -94,8 +94,8 @@ class CapturedStep:
     graph : torch.cuda.CUDAGraph
     """
 
-    def __init__(self, graph, static_inputs: tuple, static_output: Any, recipe_key,
-                 name: str):
+    def __init__(self, graph: "torch.cuda.CUDAGraph", static_inputs: tuple,
+                 static_output: Any, recipe_key: Optional[str], name: str):
         self.graph, self.static_inputs = graph, static_inputs
         self.static_output, self.recipe_key, self.name = static_output, recipe_key, name
 
@@ -119,7 +119,7 @@ class CapturedStep:
 
 def capture_step(step: Callable, *example_inputs: torch.Tensor,
                  optimizers: Sequence[torch.optim.Optimizer] = (), warmup: int = 3,
-                 pool=None) -> CapturedStep:
+                 pool: Any = None) -> CapturedStep:
     """Capture ``step(*inputs)`` (a whole training step) as one CUDA graph.
 
     Parameters
