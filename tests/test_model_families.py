@@ -225,3 +225,24 @@ def test_fp8_runs_every_fused_layer_gemm_in_fp8(family):
     assert totals["FP8 GEMMs"] == 4 * 2 + linears, (totals, str(report))
     _, want = _loss(twin, ids)
     assert abs(got.item() - want.item()) < 0.05 * abs(want.item())
+
+
+@pytest.mark.usefixtures("fresh_dynamo")
+def test_inductor_compiles_a_converted_model_with_its_fused_layers():
+    """The representative Inductor run (the other families compile with aot_eager above):
+    a converted Llama under torch.compile's default backend runs its fused layers (each
+    stage a custom op, opaque to Inductor) and computes the eager logits and gradients."""
+    model = _spread(FAMILIES["llama"]())
+    fusible.convert(model)
+    ids = _ids()
+    want, want_loss = _loss(model, ids)
+    want_loss.backward()
+    want_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    got, loss = _loss(model, ids, torch.compile(model))
+    loss.backward()
+    assert _relative(got, want) < 1e-5
+    for name, p in model.named_parameters():
+        assert _relative(p.grad, want_grads[name]) < 1e-4, name
+    for layer in _fused_layers(model):
+        assert not layer.forward.fallbacks, dict(layer.forward.fallbacks)
