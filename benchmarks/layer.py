@@ -4,7 +4,9 @@ and the libraries users reach for, side by side in one run (bf16 and FP8, fwd+bw
 Layers: transformers' ``LlamaDecoderLayer`` (sdpa attention, its rotary tables made
 once outside the step as the model does) eager, under ``torch.compile`` and with
 torchao's float8 training (tensorwise) + compile, against ``fusible.layers.TransformerLayer``
-on the same weights, eager and compiled, bf16 and under ``fusible.autocast()``, at
+on the same weights, eager, compiled and with its forward and backward captured as CUDA
+graphs (``fusible.make_graphed_callables``), bf16 and under ``fusible.autocast()`` (its
+GEMM policy), FlashAttention-2 beside the default cuDNN attention, at
 Llama-3-8B widths (2 x 4096 and 1 x 8192 tokens), Llama-3.2-1B widths and torchtitan's
 debugmodel shape. LM head: ``F.linear`` +
 ``F.cross_entropy`` eager and compiled, Liger-Kernel's fused linear cross-entropy (when
@@ -40,8 +42,8 @@ LAYERS = {"llama3_8b": (4096, 14336, 32, 8, 2, 4096),
 HEAD = (4096, 128256, 8192)  # hidden, vocab, tokens
 THETA = 500000.0
 # rows whose kernels --profile writes out
-PROFILED = ("hf_eager", "torchao_fp8_compile", "fusible_eager", "fusible_cudnn_eager",
-            "fusible_fp8_eager", "torch_compile", "liger_eager")
+PROFILED = ("hf_eager", "torchao_fp8_compile", "fusible_eager", "fusible_fp8_eager",
+            "fusible_fp8_compile", "torch_compile", "liger_eager")
 
 
 class HFLayer(nn.Module):
@@ -72,11 +74,16 @@ def build_layer(row: str, shape: tuple):
             from torchao.float8 import convert_to_float8_training
             convert_to_float8_training(model)
     else:
-        backend = {"backend": "cudnn"} if "cudnn" in row else {}
+        backend = {"backend": "flash"} if "flash" in row else {}
         model = TransformerLayer(hidden, ffn, heads, num_kv_heads=kv, rotary_base=THETA,
                                  eps=config.rms_norm_eps, device="cuda", dtype=torch.bfloat16,
                                  **backend)
         model.load_state_dict(llama_layer_state_dict(hf.state_dict()))
+        if "graphed" in row:  # forward and backward as CUDA graphs: no host time per op
+            sample = torch.zeros(batch, seq, hidden, device="cuda", dtype=torch.bfloat16,
+                                 requires_grad=True)
+            with fusible.autocast(enabled="fp8" in row):
+                model = fusible.make_graphed_callables(model, (sample,))
     return model
 
 
@@ -193,8 +200,8 @@ def main() -> None:
             return (x.requires_grad_(),), torch.randn_like(x)
 
         run_rows(["hf_eager", "hf_compile", "torchao_fp8_compile", "fusible_eager",
-                  "fusible_compile", "fusible_cudnn_eager", "fusible_cudnn_compile",
-                  "fusible_fp8_eager", "fusible_fp8_compile"],
+                  "fusible_compile", "fusible_graphed", "fusible_flash_eager",
+                  "fusible_fp8_eager", "fusible_fp8_compile", "fusible_fp8_graphed"],
                  lambda row: build_layer(row, shape), layer_inputs, results, f"layer {name}",
                  args.output, args.profile if name == "llama3_1b" else "")
     hidden, vocab, tokens = HEAD
