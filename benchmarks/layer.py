@@ -33,6 +33,7 @@ import fusible
 from fusible import ops
 from fusible.layers import TransformerLayer, llama_layer_state_dict
 from gpu_mlp import profile_step
+from diagnostics.peak_tensors import peak_breakdown
 
 # name: (hidden, ffn, heads, kv heads, batch, seq)
 LAYERS = {"llama3_8b": (4096, 14336, 32, 8, 2, 4096),
@@ -157,7 +158,7 @@ def _fresh():
 
 
 def run_rows(rows, build, make_inputs, results: dict, key: str, output: str,
-             profile: str = "") -> None:
+             profile: str = "", peaks: str = "") -> None:
     first = None
     for row in rows:
         _fresh()
@@ -171,6 +172,8 @@ def run_rows(rows, build, make_inputs, results: dict, key: str, output: str,
             result["rel_err"] = ((out.float() - first).norm() / first.norm()).item()
             if profile and row in PROFILED:
                 profile_step(step, f"{key} {row}", profile)
+            if peaks and row in ("fusible_eager", "fusible_fp8_eager", "liger_eager"):
+                peak_breakdown(step, f"{key} {row}", peaks)
         except Exception as error:  # a row that cannot run is reported, the rest go on
             result = {"error": repr(error)[:300]}
         results.setdefault(key, {})[row] = result
@@ -184,6 +187,9 @@ def main() -> None:
     parser.add_argument("--output", default="out/layer.json")
     parser.add_argument("--profile", default="", help="kernels of the 1B layer's and the head's PROFILED rows")
     parser.add_argument("--layers", default=",".join(LAYERS))
+    parser.add_argument("--peak-breakdown", default="", metavar="PATH",
+                        help="the tensors alive at the LM head rows' memory peak (its stages "
+                             "then run as custom ops: diagnostics/peak_tensors.py)")
     parser.add_argument("--no-head", dest="head", action="store_false",
                         help="skip the LM head rows")
     args = parser.parse_args()
@@ -216,7 +222,8 @@ def main() -> None:
         run_rows(["torch_eager", "torch_compile", "liger_eager", "fusible_eager",
                   "fusible_compile", "fusible_c1024_eager", "fusible_c4096_eager",
                   "fusible_fp8_eager", "fusible_fp8_compile"],
-                 build_head, head_inputs, results, "lm_head 8b", args.output, args.profile)
+                 build_head, head_inputs, results, "lm_head 8b", args.output, args.profile,
+                 args.peak_breakdown)
 
 
 if __name__ == "__main__":

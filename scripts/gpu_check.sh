@@ -108,7 +108,8 @@ if [[ " $benches " == *" zoo "* ]]; then
 fi
 if [[ " $benches " == *" layer "* ]]; then  # a decoder layer and the LM head (layer.py)
     (cd benchmarks && python3 layer.py --output "$OUT_ABS/layer.json" \
-        --profile "$OUT_ABS/layer_profile.txt" ${LAYERS:+--layers "$LAYERS"} ${LAYER_ARGS:-}) 2>&1 \
+        --profile "$OUT_ABS/layer_profile.txt" --peak-breakdown "$OUT_ABS/layer_peaks.txt" \
+        ${LAYERS:+--layers "$LAYERS"} ${LAYER_ARGS:-}) 2>&1 \
         | tee "$OUT/layer.log"
     bench_rc=$(( bench_rc || PIPESTATUS[0] ))
 fi
