@@ -157,3 +157,25 @@ def test_the_main_example_runs_with_and_without_graphviz(graphviz, tmp_path, mon
     first, last = map(float, re.search(r"loss: ([\d.]+) at the first step, ([\d.]+)",
                                        text).groups())
     assert last < first
+
+
+def test_plan_of_a_hugging_face_model_shows_its_fused_layers(tmp_path, capsys):
+    """`fusible plan --convert` on a transformers model: each decoder layer one
+    TransformerLayer group (a training call builds no KV cache, which would send the
+    layers to their original code), the report's plain-calls entry."""
+    pytest.importorskip("transformers")
+    factory = tmp_path / "hf_llama.py"
+    factory.write_text(
+        "import transformers\n"
+        "def llama():\n"
+        "    config = transformers.LlamaConfig(vocab_size=96, hidden_size=32,\n"
+        "        intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,\n"
+        "        num_key_value_heads=2)\n"
+        "    config._attn_implementation = 'sdpa'\n"
+        "    return transformers.AutoModelForCausalLM.from_config(config)\n")
+    assert cli.main(["plan", f"{factory}:llama", "--convert", "--input-shape", "2,16",
+                     "--tokens", "96", "--diagram", str(tmp_path / "plan")]) == 0
+    out = capsys.readouterr().out
+    assert "plain calls marked" in out
+    assert "model.layers.0-1: identical plans, shown once" in out
+    assert "(the block): TransformerLayer, 12 ops" in out
