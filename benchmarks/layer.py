@@ -123,15 +123,20 @@ def build_head(row: str):
     return model
 
 
-def measure(model, inputs: tuple, compiled: bool, dy=None,
+def measure(model, inputs: tuple, compiled: "bool | str", dy=None,
             context=contextlib.nullcontext) -> tuple:
     """``({"ms", "peak_gib"}, the output, the step)`` of fwd+bwd steps, each forward inside
-    ``context()``."""
-    run = torch.compile(model, fullgraph=True) if compiled else model
+    ``context()``; ``compiled``: False, True, or ``"cudagraphs"`` (torch.compile's
+    reduce-overhead mode: the compiled graphs replayed as CUDA graphs)."""
+    graphs = compiled == "cudagraphs"
+    run = torch.compile(model, fullgraph=True, mode="reduce-overhead" if graphs else None) \
+        if compiled else model
     params = list(model.parameters())
     x = inputs[0]
 
     def step():
+        if graphs:
+            torch.compiler.cudagraph_mark_step_begin()
         with context():
             y = run(*inputs)
         y.backward(dy if dy is not None else None)
@@ -167,7 +172,8 @@ def run_rows(rows, build, make_inputs, results: dict, key: str, output: str,
             inputs, dy = make_inputs()
             context = fusible.autocast if row.startswith("fusible_fp8") else \
                 contextlib.nullcontext
-            result, out, step = measure(model, inputs, row.endswith("compile"), dy, context)
+            compiled = "cudagraphs" if row.endswith("cudagraphs") else row.endswith("compile")
+            result, out, step = measure(model, inputs, compiled, dy, context)
             first = out.float() if first is None else first
             result["rel_err"] = ((out.float() - first).norm() / first.norm()).item()
             if profile and row in PROFILED:
@@ -206,8 +212,10 @@ def main() -> None:
             return (x.requires_grad_(),), torch.randn_like(x)
 
         run_rows(["hf_eager", "hf_compile", "torchao_fp8_compile", "fusible_eager",
-                  "fusible_compile", "fusible_graphed", "fusible_flash_eager",
-                  "fusible_fp8_eager", "fusible_fp8_compile", "fusible_fp8_graphed"],
+                  "fusible_compile", "fusible_graphed", "fusible_compile_cudagraphs",
+                  "fusible_flash_eager", "fusible_fp8_eager", "fusible_fp8_compile",
+                  "fusible_fp8_graphed", "fusible_fp8_compile_cudagraphs",
+                  "hf_compile_cudagraphs", "torchao_fp8_compile_cudagraphs"],
                  lambda row: build_layer(row, shape), layer_inputs, results, f"layer {name}",
                  args.output, args.profile if name == "llama3_1b" else "")
     hidden, vocab, tokens = HEAD
