@@ -127,3 +127,13 @@ def test_recipes_get_the_cost_model_unless_told_otherwise():
     finally:
         set_default_gemm_policy(previous)
     assert _recipe().key != _recipe(None).key
+
+
+def test_fp8_weights_keep_their_gemms_in_fp8():
+    """Weights made FP8 by quantized_model_init run FP8 GEMMs whatever their size: the
+    policy would otherwise dequantize them on every call."""
+    with fusible.quantized_model_init():
+        model = ops.Sequential(ops.Linear(64, 64, bias=False)).to(torch.bfloat16)
+    x = torch.randn(16, 64, dtype=torch.bfloat16)
+    with fusible.autocast(recipe=_recipe()):
+        assert "BasicLinear(in_features=64, out_features=64) [FP8]" in model.plan(x).explain()

@@ -15,7 +15,8 @@ about 1150 with the H200's figures (bf16 GEMMs 670 TFLOP/s, FP8 1300, copies 4.2
 (torchtitan's debugmodel: 192) stay in bf16, without the casts and amax work. The policy
 applies on CUDA; on other devices (the CPU's FP8 emulation) every GEMM the recipe takes
 runs in FP8. A linear layer's ``fp8`` attribute overrides it (True / False; None: the
-policy), and a recipe built with ``gemm_policy=None`` runs every GEMM in FP8.
+policy), a layer whose weights are FP8 already (``quantized_model_init``) runs in FP8, and a
+recipe built with ``gemm_policy=None`` runs every GEMM in FP8.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ from __future__ import annotations
 from typing import Optional
 
 import attrs
+
+from fusible.quantization.tensor.float8_tensor import Float8Tensor
 
 
 @attrs.frozen
@@ -88,6 +91,8 @@ def gemm_decision(recipe, op, device_type: str) -> Optional[str]:
     forced = getattr(op, "fp8", None)
     if forced is not None:
         return None if forced else f"{op.describe()}.fp8 = False"
+    if any(isinstance(p, Float8Tensor) for p in op.parameters()):
+        return None  # its weights are FP8 already (quantized_model_init): FP8 GEMMs
     policy = getattr(recipe, "gemm_policy", None)
     if policy is None or device_type not in policy.devices:
         return None
