@@ -30,6 +30,7 @@ LAYERS = [
     ("fusible.module",),
     ("fusible.ops",),
     ("fusible.layers",),  # building blocks made of ops
+    ("fusible.models.installed_forward",),  # the forwards convert installs: their base
     # the whole-model tools (fusible.models): independent pieces, then what combines them;
     # a module added to the package falls in the lowest of them until it is listed
     ("fusible.models", "fusible.models.checkpoint_names", "fusible.models.glu_rows",

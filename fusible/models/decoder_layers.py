@@ -18,14 +18,14 @@ from __future__ import annotations
 
 import collections
 import copy
-import weakref
-from typing import Optional, Union
+from typing import Optional, Union, cast
 
 import torch
 from torch import nn
 
 from fusible.layers.transformer_layer import TransformerLayer
 from fusible.models.call_arguments import accepted, named_arguments
+from fusible.models.installed_forward import InstalledForward
 from fusible.models import layer_converters  # noqa: F401  (registers the built-ins)
 from fusible.models.layer_converter import (hf_config, layer_converter,
                                             registered_layer_converters)
@@ -69,7 +69,7 @@ def fuse_decoder_layer(layer: nn.Module) -> Union[None, str, "FusedLayerForward"
     return "; ".join(refusals) or None
 
 
-class FusedLayerForward:
+class FusedLayerForward(InstalledForward):
     """The forward :func:`fuse_decoder_layer` installs: the layer as one
     TransformerLayer where the call allows, the original forward otherwise.
 
@@ -88,18 +88,14 @@ class FusedLayerForward:
         mask is the layer's own pattern (:mod:`fusible.models.plain_calls`).
     """
 
+    _copied = ("fused", "plain_calls")
+
     def __init__(self, layer: nn.Module, converter: str, spec: dict, dtype: torch.dtype):
-        self._layer = weakref.ref(layer)  # no reference cycle; and unpickling, the layer
-        self.converter, self.spec, self.dtype = converter, spec, dtype  # is not whole
-        self.fused = TransformerLayer(**spec, device="meta", dtype=dtype)  # yet: not read
+        super().__init__(layer)  # unpickling, the layer is not whole yet: not read here
+        self.converter, self.spec, self.dtype = converter, spec, dtype
+        self.fused = TransformerLayer(**spec, device="meta", dtype=dtype)
         self.fallbacks: collections.Counter = collections.Counter()
         self.plain_calls: Optional[PlainCalls] = None
-
-    def _owner(self) -> nn.Module:
-        layer = self._layer()
-        if layer is None:
-            raise ReferenceError("the layer of this fused forward no longer exists")
-        return layer
 
     def __call__(self, hidden_states, *args, **kwargs):
         layer = self._owner()
@@ -191,11 +187,8 @@ class FusedLayerForward:
         return None
 
     def __deepcopy__(self, memo: dict) -> "FusedLayerForward":
-        new = copy.copy(self)
-        new._layer = weakref.ref(copy.deepcopy(self._owner(), memo))
-        new.fused = copy.deepcopy(self.fused, memo)
-        new.fallbacks = collections.Counter()
-        new.plain_calls = copy.deepcopy(self.plain_calls, memo)
+        new = cast(FusedLayerForward, super().__deepcopy__(memo))
+        new.fallbacks = collections.Counter()  # the copy's own calls
         return new
 
     def __reduce__(self):

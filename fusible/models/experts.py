@@ -21,18 +21,16 @@ grouped GEMMs need.
 from __future__ import annotations
 
 import copy
-import weakref
 from typing import Any, Optional, Union
 
 import torch
 from torch import nn
 
 from fusible import moe, ops
-from fusible.models.probed_modules import probed_module
+from fusible.models.installed_forward import InstalledForward
+from fusible.models.probed_modules import PROBE_TOLERANCE, probed_module
 from fusible.quantization.recipes.autocast import fp8_recipe
 
-# The probe's tolerance, relative to the largest output (float32 copies)
-_PROBE_TOLERANCE = 1e-5
 # The plain attributes of transformers' expert banks, with the values the grouped pipeline
 # computes (transformers' own grouped implementations read these flags); any other (a
 # SwiGLU clamp's ``limit``, an ``alpha``) means other arithmetic: the bank stays
@@ -81,7 +79,7 @@ def _bank_shape(module: nn.Module) -> Optional[tuple]:
     return experts, hidden, twice // 2, gate_up.dtype
 
 
-class FusedExpertsForward:
+class FusedExpertsForward(InstalledForward):
     """The forward :func:`fuse_experts` installs.
 
     Attributes
@@ -94,19 +92,13 @@ class FusedExpertsForward:
 
     def __init__(self, module: nn.Module, experts: int, hidden: int, intermediate: int,
                  dtype: torch.dtype):
-        self._module = weakref.ref(module)
+        super().__init__(module)
         self.num_experts = experts
         meta: dict[str, Any] = {"device": "meta", "dtype": dtype}
         self.fused = ops.Sequential(ops.GroupedLinear(experts, hidden, 2 * intermediate,
                                                          **meta),
                                        ops.SwiGLU(),
                                        ops.GroupedLinear(experts, intermediate, hidden, **meta))
-
-    def _owner(self) -> nn.Module:
-        module = self._module()
-        if module is None:
-            raise ReferenceError("the expert bank of this fused forward no longer exists")
-        return module
 
     def __call__(self, hidden_states, top_k_index, top_k_weights):
         return self.run(self._owner(), hidden_states, top_k_index, top_k_weights)
@@ -147,17 +139,11 @@ class FusedExpertsForward:
                                       probed.down_proj.shape[-1], torch.float32).run(
                 probed, x, index, weights)
         error = (got - want).abs().max().item()
-        bound = _PROBE_TOLERANCE * want.abs().max().item()
+        bound = PROBE_TOLERANCE * want.abs().max().item()  # as a probed module's
         if not error <= bound:
             return (f"it computes other than the grouped experts on a probe input (max "
                     f"error {error:.3g}, tolerance {bound:.3g})")
         return None
-
-    def __deepcopy__(self, memo: dict) -> "FusedExpertsForward":
-        new = copy.copy(self)
-        new._module = weakref.ref(copy.deepcopy(self._owner(), memo))
-        new.fused = copy.deepcopy(self.fused, memo)
-        return new
 
     def __reduce__(self):
         module = self._owner()

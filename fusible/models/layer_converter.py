@@ -147,6 +147,27 @@ def has_children(module: Any, required, optional=()) -> bool:
     return set(required) <= names <= set(required) | set(optional)
 
 
+def separate_projections(spec: dict, input_norm, mlp_norm, qkv: tuple, proj, gate_up: tuple,
+                         down, qk_norms: tuple = ()) -> dict:
+    """The TransformerLayer parameters of a pre-norm layer whose q/k/v and gate/up
+    projections are separate ``nn.Linear`` modules (Llama's, torchtitan's): their weights
+    (and biases, where ``spec`` has them) concatenated by autograd on each call, the rest
+    as they are; ``qk_norms`` the per-head q and k norms, where ``spec`` has them."""
+    params = {"input_norm.weight": input_norm.weight, "mlp_norm.weight": mlp_norm.weight,
+              "qkv.weight": torch.cat([m.weight for m in qkv]), "proj.weight": proj.weight,
+              "fc1.weight": torch.cat([m.weight for m in gate_up]),  # [gate | up]
+              "fc2.weight": down.weight}
+    if spec["qkv_bias"]:
+        params["qkv.bias"] = torch.cat([m.bias for m in qkv])
+    if spec["bias"]:
+        params.update({"proj.bias": proj.bias, "fc2.bias": down.bias,
+                       "fc1.bias": torch.cat([m.bias for m in gate_up])})
+    if spec.get("qk_norm"):
+        params.update({"attention.q_norm_weight": qk_norms[0].weight,
+                       "attention.k_norm_weight": qk_norms[1].weight})
+    return params
+
+
 def norm_eps(norm: nn.Module) -> Optional[float]:
     """A norm module's epsilon (Hugging Face's ``variance_epsilon``, torch's ``eps``)."""
     eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", None))

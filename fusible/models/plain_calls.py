@@ -24,14 +24,13 @@ run its original code. Evaluation-mode calls (generation) keep the model's defau
 
 from __future__ import annotations
 
-import copy
 import inspect
 import threading
-import weakref
 
 from torch import nn
 
 from fusible.models.call_arguments import named_arguments, takes
+from fusible.models.installed_forward import InstalledForward
 
 # A model call's arguments that leave the masks the layers' own pattern, whatever value
 # (not token_type_ids: a prefix-LM's bidirectional prefix comes from them)
@@ -53,18 +52,14 @@ class PlainCalls(threading.local):
         return PlainCalls()
 
 
-class PlainCallsForward:
+class PlainCallsForward(InstalledForward):
     """The forward installed on the model: the original one, marked plain or not."""
 
-    def __init__(self, model: nn.Module, calls: PlainCalls):
-        self._model = weakref.ref(model)
-        self.calls = calls
+    _copied = ("calls",)
 
-    def _owner(self) -> nn.Module:
-        model = self._model()
-        if model is None:
-            raise ReferenceError("the model of this forward no longer exists")
-        return model
+    def __init__(self, model: nn.Module, calls: PlainCalls):
+        super().__init__(model)
+        self.calls = calls
 
     @property
     def __signature__(self) -> inspect.Signature:  # the model's (Trainer reads its columns)
@@ -85,12 +80,6 @@ class PlainCallsForward:
         finally:
             self.calls.active = outer
 
-    def __deepcopy__(self, memo: dict) -> "PlainCallsForward":
-        new = copy.copy(self)
-        new._model = weakref.ref(copy.deepcopy(self._owner(), memo))
-        new.calls = copy.deepcopy(self.calls, memo)
-        return new
-
     def __reduce__(self):
         return PlainCallsForward, (self._owner(), self.calls)
 
@@ -107,7 +96,7 @@ def mark_plain_calls(model: nn.Module, fused: dict) -> list:
     candidates = {path: module for path, module in model.named_modules()
                   if path not in fused and "forward" not in module.__dict__
                   and _inside(path, fused)
-                  and "attention_mask" in inspect.signature(type(module).forward).parameters}
+                  and takes(module, "attention_mask")}
     entries: list = []
     for path, module in candidates.items():
         if any(other != path and (not path or other.startswith(path + "."))
@@ -125,6 +114,6 @@ def mark_plain_calls(model: nn.Module, fused: dict) -> list:
                         f"for the eager attention and under torch.compile)"
                         + ("; in training, use_cache=False unless given (a KV cache no "
                            "step reads, which fused layers cannot fill)"
-                           if "use_cache" in inspect.signature(type(module).forward).parameters
+                           if takes(module, "use_cache")
                            else "")))
     return entries

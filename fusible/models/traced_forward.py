@@ -5,20 +5,20 @@ and methods."""
 
 from __future__ import annotations
 
-import copy
 import importlib
 import inspect
 import types
-import weakref
 from typing import Any, Callable
 
 import torch
 from torch import nn
 
+from fusible.models.installed_forward import InstalledForward
+
 Tensor = torch.Tensor
 
 
-class TracedForward:
+class TracedForward(InstalledForward):
     """A module's forward rewritten by :func:`fuse_residual_adds`: the code fx generated
     from its trace, run with the module as ``self`` (its training or evaluation graph,
     where the forward read ``self.training``).
@@ -28,22 +28,18 @@ class TracedForward:
     module weakly (no reference cycle); deepcopy and pickle carry it to the copy.
     """
 
+    _copied = ("_reads",)
+
     def __init__(self, module: nn.Module, graphs: dict, reads: dict):
         codes = {mode: g.python_code("self") for mode, g in graphs.items()}
         self._start(module, {mode: (c.src, c.globals) for mode, c in codes.items()}, reads)
 
     def _start(self, module: nn.Module, sources: dict, reads: dict) -> None:
-        self._module = weakref.ref(module)
+        super().__init__(module)
         self._sources, self._reads = sources, reads
         self._functions = {mode: _compiled(src, namespace, module)
                            for mode, (src, namespace) in sources.items()}
         self.__signature__ = inspect.signature(type(module).forward.__get__(module))
-
-    def _owner(self) -> nn.Module:
-        module = self._module()
-        if module is None:
-            raise ReferenceError("the module of this rewritten forward no longer exists")
-        return module
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         module = self._owner()
@@ -55,12 +51,6 @@ class TracedForward:
                     f"convert the model again, or with fuse_residuals=False")
         function = self._functions.get(None) or self._functions[module.training]
         return function(module, *args, **kwargs)
-
-    def __deepcopy__(self, memo: dict) -> "TracedForward":
-        new = copy.copy(self)
-        new._module = weakref.ref(copy.deepcopy(self._owner(), memo))
-        new._reads = copy.deepcopy(self._reads, memo)
-        return new
 
     def __reduce__(self):
         sources = {mode: (src, _picklable_globals(namespace))

@@ -6,11 +6,10 @@ from __future__ import annotations
 
 from typing import Any, Union
 
-import torch
 from torch import nn
 
 from fusible.models.layer_converter import (NO_CONFIG, LayerConverter, common_spec,
-                                            has_children, norm_eps)
+                                            has_children, norm_eps, separate_projections)
 
 _ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 _MLP = ("gate_proj", "up_proj", "down_proj")
@@ -53,23 +52,10 @@ class LlamaLayers(LayerConverter):
 
     def parameters(self, layer: Any, spec: dict) -> dict:
         attn, mlp = layer.self_attn, layer.mlp
-        params = {"input_norm.weight": layer.input_layernorm.weight,
-                  "mlp_norm.weight": layer.post_attention_layernorm.weight,
-                  "qkv.weight": torch.cat([attn.q_proj.weight, attn.k_proj.weight,
-                                           attn.v_proj.weight]),
-                  "proj.weight": attn.o_proj.weight,
-                  "fc1.weight": torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]),
-                  "fc2.weight": mlp.down_proj.weight}
-        if spec["qkv_bias"]:
-            params["qkv.bias"] = torch.cat([attn.q_proj.bias, attn.k_proj.bias,
-                                            attn.v_proj.bias])
-        if spec["bias"]:
-            params.update({"proj.bias": attn.o_proj.bias, "fc2.bias": mlp.down_proj.bias,
-                           "fc1.bias": torch.cat([mlp.gate_proj.bias, mlp.up_proj.bias])})
-        if spec.get("qk_norm"):
-            params.update({"attention.q_norm_weight": attn.q_norm.weight,
-                           "attention.k_norm_weight": attn.k_norm.weight})
-        return params
+        return separate_projections(
+            spec, layer.input_layernorm, layer.post_attention_layernorm,
+            (attn.q_proj, attn.k_proj, attn.v_proj), attn.o_proj, (mlp.gate_proj, mlp.up_proj),
+            mlp.down_proj, (getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)))
 
 
 def shaped_like_llama(layer: Any) -> bool:

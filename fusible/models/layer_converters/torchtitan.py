@@ -15,7 +15,8 @@ import torch
 from torch import nn
 
 from fusible.models.call_arguments import takes
-from fusible.models.layer_converter import LayerConverter, has_children, shared_eps
+from fusible.models.layer_converter import (LayerConverter, has_children,
+                                            separate_projections, shared_eps)
 
 _ATTENTION = ("wq", "wk", "wv", "wo")
 _FEED_FORWARD = ("w1", "w2", "w3")
@@ -59,21 +60,9 @@ class TorchTitanLayers(LayerConverter):
 
     def parameters(self, layer: Any, spec: dict) -> dict:
         attn, ff = layer.attention, layer.feed_forward
-        params = {"input_norm.weight": layer.attention_norm.weight,
-                  "mlp_norm.weight": layer.ffn_norm.weight,
-                  "qkv.weight": torch.cat([attn.wq.weight, attn.wk.weight, attn.wv.weight]),
-                  "proj.weight": attn.wo.weight,
-                  "fc1.weight": torch.cat([ff.w1.weight, ff.w3.weight]),  # [gate | up]
-                  "fc2.weight": ff.w2.weight}
-        if spec["qkv_bias"]:
-            params["qkv.bias"] = torch.cat([attn.wq.bias, attn.wk.bias, attn.wv.bias])
-        if spec["bias"]:
-            params.update({"proj.bias": attn.wo.bias, "fc2.bias": ff.w2.bias,
-                           "fc1.bias": torch.cat([ff.w1.bias, ff.w3.bias])})
-        if spec.get("qk_norm"):
-            params.update({"attention.q_norm_weight": attn.q_norm.weight,
-                           "attention.k_norm_weight": attn.k_norm.weight})
-        return params
+        return separate_projections(spec, layer.attention_norm, layer.ffn_norm,
+                                    (attn.wq, attn.wk, attn.wv), attn.wo, (ff.w1, ff.w3), ff.w2,
+                                    (attn.q_norm, attn.k_norm))
 
     def fused_inputs(self, spec: dict, hidden_states: torch.Tensor, named: dict) -> tuple:
         """``(cos, sin)`` of the first ``S`` rows of the call's ``freqs_cis``, as the
