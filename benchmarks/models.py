@@ -1,6 +1,8 @@
 """GPU: whole-model training steps (forward with the loss, backward, fused AdamW), each row
 in a process of its own (Liger patches transformers' classes in place), side by side in one
-run: Hugging Face's LlamaForCausalLM eager, compiled, compiled with CUDA graphs, with
+run: Hugging Face's LlamaForCausalLM eager, compiled, compiled with CUDA graphs
+(``*_cudagraphs``: ``mode="reduce-overhead"``), the whole step captured as one CUDA graph
+(``*_captured``: ``fusible.capture_step``), with
 Liger-Kernel, with torchao's float8 training + compile, the same model after
 ``fusible.convert`` (``converted_*``: its decoder layers fused whole) and the same
 architecture as a native fusible model (``fusible.layers.CausalLM`` on the same weights),
@@ -40,10 +42,12 @@ MOE_CONFIGS = {
         num_attention_heads=32, num_key_value_heads=8, num_local_experts=8,
         num_experts_per_tok=2, vocab_size=32000, max_position_embeddings=8192), 2, 4096),
 }
-ROWS = ["hf_eager", "hf_compile", "hf_compile_cudagraphs", "liger", "torchao_fp8_compile",
-        "converted_eager", "converted_compile", "converted_fp8_eager", "converted_fp8_compile",
-        "fusible_eager", "fusible_compile", "fusible_compile_cudagraphs", "fusible_fp8_eager",
-        "fusible_fp8_compile"]
+ROWS = ["hf_eager", "hf_compile", "hf_compile_cudagraphs", "hf_captured", "liger",
+        "torchao_fp8_compile", "torchao_fp8_compile_cudagraphs",
+        "converted_eager", "converted_compile", "converted_captured", "converted_fp8_eager",
+        "converted_fp8_compile", "converted_fp8_captured",
+        "fusible_eager", "fusible_compile", "fusible_compile_cudagraphs", "fusible_captured",
+        "fusible_fp8_eager", "fusible_fp8_compile", "fusible_fp8_captured"]
 STEPS, WARMUP = 20, 5
 
 
@@ -70,7 +74,7 @@ def _hf_model(config_name: str):
     return model
 
 
-def build(row: str, config_name: str):
+def build(row: str, config_name: str, example_ids):
     """``(step function of (ids, labels) -> loss, the model)`` for one row."""
     import contextlib
     import torch
@@ -112,7 +116,8 @@ def build(row: str, config_name: str):
     if "compile" in row:
         mode = "reduce-overhead" if row.endswith("cudagraphs") else None
         forward = torch.compile(forward, mode=mode)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
+    captured = row.endswith("captured")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True, capturable=captured)
 
     def step(ids, labels):
         if row.endswith("cudagraphs"):
@@ -121,12 +126,16 @@ def build(row: str, config_name: str):
             loss = forward(ids, labels)
         loss.backward()
         optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        optimizer.zero_grad(set_to_none=not captured)  # a captured step keeps its .grad
         return loss.detach()
+    if captured:
+        import fusible
+        return fusible.capture_step(step, example_ids, example_ids,
+                                    optimizers=[optimizer]), model
     return step, model
 
 
-def run_row(row: str, config_name: str) -> dict:
+def run_row(row: str, config_name: str, profile: str = "") -> dict:
     import torch
     if config_name in MOE_CONFIGS:
         _, kwargs, batch, seq = MOE_CONFIGS[config_name]
@@ -134,9 +143,9 @@ def run_row(row: str, config_name: str) -> dict:
     else:
         *_, batch, seq, _ = CONFIGS[config_name]
         vocab = CONFIGS[config_name][5]
-    step, model = build(row, config_name)
     ids = torch.randint(0, vocab, (batch, seq), device="cuda",
                         generator=torch.Generator("cuda").manual_seed(1))
+    step, model = build(row, config_name, ids)
     start = time.perf_counter()
     for _ in range(WARMUP):
         loss = step(ids, ids)
@@ -150,6 +159,9 @@ def run_row(row: str, config_name: str) -> dict:
     end.record()
     torch.cuda.synchronize()
     ms = begin.elapsed_time(end) / STEPS
+    if profile:
+        from gpu_mlp import profile_step
+        profile_step(lambda: step(ids, ids), f"{config_name} {row}", profile)
     return {"ms": ms, "tokens_per_s": batch * seq / ms * 1e3,
             "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
             "loss_after": loss.item(), "steps": WARMUP + STEPS, "warmup_s": warmup_s,
@@ -177,15 +189,18 @@ def main() -> None:
     parser.add_argument("--rows", default=",".join(ROWS))
     parser.add_argument("--row", help="(internal) run this one row here and print it")
     parser.add_argument("--config", help="(internal) of --row")
+    parser.add_argument("--profile", default="", metavar="PATH",
+                        help="append each row's kernels (three steps, by GPU time) to PATH")
     args = parser.parse_args()
     if args.row:
-        print(json.dumps(run_row(args.row, args.config)))
+        print(json.dumps(run_row(args.row, args.config, args.profile)))
         return
     import torch
     results: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
     for config in args.configs.split(","):
         for row in args.rows.split(","):
-            done = subprocess.run([sys.executable, __file__, "--row", row, "--config", config],
+            done = subprocess.run([sys.executable, __file__, "--row", row, "--config", config,
+                                   "--profile", args.profile],
                                   capture_output=True, text=True, timeout=900)
             lines = done.stdout.strip().splitlines()
             try:
