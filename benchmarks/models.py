@@ -104,7 +104,12 @@ def build(row: str, config_name: str, example_ids):
         model = hf
         if row.startswith("converted"):
             import fusible
-            fusible.convert(model)
+            report = fusible.convert(model)
+            whole = "GroupedLinear" if config_name in MOE_CONFIGS else "TransformerLayer"
+            fused = sum(new.startswith(whole) for _, _, new in report.converted)
+            if fused != model.config.num_hidden_layers:  # a converted row measuring HF code
+                raise RuntimeError(f"{fused} of {model.config.num_hidden_layers} layers "
+                                   f"converted to {whole}:\n{report}")
             if "fp8" in row:
                 context = fusible.autocast
         if row.startswith("torchao"):

@@ -155,7 +155,9 @@ class FusedLayerForward(InstalledForward):
             return "its parameters are on the meta device: nothing to probe them with"
         if weight.dtype in (torch.bfloat16, torch.float16):
             probed = copy.deepcopy(layer).float()
-            return FusedLayerForward(probed, self.converter, self.spec, torch.float32).probe()
+            # the float32 stand-in attends by the formulas: CUDA's kernels take 16-bit only
+            spec = {**self.spec, "backend": "math"}
+            return FusedLayerForward(probed, self.converter, spec, torch.float32).probe()
         tolerance = _PROBE_TOLERANCE.get(weight.dtype)
         if tolerance is None:
             return f"no probe tolerance for {weight.dtype}"
