@@ -7,7 +7,7 @@ import torch
 
 import fusible
 from fusible import ops
-from fusible.runtime.captured_step import CaptureCheck
+from fusible.runtime.captured_step import CaptureCheck, as_if_capturing
 
 
 def _model():
@@ -42,7 +42,8 @@ def test_the_check_passes_a_training_step_and_names_what_a_graph_cannot_replay()
     with CaptureCheck():
         plain(x)  # fusible's stages, autograd, the optimizer: all replayable
     with pytest.raises(fusible.UncapturableError, match="_local_scalar_dense.*reads a device "
-                                                         "value on the host"):
+                                                         "value on the host.*called at .*"
+                                                         r"test_captured_step.py:\d+ \(print"):
         with CaptureCheck():
             logs(x)
     with pytest.raises(fusible.UncapturableError, match="index.Tensor.*shape depends on the values"):
@@ -59,3 +60,38 @@ def test_capture_step_refuses_before_capturing():
     with pytest.raises(fusible.UncapturableError, match="AdamW counts its steps on the host: "
                                                          "build it with capturable=True"):
         fusible.capture_step(plain, torch.randn(8, 16), optimizers=[optimizer])
+
+
+def test_the_check_run_takes_the_paths_a_capture_takes():
+    """Code that synchronises only outside a capture (transformers' packed-sequence check
+    of a training call's positions does) passes: the check run sees
+    torch.cuda.is_current_stream_capturing() as True, as the capture will. A converted
+    Hugging Face model's training step passes it, its fused layers running."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=48,
+                                      num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config)
+    fusible.convert(model)
+    ids = torch.randint(0, 96, (2, 8))
+    original = torch.cuda.is_current_stream_capturing
+    with CaptureCheck(), as_if_capturing():
+        model(input_ids=ids, labels=ids).loss.backward()
+    assert all(not layer.forward.fallbacks for layer in model.model.layers)
+    assert torch.cuda.is_current_stream_capturing is original  # restored
+
+    def sync_outside_capture(x):
+        try:
+            capturing = torch.cuda.is_current_stream_capturing()
+        except RuntimeError:  # a CPU build of PyTorch
+            capturing = False
+        if not capturing:
+            x.sum().item()
+        return x * 2
+    with CaptureCheck(), as_if_capturing():
+        sync_outside_capture(torch.ones(2))
+    with pytest.raises(fusible.UncapturableError, match=r"called at .*x\.sum\(\)\.item\(\)"):
+        with CaptureCheck():
+            sync_outside_capture(torch.ones(2))

@@ -12,6 +12,7 @@ from torch import nn
 
 _SIGNATURES: dict = {}  # module class -> its forward's signature
 _LAYOUTS: dict = {}  # module class -> (positional names after self, keyword names, **kwargs?)
+_NAMES: dict = {}  # module class -> (its forward's parameter names, takes **kwargs?)
 
 
 def forward_signature(cls: Any) -> inspect.Signature:
@@ -32,11 +33,19 @@ def _layout(cls: Any) -> Optional[tuple]:
         positional = tuple(p.name for p in params
                            if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD)
         names = frozenset(p.name for p in params if p.kind is not inspect.Parameter.VAR_KEYWORD)
-        required = frozenset(p.name for p in params if p.default is inspect.Parameter.empty
-                             and p.kind is not inspect.Parameter.VAR_KEYWORD)
+        required = tuple(p.name for p in params if p.default is inspect.Parameter.empty
+                         and p.kind is not inspect.Parameter.VAR_KEYWORD)
         _LAYOUTS[cls] = (positional, names, inspect.Parameter.VAR_KEYWORD in kinds, required) \
             if plain else None
     return _LAYOUTS[cls]
+
+
+def read_ahead(cls: Any) -> None:
+    """Read ``cls``'s forward signature now, for the calls to bind later: under
+    ``torch.compile`` a first read would be traced (dynamo 2.11 breaks the graph at the
+    signature's parameter mapping). The forwards ``convert`` installs call it."""
+    _layout(cls)
+    _names(cls)
 
 
 def named_arguments(module: nn.Module, args: tuple, kwargs: dict,
@@ -53,7 +62,7 @@ def named_arguments(module: nn.Module, args: tuple, kwargs: dict,
             if name in named or (name not in names and not var_keyword):
                 return None
             named[name] = value
-        if not required <= named.keys():
+        if not all(name in named for name in required):  # (dynamo 2.11 compares no sets)
             return None
         for name in positional[:skip]:
             named.pop(name, None)
@@ -73,14 +82,24 @@ def named_arguments(module: nn.Module, args: tuple, kwargs: dict,
     return named
 
 
+def _names(cls: Any) -> tuple:
+    """``(parameter names, takes **kwargs)`` of a module class's forward, as plain data
+    (dynamo 2.11 breaks the graph reading a signature's parameter mapping)."""
+    if cls not in _NAMES:
+        parameters = forward_signature(cls).parameters.values()
+        _NAMES[cls] = (frozenset(p.name for p in parameters),
+                       any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters))
+    return _NAMES[cls]
+
+
 def takes(module: nn.Module, name: str) -> bool:
     """Whether ``module``'s forward names the argument ``name``."""
-    return name in forward_signature(type(module)).parameters
+    return name in _names(type(module))[0]
 
 
 def accepted(module: nn.Module, kwargs: dict) -> dict:
     """The keyword arguments ``module``'s forward takes (all of them with ``**kwargs``)."""
-    parameters = forward_signature(type(module)).parameters
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
+    names, var_keyword = _names(type(module))
+    if var_keyword:
         return kwargs
-    return {k: v for k, v in kwargs.items() if k in parameters}
+    return {k: v for k, v in kwargs.items() if k in names}

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from fusible.layers.transformer_layer import TransformerLayer
-from fusible.models.call_arguments import accepted, named_arguments
+from fusible.models.call_arguments import accepted, named_arguments, read_ahead
 from fusible.models.installed_forward import InstalledForward
 from fusible.models import layer_converters  # noqa: F401  (registers the built-ins)
 from fusible.models.layer_converter import (hf_config, layer_converter,
@@ -92,6 +92,7 @@ class FusedLayerForward(InstalledForward):
 
     def __init__(self, layer: nn.Module, converter: str, spec: dict, dtype: torch.dtype):
         super().__init__(layer)  # unpickling, the layer is not whole yet: not read here
+        read_ahead(type(layer))
         self.converter, self.spec, self.dtype = converter, spec, dtype
         self.fused = TransformerLayer(**spec, device="meta", dtype=dtype)
         self.fallbacks: collections.Counter = collections.Counter()

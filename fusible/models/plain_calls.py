@@ -8,8 +8,9 @@ mask, position ids or cache is the layers' own pattern (causal, or none for an e
 and transformers builds it whole in cases where it could have passed None: the eager
 attention always, and under ``torch.compile`` always (it cannot tell, while tracing, that
 position ids it made itself hold one sequence). So ``fusible.convert`` wraps the innermost
-modules whose forward takes an ``attention_mask`` and holds fused layers (a
-``LlamaModel``: the one that builds their mask; a caller above it that builds a mask of
+Hugging Face model (else the innermost module) whose forward takes an ``attention_mask``
+and holds fused layers (a ``LlamaModel``, a ``BertModel``: the one that builds their mask,
+whatever modules inside it it hands the mask to; a caller above it that builds a mask of
 its own passes it down, and the call is not plain) with :class:`PlainCallsForward`: for
 the length of a plain call it marks a :class:`PlainCalls` shared with those layers, which
 then take the mask as their own pattern (unless the model's config has a sliding window
@@ -29,7 +30,7 @@ import threading
 
 from torch import nn
 
-from fusible.models.call_arguments import named_arguments, takes
+from fusible.models.call_arguments import named_arguments, read_ahead, takes
 from fusible.models.installed_forward import InstalledForward
 
 # A model call's arguments that leave the masks the layers' own pattern, whatever value
@@ -60,6 +61,7 @@ class PlainCallsForward(InstalledForward):
     def __init__(self, model: nn.Module, calls: PlainCalls):
         super().__init__(model)
         self.calls = calls
+        read_ahead(type(model))
 
     @property
     def __signature__(self) -> inspect.Signature:  # the model's (Trainer reads its columns)
@@ -88,8 +90,30 @@ def _inside(path: str, fused: dict) -> dict:
     return {p: f for p, f in fused.items() if not path or p.startswith(path + ".")}
 
 
+def _is_hf_model(module: nn.Module) -> bool:
+    return any(cls.__name__ == "PreTrainedModel" for cls in type(module).__mro__)
+
+
+def _builds_the_mask(path: str, candidates: dict) -> bool:
+    """Whether the candidate at ``path`` is the module that builds its layers' mask: the
+    innermost Hugging Face model (a ``PreTrainedModel``: it builds masks from the
+    attention mask it is given only; the modules inside it it hands the mask, a
+    ``BertEncoder``, are not marked), else the innermost candidate (a wrapper of the
+    user's above may build a padding mask of its own)."""
+    def within(outer: str, inner: str) -> bool:
+        return inner != outer and (not outer or inner.startswith(outer + "."))
+    inner = [p for p in candidates if within(path, p)]
+    if any(_is_hf_model(candidates[p]) for p in inner):
+        return False
+    if _is_hf_model(candidates[path]):
+        return True
+    hf_above = any(within(p, path) and _is_hf_model(candidates[p]) for p in candidates)
+    return not inner and not hf_above
+
+
 def mark_plain_calls(model: nn.Module, fused: dict) -> list:
-    """Install :class:`PlainCallsForward` on the innermost modules of ``model`` whose forward
+    """Install :class:`PlainCallsForward` on the modules of ``model`` that build their fused
+    layers' mask (:func:`_builds_the_mask`) among those whose forward
     takes an ``attention_mask`` and that hold fused layers (``fused``: path -> installed
     forward), sharing a :class:`PlainCalls` with those layers' forwards (their
     ``plain_calls``). Returns the report entries ``(path, class name, note)``."""
@@ -99,9 +123,8 @@ def mark_plain_calls(model: nn.Module, fused: dict) -> list:
                   and takes(module, "attention_mask")}
     entries: list = []
     for path, module in candidates.items():
-        if any(other != path and (not path or other.startswith(path + "."))
-               for other in candidates):
-            continue  # a module inside it builds the layers' mask
+        if not _builds_the_mask(path, candidates):
+            continue
         inside = _inside(path, fused)
         calls = PlainCalls()
         module.forward = PlainCallsForward(module, calls)

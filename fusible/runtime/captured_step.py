@@ -14,13 +14,18 @@ captured value (a learning rate held as a Python float, Python counters): keep i
 tensors, as ``capturable=True`` optimizers do.
 
 The warm-up runs (on a side stream, as PyTorch requires) and the check run are real
-training steps: they update the parameters. Under ``fusible.autocast`` the capture pins
+training steps: they update the parameters. The check run sees
+``torch.cuda.is_current_stream_capturing()`` as True, as the capture will (code that
+synchronises only outside a capture, as transformers' mask checks do, passes). Under ``fusible.autocast`` the capture pins
 the recipe: a replay under another state raises.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Sequence
+import contextlib
+import os
+import traceback
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -39,37 +44,66 @@ _DATA_SHAPED = {_aten.nonzero.default, _aten.masked_select.default, _aten.unique
                 _aten.repeat_interleave.Tensor}
 
 
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+
+
 class UncapturableError(RuntimeError):
     """The step does something a CUDA graph cannot replay (see :func:`capture_step`)."""
 
 
 class CaptureCheck(TorchDispatchMode):
     """Raise :class:`UncapturableError` at the first op a CUDA graph could not replay:
-    a host synchronisation, a data-dependent shape, a CPU tensor beside CUDA ones."""
+    a host synchronisation, a data-dependent shape, a CPU tensor beside CUDA ones; the
+    message ends with the line of code that called it."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func in _HOST_SYNC:
-            raise UncapturableError(
-                f"{func}: reads a device value on the host (.item(), bool() or printing a "
-                f"tensor): a CUDA graph replays the device's work only; keep the value on "
-                f"the device, or read it after the replay")
-        if func in _DATA_SHAPED or (func is _aten.index.Tensor and any(
-                isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in args[1])):
-            raise UncapturableError(
-                f"{func}: its result's shape depends on the values, which a CUDA graph "
-                f"fixes at capture")
-        tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-        on = {t.device.type for t in tensors if t.dim() or t.device.type != "cpu"}
-        if "cpu" in on and len(on) > 1:
-            raise UncapturableError(
-                f"{func}: mixes CPU and {sorted(on - {'cpu'})} tensors: host memory is read "
-                f"once at capture (and copying to the CPU waits for the device)")
-        if func is _aten._to_copy.default and kwargs.get("device") is not None and \
-                torch.device(kwargs["device"]).type == "cpu" and "cpu" not in on:
-            raise UncapturableError(f"{func}: copies a device tensor to the CPU (a host "
-                                    f"synchronisation)")
+        why = _uncapturable(func, args, kwargs)
+        if why is not None:
+            raise UncapturableError(f"{func}: {why}{_caller()}")
         return func(*args, **kwargs)
+
+
+def _uncapturable(func, args: tuple, kwargs: dict) -> Optional[str]:
+    """Why a CUDA graph could not replay ``func(*args, **kwargs)``, or None."""
+    if func in _HOST_SYNC:
+        return ("reads a device value on the host (.item(), bool() or printing a tensor): "
+                "a CUDA graph replays the device's work only; keep the value on the device, "
+                "or read it after the replay")
+    if func in _DATA_SHAPED or (func is _aten.index.Tensor and any(
+            isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in args[1])):
+        return "its result's shape depends on the values, which a CUDA graph fixes at capture"
+    tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+    on = {t.device.type for t in tensors if t.dim() or t.device.type != "cpu"}
+    if "cpu" in on and len(on) > 1:
+        return (f"mixes CPU and {sorted(on - {'cpu'})} tensors: host memory is read once at "
+                f"capture (and copying to the CPU waits for the device)")
+    if func is _aten._to_copy.default and kwargs.get("device") is not None and \
+            torch.device(kwargs["device"]).type == "cpu" and "cpu" not in on:
+        return "copies a device tensor to the CPU (a host synchronisation)"
+    return None
+
+
+def _caller() -> str:
+    """``"; called at FILE:LINE (code)"``: the innermost frame outside torch and this
+    module, where the step's code made the op."""
+    for frame in reversed(traceback.extract_stack()):
+        if frame.filename != __file__ and not frame.filename.startswith(_TORCH_DIR):
+            return f"; called at {frame.filename}:{frame.lineno} ({frame.line})"
+    return ""
+
+
+@contextlib.contextmanager
+def as_if_capturing() -> Iterator[None]:
+    """``torch.cuda.is_current_stream_capturing()`` answers True: the check run takes the
+    paths the step's code takes under capture (transformers skips its host-synchronising
+    checks there)."""
+    saved = torch.cuda.is_current_stream_capturing
+    torch.cuda.is_current_stream_capturing = lambda: True
+    try:
+        yield
+    finally:
+        torch.cuda.is_current_stream_capturing = saved
 
 
 def check_optimizers(optimizers: Sequence[torch.optim.Optimizer], name: str) -> None:
@@ -165,7 +199,7 @@ def capture_step(step: Callable, *example_inputs: torch.Tensor,
         raise UncapturableError(f"{name}: a split backward (fusible.split_backward) queues "
                                 f"weight gradients in Python, which a replay skips")
     static_inputs = tuple(t.detach().clone() for t in example_inputs)
-    with CaptureCheck():
+    with CaptureCheck(), as_if_capturing():
         step(*static_inputs)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
