@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from fusible.functional.rotary import RotaryOptions, rotary_angles
+from fusible.models.joined_weights import joined
 
 
 class LayerConverter:
@@ -55,15 +56,24 @@ class LayerConverter:
         every one of the TransformerLayer's."""
         raise NotImplementedError(f"{type(self).__name__}.parameters")
 
+    def joined_groups(self, layer: nn.Module) -> tuple:
+        """The groups of the layer's modules whose weights :meth:`parameters` joins (q/k/v,
+        gate/up), for :func:`fusible.models.joined_weights.colocate` to lay end to end
+        once at conversion (each call's join is then a view). Default: none."""
+        return ()
+
     def fallback(self, layer: nn.Module) -> Optional[str]:
         """Why this call of ``layer`` runs its original forward (e.g. dropout in training,
         which the fused layer does not apply), or None. Default: dropout with ``p > 0``
         anywhere in the layer, in training mode."""
         if not layer.training:
             return None
-        rates = sorted({m.p for m in layer.modules() if isinstance(m, nn.Dropout) and m.p}
-                       | {getattr(m, "attention_dropout", 0.0) for m in layer.modules()} - {0.0})
-        return f"dropout in training (p={rates})" if rates else None
+        rates = set()
+        for m in layer.modules():
+            rates.add(m.p if isinstance(m, nn.Dropout) else 0.0)
+            rates.add(getattr(m, "attention_dropout", 0.0))
+        rates.discard(0.0)
+        return f"dropout in training (p={sorted(rates)})" if rates else None
 
     def fused_inputs(self, spec: dict, hidden_states: torch.Tensor, named: dict) -> tuple:
         """The TransformerLayer's inputs after the hidden states, from the arguments of
@@ -154,14 +164,14 @@ def separate_projections(spec: dict, input_norm, mlp_norm, qkv: tuple, proj, gat
     (and biases, where ``spec`` has them) concatenated by autograd on each call, the rest
     as they are; ``qk_norms`` the per-head q and k norms, where ``spec`` has them."""
     params = {"input_norm.weight": input_norm.weight, "mlp_norm.weight": mlp_norm.weight,
-              "qkv.weight": torch.cat([m.weight for m in qkv]), "proj.weight": proj.weight,
-              "fc1.weight": torch.cat([m.weight for m in gate_up]),  # [gate | up]
+              "qkv.weight": joined([m.weight for m in qkv]), "proj.weight": proj.weight,
+              "fc1.weight": joined([m.weight for m in gate_up]),  # [gate | up]
               "fc2.weight": down.weight}
     if spec["qkv_bias"]:
-        params["qkv.bias"] = torch.cat([m.bias for m in qkv])
+        params["qkv.bias"] = joined([m.bias for m in qkv])
     if spec["bias"]:
         params.update({"proj.bias": proj.bias, "fc2.bias": down.bias,
-                       "fc1.bias": torch.cat([m.bias for m in gate_up])})
+                       "fc1.bias": joined([m.bias for m in gate_up])})
     if spec.get("qk_norm"):
         params.update({"attention.q_norm_weight": qk_norms[0].weight,
                        "attention.k_norm_weight": qk_norms[1].weight})

@@ -6,8 +6,7 @@ from __future__ import annotations
 
 from typing import Any, Union
 
-import torch
-
+from fusible.models.joined_weights import joined
 from fusible.models.layer_converter import (NO_CONFIG, LayerConverter, causal_mask,
                                             has_children, shared_eps)
 
@@ -45,11 +44,15 @@ class BertLayers(LayerConverter):
                     causal=bool(getattr(attention.self, "is_causal", False)),
                     residual="post_norm")
 
+    def joined_groups(self, layer: Any) -> tuple:
+        own = layer.attention.self
+        return ((own.query, own.key, own.value),)
+
     def parameters(self, layer: Any, spec: dict) -> dict:
         attn = layer.attention
         q, k, v = attn.self.query, attn.self.key, attn.self.value
-        return {"qkv.weight": torch.cat([q.weight, k.weight, v.weight]),
-                "qkv.bias": torch.cat([q.bias, k.bias, v.bias]),
+        return {"qkv.weight": joined([q.weight, k.weight, v.weight]),
+                "qkv.bias": joined([q.bias, k.bias, v.bias]),
                 "proj.weight": attn.output.dense.weight, "proj.bias": attn.output.dense.bias,
                 "attention_norm.weight": attn.output.LayerNorm.weight,
                 "attention_norm.bias": attn.output.LayerNorm.bias,

@@ -50,6 +50,10 @@ class LlamaLayers(LayerConverter):
             spec["softmax_scale"] = float(scale)
         return spec
 
+    def joined_groups(self, layer: Any) -> tuple:
+        attn, mlp = layer.self_attn, layer.mlp
+        return (attn.q_proj, attn.k_proj, attn.v_proj), (mlp.gate_proj, mlp.up_proj)
+
     def parameters(self, layer: Any, spec: dict) -> dict:
         attn, mlp = layer.self_attn, layer.mlp
         return separate_projections(

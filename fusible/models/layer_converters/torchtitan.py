@@ -58,6 +58,10 @@ class TorchTitanLayers(LayerConverter):
             spec.update(qk_norm=True, qk_norm_eps=qk_eps)
         return spec
 
+    def joined_groups(self, layer: Any) -> tuple:
+        attn, ff = layer.attention, layer.feed_forward
+        return (attn.wq, attn.wk, attn.wv), (ff.w1, ff.w3)
+
     def parameters(self, layer: Any, spec: dict) -> dict:
         attn, ff = layer.attention, layer.feed_forward
         return separate_projections(spec, layer.attention_norm, layer.ffn_norm,

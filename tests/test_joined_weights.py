@@ -1,0 +1,81 @@
+"""Joined projections (q/k/v, gate/up) of converted layers: laid end to end once at
+conversion, keeping the parameter objects, so that each call joins them as a view (no
+copy forward or backward), with torch.cat's values and gradients; a copy where they no
+longer lie end to end."""
+
+import copy
+
+import pytest
+import torch
+
+import fusible
+from fusible.models.joined_weights import colocate, end_to_end, joined
+
+transformers = pytest.importorskip("transformers")
+
+
+def _linears(*rows, bias=False):
+    torch.manual_seed(0)
+    return [torch.nn.Linear(8, r, bias=bias, dtype=torch.float64) for r in rows]
+
+
+def test_colocate_keeps_the_parameters_and_their_values():
+    modules = _linears(4, 2, 2, bias=True)
+    params = [(m.weight, m.weight.detach().clone(), m.bias, m.bias.detach().clone())
+              for m in modules]
+    colocate(modules)
+    for m, (weight, weight_value, bias, bias_value) in zip(modules, params):
+        assert m.weight is weight and m.bias is bias
+        assert torch.equal(weight, weight_value) and torch.equal(bias, bias_value)
+    assert end_to_end([m.weight for m in modules]) and end_to_end([m.bias for m in modules])
+
+
+def test_joined_is_a_view_with_cats_values_and_gradients():
+    modules = _linears(4, 2, 2)
+    twins = copy.deepcopy(modules)
+    colocate(modules)
+    weights = [m.weight for m in modules]
+    got = joined(weights)
+    assert got.data_ptr() == weights[0].data_ptr()  # no copy
+    want = torch.cat([m.weight for m in twins])
+    assert torch.equal(got, want)
+    x = torch.randn(3, 8, dtype=torch.float64)
+    (x @ got.t()).square().sum().backward()
+    (x @ want.t()).square().sum().backward()
+    for m, twin in zip(modules, twins):
+        assert torch.equal(m.weight.grad, twin.weight.grad)
+
+
+def test_weights_not_end_to_end_are_copied():
+    modules = _linears(4, 2, 2)
+    colocate(modules)
+    for m in modules:
+        m.weight.data = m.weight.data.clone()  # moved, as .to() would
+    weights = [m.weight for m in modules]
+    assert not end_to_end(weights)
+    got = joined(weights)
+    assert got.data_ptr() != weights[0].data_ptr()
+    assert torch.equal(got, torch.cat(weights))
+    assert not end_to_end(weights[::-1])  # out of order
+
+
+def test_a_converted_llama_joins_its_projections_in_place_and_saves_as_before(tmp_path):
+    config = transformers.LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=48,
+                                      num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config)
+    before = {n: (p, p.detach().clone()) for n, p in model.named_parameters()}
+    keys = list(model.state_dict())
+    fusible.convert(model)
+    for name, p in model.named_parameters():
+        assert p is before[name][0] and torch.equal(p, before[name][1]), name
+    assert list(model.state_dict()) == keys
+    attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
+    assert end_to_end([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])
+    assert end_to_end([mlp.gate_proj.weight, mlp.up_proj.weight])
+    model.save_pretrained(tmp_path)
+    loaded = transformers.LlamaForCausalLM.from_pretrained(tmp_path)
+    for name, p in loaded.named_parameters():
+        assert torch.equal(p, before[name][1]), name
