@@ -24,9 +24,10 @@ def colocate(modules: Sequence[nn.Module]) -> None:
     into one new buffer each, keeping the parameter objects; nothing for parameters that
     are not plain dense tensors of one dtype, device and row width."""
     for name in ("weight", "bias"):
-        tensors = [getattr(m, name, None) for m in modules]
-        if not _movable(tensors):
+        found = [getattr(m, name, None) for m in modules]
+        if not _movable(found):
             continue
+        tensors: list[nn.Parameter] = found  # type: ignore[assignment]
         with torch.no_grad():
             buffer = torch.cat([t.detach() for t in tensors])
             offset = 0
