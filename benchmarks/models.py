@@ -49,6 +49,7 @@ ROWS = ["hf_eager", "hf_compile", "hf_compile_cudagraphs", "hf_captured", "liger
         "fusible_eager", "fusible_compile", "fusible_compile_cudagraphs", "fusible_captured",
         "fusible_fp8_eager", "fusible_fp8_compile", "fusible_fp8_captured"]
 STEPS, WARMUP = 20, 5
+CAPTURE_STEPS = 4  # capture_step's own real steps: three warm-ups and the check run
 
 
 def _hf_model(config_name: str):
@@ -167,10 +168,14 @@ def run_row(row: str, config_name: str, profile: str = "") -> dict:
     if profile:
         from gpu_mlp import profile_step
         profile_step(lambda: step(ids, ids), f"{config_name} {row}", profile)
+    fallbacks = _fallbacks(model)
+    if fallbacks.get("fallbacks"):  # a converted row that ran Hugging Face's layers
+        raise RuntimeError(f"{row}: fused layers fell back to the original code: {fallbacks}")
+    extra = CAPTURE_STEPS if row.endswith("captured") else 0
     return {"ms": ms, "tokens_per_s": batch * seq / ms * 1e3,
             "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
-            "loss_after": loss.item(), "steps": WARMUP + STEPS, "warmup_s": warmup_s,
-            **_fallbacks(model)}
+            "loss_after": loss.item(), "steps": WARMUP + STEPS + extra, "warmup_s": warmup_s,
+            **fallbacks}
 
 
 def _fallbacks(model) -> dict:

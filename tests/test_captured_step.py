@@ -95,3 +95,37 @@ def test_the_check_run_takes_the_paths_a_capture_takes():
     with pytest.raises(fusible.UncapturableError, match=r"called at .*x\.sum\(\)\.item\(\)"):
         with CaptureCheck():
             sync_outside_capture(torch.ones(2))
+
+
+def test_the_pretended_capture_is_this_threads_only():
+    """Another thread sees the real answer while a check runs, and the function is
+    restored after blocks opened in two threads close in any order."""
+    import threading
+    original = torch.cuda.is_current_stream_capturing
+    seen, opened, release = [], threading.Event(), threading.Event()
+
+    def other():
+        with as_if_capturing():
+            opened.set()
+            release.wait(10)
+
+    worker = threading.Thread(target=other)
+    worker.start()
+    opened.wait(10)
+    with as_if_capturing():
+        assert torch.cuda.is_current_stream_capturing()
+        probe = threading.Thread(target=lambda: seen.append(
+            torch.cuda.is_current_stream_capturing is original or _real_answer()))
+        probe.start()
+        probe.join()
+    release.set()
+    worker.join()
+    assert seen == [False]
+    assert torch.cuda.is_current_stream_capturing is original
+
+
+def _real_answer() -> bool:
+    try:
+        return torch.cuda.is_current_stream_capturing()
+    except RuntimeError:  # a CPU build of PyTorch
+        return False

@@ -581,3 +581,18 @@ def test_other_rotary_types_take_the_models_own_tables(rope):
         torch.testing.assert_close(p.grad, grads[name].grad, atol=1e-5, rtol=1e-4,
                                    msg=lambda m: f"gradient of {name}: {m}")
     assert not model.model.layers[0].forward.fallbacks
+
+
+def test_the_probe_refuses_a_layer_no_attention_kernel_of_its_device_runs():
+    """The probe of a 16-bit layer computes a float32 copy by the formulas, so it checks
+    apart that a kernel of the layer's own device and dtype takes its heads: a bf16 layer
+    with head_dim 4 on CUDA is refused (every call would raise), on the CPU taken."""
+    from types import SimpleNamespace
+    from fusible.models.decoder_layers import FusedLayerForward
+    fused = SimpleNamespace(spec={"hidden_size": 32, "num_heads": 8, "head_dim": 4})
+    on = lambda device: SimpleNamespace(device=torch.device(device), dtype=torch.bfloat16)  # noqa: E731
+    why = FusedLayerForward._kernel_refusal(fused, on("cuda"))
+    assert "no attention kernel on cuda fits" in why and "head_dim 4" in why, why
+    assert FusedLayerForward._kernel_refusal(fused, on("cpu")) is None
+    fused.spec["head_dim"] = 128
+    assert FusedLayerForward._kernel_refusal(fused, on("cuda")) is None

@@ -23,6 +23,7 @@ from typing import Optional, Union, cast
 import torch
 from torch import nn
 
+from fusible.functional.attention import choose_backend
 from fusible.layers.transformer_layer import TransformerLayer
 from fusible.models.call_arguments import accepted, named_arguments, read_ahead
 from fusible.models.joined_weights import colocate
@@ -160,6 +161,9 @@ class FusedLayerForward(InstalledForward):
         weight = next(layer.parameters())
         if weight.device.type == "meta":
             return "its parameters are on the meta device: nothing to probe them with"
+        why = self._kernel_refusal(weight)
+        if why is not None:
+            return why
         if weight.dtype in (torch.bfloat16, torch.float16):
             probed = copy.deepcopy(layer).float()
             # the float32 stand-in attends by the formulas: CUDA's kernels take 16-bit only
@@ -193,6 +197,18 @@ class FusedLayerForward(InstalledForward):
             return (f"it computes other than the fused layer on a probe input (max error "
                     f"{error:.3g}, tolerance {bound:.3g}: {tolerance} of the largest value "
                     f"the layer adds to its input)")
+        return None
+
+    def _kernel_refusal(self, weight: torch.Tensor) -> Optional[str]:
+        """Why no attention kernel would run this layer's calls (its device and dtype;
+        the probe of a 16-bit layer computes in float32 by the formulas)."""
+        spec = self.spec
+        head_dim = spec.get("head_dim") or spec["hidden_size"] // spec["num_heads"]
+        try:
+            choose_backend(spec.get("backend"), weight.device.type, weight.dtype, head_dim,
+                           spec.get("window", 0), False, "the fused layer")
+        except ValueError as error:
+            return str(error)
         return None
 
     def __deepcopy__(self, memo: dict) -> "FusedLayerForward":

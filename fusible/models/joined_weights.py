@@ -8,8 +8,9 @@ on the meta device) and while dynamo traces (which cannot read addresses), the j
 ``torch.cat``: the same values, a copy per call (at Llama-3-8B widths 285 MB a layer,
 kept for the backward).
 
-A version check of a joined weight saved for the backward sees the first parameter's
-in-place changes only (the parameters keep their own version counters)."""
+Each parameter's in-place changes between the forward and the backward are caught, as
+for a copy. A parameter saved alone (``torch.save(layer.k_proj.weight)``) saves its whole
+buffer, as any view does."""
 
 from __future__ import annotations
 
@@ -49,7 +50,8 @@ def _movable(tensors: list) -> bool:
 def joined(tensors: Sequence[Tensor]) -> Tensor:
     """``torch.cat(tensors)`` (along the rows): a view where they lie end to end in one
     buffer, a copy otherwise."""
-    if not torch.compiler.is_compiling() and end_to_end(tensors):
+    if not torch.compiler.is_compiling() and not torch._C._are_functorch_transforms_active() \
+            and end_to_end(tensors):  # (functorch's wrappers have no storage to read)
         return _JoinedView.apply(*tensors)
     return torch.cat(list(tensors))
 
@@ -78,10 +80,12 @@ class _JoinedView(torch.autograd.Function):
     @staticmethod
     def forward(ctx, *tensors: Tensor) -> Tensor:
         ctx.rows = [t.shape[0] for t in tensors]
+        ctx.save_for_backward(*tensors)  # their versions checked: the view shares the first's
         first = tensors[0].detach()
         return first.as_strided((sum(ctx.rows), *first.shape[1:]), first.stride(),
                                 first.storage_offset())
 
     @staticmethod
     def backward(ctx, grad: Tensor):
+        ctx.saved_tensors  # noqa: B018 - raises if one was changed in place since
         return tuple(grad.split(ctx.rows))

@@ -91,13 +91,16 @@ def _inside(path: str, fused: dict) -> dict:
 
 
 def _is_hf_model(module: nn.Module) -> bool:
-    return any(cls.__name__ == "PreTrainedModel" for cls in type(module).__mro__)
+    """A model class of transformers itself (a remote-code class may build a padding mask
+    of its own, as a user's wrapper may)."""
+    return type(module).__module__.startswith("transformers.") and any(
+        cls.__name__ == "PreTrainedModel" for cls in type(module).__mro__)
 
 
 def _builds_the_mask(path: str, candidates: dict) -> bool:
     """Whether the candidate at ``path`` is the module that builds its layers' mask: the
-    innermost Hugging Face model (a ``PreTrainedModel``: it builds masks from the
-    attention mask it is given only; the modules inside it it hands the mask, a
+    innermost Hugging Face model (a ``PreTrainedModel`` of transformers' own code: it
+    builds masks from the attention mask it is given only; the modules inside it it hands the mask, a
     ``BertEncoder``, are not marked), else the innermost candidate (a wrapper of the
     user's above may build a padding mask of its own)."""
     def within(outer: str, inner: str) -> bool:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 import traceback
 from typing import Any, Callable, Iterator, Optional, Sequence
 
@@ -95,15 +96,35 @@ def _caller() -> str:
 
 @contextlib.contextmanager
 def as_if_capturing() -> Iterator[None]:
-    """``torch.cuda.is_current_stream_capturing()`` answers True: the check run takes the
-    paths the step's code takes under capture (transformers skips its host-synchronising
-    checks there)."""
-    saved = torch.cuda.is_current_stream_capturing
-    torch.cuda.is_current_stream_capturing = lambda: True
+    """In this thread, ``torch.cuda.is_current_stream_capturing()`` answers True: the
+    check run takes the paths the step's code takes under capture (transformers skips its
+    host-synchronising checks there). Other threads see the real answer."""
+    with _PATCH_LOCK:
+        if _PATCHED[0] == 0:
+            _ORIGINAL[0] = torch.cuda.is_current_stream_capturing
+            torch.cuda.is_current_stream_capturing = _capturing
+        _PATCHED[0] += 1
+    _PRETEND.depth = getattr(_PRETEND, "depth", 0) + 1
     try:
         yield
     finally:
-        torch.cuda.is_current_stream_capturing = saved
+        _PRETEND.depth -= 1
+        with _PATCH_LOCK:
+            _PATCHED[0] -= 1
+            if _PATCHED[0] == 0:
+                torch.cuda.is_current_stream_capturing = _ORIGINAL[0]
+
+
+_PATCH_LOCK = threading.Lock()
+_PATCHED = [0]  # how many as_if_capturing blocks are open, in every thread
+_ORIGINAL: list = [None]
+_PRETEND = threading.local()
+
+
+def _capturing() -> bool:
+    """``torch.cuda.is_current_stream_capturing`` while an as_if_capturing block is open
+    somewhere."""
+    return getattr(_PRETEND, "depth", 0) > 0 or _ORIGINAL[0]()
 
 
 def check_optimizers(optimizers: Sequence[torch.optim.Optimizer], name: str) -> None:
@@ -182,7 +203,7 @@ def capture_step(step: Callable, *example_inputs: torch.Tensor,
     ------
     UncapturableError
         Naming the first op of the step a CUDA graph could not replay (checked on a real
-        step before the warm-up), or an optimizer without ``capturable=True``.
+        step after the warm-up), or an optimizer without ``capturable=True``.
     ValueError
         If an input is not a CUDA tensor.
     """
@@ -199,14 +220,14 @@ def capture_step(step: Callable, *example_inputs: torch.Tensor,
         raise UncapturableError(f"{name}: a split backward (fusible.split_backward) queues "
                                 f"weight gradients in Python, which a replay skips")
     static_inputs = tuple(t.detach().clone() for t in example_inputs)
-    with CaptureCheck(), as_if_capturing():
-        step(*static_inputs)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         for _ in range(warmup):
             step(*static_inputs)
     torch.cuda.current_stream().wait_stream(side)
+    with CaptureCheck(), as_if_capturing():  # after the warm-up, as the capture runs
+        step(*static_inputs)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, pool=pool):
         static_output = step(*static_inputs)
