@@ -596,3 +596,64 @@ def test_the_probe_refuses_a_layer_no_attention_kernel_of_its_device_runs():
     assert FusedLayerForward._kernel_refusal(fused, on("cpu")) is None
     fused.spec["head_dim"] = 128
     assert FusedLayerForward._kernel_refusal(fused, on("cuda")) is None
+
+
+class _RemoteStack(torch.nn.Module):
+    """A model's own module taking the mask it is handed (remote code's layout)."""
+
+    def __init__(self, config):
+        super().__init__()
+        from transformers.models.llama.modeling_llama import (LlamaDecoderLayer,
+                                                              LlamaRotaryEmbedding)
+        self.layers = torch.nn.ModuleList(LlamaDecoderLayer(config, i) for i in range(2))
+        self.rotary = LlamaRotaryEmbedding(config)
+
+    def forward(self, hidden_states, attention_mask=None):
+        s = hidden_states.shape[1]
+        positions = torch.arange(s)[None]
+        tables = self.rotary(hidden_states, positions)
+        mask = torch.ones(s, s, dtype=torch.bool).tril()[None, None] \
+            & attention_mask[:, None, None, :].bool()
+        mask = mask | torch.eye(s, dtype=torch.bool)  # no empty rows
+        for layer in self.layers:
+            hidden_states = layer(hidden_states, attention_mask=mask, position_ids=positions,
+                                  position_embeddings=tables)
+        return hidden_states
+
+
+def test_a_remote_code_model_that_builds_padding_is_not_marked():
+    """A PreTrainedModel outside transformers (remote code) may build a padding mask from
+    the pad token when given none: the mark goes on the innermost module, which receives
+    that mask, and the padded call runs the original layers."""
+    transformers = pytest.importorskip("transformers")
+
+    class Outer(transformers.PreTrainedModel):
+        config_class = transformers.LlamaConfig
+        _supports_sdpa = True
+
+        def __init__(self, config):
+            super().__init__(config)
+            self.embed = torch.nn.Embedding(config.vocab_size, config.hidden_size)
+            self.stack = _RemoteStack(config)
+            self.post_init()
+
+        def forward(self, input_ids, attention_mask=None):
+            if attention_mask is None:
+                attention_mask = input_ids != self.config.pad_token_id
+            return self.stack(self.embed(input_ids), attention_mask)
+
+    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48,
+                                      num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, pad_token_id=0)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    model = Outer(config).eval()
+    twin = copy.deepcopy(model)
+    report = fusible.convert(model)
+    marked = [p for p, _, new in report.converted if new.startswith("plain calls marked")]
+    assert marked == ["stack"], str(report)
+    ids = torch.randint(1, VOCAB, (2, 8), generator=torch.Generator().manual_seed(3))
+    ids[0, :4] = 0
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids), twin(ids), atol=1e-5, rtol=1e-5)
+    assert model.stack.layers[0].forward.fallbacks == {"an attention mask": 1}

@@ -79,3 +79,28 @@ def test_a_converted_llama_joins_its_projections_in_place_and_saves_as_before(tm
     loaded = transformers.LlamaForCausalLM.from_pretrained(tmp_path)
     for name, p in loaded.named_parameters():
         assert torch.equal(p, before[name][1]), name
+
+
+def test_a_weight_changed_in_place_before_the_backward_raises():
+    """Any joined parameter changed in place between the forward and the backward is an
+    error, as it is for the copy torch.cat would have made (not only the first one's,
+    whose version counter the view shares)."""
+    modules = _linears(4, 2, 2)
+    colocate(modules)
+    x = torch.randn(3, 8, dtype=torch.float64)
+    y = (x @ joined([m.weight for m in modules]).t()).square().sum()
+    with torch.no_grad():
+        modules[1].weight.mul_(10)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.backward()
+
+
+def test_joins_copy_under_functorch_transforms():
+    """torch.func's wrappers have no storage to read: the join is torch.cat there."""
+    modules = _linears(4, 2)
+    colocate(modules)
+    weights = [m.weight.detach() for m in modules]
+
+    def loss(w0):
+        return (joined([w0, weights[1]]) ** 2).sum()
+    torch.testing.assert_close(torch.func.grad(loss)(weights[0]), 2 * weights[0])
