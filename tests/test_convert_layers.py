@@ -657,3 +657,42 @@ def test_a_remote_code_model_that_builds_padding_is_not_marked():
     with torch.no_grad():
         torch.testing.assert_close(model(ids), twin(ids), atol=1e-5, rtol=1e-5)
     assert model.stack.layers[0].forward.fallbacks == {"an attention mask": 1}
+
+
+def test_a_layer_changed_after_conversion_runs_its_original_code():
+    """A projection wrapped after convert (as an adapter library does: a module of another
+    kind holding the original) would be ignored by the fused layer, which reads the
+    weights it knew: the layer runs its original code instead, saying why, and the
+    wrapper's own weight trains. FSDP2's subclasses of the layer's classes are the same
+    kinds."""
+    model = _model("llama")
+    fusible.convert(model)
+    attn = model.model.layers[0].self_attn
+
+    class Adapter(torch.nn.Module):
+        def __init__(self, base):
+            super().__init__()
+            self.base = base
+            self.extra = torch.nn.Linear(base.in_features, base.out_features, bias=False)
+            torch.nn.init.normal_(self.extra.weight)
+
+        @property
+        def weight(self):
+            return self.base.weight
+
+        def forward(self, x):
+            return self.base(x) + self.extra(x)
+
+    attn.q_proj = Adapter(attn.q_proj)
+    ids = _ids()
+    model(input_ids=ids, labels=ids).loss.backward()
+    forward = model.model.layers[0].forward
+    assert list(forward.fallbacks) == ["its modules changed since conversion (an adapter "
+                                       "added?): the fused layer would not compute them; "
+                                       "convert the model again"]
+    assert attn.q_proj.extra.weight.grad is not None
+    assert not model.model.layers[1].forward.fallbacks
+    layer = model.model.layers[1]
+    layer.__class__ = type("FSDPLlamaDecoderLayer", (type(layer),), {})
+    model(input_ids=ids, labels=ids)
+    assert not layer.forward.fallbacks

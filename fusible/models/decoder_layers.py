@@ -67,6 +67,7 @@ def fuse_decoder_layer(layer: nn.Module) -> Union[None, str, "FusedLayerForward"
             refusals.append(f"{why} ({name} layer converter)")
             continue
         layer.forward = fused
+        fused.module_types = _module_types(layer)
         for group in converter.joined_groups(layer):
             colocate(group)  # each call's join a view, not a copy
         return fused
@@ -102,6 +103,8 @@ class FusedLayerForward(InstalledForward):
         self._slots = {name: _slot(self.fused, name) for name, _ in self.fused.named_parameters()}
         self.fallbacks: collections.Counter = collections.Counter()
         self.plain_calls: Optional[PlainCalls] = None
+        self.module_types: Optional[tuple] = None  # the layer's at conversion (its first call
+        # for an unpickled copy)
 
     def __call__(self, hidden_states, *args, **kwargs):
         layer = self._owner()
@@ -117,6 +120,9 @@ class FusedLayerForward(InstalledForward):
                          seq: int) -> Optional[str]:
         if kwargs is None:
             return "arguments its forward's signature does not name"
+        why = self._changed(layer)
+        if why is not None:
+            return why
         converter = layer_converter(self.converter)
         why = converter.fallback(layer)
         if why is not None:
@@ -134,6 +140,19 @@ class FusedLayerForward(InstalledForward):
         if other:
             return f"keyword arguments the fused layer does not take ({', '.join(other)})"
         return None
+
+    def _changed(self, layer: nn.Module) -> Optional[str]:
+        """Why the layer is no longer what was converted (a module swapped for another
+        kind since: an adapter's wrapper, whose weights the fused layer would not read),
+        or None."""
+        types = _module_types(layer)
+        if self.module_types is None:
+            self.module_types = types
+        if len(types) == len(self.module_types) and all(
+                issubclass(now, then) for now, then in zip(types, self.module_types)):
+            return None  # (FSDP2's fully_shard makes subclasses)
+        return ("its modules changed since conversion (an adapter added?): the fused layer "
+                "would not compute them; convert the model again")
 
     def _mask_is_the_pattern(self, layer: nn.Module, seq: int) -> bool:
         """Whether the call under way is a plain model call (no padding, positions or
@@ -242,3 +261,8 @@ def _call_with(fused: nn.Module, slots: dict, params: dict, inputs: tuple):
     finally:
         for module, leaf, original in saved:
             module._parameters[leaf] = original
+
+
+def _module_types(layer: nn.Module) -> tuple:
+    """The classes of the modules inside ``layer``, in order."""
+    return tuple(type(m) for m in layer.modules())
