@@ -39,7 +39,8 @@ from fusible.models.plain_calls import PlainCalls
 _PROBE_TOLERANCE = {torch.float64: 1e-5, torch.float32: 1e-4}
 FALLBACKS = ("falls back to the original code for dropout in training, a KV cache, an "
              "attention mask given to the model (padding), output_attentions and "
-             "packed-sequence arguments")
+             "packed-sequence arguments, and after a module of the layer is swapped for "
+             "another kind (an adapter)")
 
 
 def fuse_decoder_layer(layer: nn.Module) -> Union[None, str, "FusedLayerForward"]:
