@@ -362,3 +362,35 @@ def test_qkv_rotary_kernel_matches_pytorch_interpreted():
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.strip().endswith("ok")
 
+
+
+def test_sequence_tables_are_kept_per_length_device_and_options():
+    """The tables of positions 0..S-1 are made once per (S, device, options) and read by
+    every later call (the same tensors, equal to rotary_angles'); not kept when asked
+    (tracing with fake tensors, a capture), and the last 16 only."""
+    from fusible.functional import rotary
+    options = rotary.RotaryOptions(10000.0, 8)
+    rotary._SEQUENCE_TABLES.clear()
+    first = rotary.sequence_angles(12, torch.device("cpu"), options)
+    assert rotary.sequence_angles(12, torch.device("cpu"), options) is first
+    want = rotary.rotary_angles(torch.arange(12), options)
+    assert all(torch.equal(a, b) for a, b in zip(first, want))
+    other = rotary.sequence_angles(12, torch.device("cpu"), rotary.RotaryOptions(500.0, 8))
+    assert not torch.equal(other[0], first[0])
+    assert rotary.sequence_angles(12, torch.device("cpu"), options, keep=False) is not first
+    for seq in range(20):
+        rotary.sequence_angles(100 + seq, torch.device("cpu"), options)
+    assert len(rotary._SEQUENCE_TABLES) == 16
+    assert (12, torch.device("cpu"), options) not in rotary._SEQUENCE_TABLES
+
+
+@pytest.mark.usefixtures("fresh_dynamo")
+def test_compiled_attention_after_eager_calls_reads_no_kept_table_while_tracing():
+    """Eager calls keep the tables; a compiled call after them (its stages traced with
+    fake tensors) neither reads nor keeps them there, and gives the eager bits."""
+    torch.manual_seed(0)
+    op = ops.Attention(num_heads=2, rotary_base=10000.0)
+    x = torch.randn(2, 6, 3 * 2 * 8)
+    want = op(x)
+    got = torch.compile(op, backend="aot_eager", fullgraph=True)(x)
+    assert torch.equal(got, want)

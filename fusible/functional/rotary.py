@@ -18,6 +18,8 @@ rotation is computed in float32 (float64 for float64 inputs) and rounded once.
 
 from __future__ import annotations
 
+import collections
+
 import math
 
 import attrs
@@ -79,6 +81,30 @@ def rotary_angles(positions: Tensor, options: RotaryOptions) -> tuple[Tensor, Te
     """``(cos, sin)`` float32 of shape ``positions.shape + (rotary_dim / 2,)``."""
     angles = positions.float()[..., None] * inverse_frequencies(options, positions.device)
     return angles.cos(), angles.sin()
+
+
+_SEQUENCE_TABLES: collections.OrderedDict = collections.OrderedDict()
+_TABLES_KEPT = 16
+
+
+def sequence_angles(seq: int, device: torch.device, options: RotaryOptions,
+                    keep: bool = True) -> tuple[Tensor, Tensor]:
+    """``rotary_angles`` of the positions ``0..seq-1``, kept per ``(seq, device,
+    options)`` (the last 16): every layer of a step, and every step, reads the same tables
+    (on a GPU, eight small kernels a layer call saved). ``keep=False`` (tracing with fake
+    tensors) and a CUDA graph capturing make them afresh, neither read nor kept: a graph
+    must own what it reads (a kept table could be let go while the graph lives)."""
+    keep = keep and not (device.type == "cuda" and torch.cuda.is_current_stream_capturing())
+    key = (seq, device, options)
+    found = _SEQUENCE_TABLES.get(key) if keep else None
+    if found is not None:
+        return found
+    tables = rotary_angles(torch.arange(seq, device=device), options)
+    if keep:
+        _SEQUENCE_TABLES[key] = tables
+        while len(_SEQUENCE_TABLES) > _TABLES_KEPT:
+            _SEQUENCE_TABLES.popitem(last=False)
+    return tables
 
 
 def _pairs(x: Tensor, options: RotaryOptions) -> tuple[Tensor, Tensor]:
