@@ -394,3 +394,26 @@ def test_compiled_attention_after_eager_calls_reads_no_kept_table_while_tracing(
     want = op(x)
     got = torch.compile(op, backend="aot_eager", fullgraph=True)(x)
     assert torch.equal(got, want)
+
+
+def test_position_tables_are_reused_for_the_same_positions_only():
+    """The last call's tables come back for the same position tensor (or a view of it
+    with the same layout) while it is unchanged; a changed one, another tensor or
+    keep=False make them afresh, equal to rotary_angles'."""
+    from fusible.functional import rotary
+    options = rotary.RotaryOptions(10000.0, 8)
+    positions = torch.arange(10)[None]
+    first = rotary.position_angles(positions.expand(2, 10), options)
+    assert rotary.position_angles(positions.expand(2, 10), options) is first
+    assert all(torch.equal(a, b) for a, b in
+               zip(first, rotary.rotary_angles(positions.expand(2, 10), options)))
+    assert rotary.position_angles(positions.expand(2, 10), options, keep=False) is not first
+    other = torch.arange(10)[None].flip(-1)
+    flipped = rotary.position_angles(other.expand(2, 10), options)
+    assert not torch.equal(flipped[0], first[0])
+    again = rotary.position_angles(positions.expand(2, 10), options)
+    assert again is not first and torch.equal(again[0], first[0])
+    positions.add_(1)  # in place: its version moves
+    moved = rotary.position_angles(positions.expand(2, 10), options)
+    assert torch.equal(moved[0], rotary.rotary_angles(positions.expand(2, 10), options)[0])
+    assert not torch.equal(moved[0], first[0])

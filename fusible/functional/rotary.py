@@ -107,6 +107,31 @@ def sequence_angles(seq: int, device: torch.device, options: RotaryOptions,
     return tables
 
 
+_LAST_POSITIONS: list = [None]  # (positions held, their version, options, tables)
+
+
+def position_angles(positions: Tensor, options: RotaryOptions,
+                    keep: bool = True) -> tuple[Tensor, Tensor]:
+    """``rotary_angles(positions, options)``, the last call's tables again where it had the
+    same positions (the memory of a tensor held here, unchanged since: a model hands one
+    position tensor to all its layers, forward and backward). ``keep`` as
+    :func:`sequence_angles`'."""
+    keep = keep and not (positions.device.type == "cuda"
+                         and torch.cuda.is_current_stream_capturing())
+    last = _LAST_POSITIONS[0] if keep else None
+    if last is not None:
+        held, version, held_options, tables = last
+        if (positions.data_ptr() == held.data_ptr() and positions.shape == held.shape
+                and positions.stride() == held.stride() and positions.dtype == held.dtype
+                and positions.device == held.device and positions._version == version
+                and held._version == version and options == held_options):
+            return tables
+    tables = rotary_angles(positions, options)
+    if keep:
+        _LAST_POSITIONS[0] = (positions, positions._version, options, tables)
+    return tables
+
+
 def _pairs(x: Tensor, options: RotaryOptions) -> tuple[Tensor, Tensor]:
     rot = x[..., :options.rotary_dim]
     if options.interleaved:
