@@ -46,6 +46,7 @@ from torch.nn.utils import parametrize
 from torch.nn.utils.spectral_norm import SpectralNorm
 from torch.nn.utils.weight_norm import WeightNorm
 
+from fusible.models.fused_loss import fuse_causal_lm_loss
 from fusible.models.decoder_layers import FALLBACKS, FusedLayerForward, fuse_decoder_layer
 from fusible.models.experts import FusedExpertsForward, fuse_experts
 from fusible.models.plain_calls import mark_plain_calls
@@ -87,7 +88,8 @@ class ConversionReport:
 
 
 def convert(model: nn.Module, *, merge_gated_mlps: bool = False,
-            fuse_residuals: bool = True, fuse_layers: bool = True) -> ConversionReport:
+            fuse_residuals: bool = True, fuse_layers: bool = True,
+            fuse_loss: bool = False) -> ConversionReport:
     """Swap the modules of ``model`` that fusible recognises for fusible ops, in place.
 
     Parameters
@@ -112,6 +114,12 @@ def convert(model: nn.Module, *, merge_gated_mlps: bool = False,
         :class:`fusible.layers.TransformerLayer` with its own parameters (see
         :mod:`fusible.models.decoder_layers`); its children stay as they are, for the calls
         the fused layer does not take (a KV cache, an attention mask).
+    fuse_loss : bool
+        Compute a Hugging Face causal LM's training loss (a training call with
+        ``labels``) with :class:`fusible.ops.LinearCrossEntropy` on its ``lm_head``
+        weight, never making the logits, which such calls then return as None (as
+        Liger-Kernel's fused loss does; see :mod:`fusible.models.fused_loss`): Llama,
+        Mistral, Qwen2 and Qwen3.
 
     Returns
     -------
@@ -126,7 +134,23 @@ def convert(model: nn.Module, *, merge_gated_mlps: bool = False,
     fused = {path: m.__dict__["forward"] for path, m in model.named_modules()
              if isinstance(m.__dict__.get("forward"), FusedLayerForward)}
     converted += mark_plain_calls(model, fused)
+    if fuse_loss:
+        converted += _fuse_losses(model)
     return ConversionReport(tuple(converted), tuple(left))
+
+
+def _fuse_losses(model: nn.Module) -> list:
+    """The report entries of the causal LMs whose loss is now fused; ValueError if none."""
+    entries = []
+    for path, module in list(model.named_modules()):
+        note = fuse_causal_lm_loss(module)
+        if note is not None:
+            entries.append((path, type(module).__name__, note))
+    if not entries:
+        raise ValueError(f"convert(fuse_loss=True): {type(model).__name__} holds no causal LM "
+                         f"whose loss fusible computes (Hugging Face's Llama, Mistral, Qwen2 "
+                         f"and Qwen3 *ForCausalLM with an lm_head without bias)")
+    return entries
 
 
 @attrs.frozen
