@@ -4,7 +4,8 @@ run: Hugging Face's LlamaForCausalLM eager, compiled, compiled with CUDA graphs
 (``*_cudagraphs``: ``mode="reduce-overhead"``), the whole step captured as one CUDA graph
 (``*_captured``: ``fusible.capture_step``), with
 Liger-Kernel, with torchao's float8 training + compile, the same model after
-``fusible.convert`` (``converted_*``: its decoder layers fused whole) and the same
+``fusible.convert`` (``converted_*``: its decoder layers fused whole, and with
+``fuse_loss=True`` its loss by LinearCrossEntropy, no logits made) and the same
 architecture as a native fusible model (``fusible.layers.CausalLM`` on the same weights),
 eager, compiled, bf16 and FP8; mixture-of-experts models (``MOE_CONFIGS``: Qwen3-MoE and
 Mixtral widths, two layers) in the Hugging Face and converted rows. Reports ms per step, tokens/s, peak memory and the loss after the timed
@@ -105,7 +106,8 @@ def build(row: str, config_name: str, example_ids):
         model = hf
         if row.startswith("converted"):
             import fusible
-            report = fusible.convert(model)
+            # the training loss by LinearCrossEntropy (no logits) where the family has it
+            report = fusible.convert(model, fuse_loss=config_name not in MOE_CONFIGS)
             whole = "GroupedLinear" if config_name in MOE_CONFIGS else "TransformerLayer"
             fused = sum(new.startswith(whole) for _, _, new in report.converted)
             if fused != model.config.num_hidden_layers:  # a converted row measuring HF code
