@@ -20,6 +20,7 @@ rm -rf fusible.egg-info
   'transformers', transformers.__version__)"
 if [ $# -eq 0 ]; then
     set -- tests/test_conversion.py tests/test_convert_layers.py tests/test_convert_moe.py \
-        tests/test_model_families.py tests/test_captured_step.py
+        tests/test_model_families.py tests/test_captured_step.py tests/test_fused_loss.py \
+        tests/test_joined_weights.py tests/test_attention.py
 fi
 exec "$VENV/bin/python" -m pytest -q -p no:cacheprovider -p no:logging "$@"
