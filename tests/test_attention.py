@@ -396,24 +396,21 @@ def test_compiled_attention_after_eager_calls_reads_no_kept_table_while_tracing(
     assert torch.equal(got, want)
 
 
-def test_position_tables_are_reused_for_the_same_positions_only():
-    """The last call's tables come back for the same position tensor (or a view of it
-    with the same layout) while it is unchanged; a changed one, another tensor or
-    keep=False make them afresh, equal to rotary_angles'."""
+def test_fusibles_own_positions_read_the_kept_tables_and_no_other_tensor_does():
+    """sequence_positions' tensor (a converted layer's positions in plain calls) reads the
+    kept tables of 0..S-1; another tensor of the same values is computed afresh (its
+    memory could be rewritten unseen); inference mode keeps nothing."""
     from fusible.functional import rotary
+    from fusible.ops.attention import _angles
     options = rotary.RotaryOptions(10000.0, 8)
-    positions = torch.arange(10)[None]
-    first = rotary.position_angles(positions.expand(2, 10), options)
-    assert rotary.position_angles(positions.expand(2, 10), options) is first
-    assert all(torch.equal(a, b) for a, b in
-               zip(first, rotary.rotary_angles(positions.expand(2, 10), options)))
-    assert rotary.position_angles(positions.expand(2, 10), options, keep=False) is not first
-    other = torch.arange(10)[None].flip(-1)
-    flipped = rotary.position_angles(other.expand(2, 10), options)
-    assert not torch.equal(flipped[0], first[0])
-    again = rotary.position_angles(positions.expand(2, 10), options)
-    assert again is not first and torch.equal(again[0], first[0])
-    positions.add_(1)  # in place: its version moves
-    moved = rotary.position_angles(positions.expand(2, 10), options)
-    assert torch.equal(moved[0], rotary.rotary_angles(positions.expand(2, 10), options)[0])
-    assert not torch.equal(moved[0], first[0])
+    x = torch.randn(2, 10, 4)
+    own = rotary.sequence_positions(10, x.device)
+    assert rotary.sequence_positions(10, x.device) is own and torch.equal(own, torch.arange(10))
+    kept = _angles(x, options, None, own, None, None)
+    assert kept is rotary.sequence_angles(10, x.device, options)
+    other = _angles(x, options, None, torch.arange(10), None, None)
+    assert other is not kept and all(torch.equal(a, b.expand_as(a)) for a, b in zip(other, kept))
+    with torch.inference_mode():
+        fresh = rotary.sequence_angles(11, x.device, options)
+        assert rotary.sequence_positions(11, x.device) is not rotary.sequence_positions(11, x.device)
+    assert rotary.sequence_angles(11, x.device, options) is not fresh  # not kept

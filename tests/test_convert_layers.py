@@ -696,3 +696,25 @@ def test_a_layer_changed_after_conversion_runs_its_original_code():
     layer.__class__ = type("FSDPLlamaDecoderLayer", (type(layer),), {})
     model(input_ids=ids, labels=ids)
     assert not layer.forward.fallbacks
+
+
+def test_hooks_inside_a_layer_and_a_change_after_unpickling_run_its_original_code():
+    """A hook on a module inside a fused layer (the fused layer would skip it) and a
+    module swapped after the model was pickled (the kinds at conversion travel with it)
+    both run the original layer, saying why; plan_model's own hooks do not count."""
+    model = _model("llama")
+    fusible.convert(model)
+    ids = _ids()
+    assert [p for p, _ in fusible.plan_model(model, input_ids=ids, use_cache=False).plans][:1] \
+        == ["model.layers.0"]
+    seen = []
+    handle = model.model.layers[0].mlp.down_proj.register_forward_hook(
+        lambda m, a, out: seen.append(out.shape))
+    model(input_ids=ids, use_cache=False)
+    handle.remove()
+    assert seen and dict(model.model.layers[0].forward.fallbacks) == {
+        "hooks on its modules (the fused layer would not run them)": 1}
+    copy_ = pickle.loads(pickle.dumps(model))
+    copy_.model.layers[1].mlp.act_fn = torch.nn.GELU()
+    copy_(input_ids=ids, use_cache=False)
+    assert "its modules changed since conversion" in str(dict(copy_.model.layers[1].forward.fallbacks))

@@ -144,3 +144,45 @@ def test_a_new_lm_head_parameter_is_the_one_read():
     got = model(input_ids=ids, labels=labels).loss
     want = twin(input_ids=ids, labels=labels, use_cache=False).loss
     assert _relative(got, want) < 1e-6
+
+
+def test_what_the_fused_loss_would_not_read_runs_the_models_forward():
+    """An lm_head wrapped after convert (an adapter: its weight property the base's, its
+    own weights added), hooks on lm_head, another ignore_index: the model's forward, its
+    loss the twin's, the reason counted; the forward shows the model's signature (the
+    Trainer picks its columns by it); the head decides FP8 as lm_head says."""
+    import inspect
+    model, twin = _pair("llama")
+    fusible.convert(model, fuse_loss=True)
+    assert {"input_ids", "labels", "attention_mask"} <= set(inspect.signature(model.forward).parameters)
+    ids, labels = _batch()
+    model.lm_head.fp8 = False
+    model(input_ids=ids, labels=labels)
+    assert model.forward.heads["mean"][0].basic_ops()[0].fp8 is False
+
+    class Adapter(torch.nn.Module):
+        def __init__(self, base):
+            super().__init__()
+            self.base, self.extra = base, torch.nn.Linear(32, VOCAB, bias=False)
+
+        @property
+        def weight(self):
+            return self.base.weight
+
+        def forward(self, x):
+            return self.base(x) + self.extra(x)
+
+    model.lm_head = Adapter(model.lm_head)
+    twin.lm_head = Adapter(twin.lm_head)
+    twin.lm_head.extra.load_state_dict(model.lm_head.extra.state_dict())
+    got = model(input_ids=ids, labels=labels)
+    assert got.logits is not None
+    assert _relative(got.loss, twin(input_ids=ids, labels=labels, use_cache=False).loss) < 1e-6
+    model.lm_head = model.lm_head.base
+    handle = model.lm_head.register_forward_hook(lambda *a: None)
+    model(input_ids=ids, labels=labels)
+    handle.remove()
+    model(input_ids=ids, labels=ids, ignore_index=5)
+    assert dict(model.forward.fallbacks) == {
+        "its lm_head is Adapter (an adapter?), not a plain linear layer": 1,
+        "hooks on its lm_head": 1, "ignore_index=5": 1}

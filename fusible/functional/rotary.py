@@ -84,52 +84,55 @@ def rotary_angles(positions: Tensor, options: RotaryOptions) -> tuple[Tensor, Te
 
 
 _SEQUENCE_TABLES: collections.OrderedDict = collections.OrderedDict()
-_TABLES_KEPT = 16
+_POSITIONS: collections.OrderedDict = collections.OrderedDict()
+_KEPT = 16  # the last (seq, device[, options]) of each
+
+
+def _keepable(device: torch.device) -> bool:
+    """Whether what is made now may be kept for later calls: not an inference tensor
+    (training could not save it), not in a CUDA graph's pool (the graph must own what it
+    reads)."""
+    return not torch.is_inference_mode_enabled() and not (
+        device.type == "cuda" and torch.cuda.is_current_stream_capturing())
+
+
+def _kept(store: collections.OrderedDict, key, make, keep: bool):
+    keep = keep and _keepable(key[1])
+    found = store.get(key) if keep else None
+    if found is not None:
+        return found
+    made = make()
+    if keep:
+        store[key] = made
+        while len(store) > _KEPT:
+            store.popitem(last=False)
+    return made
+
+
+def sequence_positions(seq: int, device: torch.device) -> Tensor:
+    """The positions ``0..seq-1`` as one kept tensor per ``(seq, device)``: fusible's own,
+    which nothing writes, so that :func:`sequence_angles` can be known by it (a converted
+    layer hands it to its attention for the model's positions of a plain call). Traced by
+    dynamo, a new tensor (a compiled graph makes its own)."""
+    if torch.compiler.is_compiling():
+        return torch.arange(seq, device=device)
+    return _kept(_POSITIONS, (seq, device), lambda: torch.arange(seq, device=device), True)
+
+
+def is_sequence_positions(positions: Tensor) -> bool:
+    """Whether ``positions`` is :func:`sequence_positions`' tensor of its length."""
+    return _POSITIONS.get((positions.shape[-1], positions.device)) is positions
 
 
 def sequence_angles(seq: int, device: torch.device, options: RotaryOptions,
                     keep: bool = True) -> tuple[Tensor, Tensor]:
     """``rotary_angles`` of the positions ``0..seq-1``, kept per ``(seq, device,
     options)`` (the last 16): every layer of a step, and every step, reads the same tables
-    (on a GPU, eight small kernels a layer call saved). ``keep=False`` (tracing with fake
-    tensors) and a CUDA graph capturing make them afresh, neither read nor kept: a graph
-    must own what it reads (a kept table could be let go while the graph lives)."""
-    keep = keep and not (device.type == "cuda" and torch.cuda.is_current_stream_capturing())
-    key = (seq, device, options)
-    found = _SEQUENCE_TABLES.get(key) if keep else None
-    if found is not None:
-        return found
-    tables = rotary_angles(torch.arange(seq, device=device), options)
-    if keep:
-        _SEQUENCE_TABLES[key] = tables
-        while len(_SEQUENCE_TABLES) > _TABLES_KEPT:
-            _SEQUENCE_TABLES.popitem(last=False)
-    return tables
-
-
-_LAST_POSITIONS: list = [None]  # (positions held, their version, options, tables)
-
-
-def position_angles(positions: Tensor, options: RotaryOptions,
-                    keep: bool = True) -> tuple[Tensor, Tensor]:
-    """``rotary_angles(positions, options)``, the last call's tables again where it had the
-    same positions (the memory of a tensor held here, unchanged since: a model hands one
-    position tensor to all its layers, forward and backward). ``keep`` as
-    :func:`sequence_angles`'."""
-    keep = keep and not (positions.device.type == "cuda"
-                         and torch.cuda.is_current_stream_capturing())
-    last = _LAST_POSITIONS[0] if keep else None
-    if last is not None:
-        held, version, held_options, tables = last
-        if (positions.data_ptr() == held.data_ptr() and positions.shape == held.shape
-                and positions.stride() == held.stride() and positions.dtype == held.dtype
-                and positions.device == held.device and positions._version == version
-                and held._version == version and options == held_options):
-            return tables
-    tables = rotary_angles(positions, options)
-    if keep:
-        _LAST_POSITIONS[0] = (positions, positions._version, options, tables)
-    return tables
+    (on a GPU, eight small kernels a layer call saved); read-only. ``keep=False`` (tracing
+    with fake tensors), inference mode and a CUDA graph capturing make them afresh,
+    neither read nor kept."""
+    return _kept(_SEQUENCE_TABLES, (seq, device, options),
+                 lambda: rotary_angles(torch.arange(seq, device=device), options), keep)
 
 
 def _pairs(x: Tensor, options: RotaryOptions) -> tuple[Tensor, Tensor]:

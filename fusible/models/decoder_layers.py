@@ -149,16 +149,26 @@ class FusedLayerForward(InstalledForward):
         types = _module_types(layer)
         if self.module_types is None:
             self.module_types = types
-        if len(types) == len(self.module_types) and all(
-                issubclass(now, then) for now, then in zip(types, self.module_types)):
-            return None  # (FSDP2's fully_shard makes subclasses)
-        return ("its modules changed since conversion (an adapter added?): the fused layer "
-                "would not compute them; convert the model again")
+        if len(types) != len(self.module_types) or not all(
+                _same_kind(now, then) for now, then in zip(types, self.module_types)):
+            return ("its modules changed since conversion (an adapter added?): the fused "
+                    "layer would not compute them; convert the model again")
+        inside = list(layer.modules())[1:]
+        if any(getattr(m, hooks) for m in inside for hooks in _HOOKS) and any(
+                not getattr(hook, "_fusible_planning", False)
+                for m in inside for hooks in _HOOKS for hook in getattr(m, hooks).values()):
+            return "hooks on its modules (the fused layer would not run them)"
+        return None
+
+    def _plain(self) -> bool:
+        """Whether the call under way is a plain model call (no padding, positions or
+        cache: :mod:`fusible.models.plain_calls`)."""
+        return self.plain_calls is not None and self.plain_calls.active
 
     def _mask_is_the_pattern(self, layer: nn.Module, seq: int) -> bool:
-        """Whether the call under way is a plain model call (no padding, positions or
-        cache) and no sliding window of the model's config is shorter than ``seq``."""
-        if self.plain_calls is None or not self.plain_calls.active:
+        """Whether the call under way is a plain model call and no sliding window of the
+        model's config is shorter than ``seq``."""
+        if not self._plain():
             return False
         window = getattr(hf_config(layer), "sliding_window", None)
         return not isinstance(window, int) or seq <= window
@@ -167,6 +177,9 @@ class FusedLayerForward(InstalledForward):
         """The fused computation on ``(batch, seq, hidden)``, given the call's other
         arguments by name (the rotary positions or tables)."""
         converter = layer_converter(self.converter)
+        if self._plain() and named.get("position_ids") is not None:
+            # a plain call's positions are the model's own 0..S-1 (no cache, none given)
+            named = {**named, "position_ids": None}
         inputs = (hidden_states, *converter.fused_inputs(self.spec, hidden_states, named))
         if self.fused.training != layer.training:  # train() walks every submodule
             self.fused.train(layer.training)
@@ -238,7 +251,7 @@ class FusedLayerForward(InstalledForward):
 
     def __reduce__(self):
         return (FusedLayerForward, (self._owner(), self.converter, self.spec, self.dtype),
-                {"plain_calls": self.plain_calls})
+                {"plain_calls": self.plain_calls, "module_types": self.module_types})
 
 
 def _slot(module: nn.Module, name: str) -> tuple:
@@ -267,3 +280,14 @@ def _call_with(fused: nn.Module, slots: dict, params: dict, inputs: tuple):
 def _module_types(layer: nn.Module) -> tuple:
     """The classes of the modules inside ``layer``, in order."""
     return tuple(type(m) for m in layer.modules())
+
+
+# A module's hooks a call runs: on the modules inside a layer, what the fused layer skips
+# (but plan_model's, marked ``_fusible_planning``, which record what runs)
+_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+
+
+def _same_kind(now: type, then: type) -> bool:
+    """The class a module had at conversion, or FSDP2's subclass of it (``fully_shard``
+    renames a module's class ``FSDP<name>``)."""
+    return now is then or (issubclass(now, then) and now.__name__ == f"FSDP{then.__name__}")

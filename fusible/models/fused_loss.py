@@ -27,11 +27,14 @@ from torch import nn
 from fusible.models.call_arguments import named_arguments, read_ahead
 from fusible.models.installed_forward import InstalledForward
 from fusible.module import Sequential
+from fusible.ops.linear import Linear
 from fusible.ops.linear_cross_entropy import LinearCrossEntropy
 
 _FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 _IGNORE = -100  # ForCausalLMLoss's ignore_index
 _BASE_ONLY = frozenset({"labels", "num_items_in_batch", "logits_to_keep"})
+# A module's hooks a call runs (FSDP2's unshard among them, on an lm_head sharded alone)
+_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
 
 
 def fuse_causal_lm_loss(model: nn.Module) -> Optional[str]:
@@ -89,18 +92,19 @@ class FusedLossForward(InstalledForward):
             return type(model).forward(model, *args, **kwargs)
         labels, items = named["labels"], named.get("num_items_in_batch")
         outputs = model.model(**{k: v for k, v in named.items() if k not in _BASE_ONLY})
-        loss = self._loss(model.lm_head.weight, outputs.last_hidden_state, labels, items)
+        loss = self._loss(model.lm_head, outputs.last_hidden_state, labels, items)
         cache = getattr(outputs, self.cache_field, None)
         return self.output(loss=loss, logits=None, hidden_states=outputs.hidden_states,
                            attentions=outputs.attentions, **{self.cache_field: cache})
 
-    def _loss(self, weight: torch.Tensor, hidden: torch.Tensor, labels: torch.Tensor,
+    def _loss(self, lm_head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor,
               items: Any) -> torch.Tensor:
-        """ForCausalLMLoss of ``hidden @ weight.T`` against ``labels``, each token's label
+        """ForCausalLMLoss of ``lm_head(hidden)`` against ``labels``, each token's label
         the next token's."""
         shifted = torch.nn.functional.pad(labels, (0, 1), value=_IGNORE)[..., 1:]
         reduction = "mean" if items is None else "sum"
-        head = self._head(reduction, weight)
+        head = self._head(reduction, lm_head.weight)
+        self._follow(head, lm_head)
         loss = head(hidden.reshape(-1, hidden.shape[-1]), shifted.reshape(-1).to(hidden.device))
         if items is not None:
             loss = loss / (items.to(loss.device) if isinstance(items, torch.Tensor) else items)
@@ -118,13 +122,27 @@ class FusedLossForward(InstalledForward):
             head[0].weight = weight
         return head
 
+    def _follow(self, head: Sequential, lm_head: nn.Module) -> None:
+        """The head's GEMM decides FP8 as ``lm_head``'s would (its ``fp8`` override)."""
+        fp8 = getattr(lm_head, "fp8", None)
+        gemm = head[0].basic_ops()[0]
+        if gemm.fp8 != fp8:
+            gemm.fp8 = fp8
+
     def __reduce__(self):
         return FusedLossForward, (self._owner(),)
 
 
 def _fallback_reason(model: nn.Module, named: dict) -> Optional[str]:
+    head = model.lm_head
+    if type(head) not in (nn.Linear, Linear) or head.bias is not None:
+        return f"its lm_head is {type(head).__name__} (an adapter?), not a plain linear layer"
+    if any(getattr(head, hooks) for hooks in _HOOKS):
+        return "hooks on its lm_head"
     if getattr(model.loss_function, "__name__", "") != "ForCausalLMLoss":
         return f"its loss function is {getattr(model.loss_function, '__name__', '?')}"
+    if named.get("ignore_index") not in (None, _IGNORE):
+        return f"ignore_index={named['ignore_index']}"
     if named.get("logits_to_keep") not in (None, 0):
         return "logits_to_keep"
     if named.get("shift_labels") is not None:

@@ -7,6 +7,7 @@ of the forward that points at the copied module."""
 from __future__ import annotations
 
 import copy
+import inspect
 import weakref
 
 from torch import nn
@@ -20,6 +21,10 @@ class InstalledForward:
 
     def __init__(self, module: nn.Module):
         self._module = weakref.ref(module)
+
+    @property
+    def __signature__(self) -> inspect.Signature:  # the module's (Trainer reads its columns)
+        return inspect.signature(type(self._owner()).forward.__get__(self._owner()))
 
     def _owner(self) -> nn.Module:
         module = self._module()

@@ -11,7 +11,7 @@ from typing import Any, Optional, Union
 import torch
 from torch import nn
 
-from fusible.functional.rotary import RotaryOptions, rotary_angles
+from fusible.functional.rotary import RotaryOptions, rotary_angles, sequence_positions
 from fusible.models.joined_weights import joined
 
 
@@ -92,8 +92,8 @@ class LayerConverter:
         if not spec.get("position_ids"):
             return ()
         position_ids = named.get("position_ids")
-        if position_ids is None:
-            position_ids = torch.arange(hidden_states.shape[1], device=hidden_states.device)
+        if position_ids is None:  # fusible's own 0..S-1: its rotary tables are kept
+            position_ids = sequence_positions(hidden_states.shape[1], hidden_states.device)
         elif position_ids.shape[0] == 1:
             position_ids = position_ids[0]
         return (position_ids,)

@@ -198,6 +198,8 @@ def plan_model(model: nn.Module, *example_inputs: Any, **example_kwargs: Any) ->
         if started.pop() == len(items):
             items.append(ModelItem(names[id(module)], type(module).__name__))
 
+    for hook in (fusible_call, ordinary_start, ordinary_end):
+        hook._fusible_planning = True  # type: ignore[attr-defined]  (fused layers ignore them)
     fused_layers = _fused_decoder_layers(model)
     names.update({id(fused): path for path, fused in fused_layers})
     try:

@@ -25,7 +25,6 @@ run its original code. Evaluation-mode calls (generation) keep the model's defau
 
 from __future__ import annotations
 
-import inspect
 import threading
 
 from torch import nn
@@ -62,10 +61,6 @@ class PlainCallsForward(InstalledForward):
         super().__init__(model)
         self.calls = calls
         read_ahead(type(model))
-
-    @property
-    def __signature__(self) -> inspect.Signature:  # the model's (Trainer reads its columns)
-        return inspect.signature(type(self._owner()).forward.__get__(self._owner()))
 
     def __call__(self, *args, **kwargs):
         model = self._owner()

@@ -20,7 +20,7 @@ from fusible.functional import attention as attn
 from fusible.functional import parallel
 from fusible.functional import qkv as qkv_prep
 from fusible.functional.norms import effective_gamma
-from fusible.functional.rotary import (RotaryOptions, apply_rotary, position_angles,
+from fusible.functional.rotary import (RotaryOptions, apply_rotary, is_sequence_positions,
                                        rotary_angles, sequence_angles)
 from fusible.module import BasicOperation
 
@@ -119,10 +119,8 @@ def _angles(x: Tensor, rotary, cu_seqlens, position_ids, cos, sin) -> Optional[t
         acc = torch.float64 if x.dtype == torch.float64 else torch.float32
         return cos.to(acc).contiguous(), sin.to(acc).contiguous()  # the kernel's rows
     plain = type(x) is torch.Tensor  # not a fake tensor of a trace
-    if cu_seqlens is None and position_ids is None:  # 0..S-1: the same tables every call
-        return sequence_angles(x.shape[1], x.device, rotary, keep=plain)
-    if cu_seqlens is None:  # the model's one position tensor, layer after layer
-        return position_angles(position_ids.expand(x.shape[0], x.shape[1]), rotary, keep=plain)
+    if cu_seqlens is None and (position_ids is None or is_sequence_positions(position_ids)):
+        return sequence_angles(x.shape[1], x.device, rotary, keep=plain)  # 0..S-1
     pos = qkv_prep.positions(x.shape[0], x.shape[1], cu_seqlens, position_ids, x.device)
     return rotary_angles(pos, rotary)
 
