@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import collections
 import sys
-from typing import Any, Optional
+from typing import Any, Optional, cast
 
 import torch
 from torch import nn
@@ -103,7 +103,7 @@ class FusedLossForward(InstalledForward):
         the next token's."""
         shifted = torch.nn.functional.pad(labels, (0, 1), value=_IGNORE)[..., 1:]
         reduction = "mean" if items is None else "sum"
-        head = self._head(reduction, lm_head.weight)
+        head = self._head(reduction, cast(torch.Tensor, lm_head.weight))
         self._follow(head, lm_head)
         loss = head(hidden.reshape(-1, hidden.shape[-1]), shifted.reshape(-1).to(hidden.device))
         if items is not None:
@@ -134,8 +134,8 @@ class FusedLossForward(InstalledForward):
 
 
 def _fallback_reason(model: nn.Module, named: dict) -> Optional[str]:
-    head = model.lm_head
-    if type(head) not in (nn.Linear, Linear) or head.bias is not None:
+    head = cast(nn.Module, model.lm_head)
+    if type(head) not in (nn.Linear, Linear) or getattr(head, "bias", None) is not None:
         return f"its lm_head is {type(head).__name__} (an adapter?), not a plain linear layer"
     if any(getattr(head, hooks) for hooks in _HOOKS):
         return "hooks on its lm_head"

@@ -199,7 +199,7 @@ def plan_model(model: nn.Module, *example_inputs: Any, **example_kwargs: Any) ->
             items.append(ModelItem(names[id(module)], type(module).__name__))
 
     for hook in (fusible_call, ordinary_start, ordinary_end):
-        hook._fusible_planning = True  # type: ignore[attr-defined]  (fused layers ignore them)
+        setattr(hook, "_fusible_planning", True)  # fused layers do not count these hooks
     fused_layers = _fused_decoder_layers(model)
     names.update({id(fused): path for path, fused in fused_layers})
     try:

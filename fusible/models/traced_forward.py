@@ -6,7 +6,6 @@ and methods."""
 from __future__ import annotations
 
 import importlib
-import inspect
 import types
 from typing import Any, Callable
 
@@ -39,7 +38,6 @@ class TracedForward(InstalledForward):
         self._sources, self._reads = sources, reads
         self._functions = {mode: _compiled(src, namespace, module)
                            for mode, (src, namespace) in sources.items()}
-        self.__signature__ = inspect.signature(type(module).forward.__get__(module))
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         module = self._owner()
