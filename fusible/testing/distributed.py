@@ -64,6 +64,8 @@ def _child(rank, world_size, backend, timeout, init_file, path, module, name, ar
     try:
         result = fn(rank, world_size, *args)
         torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+        if dist.is_initialized():  # no rank tears gloo down while a peer's last collective
+            dist.barrier()         # (a checkpoint's) still runs: a C++ abort otherwise
     finally:
         if dist.is_initialized():  # run_cases destroys it after a failure
             dist.destroy_process_group()
