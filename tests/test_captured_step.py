@@ -67,13 +67,9 @@ def test_the_check_run_takes_the_paths_a_capture_takes():
     of a training call's positions does) passes: the check run sees
     torch.cuda.is_current_stream_capturing() as True, as the capture will. A converted
     Hugging Face model's training step passes it, its fused layers running."""
-    transformers = pytest.importorskip("transformers")
-    config = transformers.LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=48,
-                                      num_hidden_layers=2, num_attention_heads=4,
-                                      num_key_value_heads=2)
-    config._attn_implementation = "sdpa"
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config)
+    pytest.importorskip("transformers")
+    from test_convert_layers import _model
+    model = _model("llama")
     fusible.convert(model)
     ids = torch.randint(0, 96, (2, 8))
     original = torch.cuda.is_current_stream_capturing

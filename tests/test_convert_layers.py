@@ -659,6 +659,24 @@ def test_a_remote_code_model_that_builds_padding_is_not_marked():
     assert model.stack.layers[0].forward.fallbacks == {"an attention mask": 1}
 
 
+class Adapter(torch.nn.Module):
+    """An adapter library's wrapper of a linear layer: its ``weight`` the base's, its
+    own weights added to the output."""
+
+    def __init__(self, base):
+        super().__init__()
+        self.base = base
+        self.extra = torch.nn.Linear(base.in_features, base.out_features, bias=False)
+        torch.nn.init.normal_(self.extra.weight)
+
+    @property
+    def weight(self):
+        return self.base.weight
+
+    def forward(self, x):
+        return self.base(x) + self.extra(x)
+
+
 def test_a_layer_changed_after_conversion_runs_its_original_code():
     """A projection wrapped after convert (as an adapter library does: a module of another
     kind holding the original) would be ignored by the fused layer, which reads the
@@ -668,21 +686,6 @@ def test_a_layer_changed_after_conversion_runs_its_original_code():
     model = _model("llama")
     fusible.convert(model)
     attn = model.model.layers[0].self_attn
-
-    class Adapter(torch.nn.Module):
-        def __init__(self, base):
-            super().__init__()
-            self.base = base
-            self.extra = torch.nn.Linear(base.in_features, base.out_features, bias=False)
-            torch.nn.init.normal_(self.extra.weight)
-
-        @property
-        def weight(self):
-            return self.base.weight
-
-        def forward(self, x):
-            return self.base(x) + self.extra(x)
-
     attn.q_proj = Adapter(attn.q_proj)
     ids = _ids()
     model(input_ids=ids, labels=ids).loss.backward()

@@ -159,19 +159,7 @@ def test_what_the_fused_loss_would_not_read_runs_the_models_forward():
     model.lm_head.fp8 = False
     model(input_ids=ids, labels=labels)
     assert model.forward.heads["mean"][0].basic_ops()[0].fp8 is False
-
-    class Adapter(torch.nn.Module):
-        def __init__(self, base):
-            super().__init__()
-            self.base, self.extra = base, torch.nn.Linear(32, VOCAB, bias=False)
-
-        @property
-        def weight(self):
-            return self.base.weight
-
-        def forward(self, x):
-            return self.base(x) + self.extra(x)
-
+    from test_convert_layers import Adapter
     model.lm_head = Adapter(model.lm_head)
     twin.lm_head = Adapter(twin.lm_head)
     twin.lm_head.extra.load_state_dict(model.lm_head.extra.state_dict())

@@ -60,12 +60,8 @@ def test_weights_not_end_to_end_are_copied():
 
 
 def test_a_converted_llama_joins_its_projections_in_place_and_saves_as_before(tmp_path):
-    config = transformers.LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=48,
-                                      num_hidden_layers=2, num_attention_heads=4,
-                                      num_key_value_heads=2)
-    config._attn_implementation = "sdpa"
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config)
+    from test_convert_layers import _model
+    model = _model("llama")
     before = {n: (p, p.detach().clone()) for n, p in model.named_parameters()}
     keys = list(model.state_dict())
     fusible.convert(model)

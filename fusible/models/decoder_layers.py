@@ -27,7 +27,7 @@ from fusible.functional.attention import choose_backend
 from fusible.layers.transformer_layer import TransformerLayer
 from fusible.models.call_arguments import accepted, named_arguments, read_ahead
 from fusible.models.joined_weights import colocate
-from fusible.models.installed_forward import InstalledForward
+from fusible.models.installed_forward import RUN_HOOKS, InstalledForward
 from fusible.models import layer_converters  # noqa: F401  (registers the built-ins)
 from fusible.models.layer_converter import (hf_config, layer_converter,
                                             registered_layer_converters)
@@ -68,7 +68,7 @@ def fuse_decoder_layer(layer: nn.Module) -> Union[None, str, "FusedLayerForward"
             refusals.append(f"{why} ({name} layer converter)")
             continue
         layer.forward = fused
-        fused.module_types = _module_types(layer)
+        fused.module_types = _module_types(layer.modules())
         for group in converter.joined_groups(layer):
             colocate(group)  # each call's join a view, not a copy
         return fused
@@ -146,17 +146,19 @@ class FusedLayerForward(InstalledForward):
         """Why the layer is no longer what was converted (a module swapped for another
         kind since: an adapter's wrapper, whose weights the fused layer would not read),
         or None."""
-        types = _module_types(layer)
+        modules = list(layer.modules())  # one walk for the kinds and the hooks
+        types = _module_types(modules)
         if self.module_types is None:
             self.module_types = types
         if len(types) != len(self.module_types) or not all(
                 _same_kind(now, then) for now, then in zip(types, self.module_types)):
             return ("its modules changed since conversion (an adapter added?): the fused "
                     "layer would not compute them; convert the model again")
-        inside = list(layer.modules())[1:]
-        if any(getattr(m, hooks) for m in inside for hooks in _HOOKS) and any(
+        inside = modules[1:]
+        # (plan_model's own, marked ``_fusible_planning``, record what runs: not counted)
+        if any(getattr(m, hooks) for m in inside for hooks in RUN_HOOKS) and any(
                 not getattr(hook, "_fusible_planning", False)
-                for m in inside for hooks in _HOOKS for hook in getattr(m, hooks).values()):
+                for m in inside for hooks in RUN_HOOKS for hook in getattr(m, hooks).values()):
             return "hooks on its modules (the fused layer would not run them)"
         return None
 
@@ -277,14 +279,9 @@ def _call_with(fused: nn.Module, slots: dict, params: dict, inputs: tuple):
             module._parameters[leaf] = original
 
 
-def _module_types(layer: nn.Module) -> tuple:
-    """The classes of the modules inside ``layer``, in order."""
-    return tuple(type(m) for m in layer.modules())
-
-
-# A module's hooks a call runs: on the modules inside a layer, what the fused layer skips
-# (but plan_model's, marked ``_fusible_planning``, which record what runs)
-_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+def _module_types(modules) -> tuple:
+    """The classes of ``modules`` (a layer's ``modules()``), in order."""
+    return tuple(type(m) for m in modules)
 
 
 def _same_kind(now: type, then: type) -> bool:

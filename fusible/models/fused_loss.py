@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from fusible.models.call_arguments import named_arguments, read_ahead
-from fusible.models.installed_forward import InstalledForward
+from fusible.models.installed_forward import RUN_HOOKS, InstalledForward
 from fusible.module import Sequential
 from fusible.ops.linear import Linear
 from fusible.ops.linear_cross_entropy import LinearCrossEntropy
@@ -33,8 +33,6 @@ from fusible.ops.linear_cross_entropy import LinearCrossEntropy
 _FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 _IGNORE = -100  # ForCausalLMLoss's ignore_index
 _BASE_ONLY = frozenset({"labels", "num_items_in_batch", "logits_to_keep"})
-# A module's hooks a call runs (FSDP2's unshard among them, on an lm_head sharded alone)
-_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
 
 
 def fuse_causal_lm_loss(model: nn.Module) -> Optional[str]:
@@ -137,7 +135,7 @@ def _fallback_reason(model: nn.Module, named: dict) -> Optional[str]:
     head = cast(nn.Module, model.lm_head)
     if type(head) not in (nn.Linear, Linear) or getattr(head, "bias", None) is not None:
         return f"its lm_head is {type(head).__name__} (an adapter?), not a plain linear layer"
-    if any(getattr(head, hooks) for hooks in _HOOKS):
+    if any(getattr(head, hooks) for hooks in RUN_HOOKS):  # (FSDP2's unshard among them)
         return "hooks on its lm_head"
     if getattr(model.loss_function, "__name__", "") != "ForCausalLMLoss":
         return f"its loss function is {getattr(model.loss_function, '__name__', '?')}"

@@ -13,6 +13,11 @@ import weakref
 from torch import nn
 
 
+# The hook functions a module call runs, by the attribute holding them (what a forward
+# installed in a module's place would skip where it does not call the module itself)
+RUN_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+
+
 class InstalledForward:
     """Holds the module it is installed on; ``_copied`` names the attributes a deep copy
     copies with the module (the rest are shared, as ``copy.copy`` leaves them)."""
