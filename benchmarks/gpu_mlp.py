@@ -121,9 +121,9 @@ def measure_rows(key: str, rows, build, shape: tuple, flops: float, results: dic
             json.dump(results, f, indent=1)
 
 
-def profile_step(step, title: str, path: str) -> None:
-    """Append the kernels of three ``step()`` calls (after three to warm up), by GPU time,
-    to ``path`` under the heading ``title``."""
+def profile_step(step, title: str, path: str, rows: int = 25) -> None:
+    """Append the ``rows`` costliest kernels of three ``step()`` calls (after three to warm
+    up), by GPU time, to ``path`` under the heading ``title``."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
     for _ in range(3):
@@ -135,7 +135,7 @@ def profile_step(step, title: str, path: str) -> None:
         torch.cuda.synchronize()
     with open(path, "a") as f:
         f.write(f"== {title}, 3 steps\n")
-        f.write(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=25))
+        f.write(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=rows))
         f.write("\n")
 
 

@@ -169,7 +169,7 @@ def run_row(row: str, config_name: str, profile: str = "") -> dict:
     ms = begin.elapsed_time(end) / STEPS
     if profile:
         from gpu_mlp import profile_step
-        profile_step(lambda: step(ids, ids), f"{config_name} {row}", profile)
+        profile_step(lambda: step(ids, ids), f"{config_name} {row}", profile, rows=80)
     fallbacks = _fallbacks(model)
     if fallbacks.get("fallbacks"):  # a converted row that ran Hugging Face's layers
         raise RuntimeError(f"{row}: fused layers fell back to the original code: {fallbacks}")
