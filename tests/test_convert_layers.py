@@ -487,6 +487,25 @@ def test_compiled_models_run_the_fused_layers(fresh_dynamo):
     assert layer.forward.fallbacks["an attention mask"] >= 1
 
 
+def test_a_training_step_compiled_on_its_first_call_compiles_once(fresh_dynamo):
+    """The benchmark's way: convert, compile, train; no eager call first. The first
+    compiled call finds each thread's plain-call mark already set (dynamo guards on it) and
+    the fused layers in the model's training mode (no retrace on the second step)."""
+    model, twin = _model("llama"), _model("llama")
+    fusible.convert(model, fuse_loss=True)
+    compiled = torch.compile(lambda ids: model(input_ids=ids, labels=ids).loss,
+                             backend="aot_eager")
+    ids = _ids()
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for _ in range(2):
+            loss = compiled(ids)
+            loss.backward()
+    want = twin(input_ids=ids, labels=ids).loss
+    want.backward()
+    torch.testing.assert_close(loss, want, rtol=1e-5, atol=1e-6)
+    assert not model.model.layers[0].forward.fallbacks
+
+
 def test_a_training_call_builds_no_kv_cache_and_runs_fused():
     """transformers builds a KV cache unless told not to; a training-mode call that says
     nothing about it gets use_cache=False (no cache for a step to read), so the fused

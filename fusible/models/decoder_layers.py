@@ -223,8 +223,9 @@ class FusedLayerForward(InstalledForward):
                 got = self.run(layer, x, named)
         except Exception as failure:  # noqa: BLE001 - a layer the converter misread
             return f"the probe call failed ({type(failure).__name__}: {failure})"
-        finally:
+        finally:  # both back in the layer's mode (a compiled first call would retrace)
             layer.train(training)
+            self.fused.train(training)
         # against what the layer adds to its input: the residual would hide the rest
         error = (got.double() - want.double()).abs().max().item()
         bound = tolerance * (want.double() - x.double()).abs().max().item()

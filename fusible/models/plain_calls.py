@@ -43,7 +43,11 @@ class PlainCalls(threading.local):
     """Whether the wrapped model's call under way in this thread is plain (see the module
     notes)."""
 
-    active = False
+    def __init__(self):
+        # set in every thread's own dict (threading.local runs this per thread): a class
+        # default would leave the dict without it until the first call sets it, and dynamo
+        # guards a compiled call on that absence (the guard then fails in its own frame)
+        self.active = False
 
     def __reduce__(self):
         return PlainCalls, ()  # a fresh mark: no call is under way in the new copy
