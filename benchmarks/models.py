@@ -170,6 +170,8 @@ def run_row(row: str, config_name: str, profile: str = "") -> dict:
     if profile:
         from gpu_mlp import profile_step
         profile_step(lambda: step(ids, ids), f"{config_name} {row}", profile, rows=80)
+        if "eager" in row:  # where the host's time goes, by Python function
+            _host_profile(lambda: step(ids, ids), f"{config_name} {row}", profile + ".host.txt")
     fallbacks = _fallbacks(model)
     if fallbacks.get("fallbacks"):  # a converted row that ran Hugging Face's layers
         raise RuntimeError(f"{row}: fused layers fell back to the original code: {fallbacks}")
@@ -178,6 +180,27 @@ def run_row(row: str, config_name: str, profile: str = "") -> dict:
             "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
             "loss_after": loss.item(), "steps": WARMUP + STEPS + extra, "warmup_s": warmup_s,
             **fallbacks}
+
+
+def _host_profile(step, title: str, path: str) -> None:
+    """Append the Python functions five ``step()`` calls spend their host time in (by
+    cumulative and by own time) to ``path``."""
+    import cProfile
+    import io
+    import pstats
+    import torch
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(5):
+        step()
+    torch.cuda.synchronize()
+    profiler.disable()
+    text = io.StringIO()
+    stats = pstats.Stats(profiler, stream=text)
+    stats.sort_stats("cumulative").print_stats(60)
+    stats.sort_stats("tottime").print_stats(40)
+    with open(path, "a") as f:
+        f.write(f"== {title}, 5 steps\n{text.getvalue()}\n")
 
 
 def _fallbacks(model) -> dict:

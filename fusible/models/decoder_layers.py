@@ -147,18 +147,18 @@ class FusedLayerForward(InstalledForward):
         kind since: an adapter's wrapper, whose weights the fused layer would not read),
         or None."""
         modules = list(layer.modules())  # one walk for the kinds and the hooks
-        types = _module_types(modules)
+        types = tuple(map(type, modules))
         if self.module_types is None:
             self.module_types = types
-        if len(types) != len(self.module_types) or not all(
-                _same_kind(now, then) for now, then in zip(types, self.module_types)):
+        if types != self.module_types and (len(types) != len(self.module_types) or not all(
+                _same_kind(now, then) for now, then in zip(types, self.module_types))):
             return ("its modules changed since conversion (an adapter added?): the fused "
                     "layer would not compute them; convert the model again")
-        inside = modules[1:]
+        hooked = [m for m in modules[1:] for hooks in RUN_HOOKS if getattr(m, hooks)]
         # (plan_model's own, marked ``_fusible_planning``, record what runs: not counted)
-        if any(getattr(m, hooks) for m in inside for hooks in RUN_HOOKS) and any(
-                not getattr(hook, "_fusible_planning", False)
-                for m in inside for hooks in RUN_HOOKS for hook in getattr(m, hooks).values()):
+        if hooked and any(not getattr(hook, "_fusible_planning", False)
+                          for m in hooked for hooks in RUN_HOOKS
+                          for hook in getattr(m, hooks).values()):
             return "hooks on its modules (the fused layer would not run them)"
         return None
 

@@ -70,8 +70,12 @@ class LayerConverter:
             return None
         rates = set()
         for m in layer.modules():
-            rates.add(m.p if isinstance(m, nn.Dropout) else 0.0)
-            rates.add(getattr(m, "attention_dropout", 0.0))
+            if isinstance(m, nn.Dropout):
+                rates.add(m.p)
+            # (read from the instance or its class: a module's missing attribute raises
+            # inside nn.Module.__getattr__, a twentieth of an eager layer call's host time)
+            rates.add(m.__dict__.get("attention_dropout",
+                                     getattr(type(m), "attention_dropout", 0.0)))
         rates.discard(0.0)
         return f"dropout in training (p={sorted(rates)})" if rates else None
 

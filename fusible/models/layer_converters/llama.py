@@ -59,7 +59,7 @@ class LlamaLayers(LayerConverter):
         return separate_projections(
             spec, layer.input_layernorm, layer.post_attention_layernorm,
             (attn.q_proj, attn.k_proj, attn.v_proj), attn.o_proj, (mlp.gate_proj, mlp.up_proj),
-            mlp.down_proj, (getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)))
+            mlp.down_proj, (attn.q_norm, attn.k_norm) if spec.get("qk_norm") else ())
 
 
 def shaped_like_llama(layer: Any) -> bool:
