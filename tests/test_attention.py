@@ -8,6 +8,7 @@ import subprocess
 import sys
 import textwrap
 
+import attrs
 import pytest
 import torch
 import torch.nn.functional as F
@@ -47,7 +48,7 @@ def _interleaved(x, positions, inv_freq):
 
 def _reference(qkv, kv_heads, *, causal=True, rotary_base=None, interleaved=False,
                rotary_dim=D, inv_freq=None, positions=None, allowed=None, norms=None,
-               scale=None):
+               scale=None, softcap=None):
     """The attention written as Hugging Face's Llama code writes it, heads first."""
     b, s = qkv.shape[:2]
     q, k, v = qkv.view(b, s, H + 2 * kv_heads, D).split([H, kv_heads, kv_heads], 2)
@@ -73,6 +74,11 @@ def _reference(qkv, kv_heads, *, causal=True, rotary_base=None, interleaved=Fals
         allowed = torch.ones(s, s, dtype=torch.bool)
         if causal:
             allowed = allowed.tril()
+    if softcap is not None:  # as Gemma 2's eager attention: scale, cap, mask, softmax
+        scores = q @ k.transpose(2, 3) * (scale or D ** -0.5)
+        scores = torch.tanh(scores / softcap) * softcap
+        out = torch.softmax(scores.masked_fill(~allowed, float("-inf")), -1) @ v
+        return out.transpose(1, 2).flatten(2)
     with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scale)
     return out.transpose(1, 2).flatten(2)
@@ -173,6 +179,62 @@ def test_sliding_window_sees_the_last_window_keys():
     assert "kernel: math" in ops.Sequential(op).plan(_qkv(2)).explain()
 
 
+@pytest.mark.parametrize("window", [None, 3])
+def test_soft_capped_logits_as_gemma2(window):
+    """Scores of several units (the input's spread) capped at 0.5: far from uncapped."""
+    op = ops.Attention(H, num_kv_heads=2, rotary_base=10000.0, softcap=0.5, window=window)
+    s = torch.arange(S)
+    allowed = (s[None, :] <= s[:, None]) & (s[:, None] - s[None, :] < (window or S))
+    qkv = _qkv(2)
+    with torch.no_grad():
+        qkv.mul_(2.0)
+    _compare(op, lambda x, _: _reference(x, 2, rotary_base=10000.0, allowed=allowed,
+                                         softcap=0.5), qkv)
+    uncapped = _reference(qkv, 2, rotary_base=10000.0, allowed=allowed)
+    assert (ops.Sequential(op)(qkv) - uncapped).abs().max() > 0.1
+    assert "kernel: math" in ops.Sequential(op).plan(qkv).explain()  # no CPU kernel caps
+
+
+def test_flex_kernels_masks_and_capping_match_the_formulas():
+    """The flex kernel's forward (flex_attention run eagerly: the CPU's has no backward,
+    the op runs it on CUDA only) against the math formulas: output and log-sum-exp,
+    soft-capped, causal and windowed, grouped-query."""
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(B, S, H, 16, generator=gen) * 2
+    k, v = (torch.randn(B, S, 2, 16, generator=gen) * 2 for _ in range(2))
+    for causal, window, softcap in ((True, 0, 0.5), (True, 3, 0.5), (False, 3, 0.0)):
+        options = attn.AttentionOptions(causal, 0.25, window, "flex", softcap)
+        got = attn.attention_forward(q, k, v, options)
+        want = attn.attention_forward(q, k, v, attrs.evolve(options, backend="math"))
+        torch.testing.assert_close(got[:2], want[:2], atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="backend='flex' cannot run this attention: the flex "
+                                         "kernel runs on CUDA only"):
+        ops.Sequential(ops.Attention(H, softcap=0.5, backend="flex"))(torch.randn(1, S, 3 * H * D))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.usefixtures("fresh_dynamo")
+def test_flex_kernel_on_cuda_trains_as_the_formulas_and_compiles_bitwise():
+    """Soft-capped, windowed, grouped-query attention on the compiled flex kernel (chosen
+    for soft-capping on CUDA) against the math formulas, output and input gradient; the
+    op under torch.compile gives the eager op's bits."""
+    qkv = (_qkv(2, dtype=torch.float32, seq=64) * 2.0).detach().cuda().bfloat16()
+    outs = []
+    for backend in (None, "math"):
+        model = ops.Sequential(ops.Attention(H, num_kv_heads=2, rotary_base=1e4, softcap=0.5,
+                                             window=16, backend=backend, head_dim=16))
+        x = torch.cat([qkv, qkv], -1).detach().requires_grad_()  # head_dim 16
+        y = model(x)
+        y.float().backward(torch.cos(y.detach().float()))
+        outs.append((y.float(), x.grad.float()))
+    assert "kernel: flex" in ops.Sequential(ops.Attention(
+        H, num_kv_heads=2, softcap=0.5, head_dim=16)).plan(x).explain()
+    torch.testing.assert_close(outs[0], outs[1], atol=2e-2, rtol=2e-2)
+    model = ops.Sequential(ops.Attention(H, num_kv_heads=2, rotary_base=1e4, softcap=0.5,
+                                         head_dim=16))
+    check_compiled_matches_eager(model, x.detach().requires_grad_(), backend="inductor")
+
+
 def test_packed_documents_equal_each_document_alone():
     """Tokens attend within their document and rotary positions restart at each: the
     packed row gives what each document gives as a batch of its own."""
@@ -260,6 +322,13 @@ def test_the_kernel_is_chosen_explicitly_and_shown():
     with pytest.raises(ValueError, match="head_dim 12 is not a multiple of 8"):
         attn.choose_backend("flash", "cuda", torch.bfloat16, 12, 0, False, "A")
     assert attn.choose_backend("math", "cuda", torch.float32, 12, 0, False, "A") == "math"
+    assert attn.choose_backend(None, "cuda", torch.bfloat16, 128, 0, False, "A", 50.0) == "flex"
+    assert attn.choose_backend(None, "cpu", torch.bfloat16, 128, 0, False, "A", 50.0) == "math"
+    with pytest.raises(ValueError, match="backend='cudnn' cannot run this attention: the "
+                                         "cudnn kernel has no logit soft-capping"):
+        attn.choose_backend("cudnn", "cuda", torch.bfloat16, 128, 0, False, "A", 50.0)
+    with pytest.raises(ValueError, match="flex kernel here takes no packed documents"):
+        attn.choose_backend("flex", "cuda", torch.bfloat16, 128, 0, True, "A")
     windowed = ops.Sequential(ops.Attention(H, window=2, backend="flash"))
     with pytest.raises(ValueError, match="backend='flash' cannot run this attention: PyTorch's "
                                          "CPU flash kernel has no sliding window"):

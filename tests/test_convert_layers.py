@@ -386,12 +386,12 @@ def test_nanogpt_blocks(bias):
                                    msg=lambda m: f"gradient of {name}: {m}")
 
 
-@pytest.mark.parametrize("softcapping", [None, 50.0])
+@pytest.mark.parametrize("softcapping", [None, 0.5])
 def test_gemma2_sandwich_layers(softcapping):
     """Gemma 2: a norm after each branch (the "sandwich" residual). Its model offers the
     eager attention only, whose causal mask makes every model call run the original code;
     the fused layer, called without a mask, computes the same. Soft-capped attention (the
-    default) is refused with the reason."""
+    default; a cap of 0.5 here, where the capping changes the scores a lot) too."""
     config = transformers.Gemma2Config(
         vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
         num_attention_heads=4, num_key_value_heads=2, head_dim=8,
@@ -403,14 +403,14 @@ def test_gemma2_sandwich_layers(softcapping):
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.uniform_(-0.5, 0.5)
+            if "q_proj" in name or "k_proj" in name:  # scores of a few units: capped hard
+                p.normal_(0.0, 0.5)
     layer = model.model.layers[0]
     twin = copy.deepcopy(layer)
-    report = fusible.convert(model)
-    if softcapping:
-        assert "soft-capping" in dict((p, w) for p, _, w in report.left)["model.layers.0"]
-        return
+    fusible.convert(model)
     assert isinstance(layer.forward, FusedLayerForward)
     assert layer.forward.fused.residual == "sandwich"
+    assert layer.forward.fused.attention.softcap == softcapping
     x, positions = torch.randn(B, S, 32), torch.arange(S)[None]
     want = twin(x, attention_mask=causal_mask(twin, x), position_ids=positions,
                 position_embeddings=hf_rotary_tables(layer.forward.spec, positions[0],

@@ -78,8 +78,8 @@ FAMILIES = {
     "qwen3": _hf(transformers.Qwen3Config, head_dim=16),
     "mistral": _hf(transformers.MistralConfig),
     "gemma": _hf(transformers.GemmaConfig, head_dim=8),
-    "gemma2": _hf(transformers.Gemma2Config, head_dim=8, attn_logit_softcapping=None,
-                  final_logit_softcapping=None, attn_implementation="eager"),
+    # soft-capped attention (its default 50; flex on CUDA, which takes head_dim 16 up)
+    "gemma2": _hf(transformers.Gemma2Config, head_dim=16, attn_implementation="eager"),
     "gemma3": _hf(transformers.Gemma3TextConfig, head_dim=8, sliding_window=16,  # q/k norms,
                   layer_types=["sliding_attention", "full_attention"]),  # a rope per type
     "phi3": _hf(transformers.Phi3Config, pad_token_id=0),

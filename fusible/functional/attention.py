@@ -6,6 +6,13 @@ preparation writes, through one of PyTorch's attention kernels chosen explicitly
   variable-length form, which takes that layout as it is and covers grouped-query
   attention, sliding windows and packed documents; on the CPU PyTorch's flash kernel
   (causal or bidirectional, grouped-query; no window, no documents).
+- ``"cudnn"``: cuDNN's fused attention (CUDA; causal or bidirectional, grouped kv heads
+  repeated for it).
+- ``"flex"``: ``torch.nn.attention.flex_attention``, compiled (Inductor writes its
+  kernel; CUDA only: PyTorch's CPU flex has no backward), for what the others lack: logit soft-capping (Gemma 2's
+  ``cap * tanh(scores / cap)``) with causal masks and sliding windows. Its backward runs
+  the forward again under autograd (the flex kernels' backward comes with their forward
+  only), a third more attention time than a kernel with a separate backward.
 - ``"math"``: the formulas in PyTorch ops, float32 (float64 for float64 inputs), the
   whole ``S x S`` score matrix in memory: the reference, and what runs where no kernel
   fits. Never chosen on a GPU unless asked for.
@@ -19,12 +26,15 @@ from __future__ import annotations
 
 from typing import Optional
 
+import functools
+
 import attrs
 import torch
+from torch.nn.attention import flex_attention as flex
 
 Tensor = torch.Tensor
 
-BACKENDS = ("flash", "cudnn", "math")
+BACKENDS = ("flash", "cudnn", "flex", "math")
 _HALF = (torch.float16, torch.bfloat16)
 
 
@@ -41,20 +51,31 @@ class AttentionOptions:
         Keys within this many positions of the query, itself included (0: no window).
     backend : str
         One of :data:`BACKENDS`, as :func:`choose_backend` resolved it.
+    softcap : float
+        Logit soft-capping: the scaled scores become ``softcap * tanh(scores / softcap)``
+        before the mask and the softmax (Gemma 2's ``attn_logit_softcapping``); 0: none.
     """
 
     causal: bool
     scale: float
     window: int
     backend: str
+    softcap: float = 0.0
 
 
 def _backend_refusal(backend: str, device_type: str, dtype: torch.dtype,
-                     head_dim: Optional[int], window: int, documents: bool) -> Optional[str]:
+                     head_dim: Optional[int], window: int, documents: bool,
+                     softcap: float = 0.0) -> Optional[str]:
     """Why ``backend`` cannot run this attention, or None (``head_dim`` None: not known yet,
     at planning; the run checks it)."""
     if backend == "math":
         return None
+    if backend == "flex":
+        if device_type != "cuda":  # (PyTorch's CPU flex_attention has no backward)
+            return "the flex kernel runs on CUDA only"
+        return "the flex kernel here takes no packed documents" if documents else None
+    if softcap:
+        return f"the {backend} kernel has no logit soft-capping"
     if device_type == "cpu":
         if backend != "flash":
             return f"the {backend} kernel runs on CUDA only"
@@ -75,23 +96,29 @@ def _backend_refusal(backend: str, device_type: str, dtype: torch.dtype,
 
 
 def choose_backend(requested: Optional[str], device_type: str, dtype: torch.dtype,
-                   head_dim: Optional[int], window: int, documents: bool, where: str) -> str:
+                   head_dim: Optional[int], window: int, documents: bool, where: str,
+                   softcap: float = 0.0) -> str:
     """The backend for this attention: ``requested`` if it can run it (else ValueError
     naming ``where`` and why), or on CUDA cuDNN's where it can (head_dim up to 128, no
     window or documents: on the H200 a 1B layer's attention takes 0.33 + 0.95 ms a step
-    there against FlashAttention-2's 0.54 + 1.41), else flash; on the CPU flash, else math.
-    On a GPU the math kernel is never chosen unasked: ValueError saying why none fits.
-    ``head_dim`` None (at planning, before the input's width is known) leaves its check to
-    the run."""
+    there against FlashAttention-2's 0.54 + 1.41), else flash, else (soft-capped logits)
+    flex; on the CPU flash, else math. On a GPU the math kernel is never chosen unasked:
+    ValueError saying why none fits. ``head_dim`` None (at planning, before the input's
+    width is known) leaves its check to the run."""
     if requested is not None:
-        why = _backend_refusal(requested, device_type, dtype, head_dim, window, documents)
+        why = _backend_refusal(requested, device_type, dtype, head_dim, window, documents,
+                               softcap)
         if why:
             raise ValueError(f"{where}: backend={requested!r} cannot run this attention: {why}")
         return requested
-    order = ("flash", "math") if device_type == "cpu" else ("cudnn", "flash")
+    # (flex unasked only for soft-capped logits: elsewhere it compiles a kernel per shape
+    # where the others have one ready)
+    order = ("flash", "math") if device_type == "cpu" else \
+        ("cudnn", "flash", "flex") if softcap else ("cudnn", "flash")
     reasons = []
     for backend in order:
-        why = _backend_refusal(backend, device_type, dtype, head_dim, window, documents)
+        why = _backend_refusal(backend, device_type, dtype, head_dim, window, documents,
+                               softcap)
         if why is None:
             return backend
         reasons.append(f"{backend}: {why}")
@@ -132,30 +159,37 @@ def _acc(x: Tensor) -> torch.dtype:
 
 
 def _math_probabilities(q, k, options, cu_seqlens):
-    """``(p, lse, qf, kf)``: the softmax ``(B, K, g, S, S)`` and its log-sum-exp."""
+    """``(p, lse, qf, kf, capped)``: the softmax ``(B, K, g, S, S)``, its log-sum-exp, and
+    with soft-capping the ``tanh`` of the capped scores (None without)."""
     groups = q.shape[2] // k.shape[2]
     qf, kf = _grouped(q, groups, _acc(q)), k.to(_acc(q))
     scores = torch.einsum("bskgd,btkd->bkgst", qf, kf) * options.scale
+    capped = None
+    if options.softcap:
+        capped = torch.tanh(scores / options.softcap)
+        scores = capped * options.softcap
     allowed = mask(q.shape[1], options, cu_seqlens, q.device)
     scores = scores.masked_fill(~allowed, float("-inf"))
     lse = torch.logsumexp(scores, -1)
-    return torch.exp(scores - lse[..., None]), lse, qf, kf
+    return torch.exp(scores - lse[..., None]), lse, qf, kf, capped
 
 
 def _math_forward(q, k, v, options, cu_seqlens):
-    p, lse, _, _ = _math_probabilities(q, k, options, cu_seqlens)
+    p, lse, *_ = _math_probabilities(q, k, options, cu_seqlens)
     out = torch.einsum("bkgst,btkd->bskgd", p, v.to(p.dtype))
     return out.reshape(q.shape).to(q.dtype).contiguous(), lse.flatten(1, 2)
 
 
 def _math_backward(dout, q, k, v, out, options, cu_seqlens):
-    p, _, qf, kf = _math_probabilities(q, k, options, cu_seqlens)
+    p, _, qf, kf, capped = _math_probabilities(q, k, options, cu_seqlens)
     groups = q.shape[2] // k.shape[2]
     do, of = _grouped(dout, groups, p.dtype), _grouped(out, groups, p.dtype)
     dv = torch.einsum("bkgst,bskgd->btkd", p, do)
     dp = torch.einsum("bskgd,btkd->bkgst", do, v.to(p.dtype))
     delta = (do * of).sum(-1).permute(0, 2, 3, 1)  # (B, K, g, S)
     ds = p * (dp - delta[..., None]) * options.scale
+    if capped is not None:  # d(cap * tanh(s / cap)) / ds = 1 - tanh^2
+        ds = ds * (1 - capped * capped)
     dq = torch.einsum("bkgst,btkd->bskgd", ds, kf).reshape(q.shape)
     dk = torch.einsum("bkgst,bskgd->btkd", ds, qf)
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
@@ -181,6 +215,67 @@ def _flash_window(options: AttentionOptions) -> tuple[int, int]:
     return options.window - 1, 0 if options.causal else options.window - 1
 
 
+@functools.lru_cache(maxsize=None)
+def _flex_kernel(device_type: str):
+    """``flex_attention`` compiled once per process on CUDA (eager, it runs the formulas);
+    eager on the CPU (forward only: the tests' way to its masks and score changes)."""
+    if device_type == "cpu":
+        return flex.flex_attention
+    return torch.compile(flex.flex_attention, dynamic=False)
+
+
+@functools.lru_cache(maxsize=None)
+def _softcap_mod(cap: float):
+    """A flex ``score_mod`` capping the scores at ``cap`` (one function per value: the
+    compiled kernel is kept for it)."""
+    def softcap(score, b, h, q_idx, kv_idx):
+        return torch.tanh(score / cap) * cap
+    return softcap
+
+
+@functools.lru_cache(maxsize=32)
+def _block_mask(seq: int, causal: bool, window: int, device: str):
+    """The flex block mask of a causal and/or windowed pattern over ``seq`` tokens (None:
+    every key seen), kept per pattern (building one reads every block)."""
+    if not causal and not window:
+        return None
+
+    def allowed(b, h, q_idx, kv_idx):
+        seen = q_idx >= kv_idx if causal else q_idx == q_idx
+        if window:
+            seen = seen & ((q_idx - kv_idx).abs() < window)
+        return seen
+    return flex.create_block_mask(allowed, None, None, seq, seq, device=device)
+
+
+def _flex(q, k, v, options: AttentionOptions, with_lse: bool):
+    """flex attention on the heads-first views: ``(out, lse)`` or ``out``."""
+    qh, kh, vh = _heads_first(q, k, v)
+    block_mask = _block_mask(q.shape[1], options.causal, options.window, str(q.device))
+    mod = _softcap_mod(float(options.softcap)) if options.softcap else None
+    return _flex_kernel(q.device.type)(qh, kh, vh, score_mod=mod, block_mask=block_mask,
+                            scale=options.scale, enable_gqa=q.shape[2] != k.shape[2],
+                            return_lse=with_lse)
+
+
+def _flex_forward(q, k, v, options):
+    if type(q) is not torch.Tensor:  # a fake tensor of a trace: the shapes only
+        b, s, h, _ = q.shape
+        return torch.empty_like(q), q.new_empty(b, h, s, dtype=torch.float32)
+    out, lse = _flex(q, k, v, options, True)
+    return out.transpose(1, 2).contiguous(), lse
+
+
+def _flex_backward(dout, q, k, v, options):
+    """The gradients by running the forward again under autograd (see the module notes)."""
+    if type(q) is not torch.Tensor:
+        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    inputs = tuple(t.detach().requires_grad_() for t in (q, k, v))
+    with torch.enable_grad():
+        out = _flex(*inputs, options, False).transpose(1, 2)
+        return torch.autograd.grad(out, inputs, dout)
+
+
 def attention_forward(q: Tensor, k: Tensor, v: Tensor, options: AttentionOptions,
                       cu_seqlens: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
     """``(out, lse, rng_state)``: ``out`` ``(B, S, H, D)``; ``lse`` and ``rng_state`` as the
@@ -190,6 +285,9 @@ def attention_forward(q: Tensor, k: Tensor, v: Tensor, options: AttentionOptions
     empty = q.new_empty(0, dtype=torch.int64)
     if backend == "math":
         out, lse = _math_forward(q, k, v, options, cu_seqlens)
+        return out, lse, empty
+    if backend == "flex":
+        out, lse = _flex_forward(q, k, v, options)
         return out, lse, empty
     if backend == "flash" and q.device.type == "cpu":
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
@@ -237,6 +335,8 @@ def attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tenso
     backend = options.backend
     if backend == "math":
         return _math_backward(dout, q, k, v, out, options, cu_seqlens)
+    if backend == "flex":
+        return _flex_backward(dout, q, k, v, options)
     if backend == "flash" and q.device.type == "cpu":
         grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             *_heads_first(dout, q, k, v, out), lse, 0.0, options.causal, scale=options.scale)

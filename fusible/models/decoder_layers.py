@@ -242,7 +242,8 @@ class FusedLayerForward(InstalledForward):
         head_dim = spec.get("head_dim") or spec["hidden_size"] // spec["num_heads"]
         try:
             choose_backend(spec.get("backend"), weight.device.type, weight.dtype, head_dim,
-                           spec.get("window", 0), False, "the fused layer")
+                           spec.get("window", 0), False, "the fused layer",
+                           spec.get("softcap") or 0.0)
         except ValueError as error:
             return str(error)
         return None

@@ -173,6 +173,10 @@ class Attention(BasicOperation):
     window : int, optional
         Sliding window (Hugging Face's ``sliding_window``): a query sees the keys less than
         ``window`` positions away, itself included.
+    softcap : float, optional
+        Logit soft-capping (Gemma 2's ``attn_logit_softcapping``): the scaled scores
+        become ``softcap * tanh(scores / softcap)`` before the mask and the softmax. Runs
+        on the ``"flex"`` kernel on CUDA (the math formulas on the CPU).
     documents : bool
         Packed sequences: called ``model(x, cu_seqlens)`` with ``x`` ``(1, T, ...)`` and
         ``cu_seqlens`` (int32, ``(documents + 1,)``) the documents' start offsets and ``T``;
@@ -197,7 +201,7 @@ class Attention(BasicOperation):
         weights' gradients are summed over the group.
     tensor_parallel_group : ProcessGroup or 1-D DeviceMesh, optional
         The default group when None.
-    backend : {"flash", "cudnn", "math"}, optional
+    backend : {"flash", "cudnn", "flex", "math"}, optional
         The attention kernel; None: on CUDA cuDNN's where it runs (see below), else flash
         (float16/bfloat16, ``head_dim`` a multiple of 8 up to 256); on the CPU PyTorch's
         flash kernel (without windows or documents), else the math formulas. A GPU never runs the
@@ -205,7 +209,10 @@ class Attention(BasicOperation):
         cuDNN's fused attention (CUDA, float16/bfloat16, ``head_dim`` up to 128, no window
         or documents; grouped kv heads repeated for it), the kernel PyTorch's SDPA picks on
         Hopper, and the default on CUDA where it fits (faster than FlashAttention-2 on the
-        H200: a Llama-3.2-1B layer 6.20 against 6.65 ms a step).
+        H200: a Llama-3.2-1B layer 6.20 against 6.65 ms a step). ``"flex"``: PyTorch's
+        ``flex_attention``, compiled (CUDA only; causal, windows, soft-capping; no
+        packed documents), chosen on CUDA for soft-capped attention; its backward runs the
+        forward again.
     device, dtype
         Of the q/k norm weights.
     """
@@ -228,6 +235,7 @@ class Attention(BasicOperation):
         "qk_norm_eps": checks.positive_real("qk_norm_eps"),
         "qk_norm_zero_centered": checks.boolean("qk_norm_zero_centered"),
         "window": checks.optional(checks.positive_int("window")),
+        "softcap": checks.optional(checks.positive_real("softcap")),
         "documents": checks.boolean("documents"),
         "position_ids": checks.boolean("position_ids"),
         "rotary_tables": checks.boolean("rotary_tables"),
@@ -244,7 +252,7 @@ class Attention(BasicOperation):
                  rotary_fraction: float = 1.0, rotary_scaling: Optional[dict] = None,
                  head_dim: Optional[int] = None, qk_norm: bool = False,
                  qk_norm_eps: float = 1e-6, qk_norm_zero_centered: bool = False,
-                 window: Optional[int] = None,
+                 window: Optional[int] = None, softcap: Optional[float] = None,
                  documents: bool = False, position_ids: bool = False,
                  rotary_tables: bool = False, backend: Optional[str] = None, tensor_parallel: bool = False,
                  tensor_parallel_group: GroupArg = None, device: DeviceArg = None,
@@ -259,7 +267,7 @@ class Attention(BasicOperation):
         self.rotary_interleaved, self.rotary_fraction = rotary_interleaved, rotary_fraction
         self.softmax_scale, self.head_dim = softmax_scale, head_dim
         self.qk_norm, self.qk_norm_eps, self.window = qk_norm, qk_norm_eps, window
-        self.qk_norm_zero_centered = qk_norm_zero_centered
+        self.qk_norm_zero_centered, self.softcap = qk_norm_zero_centered, softcap
         self.documents, self.position_ids, self.backend = documents, position_ids, backend
         self.rotary_tables = rotary_tables
         self.rotary_scaling = self._check_scaling(rotary_scaling)
@@ -313,7 +321,7 @@ class Attention(BasicOperation):
         if getattr(self, "num_kv_heads", self.num_heads) != self.num_heads:
             text += f", num_kv_heads={self.num_kv_heads}"
         text += f", causal={getattr(self, 'causal', True)}"
-        for name in ("rotary_base", "window", "head_dim"):
+        for name in ("rotary_base", "window", "softcap", "head_dim"):
             if getattr(self, name, None) is not None:
                 text += f", {name}={getattr(self, name)}"
         for name in ("rotary_interleaved", "qk_norm", "qk_norm_zero_centered", "documents",
@@ -330,7 +338,7 @@ class Attention(BasicOperation):
         try:
             return "kernel: " + attn.choose_backend(
                 self.backend, conditions.device_type, conditions.dtype, self.head_dim,
-                self.window or 0, self.documents, self.describe())
+                self.window or 0, self.documents, self.describe(), self.softcap or 0.0)
         except ValueError as error:
             return f"no kernel fits: {error}"
 
@@ -384,10 +392,13 @@ class Attention(BasicOperation):
             int(scaling.get("original_max_position_embeddings", 8192)))
 
     def _options(self, x_device_type: str, dtype, head_dim: int) -> attn.AttentionOptions:
+        softcap = float(self.softcap or 0.0)
         backend = attn.choose_backend(self.backend, x_device_type, dtype, head_dim,
-                                      self.window or 0, self.documents, self.describe())
+                                      self.window or 0, self.documents, self.describe(),
+                                      softcap)
         scale = self.softmax_scale if self.softmax_scale is not None else head_dim ** -0.5
-        return attn.AttentionOptions(self.causal, float(scale), self.window or 0, backend)
+        return attn.AttentionOptions(self.causal, float(scale), self.window or 0, backend,
+                                     softcap)
 
     def _extras(self, extra_inputs) -> tuple:
         """``(cu_seqlens, position_ids, cos, sin)`` (None where not taken)."""
@@ -548,9 +559,15 @@ class Attention(BasicOperation):
         groups = layout.heads // layout.kv_heads
         k, v = k.repeat_interleave(groups, 2), v.repeat_interleave(groups, 2)
         allowed = attn.mask(x.shape[1], options, cu, x.device)
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
-                                             v.transpose(1, 2), attn_mask=allowed,
-                                             scale=options.scale)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        if self.softcap:  # Gemma 2's order: scale, cap, mask, softmax
+            scores = q @ k.transpose(-1, -2) * scale
+            scores = torch.tanh(scores / self.softcap) * self.softcap
+            scores = scores.masked_fill(~allowed, float("-inf"))
+            out = torch.softmax(scores, -1) @ v
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed,
+                                                 scale=options.scale)
         return out.transpose(1, 2).flatten(2), ()
 
     @classmethod

@@ -1,8 +1,8 @@
 """Gemma decoder layers: Llama's, with norms that scale by ``1 + weight`` and a GELU(tanh)
 gated MLP; Gemma 2 adds a norm after each branch (TransformerLayer's ``"sandwich"``
 residual; HF's ``post_attention_layernorm`` is then the attention branch's, and
-``pre_feedforward_layernorm`` the MLP's input norm). Refused: attention logit soft-capping
-(Gemma 2's default; the fused attention has none). Gemma 3's q/k norms scale by
+``pre_feedforward_layernorm`` the MLP's input norm) and soft-caps the attention's logits
+(``ops.Attention(softcap=...)``: the flex kernel on CUDA). Gemma 3's q/k norms scale by
 ``1 + weight`` too (the attention's ``qk_norm_zero_centered``), and each layer takes its
 layer type's rotary tables from the model (``rotary_tables``)."""
 
@@ -28,8 +28,10 @@ class GemmaLayers(LlamaLayers):
         spec = super().recognise(layer) if not sandwich else self._sandwich_spec(layer)
         if not isinstance(spec, dict):
             return spec
-        if getattr(getattr(layer.self_attn, "config", None), "attn_logit_softcapping", None):
-            return "attention logit soft-capping (the fused attention has none)"
+        softcap = getattr(getattr(layer.self_attn, "config", None), "attn_logit_softcapping",
+                          None)
+        if softcap:  # Gemma 2's default: the flex kernel on CUDA, the formulas on the CPU
+            spec.update(softcap=float(softcap))
         if hasattr(layer.self_attn, "q_norm"):  # Gemma 3's, scaling by 1 + weight too
             spec.update(qk_norm_zero_centered=True)
         spec.update(zero_centered_gamma=True, activation="geglu",
