@@ -215,13 +215,24 @@ def _flash_window(options: AttentionOptions) -> tuple[int, int]:
     return options.window - 1, 0 if options.causal else options.window - 1
 
 
+def _flex_with_lse(q, k, v, score_mod, block_mask, scale, enable_gqa):
+    return flex.flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask,
+                               scale=scale, enable_gqa=enable_gqa, return_lse=True)
+
+
+def _flex_for_grad(q, k, v, score_mod, block_mask, scale, enable_gqa):
+    return flex.flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask,
+                               scale=scale, enable_gqa=enable_gqa)
+
+
 @functools.lru_cache(maxsize=None)
-def _flex_kernel(device_type: str):
-    """``flex_attention`` compiled once per process on CUDA (eager, it runs the formulas);
-    eager on the CPU (forward only: the tests' way to its masks and score changes)."""
-    if device_type == "cpu":
-        return flex.flex_attention
-    return torch.compile(flex.flex_attention, dynamic=False)
+def _flex_kernel(device_type: str, with_lse: bool):
+    """flex attention compiled once per process and direction on CUDA (eager, it runs the
+    formulas; the forward and the backward's autograd run are two functions: dynamo keeps
+    its compiled variants per function, each under its recompile limit); eager on the CPU
+    (forward only: the tests' way to its masks and score changes)."""
+    function = _flex_with_lse if with_lse else _flex_for_grad
+    return function if device_type == "cpu" else torch.compile(function, dynamic=False)
 
 
 @functools.lru_cache(maxsize=None)
@@ -253,9 +264,8 @@ def _flex(q, k, v, options: AttentionOptions, with_lse: bool):
     qh, kh, vh = _heads_first(q, k, v)
     block_mask = _block_mask(q.shape[1], options.causal, options.window, str(q.device))
     mod = _softcap_mod(float(options.softcap)) if options.softcap else None
-    return _flex_kernel(q.device.type)(qh, kh, vh, score_mod=mod, block_mask=block_mask,
-                            scale=options.scale, enable_gqa=q.shape[2] != k.shape[2],
-                            return_lse=with_lse)
+    return _flex_kernel(q.device.type, with_lse)(qh, kh, vh, mod, block_mask, options.scale,
+                                                 q.shape[2] != k.shape[2])
 
 
 def _flex_forward(q, k, v, options):
