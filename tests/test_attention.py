@@ -212,13 +212,68 @@ def test_flex_kernels_masks_and_capping_match_the_formulas():
         ops.Sequential(ops.Attention(H, softcap=0.5, backend="flex"))(torch.randn(1, S, 3 * H * D))
 
 
+@pytest.mark.usefixtures("fresh_dynamo")
+def test_flex_path_runs_in_a_compiled_graphs_first_call(monkeypatch):
+    """AOTAutograd runs a compiled graph's first call under a dispatch mode (its custom-op
+    aliasing check), from whose __torch_dispatch__ the op runs with functorch's keys
+    excluded: flex's block masks and score changes (vmap) failed there. The flex path
+    let onto the CPU for this (forward only, the kernel traced by dynamo and run eagerly):
+    the compiled model's first call and the next give the eager op's bits."""
+    refusal = attn._backend_refusal
+    monkeypatch.setattr(attn, "_backend_refusal",
+                        lambda backend, *rest: None if backend == "flex" else refusal(backend, *rest))
+    kernels = {flag: torch.compile(attn._flex_with_lse if flag else attn._flex_for_grad,
+                                   backend="eager") for flag in (True, False)}
+    monkeypatch.setattr(attn, "_flex_kernel", lambda device_type, with_lse: kernels[with_lse])
+    model = ops.Sequential(ops.Attention(H, num_kv_heads=2, rotary_base=1e4, softcap=0.5,
+                                         window=3, head_dim=16, backend="flex"))
+    x = torch.randn(2, 11, 8 * 16)
+    with torch.no_grad():
+        eager = model(x)
+        compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+        assert torch.equal(compiled(x), eager) and torch.equal(compiled(x), eager)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.usefixtures("fresh_dynamo")
 def test_flex_kernel_on_cuda_trains_as_the_formulas_and_compiles_bitwise():
     """Soft-capped, windowed, grouped-query attention on the compiled flex kernel (chosen
-    for soft-capping on CUDA) against the math formulas, output and input gradient; the
-    op under torch.compile gives the eager op's bits."""
-    qkv = (_qkv(2, dtype=torch.float32, seq=64) * 2.0).detach().cuda().bfloat16()
+    for soft-capping on CUDA) against the math formulas, output and input gradient, over
+    two sequence lengths (blocks of 128 and a partial one); the op under torch.compile
+    gives the eager op's bits."""
+    for seq in (200, 72):
+        _flex_against_math_on_cuda(seq)
+    x = (_qkv(2, dtype=torch.float32, seq=200) * 2.0).detach().cuda().bfloat16()
+    model = ops.Sequential(ops.Attention(H, num_kv_heads=2, rotary_base=1e4, softcap=0.5,
+                                         head_dim=16))
+    check_compiled_matches_eager(model, torch.cat([x, x], -1).requires_grad_(),
+                                 backend="inductor")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.usefixtures("fresh_dynamo")
+def test_flex_kernel_under_cuda_graphs_keeps_its_masks():
+    """Under ``mode="reduce-overhead"`` (the block mask is made and kept on the first,
+    warm-up call, inside cudagraph trees' memory pool): four steps, each with new inputs,
+    give the eager op's outputs and gradients."""
+    model = ops.Sequential(ops.Attention(H, num_kv_heads=2, rotary_base=1e4, softcap=0.5,
+                                         window=32, head_dim=64)).cuda()
+    compiled = torch.compile(model, fullgraph=True, mode="reduce-overhead")
+    for _ in range(4):
+        x = torch.randn(2, 128, 8 * 64, device="cuda", dtype=torch.bfloat16)
+        dy = torch.randn(2, 128, H * 64, device="cuda", dtype=torch.bfloat16)
+        results = []
+        for run in (model, compiled):
+            torch.compiler.cudagraph_mark_step_begin()
+            xi = x.clone().requires_grad_()
+            y = run(xi)
+            y.backward(dy)
+            results.append((y.clone(), xi.grad))
+        torch.testing.assert_close(results[1], results[0], atol=0, rtol=0)
+
+
+def _flex_against_math_on_cuda(seq: int) -> None:
+    qkv = (_qkv(2, dtype=torch.float32, seq=seq) * 2.0).detach().cuda().bfloat16()
     outs = []
     for backend in (None, "math"):
         model = ops.Sequential(ops.Attention(H, num_kv_heads=2, rotary_base=1e4, softcap=0.5,
@@ -230,9 +285,6 @@ def test_flex_kernel_on_cuda_trains_as_the_formulas_and_compiles_bitwise():
     assert "kernel: flex" in ops.Sequential(ops.Attention(
         H, num_kv_heads=2, softcap=0.5, head_dim=16)).plan(x).explain()
     torch.testing.assert_close(outs[0], outs[1], atol=2e-2, rtol=2e-2)
-    model = ops.Sequential(ops.Attention(H, num_kv_heads=2, rotary_base=1e4, softcap=0.5,
-                                         head_dim=16))
-    check_compiled_matches_eager(model, x.detach().requires_grad_(), backend="inductor")
 
 
 def test_packed_documents_equal_each_document_alone():
@@ -327,6 +379,8 @@ def test_the_kernel_is_chosen_explicitly_and_shown():
     with pytest.raises(ValueError, match="backend='cudnn' cannot run this attention: the "
                                          "cudnn kernel has no logit soft-capping"):
         attn.choose_backend("cudnn", "cuda", torch.bfloat16, 128, 0, False, "A", 50.0)
+    with pytest.raises(ValueError, match="head_dim 8 is under the flex kernel's 16"):
+        attn.choose_backend(None, "cuda", torch.bfloat16, 8, 0, False, "A", 50.0)
     with pytest.raises(ValueError, match="flex kernel here takes no packed documents"):
         attn.choose_backend("flex", "cuda", torch.bfloat16, 128, 0, True, "A")
     windowed = ops.Sequential(ops.Attention(H, window=2, backend="flash"))

@@ -30,7 +30,9 @@ import functools
 
 import attrs
 import torch
+from torch._subclasses.fake_tensor import is_fake
 from torch.nn.attention import flex_attention as flex
+from torch.utils._python_dispatch import _disable_current_modes
 
 Tensor = torch.Tensor
 
@@ -73,6 +75,8 @@ def _backend_refusal(backend: str, device_type: str, dtype: torch.dtype,
     if backend == "flex":
         if device_type != "cuda":  # (PyTorch's CPU flex_attention has no backward)
             return "the flex kernel runs on CUDA only"
+        if head_dim is not None and head_dim < 16:  # (Inductor's flex lowering refuses it)
+            return f"head_dim {head_dim} is under the flex kernel's 16"
         return "the flex kernel here takes no packed documents" if documents else None
     if softcap:
         return f"the {backend} kernel has no logit soft-capping"
@@ -216,8 +220,10 @@ def _flash_window(options: AttentionOptions) -> tuple[int, int]:
 
 
 def _flex_with_lse(q, k, v, score_mod, block_mask, scale, enable_gqa):
-    return flex.flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask,
-                               scale=scale, enable_gqa=enable_gqa, return_lse=True)
+    out, aux = flex.flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask,
+                                   scale=scale, enable_gqa=enable_gqa,
+                                   return_aux=flex.AuxRequest(lse=True))
+    return out, aux.lse
 
 
 def _flex_for_grad(q, k, v, score_mod, block_mask, scale, enable_gqa):
@@ -229,10 +235,11 @@ def _flex_for_grad(q, k, v, score_mod, block_mask, scale, enable_gqa):
 def _flex_kernel(device_type: str, with_lse: bool):
     """flex attention compiled once per process and direction on CUDA (eager, it runs the
     formulas; the forward and the backward's autograd run are two functions: dynamo keeps
-    its compiled variants per function, each under its recompile limit); eager on the CPU
-    (forward only: the tests' way to its masks and score changes)."""
+    its compiled variants per function; sequence lengths turn dynamic after the first
+    change); eager on the CPU (forward only: the tests' way to its masks and score
+    changes)."""
     function = _flex_with_lse if with_lse else _flex_for_grad
-    return function if device_type == "cpu" else torch.compile(function, dynamic=False)
+    return function if device_type == "cpu" else torch.compile(function)
 
 
 @functools.lru_cache(maxsize=None)
@@ -259,17 +266,40 @@ def _block_mask(seq: int, causal: bool, window: int, device: str):
     return flex.create_block_mask(allowed, None, None, seq, seq, device=device)
 
 
+_KEYS = torch._C.DispatchKey
+# The keys vmap (flex's block masks and score changes) dispatches through: excluded where
+# a dispatch mode runs the op from its __torch_dispatch__ (AOTAutograd's first call of a
+# compiled graph checks custom ops' aliasing so)
+_FUNCTORCH_KEYS = functools.reduce(lambda a, b: a | b, (torch._C.DispatchKeySet(key) for key in (
+    _KEYS.FuncTorchDynamicLayerBackMode, _KEYS.FuncTorchDynamicLayerFrontMode,
+    _KEYS.FuncTorchBatched, _KEYS.FuncTorchVmapMode, _KEYS.FuncTorchGradWrapper,
+    _KEYS.PythonTLSSnapshot)))
+
+
+def _functorch_keys_allowed():
+    """The dispatch keys' state with :data:`_FUNCTORCH_KEYS` allowed (as in any plain
+    eager call of the op)."""
+    return torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(),
+                                           torch._C._dispatch_tls_local_exclude_set()
+                                           - _FUNCTORCH_KEYS)
+
+
 def _flex(q, k, v, options: AttentionOptions, with_lse: bool):
     """flex attention on the heads-first views: ``(out, lse)`` or ``out``."""
     qh, kh, vh = _heads_first(q, k, v)
-    block_mask = _block_mask(q.shape[1], options.causal, options.window, str(q.device))
     mod = _softcap_mod(float(options.softcap)) if options.softcap else None
-    return _flex_kernel(q.device.type, with_lse)(qh, kh, vh, mod, block_mask, options.scale,
-                                                 q.shape[2] != k.shape[2])
+    # the caller's dispatch modes set aside (AOTAutograd's first-call aliasing check would
+    # send the block mask's vmap and the kernel's ops through its mode), and an error, not
+    # dynamo's silent eager fallback (the whole score matrix), past the recompile limit
+    with _disable_current_modes(), _functorch_keys_allowed(), \
+            torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+        block_mask = _block_mask(q.shape[1], options.causal, options.window, str(q.device))
+        return _flex_kernel(q.device.type, with_lse)(qh, kh, vh, mod, block_mask,
+                                                     options.scale, q.shape[2] != k.shape[2])
 
 
 def _flex_forward(q, k, v, options):
-    if type(q) is not torch.Tensor:  # a fake tensor of a trace: the shapes only
+    if is_fake(q):  # a trace's: the shapes only
         b, s, h, _ = q.shape
         return torch.empty_like(q), q.new_empty(b, h, s, dtype=torch.float32)
     out, lse = _flex(q, k, v, options, True)
@@ -278,7 +308,7 @@ def _flex_forward(q, k, v, options):
 
 def _flex_backward(dout, q, k, v, options):
     """The gradients by running the forward again under autograd (see the module notes)."""
-    if type(q) is not torch.Tensor:
+    if is_fake(q):
         return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     inputs = tuple(t.detach().requires_grad_() for t in (q, k, v))
     with torch.enable_grad():

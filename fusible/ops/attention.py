@@ -211,8 +211,8 @@ class Attention(BasicOperation):
         Hopper, and the default on CUDA where it fits (faster than FlashAttention-2 on the
         H200: a Llama-3.2-1B layer 6.20 against 6.65 ms a step). ``"flex"``: PyTorch's
         ``flex_attention``, compiled (CUDA only; causal, windows, soft-capping; no
-        packed documents), chosen on CUDA for soft-capped attention; its backward runs the
-        forward again.
+        packed documents; ``head_dim`` 16 up), chosen on CUDA for soft-capped attention;
+        its backward runs the forward again.
     device, dtype
         Of the q/k norm weights.
     """
