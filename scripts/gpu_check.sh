@@ -2,7 +2,7 @@
 # Everything the GPU machine runs, in one call: the whole test suite (CUDA tests included)
 # under the machine's PyTorch, then the GPU benchmarks. Results land in $OUT (or out/).
 # Usage there: [TESTS="tests/test_fp8.py ..."] bash scripts/gpu_check.sh [bf16] [fp8] [tp] [tiles]
-#   [idle] [breakdown] [small] [graphs] [zoo] [moe] [probe] [fsdp] [layer] [models]
+#   [idle] [breakdown] [small] [graphs] [zoo] [moe] [probe] [fsdp] [layer] [models] [policy]
 # (no argument: bf16 and fp8; tp needs two GPUs (kind nvidia-h200-x2); tiles: the GELU
 # kernels' tile shapes (diagnostics/activation_tiles.py); idle: host time, GPU idle and
 # kernels and host profile of the FP8 attention projections, eager and compiled (gpu_idle.py);
@@ -19,7 +19,9 @@
 # (gpu_pipeline.py); layer: a whole decoder layer at three sizes and the 8B LM head with
 # its loss against Hugging Face, torch.compile and Liger (layer.py; LAYERS: which sizes,
 # LAYER_ARGS: more arguments, e.g. --no-head); models: whole-model training steps, a process
-# per row (models.py; MODEL_CONFIGS, MODEL_ROWS, MODEL_PROFILE=1: each row's kernels); layerhost: one decoder layer's host time
+# per row (models.py; MODEL_CONFIGS, MODEL_ROWS, MODEL_PROFILE=1: each row's kernels and
+# each eager row's Python profile); policy: the FP8 GEMM policy against measured bf16 and
+# FP8 steps per GEMM shape (gemm_policy.py); layerhost: one decoder layer's host time
 # per step, HF, converted piece by piece and whole, native, bf16 and FP8 (layer_host.py);
 # TESTS: which tests,
 # default all, "none" for none; the argument "none" runs no benchmark)
@@ -116,6 +118,11 @@ fi
 if [[ " $benches " == *" layerhost "* ]]; then  # a decoder layer's host time (layer_host.py)
     (cd benchmarks && python3 layer_host.py --output "$OUT_ABS/layer_host.json") 2>&1 \
         | tee "$OUT/layer_host.log"
+    bench_rc=$(( bench_rc || PIPESTATUS[0] ))
+fi
+if [[ " $benches " == *" policy "* ]]; then  # the FP8 GEMM policy's calibration
+    (cd benchmarks && python3 gemm_policy.py --output "$OUT_ABS/gemm_policy.json") 2>&1 \
+        | tee "$OUT/gemm_policy.log"
     bench_rc=$(( bench_rc || PIPESTATUS[0] ))
 fi
 if [[ " $benches " == *" models "* ]]; then  # whole-model training steps (models.py)
