@@ -608,13 +608,14 @@ def test_the_probe_refuses_a_layer_no_attention_kernel_of_its_device_runs():
     with head_dim 4 on CUDA is refused (every call would raise), on the CPU taken."""
     from types import SimpleNamespace
     from fusible.models.decoder_layers import FusedLayerForward
-    fused = SimpleNamespace(spec={"hidden_size": 32, "num_heads": 8, "head_dim": 4})
+    def fused(head_dim):  # the fused layer's attention decides
+        return SimpleNamespace(fused=SimpleNamespace(attention=fusible.ops.Attention(
+            8, head_dim=head_dim)))
     on = lambda device: SimpleNamespace(device=torch.device(device), dtype=torch.bfloat16)  # noqa: E731
-    why = FusedLayerForward._kernel_refusal(fused, on("cuda"))
+    why = FusedLayerForward._kernel_refusal(fused(4), on("cuda"))
     assert "no attention kernel on cuda fits" in why and "head_dim 4" in why, why
-    assert FusedLayerForward._kernel_refusal(fused, on("cpu")) is None
-    fused.spec["head_dim"] = 128
-    assert FusedLayerForward._kernel_refusal(fused, on("cuda")) is None
+    assert FusedLayerForward._kernel_refusal(fused(4), on("cpu")) is None
+    assert FusedLayerForward._kernel_refusal(fused(128), on("cuda")) is None
 
 
 class _RemoteStack(torch.nn.Module):

@@ -23,7 +23,6 @@ from typing import Optional, Union, cast
 import torch
 from torch import nn
 
-from fusible.functional.attention import choose_backend
 from fusible.layers.transformer_layer import TransformerLayer
 from fusible.models.call_arguments import accepted, named_arguments, read_ahead
 from fusible.models.joined_weights import colocate
@@ -147,7 +146,7 @@ class FusedLayerForward(InstalledForward):
         kind since: an adapter's wrapper, whose weights the fused layer would not read),
         or None."""
         modules = list(layer.modules())  # one walk for the kinds and the hooks
-        types = tuple(map(type, modules))
+        types = _module_types(modules)
         if self.module_types is None:
             self.module_types = types
         if types != self.module_types and (len(types) != len(self.module_types) or not all(
@@ -238,12 +237,10 @@ class FusedLayerForward(InstalledForward):
     def _kernel_refusal(self, weight: torch.Tensor) -> Optional[str]:
         """Why no attention kernel would run this layer's calls (its device and dtype;
         the probe of a 16-bit layer computes in float32 by the formulas)."""
-        spec = self.spec
-        head_dim = spec.get("head_dim") or spec["hidden_size"] // spec["num_heads"]
+        attention = self.fused.attention
         try:
-            choose_backend(spec.get("backend"), weight.device.type, weight.dtype, head_dim,
-                           spec.get("window", 0), False, "the fused layer",
-                           spec.get("softcap") or 0.0)
+            attention.kernel(weight.device.type, weight.dtype, attention.head_dim,
+                             "the fused layer")
         except ValueError as error:
             return str(error)
         return None
@@ -283,7 +280,7 @@ def _call_with(fused: nn.Module, slots: dict, params: dict, inputs: tuple):
 
 def _module_types(modules) -> tuple:
     """The classes of ``modules`` (a layer's ``modules()``), in order."""
-    return tuple(type(m) for m in modules)
+    return tuple(map(type, modules))
 
 
 def _same_kind(now: type, then: type) -> bool:

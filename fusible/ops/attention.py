@@ -336,11 +336,20 @@ class Attention(BasicOperation):
     def plan_note(self, conditions) -> str:
         """The attention kernel these conditions get, for ``explain()`` and the diagram."""
         try:
-            return "kernel: " + attn.choose_backend(
-                self.backend, conditions.device_type, conditions.dtype, self.head_dim,
-                self.window or 0, self.documents, self.describe(), self.softcap or 0.0)
+            return "kernel: " + self.kernel(conditions.device_type, conditions.dtype,
+                                            self.head_dim)
         except ValueError as error:
             return f"no kernel fits: {error}"
+
+    def kernel(self, device_type: str, dtype: torch.dtype, head_dim: Optional[int],
+               where: Optional[str] = None) -> str:
+        """The attention kernel this op runs on inputs of ``device_type`` and ``dtype``
+        (``head_dim`` None: not known yet), as :func:`fusible.functional.attention.
+        choose_backend` picks it for its options; ValueError naming ``where`` (this op by
+        default) and why none fits."""
+        return attn.choose_backend(self.backend, device_type, dtype, head_dim,
+                                   self.window or 0, self.documents, where or self.describe(),
+                                   float(self.softcap or 0.0))
 
     # --- shapes and configuration
 
@@ -392,13 +401,10 @@ class Attention(BasicOperation):
             int(scaling.get("original_max_position_embeddings", 8192)))
 
     def _options(self, x_device_type: str, dtype, head_dim: int) -> attn.AttentionOptions:
-        softcap = float(self.softcap or 0.0)
-        backend = attn.choose_backend(self.backend, x_device_type, dtype, head_dim,
-                                      self.window or 0, self.documents, self.describe(),
-                                      softcap)
+        backend = self.kernel(x_device_type, dtype, head_dim)
         scale = self.softmax_scale if self.softmax_scale is not None else head_dim ** -0.5
         return attn.AttentionOptions(self.causal, float(scale), self.window or 0, backend,
-                                     softcap)
+                                     float(self.softcap or 0.0))
 
     def _extras(self, extra_inputs) -> tuple:
         """``(cu_seqlens, position_ids, cos, sin)`` (None where not taken)."""
