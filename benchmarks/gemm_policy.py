@@ -17,12 +17,14 @@ gradient.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 
 import torch
 
 import fusible
 from fusible import ops
+from gpu_mlp import make_step
 
 SHAPES = [(256, 768), (512, 2048), (1024, 1024), (1024, 4096), (1536, 1536), (2048, 2048),
           (2560, 2560), (2048, 8192), (4096, 4096), (4096, 14336), (14336, 4096)]
@@ -38,23 +40,14 @@ def _model(kind: str, k: int, n: int):
 
 
 def time_step(kind: str, k: int, n: int, tokens: int, fp8: bool) -> float:
-    """Median ms of one forward and backward."""
+    """Median ms of one forward and backward (``gpu_mlp.make_step``'s step)."""
     import triton
     model = _model(kind, k, n)
     x = torch.randn(tokens, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     dy = torch.randn(tokens, n, device="cuda", dtype=torch.bfloat16)
     recipe = fusible.Float8CurrentScaling(gemm_policy=None)
-
-    def step():
-        if fp8:
-            with fusible.autocast(recipe=recipe):
-                y = model(x)
-        else:
-            y = model(x)
-        y.backward(dy)
-        x.grad = None
-        for p in model.parameters():
-            p.grad = None
+    context = (lambda: fusible.autocast(recipe=recipe)) if fp8 else contextlib.nullcontext
+    step = make_step(model, list(model.parameters()), x, dy, context)
     for _ in range(3):
         step()
     return triton.testing.do_bench(step, warmup=50, rep=300, return_mode="median")
