@@ -220,8 +220,8 @@ def test_flex_path_runs_in_a_compiled_graphs_first_call(monkeypatch):
     let onto the CPU for this (forward only, the kernel traced by dynamo and run eagerly):
     the compiled model's first call and the next give the eager op's bits."""
     refusal = attn._backend_refusal
-    monkeypatch.setattr(attn, "_backend_refusal",
-                        lambda backend, *rest: None if backend == "flex" else refusal(backend, *rest))
+    monkeypatch.setattr(attn, "_backend_refusal", lambda backend, *rest:
+                        None if backend == "flex" else refusal(backend, *rest))
     kernels = {flag: torch.compile(attn._flex_with_lse if flag else attn._flex_for_grad,
                                    backend="eager") for flag in (True, False)}
     monkeypatch.setattr(attn, "_flex_kernel", lambda device_type, with_lse: kernels[with_lse])

@@ -9,10 +9,11 @@ preparation writes, through one of PyTorch's attention kernels chosen explicitly
 - ``"cudnn"``: cuDNN's fused attention (CUDA; causal or bidirectional, grouped kv heads
   repeated for it).
 - ``"flex"``: ``torch.nn.attention.flex_attention``, compiled (Inductor writes its
-  kernel; CUDA only: PyTorch's CPU flex has no backward), for what the others lack: logit soft-capping (Gemma 2's
-  ``cap * tanh(scores / cap)``) with causal masks and sliding windows. Its backward runs
-  the forward again under autograd (the flex kernels' backward comes with their forward
-  only), a third more attention time than a kernel with a separate backward.
+  kernel; CUDA only: PyTorch's CPU flex has no backward), for what the others lack: logit
+  soft-capping (Gemma 2's ``cap * tanh(scores / cap)``) with causal masks and sliding
+  windows. Its backward runs the forward again under autograd (the flex kernels' backward
+  comes with their forward only), a third more attention time than a kernel with a
+  separate backward.
 - ``"math"``: the formulas in PyTorch ops, float32 (float64 for float64 inputs), the
   whole ``S x S`` score matrix in memory: the reference, and what runs where no kernel
   fits. Never chosen on a GPU unless asked for.
@@ -24,9 +25,8 @@ only their own document; the batch is one packed row).
 
 from __future__ import annotations
 
-from typing import Optional
-
 import functools
+from typing import Optional
 
 import attrs
 import torch

@@ -19,7 +19,6 @@ rotation is computed in float32 (float64 for float64 inputs) and rounded once.
 from __future__ import annotations
 
 import collections
-
 import math
 
 import attrs
