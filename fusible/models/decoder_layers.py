@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from fusible.layers.transformer_layer import TransformerLayer
+from fusible.ops.attention import Attention
 from fusible.models.call_arguments import accepted, named_arguments, read_ahead
 from fusible.models.joined_weights import colocate
 from fusible.models.installed_forward import RUN_HOOKS, InstalledForward
@@ -237,7 +238,7 @@ class FusedLayerForward(InstalledForward):
     def _kernel_refusal(self, weight: torch.Tensor) -> Optional[str]:
         """Why no attention kernel would run this layer's calls (its device and dtype;
         the probe of a 16-bit layer computes in float32 by the formulas)."""
-        attention = self.fused.attention
+        attention = cast(Attention, self.fused.attention)
         try:
             attention.kernel(weight.device.type, weight.dtype, attention.head_dim,
                              "the fused layer")
