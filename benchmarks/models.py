@@ -217,6 +217,21 @@ def _fallbacks(model) -> dict:
     return {"fused_layers": len(forwards), "fallbacks": reasons}
 
 
+def _run_row_process(row: str, config: str, profile: str, timeout: float) -> dict:
+    """One row in a process of its own (Liger patches classes); its result or its error."""
+    try:
+        done = subprocess.run([sys.executable, __file__, "--row", row, "--config", config,
+                               "--profile", profile],
+                              capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {timeout:.0f} s"}
+    lines = done.stdout.strip().splitlines()
+    try:
+        return json.loads(lines[-1])
+    except (IndexError, json.JSONDecodeError):
+        return {"error": (done.stderr or done.stdout)[-600:]}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--output", default="out/models.json")
@@ -226,6 +241,8 @@ def main() -> None:
     parser.add_argument("--config", help="(internal) of --row")
     parser.add_argument("--profile", default="", metavar="PATH",
                         help="append each row's kernels (three steps, by GPU time) to PATH")
+    parser.add_argument("--row-timeout", type=float, default=900,
+                        help="seconds one row may take before it is recorded as timed out")
     args = parser.parse_args()
     if args.row:
         print(json.dumps(run_row(args.row, args.config, args.profile)))
@@ -234,14 +251,7 @@ def main() -> None:
     results: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
     for config in args.configs.split(","):
         for row in args.rows.split(","):
-            done = subprocess.run([sys.executable, __file__, "--row", row, "--config", config,
-                                   "--profile", args.profile],
-                                  capture_output=True, text=True, timeout=900)
-            lines = done.stdout.strip().splitlines()
-            try:
-                result = json.loads(lines[-1])
-            except (IndexError, json.JSONDecodeError):
-                result = {"error": (done.stderr or done.stdout)[-600:]}
+            result = _run_row_process(row, config, args.profile, args.row_timeout)
             results.setdefault(config, {})[row] = result
             print(config, row, result, flush=True)
             with open(args.output, "w") as f:

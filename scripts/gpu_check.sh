@@ -19,7 +19,8 @@
 # (gpu_pipeline.py); layer: a whole decoder layer at three sizes and the 8B LM head with
 # its loss against Hugging Face, torch.compile and Liger (layer.py; LAYERS: which sizes,
 # LAYER_ARGS: more arguments, e.g. --no-head); models: whole-model training steps, a process
-# per row (models.py; MODEL_CONFIGS, MODEL_ROWS, MODEL_PROFILE=1: each row's kernels and
+# per row (models.py; MODEL_CONFIGS, MODEL_ROWS, MODEL_ROW_TIMEOUT (seconds a row may take),
+# MODEL_PROFILE=1: each row's kernels and
 # each eager row's Python profile); policy: the FP8 GEMM policy against measured bf16 and
 # FP8 steps per GEMM shape (gemm_policy.py); layerhost: one decoder layer's host time
 # per step, HF, converted piece by piece and whole, native, bf16 and FP8 (layer_host.py);
@@ -128,7 +129,8 @@ fi
 if [[ " $benches " == *" models "* ]]; then  # whole-model training steps (models.py)
     (cd benchmarks && python3 models.py --output "$OUT_ABS/models.json" \
         ${MODEL_CONFIGS:+--configs "$MODEL_CONFIGS"} ${MODEL_ROWS:+--rows "$MODEL_ROWS"} \
-        ${MODEL_PROFILE:+--profile "$OUT_ABS/models_profile.txt"}) \
+        ${MODEL_PROFILE:+--profile "$OUT_ABS/models_profile.txt"} \
+        ${MODEL_ROW_TIMEOUT:+--row-timeout "$MODEL_ROW_TIMEOUT"}) \
         2>&1 | tee "$OUT/models.log"
     bench_rc=$(( bench_rc || PIPESTATUS[0] ))
 fi
