@@ -9,9 +9,16 @@ import pytest
 import torch
 
 import fusible
+from fusible.models import joined_weights
 from fusible.models.joined_weights import colocate, end_to_end, joined
 
 transformers = pytest.importorskip("transformers")
+
+
+@pytest.fixture
+def views_of_any_size(monkeypatch):
+    """These tests' tensors are small: joined as views all the same."""
+    monkeypatch.setattr(joined_weights, "VIEW_FROM_BYTES", 0)
 
 
 def _linears(*rows, bias=False):
@@ -30,7 +37,7 @@ def test_colocate_keeps_the_parameters_and_their_values():
     assert end_to_end([m.weight for m in modules]) and end_to_end([m.bias for m in modules])
 
 
-def test_joined_is_a_view_with_cats_values_and_gradients():
+def test_joined_is_a_view_with_cats_values_and_gradients(views_of_any_size):
     modules = _linears(4, 2, 2)
     twins = copy.deepcopy(modules)
     colocate(modules)
@@ -46,7 +53,7 @@ def test_joined_is_a_view_with_cats_values_and_gradients():
         assert torch.equal(m.weight.grad, twin.weight.grad)
 
 
-def test_weights_not_end_to_end_are_copied():
+def test_weights_not_end_to_end_are_copied(views_of_any_size):
     modules = _linears(4, 2, 2)
     colocate(modules)
     for m in modules:
@@ -77,7 +84,7 @@ def test_a_converted_llama_joins_its_projections_in_place_and_saves_as_before(tm
         assert torch.equal(p, before[name][1]), name
 
 
-def test_a_weight_changed_in_place_before_the_backward_raises():
+def test_a_weight_changed_in_place_before_the_backward_raises(views_of_any_size):
     """Any joined parameter changed in place between the forward and the backward is an
     error, as it is for the copy torch.cat would have made (not only the first one's,
     whose version counter the view shares)."""
@@ -91,7 +98,20 @@ def test_a_weight_changed_in_place_before_the_backward_raises():
         y.backward()
 
 
-def test_joins_copy_under_functorch_transforms():
+def test_small_joins_are_copies():
+    """Below VIEW_FROM_BYTES a join is torch.cat (the view's Python autograd node costs
+    more host time than the copy): same values and gradients."""
+    modules = _linears(4, 2, 2)
+    colocate(modules)
+    weights = [m.weight for m in modules]
+    assert end_to_end(weights)
+    got = joined(weights)
+    assert got.data_ptr() != weights[0].data_ptr()
+    assert got.grad_fn.name() == "CatBackward0"
+    assert torch.equal(got, torch.cat([w.detach() for w in weights]))
+
+
+def test_joins_copy_under_functorch_transforms(views_of_any_size):
     """torch.func's wrappers have no storage to read: the join is torch.cat there."""
     modules = _linears(4, 2)
     colocate(modules)

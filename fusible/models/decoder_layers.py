@@ -68,7 +68,7 @@ def fuse_decoder_layer(layer: nn.Module) -> Union[None, str, "FusedLayerForward"
             refusals.append(f"{why} ({name} layer converter)")
             continue
         layer.forward = fused
-        fused.module_types = _module_types(layer.modules())
+        fused.module_types = _module_types(_submodules(layer))
         for group in converter.joined_groups(layer):
             colocate(group)  # each call's join a view, not a copy
         return fused
@@ -121,11 +121,12 @@ class FusedLayerForward(InstalledForward):
                          seq: int) -> Optional[str]:
         if kwargs is None:
             return "arguments its forward's signature does not name"
-        why = self._changed(layer)
+        modules = _submodules(layer)  # one walk for the kinds, the hooks and the dropout
+        why = self._changed(modules)
         if why is not None:
             return why
         converter = layer_converter(self.converter)
-        why = converter.fallback(layer)
+        why = converter.fallback(layer, modules)
         if why is not None:
             return why
         cache = converter.cache_kwargs
@@ -142,11 +143,10 @@ class FusedLayerForward(InstalledForward):
             return f"keyword arguments the fused layer does not take ({', '.join(other)})"
         return None
 
-    def _changed(self, layer: nn.Module) -> Optional[str]:
-        """Why the layer is no longer what was converted (a module swapped for another
-        kind since: an adapter's wrapper, whose weights the fused layer would not read),
-        or None."""
-        modules = list(layer.modules())  # one walk for the kinds and the hooks
+    def _changed(self, modules: list) -> Optional[str]:
+        """Why the layer (``modules``: its :func:`_submodules`) is no longer what was
+        converted (a module swapped for another kind since: an adapter's wrapper, whose
+        weights the fused layer would not read), or None."""
         types = _module_types(modules)
         if self.module_types is None:
             self.module_types = types
@@ -154,7 +154,7 @@ class FusedLayerForward(InstalledForward):
                 _same_kind(now, then) for now, then in zip(types, self.module_types))):
             return ("its modules changed since conversion (an adapter added?): the fused "
                     "layer would not compute them; convert the model again")
-        hooked = [m for m in modules[1:] for hooks in RUN_HOOKS if getattr(m, hooks)]
+        hooked = [m for m in modules[1:] for hooks in RUN_HOOKS if m.__dict__.get(hooks)]
         # (plan_model's own, marked ``_fusible_planning``, record what runs: not counted)
         if hooked and any(not getattr(hook, "_fusible_planning", False)
                           for m in hooked for hooks in RUN_HOOKS
@@ -277,6 +277,20 @@ def _call_with(fused: nn.Module, slots: dict, params: dict, inputs: tuple):
     finally:
         for module, leaf, original in saved:
             module._parameters[leaf] = original
+
+
+def _submodules(layer: nn.Module) -> list:
+    """``list(layer.modules())`` (the same order, each module once), without the
+    generators and names ``modules()`` builds: a layer call's checks walk it each call."""
+    found, seen, stack = [], set(), [layer]
+    while stack:
+        module = stack.pop()
+        if id(module) in seen:
+            continue
+        seen.add(id(module))
+        found.append(module)
+        stack.extend(reversed([m for m in module._modules.values() if m is not None]))
+    return found
 
 
 def _module_types(modules) -> tuple:

@@ -6,7 +6,9 @@ is then a view of that buffer, with no copy forward and a split of the gradient 
 backward. Where they do not lie end to end (moved or cast after the conversion, sharded,
 on the meta device) and while dynamo traces (which cannot read addresses), the join is
 ``torch.cat``: the same values, a copy per call (at Llama-3-8B widths 285 MB a layer,
-kept for the backward).
+kept for the backward). So is a join of fewer than ``VIEW_FROM_BYTES`` (small models'
+layers): the view's autograd node runs in Python, tens of microseconds of host time a
+call forward and backward, more than a copy of a few MiB costs the device.
 
 Each parameter's in-place changes between the forward and the backward are caught, as
 for a copy. A parameter saved alone (``torch.save(layer.k_proj.weight)``) saves its whole
@@ -18,6 +20,9 @@ from typing import Sequence
 
 import torch
 from torch import Tensor, nn
+
+# Joins of fewer bytes than this are copies (torch.cat) even where a view could be made
+VIEW_FROM_BYTES = 8 * 2 ** 20
 
 
 def colocate(modules: Sequence[nn.Module]) -> None:
@@ -49,11 +54,16 @@ def _movable(tensors: list) -> bool:
 
 def joined(tensors: Sequence[Tensor]) -> Tensor:
     """``torch.cat(tensors)`` (along the rows): a view where they lie end to end in one
-    buffer, a copy otherwise."""
+    buffer and hold ``VIEW_FROM_BYTES`` or more, a copy otherwise."""
     if not torch.compiler.is_compiling() and not torch._C._are_functorch_transforms_active() \
+            and _bytes(tensors) >= VIEW_FROM_BYTES \
             and end_to_end(tensors):  # (functorch's wrappers have no storage to read)
         return _JoinedView.apply(*tensors)
     return torch.cat(list(tensors))
+
+
+def _bytes(tensors: Sequence[Tensor]) -> int:
+    return sum(t.numel() for t in tensors) * tensors[0].element_size()
 
 
 def end_to_end(tensors: Sequence[Tensor]) -> bool:

@@ -62,14 +62,14 @@ class LayerConverter:
         once at conversion (each call's join is then a view). Default: none."""
         return ()
 
-    def fallback(self, layer: nn.Module) -> Optional[str]:
-        """Why this call of ``layer`` runs its original forward (e.g. dropout in training,
-        which the fused layer does not apply), or None. Default: dropout with ``p > 0``
-        anywhere in the layer, in training mode."""
+    def fallback(self, layer: nn.Module, modules: list) -> Optional[str]:
+        """Why this call of ``layer`` (``modules``: ``list(layer.modules())``) runs its
+        original forward (e.g. dropout in training, which the fused layer does not apply),
+        or None. Default: dropout with ``p > 0`` anywhere in the layer, in training mode."""
         if not layer.training:
             return None
         rates = set()
-        for m in layer.modules():
+        for m in modules:
             if isinstance(m, nn.Dropout):
                 rates.add(m.p)
             # (read from the instance or its class: a module's missing attribute raises
