@@ -2,12 +2,15 @@
 against F.cross_entropy on full logits in float64, compiled bitwise, the logits never made
 whole (the matrix of tests/test_matrix.py runs their examples too)."""
 
+import weakref
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 from fusible import ops
 from fusible.functional import cross_entropy as ce
+from fusible.functional import head_gemms
 from fusible.testing import check_compiled_matches_eager, stage_names
 
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")
@@ -112,6 +115,33 @@ def test_the_logits_are_made_one_chunk_at_a_time_and_never_saved(monkeypatch):
         # the input and weight (or their gradients), and a number per token at most
         assert sizes and sum(s.numel() for s in sizes) <= 10 * 16 + 64 * 16 + 2 * 10, sizes
         seen.clear()
+
+
+def test_one_chunk_of_logits_is_alive_at_a_time(monkeypatch):
+    """Each chunk's logits (and their gradient) are freed before the next chunk's are made,
+    forward and backward: the head's transient memory is one chunk's (512 MiB at
+    Llama-3's vocabulary), not two."""
+    alive: list = []
+
+    def tracked(make, first=False):
+        def made(*args, **kwargs):
+            if first:  # a chunk's first tensor: the last chunk's are gone
+                assert all(ref() is None for ref in alive), "a chunk's logits outlived it"
+            out = make(*args, **kwargs)
+            if out is not None:
+                alive.append(weakref.ref(out))
+            return out
+        return made
+    monkeypatch.setattr(head_gemms.HeadOperands, "logits",
+                        tracked(head_gemms.HeadOperands.logits, first=True))
+    monkeypatch.setattr(ce, "chunk_forward", tracked(ce.chunk_forward))
+    torch.manual_seed(0)
+    x = torch.randn(10, 16, requires_grad=True)
+    for reduction in ("mean", "none"):  # gradients made in the forward; in the backward
+        head = ops.LinearCrossEntropy(16, 64, reduction=reduction, chunk_size=4)
+        alive.clear()
+        ops.Sequential(head)(x, torch.randint(0, 64, (10,))).sum().backward()
+        assert len(alive) >= 6, len(alive)  # three chunks each way at least
 
 
 def test_gradients_in_the_forward_only_when_a_backward_is_to_come(monkeypatch):

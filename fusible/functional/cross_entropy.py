@@ -267,6 +267,7 @@ def linear_cross_entropy_forward(x: Tensor, weight: Tensor, labels: Tensor,
                 dx[lo:hi] = gemms.dgrad(dz, acc)
             if need_grad_weight:
                 dw = gemms.wgrad(dw, dz, lo, hi, sum_dtype)
+        del z, dz  # before the next chunk's logits: one chunk's alive at a time, not two
     if gradients_now and need_grad_weight and dw is None:  # no token
         dw = torch.zeros(weight.shape, dtype=dw_dtype, device=weight.device)
     if dw is not None:
@@ -312,6 +313,7 @@ def linear_cross_entropy_backward(grad_output: Tensor, x: Tensor, weight: Tensor
             dx[lo:hi] = gemms.dgrad(dz, x.dtype)
         if need_grad_weight:
             dw = gemms.wgrad(dw, dz, lo, hi, sum_dtype)
+        del dz  # before the next chunk's logits: one chunk's alive at a time, not two
     if need_grad_weight and dw is None:
         dw = torch.zeros(weight.shape, dtype=dw_dtype, device=weight.device)
     return dx, None if dw is None else dw.to(dw_dtype)
