@@ -5,10 +5,11 @@ training them, and their state-dict entries are the same), and each call's :func
 is then a view of that buffer, with no copy forward and a split of the gradient (views)
 backward. Where they do not lie end to end (moved or cast after the conversion, sharded,
 on the meta device) and while dynamo traces (which cannot read addresses), the join is
-``torch.cat``: the same values, a copy per call (at Llama-3-8B widths 285 MB a layer,
-kept for the backward). So is a join of fewer than ``VIEW_FROM_BYTES`` (small models'
-layers): the view's autograd node runs in Python, tens of microseconds of host time a
-call forward and backward, more than a copy of a few MiB costs the device.
+``torch.cat``: the same values, a copy per call (at Llama-3-8B widths 285 MB a layer;
+compiled, made again in the backward rather than kept for it: a copy more, and no copy of
+every layer's weights on the peak). So is a join of fewer than ``VIEW_FROM_BYTES`` (small
+models' layers): the view's autograd node runs in Python, tens of microseconds of host
+time a call forward and backward, more than a copy of a few MiB costs the device.
 
 Each parameter's in-place changes between the forward and the backward are caught, as
 for a copy. A parameter saved alone (``torch.save(layer.k_proj.weight)``) saves its whole
@@ -20,6 +21,7 @@ from typing import Sequence
 
 import torch
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
 # Joins of fewer bytes than this are copies (torch.cat) even where a view could be made
 VIEW_FROM_BYTES = 8 * 2 ** 20
@@ -59,7 +61,13 @@ def joined(tensors: Sequence[Tensor]) -> Tensor:
             and _bytes(tensors) >= VIEW_FROM_BYTES \
             and end_to_end(tensors):  # (functorch's wrappers have no storage to read)
         return _JoinedView.apply(*tensors)
+    if torch.compiler.is_compiling():  # recomputed in the backward, not saved for it
+        return checkpoint(_cat, *tensors, use_reentrant=False)
     return torch.cat(list(tensors))
+
+
+def _cat(*tensors: Tensor) -> Tensor:
+    return torch.cat(tensors)
 
 
 def _bytes(tensors: Sequence[Tensor]) -> int:
