@@ -247,6 +247,31 @@ def test_a_users_own_layer_converter():
     assert "my_block" not in fusible.registered_layer_converters()
 
 
+class _NoTrainingConverter(_MyBlockConverter):
+    """An override of ``fallback`` taking the layer alone (its signature before the
+    module walk was handed to it)."""
+
+    name = "my_block_eval_only"
+
+    def fallback(self, layer):
+        return "trained by the original code" if layer.training else None
+
+
+def test_a_converters_own_fallback_taking_the_layer_alone_is_called():
+    converter = fusible.register_layer_converter(_NoTrainingConverter())
+    try:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(_MyBlock())
+        twin = copy.deepcopy(model)
+        fusible.convert(model)
+        x = torch.randn(2, 5, 32)
+        torch.testing.assert_close(model.train()(x), twin(x), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(model.eval()(x), twin(x), atol=1e-5, rtol=1e-5)
+        assert model[0].forward.fallbacks == {"trained by the original code": 1}
+    finally:
+        fusible.unregister_layer_converter(converter.name)
+
+
 def test_dropout_in_training_runs_the_original_code():
     """GPT-2's dropouts (p=0.1): in training the original code (the fused layer applies
     none), in evaluation the fused layer; the model's positional cache argument binds."""

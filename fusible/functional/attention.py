@@ -26,6 +26,7 @@ only their own document; the batch is one packed row).
 from __future__ import annotations
 
 import functools
+import threading
 from typing import Optional
 
 import attrs
@@ -38,6 +39,7 @@ Tensor = torch.Tensor
 
 BACKENDS = ("flash", "cudnn", "flex", "math")
 _HALF = (torch.float16, torch.bfloat16)
+_FLEX_CONFIG_LOCK = threading.Lock()
 
 
 @attrs.frozen
@@ -291,7 +293,8 @@ def _flex(q, k, v, options: AttentionOptions, with_lse: bool):
     # the caller's dispatch modes set aside (AOTAutograd's first-call aliasing check would
     # send the block mask's vmap and the kernel's ops through its mode), and an error, not
     # dynamo's silent eager fallback (the whole score matrix), past the recompile limit
-    with _disable_current_modes(), _functorch_keys_allowed(), \
+    # (a process-wide setting: one thread at a time sets and restores it)
+    with _FLEX_CONFIG_LOCK, _disable_current_modes(), _functorch_keys_allowed(), \
             torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
         block_mask = _block_mask(q.shape[1], options.causal, options.window, str(q.device))
         return _flex_kernel(q.device.type, with_lse)(qh, kh, vh, mod, block_mask,

@@ -29,7 +29,7 @@ from fusible.models.call_arguments import accepted, named_arguments, read_ahead
 from fusible.models.joined_weights import colocate
 from fusible.models.installed_forward import RUN_HOOKS, InstalledForward
 from fusible.models import layer_converters  # noqa: F401  (registers the built-ins)
-from fusible.models.layer_converter import (hf_config, layer_converter,
+from fusible.models.layer_converter import (LayerConverter, hf_config, layer_converter,
                                             registered_layer_converters)
 from fusible.models.plain_calls import PlainCalls
 
@@ -126,7 +126,8 @@ class FusedLayerForward(InstalledForward):
         if why is not None:
             return why
         converter = layer_converter(self.converter)
-        why = converter.fallback(layer, modules)
+        why = converter.fallback(layer, modules) if type(converter).fallback is \
+            LayerConverter.fallback else converter.fallback(layer)  # (an override's own)
         if why is not None:
             return why
         cache = converter.cache_kwargs

@@ -62,14 +62,15 @@ class LayerConverter:
         once at conversion (each call's join is then a view). Default: none."""
         return ()
 
-    def fallback(self, layer: nn.Module, modules: list) -> Optional[str]:
-        """Why this call of ``layer`` (``modules``: ``list(layer.modules())``) runs its
-        original forward (e.g. dropout in training, which the fused layer does not apply),
-        or None. Default: dropout with ``p > 0`` anywhere in the layer, in training mode."""
+    def fallback(self, layer: nn.Module, modules: Optional[list] = None) -> Optional[str]:
+        """Why this call of ``layer`` runs its original forward (e.g. dropout in training,
+        which the fused layer does not apply), or None. Default: dropout with ``p > 0``
+        anywhere in the layer, in training mode. ``modules``: ``list(layer.modules())``
+        where the caller has it (an override may take ``layer`` alone)."""
         if not layer.training:
             return None
         rates = set()
-        for m in modules:
+        for m in layer.modules() if modules is None else modules:
             if isinstance(m, nn.Dropout):
                 rates.add(m.p)
             # (read from the instance or its class: a module's missing attribute raises
