@@ -220,3 +220,23 @@ def test_a_stage_of_aliases_runs_inline_without_copies():
     assert not any("clone" in c or "copy" in c or "AddExtraInput" in c for c in calls), calls
     tangent = next(n for n in backward.nodes if n.op == "placeholder" and "tangent" in n.name)
     assert tangent in backward.output_node().args[0]  # the residual's gradient, as it came
+
+
+def test_a_whole_training_step_compiled_with_dynamo_alone():
+    """A step compiled whole (forward and ``backward()``) by dynamo without AOTAutograd
+    (``backend="eager"``, as ``torch._dynamo.explain`` runs it): the backward, which the
+    autograd engine calls inside the compiled call on the CPU, runs as it does eagerly. In
+    PyTorch 2.13 dynamo traced it there, and its resumed frames called the previous
+    stage's custom op for the next stage (an AttributeError on the SwiGLU stage's args)."""
+    from fusible.layers import TransformerLayer
+    torch.manual_seed(0)
+    layer = TransformerLayer(32, 64, 4, rotary_base=10000.0)
+    twin = copy.deepcopy(layer)
+    x = torch.randn(2, 8, 32)
+
+    def step(model):
+        model(x).square().mean().backward()
+    torch.compile(step, backend="eager")(layer)
+    step(twin)
+    for (name, p), q in zip(layer.named_parameters(), twin.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0, msg=name)

@@ -296,6 +296,10 @@ class _PipelineFunction(torch.autograd.Function):
         return (y, *extra_outputs) if extra_outputs else y
 
     @staticmethod
+    # never a frame of dynamo's own: compiled graphs differentiate through AOTAutograd, and
+    # a step compiled whole by dynamo alone has the engine call this inside the compiled
+    # call (on the CPU's thread), where PyTorch 2.13's resumed frames mixed up its stages
+    @torch._dynamo.disable
     def backward(fctx, grad_output, *grad_extra_outputs):
         if torch.is_grad_enabled():
             raise RuntimeError("fusible pipelines are differentiable once: double backward "
