@@ -237,15 +237,15 @@ def test_flex_path_runs_in_a_compiled_graphs_first_call(monkeypatch):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.usefixtures("fresh_dynamo")
 def test_flex_kernel_on_cuda_trains_as_the_formulas_and_compiles_bitwise():
-    """Soft-capped, windowed, grouped-query attention on the compiled flex kernel (chosen
-    for soft-capping on CUDA) against the math formulas, output and input gradient, over
+    """Soft-capped, windowed, grouped-query attention on the compiled flex kernel (asked
+    for: not chosen unasked until this test passes on a GPU) against the math formulas, output and input gradient, over
     two sequence lengths (blocks of 128 and a partial one); the op under torch.compile
     gives the eager op's bits."""
     for seq in (200, 72):
         _flex_against_math_on_cuda(seq)
     x = (_qkv(2, dtype=torch.float32, seq=200) * 2.0).detach().cuda().bfloat16()
     model = ops.Sequential(ops.Attention(H, num_kv_heads=2, rotary_base=1e4, softcap=0.5,
-                                         head_dim=16))
+                                         head_dim=16, backend="flex"))
     check_compiled_matches_eager(model, torch.cat([x, x], -1).requires_grad_(),
                                  backend="inductor")
 
@@ -257,7 +257,7 @@ def test_flex_kernel_under_cuda_graphs_keeps_its_masks():
     warm-up call, inside cudagraph trees' memory pool): four steps, each with new inputs,
     give the eager op's outputs and gradients."""
     model = ops.Sequential(ops.Attention(H, num_kv_heads=2, rotary_base=1e4, softcap=0.5,
-                                         window=32, head_dim=64)).cuda()
+                                         window=32, head_dim=64, backend="flex")).cuda()
     compiled = torch.compile(model, fullgraph=True, mode="reduce-overhead")
     for _ in range(4):
         x = torch.randn(2, 128, 8 * 64, device="cuda", dtype=torch.bfloat16)
@@ -275,7 +275,7 @@ def test_flex_kernel_under_cuda_graphs_keeps_its_masks():
 def _flex_against_math_on_cuda(seq: int) -> None:
     qkv = (_qkv(2, dtype=torch.float32, seq=seq) * 2.0).detach().cuda().bfloat16()
     outs = []
-    for backend in (None, "math"):
+    for backend in ("flex", "math"):
         model = ops.Sequential(ops.Attention(H, num_kv_heads=2, rotary_base=1e4, softcap=0.5,
                                              window=16, backend=backend, head_dim=16))
         x = torch.cat([qkv, qkv], -1).detach().requires_grad_()  # head_dim 16
@@ -374,13 +374,15 @@ def test_the_kernel_is_chosen_explicitly_and_shown():
     with pytest.raises(ValueError, match="head_dim 12 is not a multiple of 8"):
         attn.choose_backend("flash", "cuda", torch.bfloat16, 12, 0, False, "A")
     assert attn.choose_backend("math", "cuda", torch.float32, 12, 0, False, "A") == "math"
-    assert attn.choose_backend(None, "cuda", torch.bfloat16, 128, 0, False, "A", 50.0) == "flex"
+    with pytest.raises(ValueError, match="flex: only when asked"):  # (its CUDA check first)
+        attn.choose_backend(None, "cuda", torch.bfloat16, 128, 0, False, "A", 50.0)
+    assert attn.choose_backend("flex", "cuda", torch.bfloat16, 128, 0, False, "A", 50.0) == "flex"
     assert attn.choose_backend(None, "cpu", torch.bfloat16, 128, 0, False, "A", 50.0) == "math"
     with pytest.raises(ValueError, match="backend='cudnn' cannot run this attention: the "
                                          "cudnn kernel has no logit soft-capping"):
         attn.choose_backend("cudnn", "cuda", torch.bfloat16, 128, 0, False, "A", 50.0)
     with pytest.raises(ValueError, match="head_dim 8 is under the flex kernel's 16"):
-        attn.choose_backend(None, "cuda", torch.bfloat16, 8, 0, False, "A", 50.0)
+        attn.choose_backend("flex", "cuda", torch.bfloat16, 8, 0, False, "A", 50.0)
     with pytest.raises(ValueError, match="flex kernel here takes no packed documents"):
         attn.choose_backend("flex", "cuda", torch.bfloat16, 128, 0, True, "A")
     windowed = ops.Sequential(ops.Attention(H, window=2, backend="flash"))
