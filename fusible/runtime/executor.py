@@ -14,6 +14,8 @@ nothing else.
 
 from __future__ import annotations
 
+import functools
+import sys
 import threading
 import types
 import weakref
@@ -32,6 +34,23 @@ from fusible.runtime.validate import validate
 # What a pass of a plan whose features keep nothing per pass (``RuntimeFeature.uses_store``)
 # gets as its store: read-only, so that a feature writing into it fails loudly
 _NO_STORE: types.MappingProxyType = types.MappingProxyType({})
+
+
+def _untraced_by_dynamo(fn):
+    """``fn`` never a frame dynamo traces, once dynamo is loaded (``import fusible`` does
+    not load it). Compiled graphs differentiate through AOTAutograd; a step compiled whole
+    by dynamo alone has the engine call the pipeline's backward inside the compiled call
+    (on the CPU's thread), where PyTorch 2.13's resumed frames mixed up its stages."""
+    disabled: list = []
+
+    @functools.wraps(fn)
+    def run(*args):
+        if "torch._dynamo" not in sys.modules:  # nothing can be tracing it
+            return fn(*args)
+        if not disabled:
+            disabled.append(torch._dynamo.disable(fn))
+        return disabled[0](*args)
+    return run
 
 
 class Call:
@@ -296,10 +315,7 @@ class _PipelineFunction(torch.autograd.Function):
         return (y, *extra_outputs) if extra_outputs else y
 
     @staticmethod
-    # never a frame of dynamo's own: compiled graphs differentiate through AOTAutograd, and
-    # a step compiled whole by dynamo alone has the engine call this inside the compiled
-    # call (on the CPU's thread), where PyTorch 2.13's resumed frames mixed up its stages
-    @torch._dynamo.disable
+    @_untraced_by_dynamo
     def backward(fctx, grad_output, *grad_extra_outputs):
         if torch.is_grad_enabled():
             raise RuntimeError("fusible pipelines are differentiable once: double backward "
