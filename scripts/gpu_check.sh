@@ -25,7 +25,7 @@
 # FP8 steps per GEMM shape (gemm_policy.py); layerhost: one decoder layer's host time
 # per step, HF, converted piece by piece and whole, native, bf16 and FP8 (layer_host.py);
 # TESTS: which tests,
-# default all, "none" for none; the argument "none" runs no benchmark)
+# default all, "none" for none; PYTEST_ARGS: more pytest arguments (-x); the argument "none" runs no benchmark)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out}
@@ -50,7 +50,10 @@ python3 -c "import os, torch, triton; print('torch', torch.__version__, 'triton'
     | tee -a "$OUT/gpu.txt"
 tests_rc=0
 if [[ "${TESTS:-tests}" != none ]]; then
-    python3 -m pytest -q -p no:cacheprovider ${TESTS:-tests} 2>&1 | tee "$OUT/pytest.log" | tail -15
+    # PYTEST_ARGS: e.g. "-x", so that a failure's report is written before a caller's
+    # timeout can cut the run (pytest reports failures at its end)
+    python3 -m pytest -q -p no:cacheprovider ${PYTEST_ARGS:-} ${TESTS:-tests} 2>&1 \
+        | tee "$OUT/pytest.log" | tail -15
     tests_rc=${PIPESTATUS[0]}
 fi
 benches=${*:-bf16 fp8}
