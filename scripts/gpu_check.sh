@@ -25,7 +25,8 @@
 # FP8 steps per GEMM shape (gemm_policy.py); layerhost: one decoder layer's host time
 # per step, HF, converted piece by piece and whole, native, bf16 and FP8 (layer_host.py);
 # TESTS: which tests,
-# default all, "none" for none; PYTEST_ARGS: more pytest arguments (-x); the argument "none" runs no benchmark)
+# default all, "none" for none; PYTEST_ARGS: more pytest arguments (-x); the argument
+# "none" runs no benchmark)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out}
