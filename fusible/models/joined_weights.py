@@ -57,12 +57,11 @@ def _movable(tensors: list) -> bool:
 def joined(tensors: Sequence[Tensor]) -> Tensor:
     """``torch.cat(tensors)`` (along the rows): a view where they lie end to end in one
     buffer and hold ``VIEW_FROM_BYTES`` or more, a copy otherwise."""
-    if not torch.compiler.is_compiling() and not torch._C._are_functorch_transforms_active() \
-            and _bytes(tensors) >= VIEW_FROM_BYTES \
-            and end_to_end(tensors):  # (functorch's wrappers have no storage to read)
-        return _JoinedView.apply(*tensors)
     if torch.compiler.is_compiling():  # recomputed in the backward, not saved for it
         return checkpoint(_cat, *tensors, use_reentrant=False)
+    if not torch._C._are_functorch_transforms_active() and _bytes(tensors) >= VIEW_FROM_BYTES \
+            and end_to_end(tensors):  # (functorch's wrappers have no storage to read)
+        return _JoinedView.apply(*tensors)
     return torch.cat(list(tensors))
 
 

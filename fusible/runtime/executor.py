@@ -41,16 +41,17 @@ def _untraced_by_dynamo(fn):
     not load it). Compiled graphs differentiate through AOTAutograd; a step compiled whole
     by dynamo alone has the engine call the pipeline's backward inside the compiled call
     (on the CPU's thread), where PyTorch 2.13's resumed frames mixed up its stages."""
-    disabled: list = []
-
     @functools.wraps(fn)
     def run(*args):
         if "torch._dynamo" not in sys.modules:  # nothing can be tracing it
             return fn(*args)
-        if not disabled:
-            disabled.append(torch._dynamo.disable(fn))
-        return disabled[0](*args)
+        return _dynamo_disabled(fn)(*args)
     return run
+
+
+@functools.cache
+def _dynamo_disabled(fn):
+    return torch._dynamo.disable(fn)
 
 
 class Call:
