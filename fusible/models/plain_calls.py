@@ -100,8 +100,8 @@ def _builds_the_mask(path: str, candidates: dict) -> bool:
     """Whether the candidate at ``path`` is the module that builds its layers' mask: the
     innermost Hugging Face model (a ``PreTrainedModel`` of transformers' own code: it
     builds masks from the attention mask it is given only; the modules inside it it hands
-    the mask, a ``BertEncoder``, are not marked), else the innermost candidate (a wrapper of the
-    user's above may build a padding mask of its own)."""
+    the mask, a ``BertEncoder``, are not marked), else the innermost candidate (a wrapper
+    of the user's above may build a padding mask of its own)."""
     def within(outer: str, inner: str) -> bool:
         return inner != outer and (not outer or inner.startswith(outer + "."))
     inner = [p for p in candidates if within(path, p)]

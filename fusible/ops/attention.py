@@ -175,8 +175,9 @@ class Attention(BasicOperation):
         ``window`` positions away, itself included.
     softcap : float, optional
         Logit soft-capping (Gemma 2's ``attn_logit_softcapping``): the scaled scores
-        become ``softcap * tanh(scores / softcap)`` before the mask and the softmax. Runs
-        on the ``"flex"`` kernel on CUDA (the math formulas on the CPU).
+        become ``softcap * tanh(scores / softcap)`` before the mask and the softmax. On
+        CUDA only the ``"flex"`` kernel takes it, when asked for (the math formulas on the
+        CPU).
     documents : bool
         Packed sequences: called ``model(x, cu_seqlens)`` with ``x`` ``(1, T, ...)`` and
         ``cu_seqlens`` (int32, ``(documents + 1,)``) the documents' start offsets and ``T``;
@@ -211,8 +212,8 @@ class Attention(BasicOperation):
         Hopper, and the default on CUDA where it fits (faster than FlashAttention-2 on the
         H200: a Llama-3.2-1B layer 6.20 against 6.65 ms a step). ``"flex"``: PyTorch's
         ``flex_attention``, compiled (CUDA only; causal, windows, soft-capping; no
-        packed documents; ``head_dim`` 16 up), chosen on CUDA for soft-capped attention;
-        its backward runs the forward again.
+        packed documents; ``head_dim`` 16 up), only when asked for (its CUDA test against
+        the formulas has not passed yet); its backward runs the forward again.
     device, dtype
         Of the q/k norm weights.
     """

@@ -2,7 +2,8 @@
 gated MLP; Gemma 2 adds a norm after each branch (TransformerLayer's ``"sandwich"``
 residual; HF's ``post_attention_layernorm`` is then the attention branch's, and
 ``pre_feedforward_layernorm`` the MLP's input norm) and soft-caps the attention's logits
-(``ops.Attention(softcap=...)``: the flex kernel on CUDA). Gemma 3's q/k norms scale by
+(``ops.Attention(softcap=...)``: fused on the CPU; on CUDA no kernel is chosen for it
+unasked, so the probe refuses the layer there). Gemma 3's q/k norms scale by
 ``1 + weight`` too (the attention's ``qk_norm_zero_centered``), and each layer takes its
 layer type's rotary tables from the model (``rotary_tables``)."""
 
@@ -30,7 +31,7 @@ class GemmaLayers(LlamaLayers):
             return spec
         softcap = getattr(getattr(layer.self_attn, "config", None), "attn_logit_softcapping",
                           None)
-        if softcap:  # Gemma 2's default: the flex kernel on CUDA, the formulas on the CPU
+        if softcap:  # Gemma 2's default (on CUDA the probe refuses it: flex only if asked)
             spec.update(softcap=float(softcap))
         if hasattr(layer.self_attn, "q_norm"):  # Gemma 3's, scaling by 1 + weight too
             spec.update(qk_norm_zero_centered=True)
