@@ -170,9 +170,11 @@ def run_row(row: str, config_name: str, profile: str = "") -> dict:
     if profile:
         from gpu_mlp import profile_step
         profile_step(lambda: step(ids, ids), f"{config_name} {row}", profile, rows=80)
-        if "eager" in row:  # where the host's time goes, by Python function
+        if row.endswith(("eager", "compile")):  # where the host's time goes, by function
             _host_profile(lambda: step(ids, ids), f"{config_name} {row}", profile + ".host.txt")
     fallbacks = _fallbacks(model)
+    if "compile" in row:  # where a compile's seconds went (dynamo, AOT, Inductor), graphs
+        fallbacks["compile_s"] = _compile_breakdown()
     if fallbacks.get("fallbacks"):  # a converted row that ran Hugging Face's layers
         raise RuntimeError(f"{row}: fused layers fell back to the original code: {fallbacks}")
     extra = CAPTURE_STEPS if row.endswith("captured") else 0
@@ -180,6 +182,17 @@ def run_row(row: str, config_name: str, profile: str = "") -> dict:
             "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
             "loss_after": loss.item(), "steps": WARMUP + STEPS + extra, "warmup_s": warmup_s,
             **fallbacks}
+
+
+def _compile_breakdown() -> dict:
+    """The compile's seconds by phase (torch._dynamo's timed functions, summed over its
+    graphs; the 12 longest) and how many graphs and graph breaks it made."""
+    from torch._dynamo.utils import compile_times, counters
+    names, values = compile_times(repr="csv", aggregate=True)
+    phases = sorted(((float(v), n) for n, v in zip(names, values)), reverse=True)[:12]
+    return {"phases": {n: round(v, 2) for v, n in phases},
+            "graphs": counters["stats"]["unique_graphs"],
+            "graph_breaks": sum(counters["graph_break"].values())}
 
 
 def _host_profile(step, title: str, path: str) -> None:
