@@ -8,8 +8,10 @@ on the meta device) and while dynamo traces (which cannot read addresses), the j
 ``torch.cat``: the same values, a copy per call (at Llama-3-8B widths 285 MB a layer;
 compiled, made again in the backward rather than kept for it: a copy more, and no copy of
 every layer's weights on the peak). So is a join of fewer than ``VIEW_FROM_BYTES`` (small
-models' layers): the view's autograd node runs in Python, tens of microseconds of host
-time a call forward and backward, more than a copy of a few MiB costs the device.
+models' layers), eager or compiled, and kept for the backward: the view's autograd node
+runs in Python, tens of microseconds of host time a call forward and backward, more than
+a copy of a few MiB costs the device; compiled, a recomputed copy would be one more
+kernel to compile and launch for a few MiB saved.
 
 Each parameter's in-place changes between the forward and the backward are caught, as
 for a copy. A parameter saved alone (``torch.save(layer.k_proj.weight)``) saves its whole
@@ -57,11 +59,12 @@ def _movable(tensors: list) -> bool:
 def joined(tensors: Sequence[Tensor]) -> Tensor:
     """``torch.cat(tensors)`` (along the rows): a view where they lie end to end in one
     buffer and hold ``VIEW_FROM_BYTES`` or more, a copy otherwise."""
+    if _bytes(tensors) < VIEW_FROM_BYTES:
+        return torch.cat(list(tensors))
     if torch.compiler.is_compiling():  # recomputed in the backward, not saved for it
         return checkpoint(_cat, *tensors, use_reentrant=False)
-    if not torch._C._are_functorch_transforms_active() and _bytes(tensors) >= VIEW_FROM_BYTES \
-            and end_to_end(tensors):  # (functorch's wrappers have no storage to read)
-        return _JoinedView.apply(*tensors)
+    if not torch._C._are_functorch_transforms_active() and end_to_end(tensors):
+        return _JoinedView.apply(*tensors)  # (functorch's wrappers have no storage to read)
     return torch.cat(list(tensors))
 
 
