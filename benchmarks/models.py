@@ -167,6 +167,9 @@ def run_row(row: str, config_name: str, profile: str = "") -> dict:
     end.record()
     torch.cuda.synchronize()
     ms = begin.elapsed_time(end) / STEPS
+    # read now: a captured step's loss is its static output, which the profiled replays
+    # below would overwrite
+    loss_after = loss.item()
     if profile:
         from gpu_mlp import profile_step
         profile_step(lambda: step(ids, ids), f"{config_name} {row}", profile, rows=80)
@@ -180,7 +183,7 @@ def run_row(row: str, config_name: str, profile: str = "") -> dict:
     extra = CAPTURE_STEPS if row.endswith("captured") else 0
     return {"ms": ms, "tokens_per_s": batch * seq / ms * 1e3,
             "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
-            "loss_after": loss.item(), "steps": WARMUP + STEPS + extra, "warmup_s": warmup_s,
+            "loss_after": loss_after, "steps": WARMUP + STEPS + extra, "warmup_s": warmup_s,
             **fallbacks}
 
 
