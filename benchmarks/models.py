@@ -19,6 +19,7 @@ FP8 within its tolerance).
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import subprocess
 import sys
@@ -155,9 +156,11 @@ def run_row(row: str, config_name: str, profile: str = "") -> dict:
                         generator=torch.Generator("cuda").manual_seed(1))
     step, model = build(row, config_name, ids)
     start = time.perf_counter()
-    for _ in range(WARMUP):
+    for i in range(WARMUP):
         loss = step(ids, ids)
-    torch.cuda.synchronize()
+        torch.cuda.synchronize()  # (a row cut by its timeout says how far it got)
+        print(f"warm-up step {i} done at {time.perf_counter() - start:.1f} s", file=sys.stderr,
+              flush=True)
     warmup_s = time.perf_counter() - start
     torch.cuda.reset_peak_memory_stats()
     begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -234,13 +237,17 @@ def _fallbacks(model) -> dict:
 
 
 def _run_row_process(row: str, config: str, profile: str, timeout: float) -> dict:
-    """One row in a process of its own (Liger patches classes); its result or its error."""
+    """One row in a process of its own (Liger patches classes); its result or its error
+    (a row cut by the timeout: the end of what it wrote, its Python stack shortly before
+    the cut included)."""
     try:
         done = subprocess.run([sys.executable, __file__, "--row", row, "--config", config,
-                               "--profile", profile],
+                               "--profile", profile, "--stack-after", str(timeout - 15)],
                               capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return {"error": f"timed out after {timeout:.0f} s"}
+    except subprocess.TimeoutExpired as cut:
+        written = cut.stderr or b""
+        written = written.decode(errors="replace") if isinstance(written, bytes) else written
+        return {"error": f"timed out after {timeout:.0f} s", "stderr_tail": written[-4000:]}
     lines = done.stdout.strip().splitlines()
     try:
         return json.loads(lines[-1])
@@ -259,8 +266,13 @@ def main() -> None:
                         help="append each row's kernels (three steps, by GPU time) to PATH")
     parser.add_argument("--row-timeout", type=float, default=900,
                         help="seconds one row may take before it is recorded as timed out")
+    parser.add_argument("--stack-after", type=float, default=0,
+                        help="(internal) of --row: write the Python stack to stderr after "
+                             "this many seconds (where a row cut by its timeout was)")
     args = parser.parse_args()
     if args.row:
+        if args.stack_after > 0:
+            faulthandler.dump_traceback_later(args.stack_after)
         print(json.dumps(run_row(args.row, args.config, args.profile)))
         return
     import torch
