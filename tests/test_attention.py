@@ -539,3 +539,46 @@ def test_fusibles_own_positions_read_the_kept_tables_and_no_other_tensor_does():
         fresh = rotary.sequence_angles(11, x.device, options)
         assert rotary.sequence_positions(11, x.device) is not rotary.sequence_positions(11, x.device)
     assert rotary.sequence_angles(11, x.device, options) is not fresh  # not kept
+
+
+@pytest.mark.usefixtures("fresh_dynamo")
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_layers_given_one_positions_tensor_make_its_tables_once(compiled, monkeypatch):
+    """Every layer of a step takes the model's one position_ids tensor (a compiled
+    graph hands it to each custom op): its rotary tables are made once, forward and
+    backward, and made again once the tensor changes in place; the bits are those of
+    tables made per call."""
+    from fusible.functional import rotary
+    from fusible.ops import attention
+    made = []
+    real = rotary.rotary_angles
+
+    def counted(positions, options):
+        if type(positions) is torch.Tensor:  # not a trace's fake tensor
+            made.append(1)
+        return real(positions, options)
+    monkeypatch.setattr(attention, "rotary_angles", counted)
+    rotary._BY_POSITIONS.clear()
+    torch.manual_seed(0)
+    layers = [ops.Attention(2, rotary_base=1e4, position_ids=True) for _ in range(3)]
+
+    def model(x, positions):  # three layers' attention, each given the same positions
+        return sum(layer(x * (i + 1), positions) for i, layer in enumerate(layers))
+    run = torch.compile(model, backend="aot_eager", fullgraph=True) if compiled else model
+    x = torch.randn(2, 6, 3 * 2 * 8, requires_grad=True)
+    positions = torch.tensor([[3, 4, 5, 6, 7, 8], [0, 1, 2, 3, 4, 5]])
+    run(x, positions).sum().backward()
+    assert len(made) == 1
+    got = x.grad.clone()
+    rotary._BY_POSITIONS.clear()
+    monkeypatch.setattr(rotary, "_keepable", lambda device: False)  # made per call
+    x.grad = None
+    run(x, positions).sum().backward()
+    assert torch.equal(x.grad, got) and len(made) == 1 + 6
+    monkeypatch.undo()
+    monkeypatch.setattr(attention, "rotary_angles", counted)
+    made.clear()
+    run(x, positions)
+    positions.add_(1)  # in place: the version moves, the tables are made again
+    run(x, positions)
+    assert len(made) == 2

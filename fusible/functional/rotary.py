@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import collections
 import math
+import weakref
 
 import attrs
 import torch
@@ -132,6 +133,30 @@ def sequence_angles(seq: int, device: torch.device, options: RotaryOptions,
     neither read nor kept."""
     return _kept(_SEQUENCE_TABLES, (seq, device, options),
                  lambda: rotary_angles(torch.arange(seq, device=device), options), keep)
+
+
+_BY_POSITIONS: collections.OrderedDict = collections.OrderedDict()
+
+
+def angles_of(positions: Tensor, batch: int, options: RotaryOptions,
+              make) -> tuple[Tensor, Tensor]:
+    """``make()`` (the rotary tables of the position ids ``positions`` for ``batch``
+    rows), kept for the same tensor at the same version (the last 16): a model's layers take one positions
+    tensor each step, forward and backward, which a compiled graph hands its custom ops
+    (where :func:`sequence_positions` cannot be recognised): one table a step, not two a
+    layer. Not kept where :func:`sequence_angles` would not be (inference mode, a CUDA
+    graph capturing)."""
+    if not _keepable(positions.device):
+        return make()
+    key = (id(positions), positions._version, positions.shape, batch, options)
+    found = _BY_POSITIONS.get(key)
+    if found is not None and found[0]() is positions:
+        return found[1]
+    tables = make()
+    _BY_POSITIONS[key] = (weakref.ref(positions), tables)
+    while len(_BY_POSITIONS) > _KEPT:
+        _BY_POSITIONS.popitem(last=False)
+    return tables
 
 
 def _pairs(x: Tensor, options: RotaryOptions) -> tuple[Tensor, Tensor]:

@@ -20,8 +20,8 @@ from fusible.functional import attention as attn
 from fusible.functional import parallel
 from fusible.functional import qkv as qkv_prep
 from fusible.functional.norms import effective_gamma
-from fusible.functional.rotary import (RotaryOptions, apply_rotary, is_sequence_positions,
-                                       rotary_angles, sequence_angles)
+from fusible.functional.rotary import (RotaryOptions, angles_of, apply_rotary,
+                                       is_sequence_positions, rotary_angles, sequence_angles)
 from fusible.module import BasicOperation
 
 Tensor = torch.Tensor
@@ -121,8 +121,14 @@ def _angles(x: Tensor, rotary, cu_seqlens, position_ids, cos, sin) -> Optional[t
     plain = type(x) is torch.Tensor  # not a fake tensor of a trace
     if cu_seqlens is None and (position_ids is None or is_sequence_positions(position_ids)):
         return sequence_angles(x.shape[1], x.device, rotary, keep=plain)  # 0..S-1
-    pos = qkv_prep.positions(x.shape[0], x.shape[1], cu_seqlens, position_ids, x.device)
-    return rotary_angles(pos, rotary)
+    batch, seq = x.shape[0], x.shape[1]
+
+    def make():
+        return rotary_angles(qkv_prep.positions(batch, seq, cu_seqlens, position_ids,
+                                                x.device), rotary)
+    if cu_seqlens is None and plain and type(position_ids) is torch.Tensor:
+        return angles_of(position_ids, batch, rotary, make)  # every layer's: one table
+    return make()
 
 
 class Attention(BasicOperation):
