@@ -46,7 +46,8 @@ MOE_CONFIGS = {
 }
 ROWS = ["hf_eager", "hf_compile", "hf_compile_cudagraphs", "hf_captured", "liger",
         "torchao_fp8_compile", "torchao_fp8_compile_cudagraphs",
-        "converted_eager", "converted_compile", "converted_captured", "converted_fp8_eager",
+        "converted_eager", "converted_compile", "converted_compile_cudagraphs",
+        "converted_captured", "converted_fp8_eager",
         "converted_fp8_compile", "converted_fp8_captured",
         "fusible_eager", "fusible_compile", "fusible_compile_cudagraphs", "fusible_captured",
         "fusible_fp8_eager", "fusible_fp8_compile", "fusible_fp8_captured"]
