@@ -125,3 +125,35 @@ def _real_answer() -> bool:
         return torch.cuda.is_current_stream_capturing()
     except RuntimeError:  # a CPU build of PyTorch
         return False
+
+
+@pytest.mark.usefixtures("fresh_dynamo")
+def test_the_check_run_runs_a_compiled_step_s_python():
+    """Compiled steps run their Python in the check run (set_stance force_eager): dynamo
+    cannot trace under the check's dispatch mode (it skips each frame and tries the ones
+    inside, planning code included: a fullgraph function raises), and the check sees the
+    ops inside fusible's stages; the step is not compiled again for the check."""
+    from torch._dynamo.utils import counters
+    from fusible.runtime.captured_step import _eagerly
+    model = _model()
+    compiled = torch.compile(lambda x: model(x).square().mean(), backend="aot_eager",
+                             fullgraph=True)
+    x = torch.randn(8, 16)
+    compiled(x)
+    graphs = counters["stats"]["unique_graphs"]
+
+    class Seen(CaptureCheck):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            names.append(str(func))
+            return super().__torch_dispatch__(func, types, args, kwargs)
+
+    names: list = []
+    with pytest.raises(RuntimeError, match="dispatch mode"):  # dynamo skips every frame
+        with Seen(), as_if_capturing():
+            compiled(x)
+    names.clear()
+    with Seen(), as_if_capturing(), _eagerly():
+        compiled(x)
+    assert names and not any(n.startswith("fusible.") for n in names)
+    assert "aten.addmm.default" in names  # a stage's GEMM
+    assert counters["stats"]["unique_graphs"] == graphs

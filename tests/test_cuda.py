@@ -1517,7 +1517,8 @@ def test_a_captured_converted_hf_step_replays_the_eager_steps_bit_for_bit(compil
     """fusible.capture_step on a converted Hugging Face Llama (fused layers, the fused
     loss): 50 replays against the same steps run eagerly (the same step function, so the
     same .grad handling), loss and every parameter by name; compiled: the converted
-    forward under torch.compile in both. The message names the first step that differs."""
+    forward under torch.compile in both (the check run, the fourth step, runs its Python
+    in both). The message names the first step that differs."""
     transformers = pytest.importorskip("transformers")
     config = transformers.LlamaConfig(hidden_size=256, intermediate_size=768,
                                       num_hidden_layers=2, num_attention_heads=16,
@@ -1550,8 +1551,9 @@ def test_a_captured_converted_hf_step_replays_the_eager_steps_bit_for_bit(compil
     eager_model, eager = build()
     captured_model, step = build()
     captured = fusible.capture_step(step, batches[0], warmup=3)
-    for _ in range(4):  # the warm-up steps and the check run, on the example batch
-        eager(batches[0])
+    for i in range(4):  # the warm-up steps and the check run (its Python), on the example
+        with torch.compiler.set_stance("force_eager" if i == 3 else "default"):
+            eager(batches[0])
     for i, ids in enumerate(batches[4:]):
         want = eager(ids)
         got = captured(ids).clone()

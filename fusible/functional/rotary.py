@@ -91,9 +91,16 @@ _KEPT = 16  # the last (seq, device[, options]) of each
 def _keepable(device: torch.device) -> bool:
     """Whether what is made now may be kept for later calls: not an inference tensor
     (training could not save it), not in a CUDA graph's pool (the graph must own what it
-    reads)."""
-    return not torch.is_inference_mode_enabled() and not (
-        device.type == "cuda" and torch.cuda.is_current_stream_capturing())
+    reads): neither while a graph captures nor on a side stream (torch.compile's CUDA
+    graph trees warm a graph up on a stream of their own, allocating from its private
+    pool, where nothing may stay allocated)."""
+    if torch.is_inference_mode_enabled():
+        return False
+    if device.type != "cuda":
+        return True
+    index = torch.cuda.current_device() if device.index is None else device.index
+    return torch._C._cuda_getCurrentStream(index)[0] == 0 and \
+        not torch.cuda.is_current_stream_capturing()
 
 
 def _kept(store: collections.OrderedDict, key, make, keep: bool):

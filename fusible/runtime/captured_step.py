@@ -16,7 +16,9 @@ tensors, as ``capturable=True`` optimizers do.
 The warm-up runs (on a side stream, as PyTorch requires) and the check run are real
 training steps: they update the parameters. The check run sees
 ``torch.cuda.is_current_stream_capturing()`` as True, as the capture will (code that
-synchronises only outside a capture, as transformers' mask checks do, passes). Under ``fusible.autocast`` the capture pins
+synchronises only outside a capture, as transformers' mask checks do, passes), and runs
+compiled functions' Python eagerly (the same stages' compute a compiled graph calls
+through its custom ops; the step's compiled graphs themselves synchronise nowhere). Under ``fusible.autocast`` the capture pins
 the recipe: a replay under another state raises.
 """
 
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import threading
 import traceback
 from typing import Any, Callable, Iterator, Optional, Sequence
@@ -127,6 +130,17 @@ def _capturing() -> bool:
     return getattr(_PRETEND, "depth", 0) > 0 or _ORIGINAL[0]()
 
 
+def _eagerly():
+    """The check run's compiled functions run their Python (``torch.compiler.set_stance
+    ("force_eager")``): the check must see the ops of fusible's stages, which a compiled
+    graph hides in its custom ops, and dynamo would otherwise recompile the step under the
+    check's dispatch mode and pretended capture (frames it then runs piecewise). Nothing
+    when dynamo was never loaded (nothing is compiled)."""
+    if "torch._dynamo" not in sys.modules:
+        return contextlib.nullcontext()
+    return torch.compiler.set_stance("force_eager")
+
+
 def check_optimizers(optimizers: Sequence[torch.optim.Optimizer], name: str) -> None:
     """Raise :class:`UncapturableError` for an optimizer that keeps its step on the host."""
     for opt in optimizers:
@@ -226,7 +240,7 @@ def capture_step(step: Callable, *example_inputs: torch.Tensor,
         for _ in range(warmup):
             step(*static_inputs)
     torch.cuda.current_stream().wait_stream(side)
-    with CaptureCheck(), as_if_capturing():  # after the warm-up, as the capture runs
+    with CaptureCheck(), as_if_capturing(), _eagerly():  # after the warm-up, as the capture
         step(*static_inputs)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, pool=pool):
