@@ -282,8 +282,8 @@ def _flex_against_math_on_cuda(seq: int) -> None:
         y = model(x)
         y.float().backward(torch.cos(y.detach().float()))
         outs.append((y.float(), x.grad.float()))
-    assert "kernel: flex" in ops.Sequential(ops.Attention(
-        H, num_kv_heads=2, softcap=0.5, head_dim=16)).plan(x).explain()
+        if backend == "flex":
+            assert "kernel: flex" in model.plan(x).explain()
     torch.testing.assert_close(outs[0], outs[1], atol=2e-2, rtol=2e-2)
 
 
