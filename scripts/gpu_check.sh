@@ -3,6 +3,7 @@
 # under the machine's PyTorch, then the GPU benchmarks. Results land in $OUT (or out/).
 # Usage there: [TESTS="tests/test_fp8.py ..."] bash scripts/gpu_check.sh [bf16] [fp8] [tp] [tiles]
 #   [idle] [breakdown] [small] [graphs] [zoo] [moe] [probe] [fsdp] [layer] [models] [policy]
+#   [layerhost] [headpeak]
 # (no argument: bf16 and fp8; tp needs two GPUs (kind nvidia-h200-x2); tiles: the GELU
 # kernels' tile shapes (diagnostics/activation_tiles.py); idle: host time, GPU idle and
 # kernels and host profile of the FP8 attention projections, eager and compiled (gpu_idle.py);
@@ -23,6 +24,7 @@
 # MODEL_PROFILE=1: each row's kernels and each eager row's Python profile); policy: the FP8 GEMM policy against measured bf16 and
 # FP8 steps per GEMM shape (gemm_policy.py); layerhost: one decoder layer's host time
 # per step, HF, converted piece by piece and whole, native, bf16 and FP8 (layer_host.py);
+# headpeak: the blocks alive at the LM head's memory peak (diagnostics/head_peak.py);
 # TESTS: which tests,
 # default all, "none" for none; PYTEST_ARGS: more pytest arguments (-x); the argument
 # "none" runs no benchmark)
@@ -135,6 +137,10 @@ if [[ " $benches " == *" models "* ]]; then  # whole-model training steps (model
         ${MODEL_PROFILE:+--profile "$OUT_ABS/models_profile.txt"} \
         ${MODEL_ROW_TIMEOUT:+--row-timeout "$MODEL_ROW_TIMEOUT"}) \
         2>&1 | tee "$OUT/models.log"
+    bench_rc=$(( bench_rc || PIPESTATUS[0] ))
+fi
+if [[ " $benches " == *" headpeak "* ]]; then  # the LM head's peak, block by block
+    python3 benchmarks/diagnostics/head_peak.py 2>&1 | tee "$OUT/head_peak.log"
     bench_rc=$(( bench_rc || PIPESTATUS[0] ))
 fi
 if [[ " $benches " == *" probe "* ]]; then
