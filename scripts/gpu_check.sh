@@ -21,7 +21,8 @@
 # its loss against Hugging Face, torch.compile and Liger (layer.py; LAYERS: which sizes,
 # LAYER_ARGS: more arguments, e.g. --no-head); models: whole-model training steps, a process
 # per row (models.py; MODEL_CONFIGS, MODEL_ROWS, MODEL_ROW_TIMEOUT (seconds a row may take),
-# MODEL_PROFILE=1: each row's kernels and each eager row's Python profile); policy: the FP8 GEMM policy against measured bf16 and
+# MODEL_PROFILE=1: each row's kernels and each eager or compiled row's Python profile);
+# policy: the FP8 GEMM policy against measured bf16 and
 # FP8 steps per GEMM shape (gemm_policy.py); layerhost: one decoder layer's host time
 # per step, HF, converted piece by piece and whole, native, bf16 and FP8 (layer_host.py);
 # headpeak: the blocks alive at the LM head's memory peak (diagnostics/head_peak.py);
