@@ -193,7 +193,8 @@ def run_row(row: str, config_name: str, profile: str = "") -> dict:
 
 def _compile_breakdown() -> dict:
     """The compile's seconds by phase (torch._dynamo's timed functions, summed over its
-    graphs; the 12 longest) and how many graphs and graph breaks it made."""
+    graphs; the 12 longest; nested: a phase's time includes the phases it calls) and how
+    many graphs and graph breaks it made."""
     from torch._dynamo.utils import compile_times, counters
     names, values = compile_times(repr="csv", aggregate=True)
     phases = sorted(((float(v), n) for n, v in zip(names, values)), reverse=True)[:12]
@@ -248,7 +249,8 @@ def _run_row_process(row: str, config: str, profile: str, timeout: float) -> dic
     except subprocess.TimeoutExpired as cut:
         written = cut.stderr or b""
         written = written.decode(errors="replace") if isinstance(written, bytes) else written
-        return {"error": f"timed out after {timeout:.0f} s", "stderr_tail": written[-4000:]}
+        # (every thread's stack: the main thread's may be far from the end)
+        return {"error": f"timed out after {timeout:.0f} s", "stderr_tail": written[-12000:]}
     lines = done.stdout.strip().splitlines()
     try:
         return json.loads(lines[-1])

@@ -582,3 +582,28 @@ def test_layers_given_one_positions_tensor_make_its_tables_once(compiled, monkey
     positions.add_(1)  # in place: the version moves, the tables are made again
     run(x, positions)
     assert len(made) == 2
+
+
+def test_kept_position_tables_go_with_their_tensor_and_skip_inference_tensors():
+    """An entry of angles_of goes when its positions tensor dies (its tables are not
+    kept for a dead tensor); position ids made under inference mode (no version to read)
+    and used outside it are computed each call."""
+    from fusible.functional import rotary
+    rotary._BY_POSITIONS.clear()
+    options = rotary.RotaryOptions(10000.0, 8)
+    x = torch.randn(2, 6, 3 * 2 * 8)
+    op = ops.Attention(2, rotary_base=1e4, position_ids=True)
+    positions = torch.arange(6).expand(2, 6).clone()
+    with torch.no_grad():
+        want = op(x, positions)
+    assert len(rotary._BY_POSITIONS) == 1
+    del positions
+    assert not rotary._BY_POSITIONS
+    with torch.inference_mode():
+        frozen = torch.arange(6).expand(2, 6).clone()
+    with torch.no_grad():
+        assert torch.equal(op(x, frozen), want)
+    assert not rotary._BY_POSITIONS
+    made = rotary.angles_of(torch.arange(6), 2, 6, options,
+                            lambda: rotary.rotary_angles(torch.arange(6), options))
+    assert len(rotary._BY_POSITIONS) == 0 and made[0].shape == (6, 4)  # its tensor died

@@ -142,28 +142,45 @@ def sequence_angles(seq: int, device: torch.device, options: RotaryOptions,
                  lambda: rotary_angles(torch.arange(seq, device=device), options), keep)
 
 
-_BY_POSITIONS: collections.OrderedDict = collections.OrderedDict()
+_BY_POSITIONS: dict = {}  # key -> (weakref to the positions tensor, tables)
 
 
-def angles_of(positions: Tensor, batch: int, options: RotaryOptions,
+def angles_of(positions: Tensor, batch: int, seq: int, options: RotaryOptions,
               make) -> tuple[Tensor, Tensor]:
-    """``make()`` (the rotary tables of the position ids ``positions`` for ``batch``
-    rows), kept for the same tensor at the same version (the last 16): a model's layers take one positions
-    tensor each step, forward and backward, which a compiled graph hands its custom ops
-    (where :func:`sequence_positions` cannot be recognised): one table a step, not two a
-    layer. Not kept where :func:`sequence_angles` would not be (inference mode, a CUDA
-    graph capturing)."""
-    if not _keepable(positions.device):
+    """``make()`` (the rotary tables of the position ids ``positions`` for ``batch`` x
+    ``seq`` tokens), kept while that tensor lives and is unchanged (its version): a
+    model's layers take one positions tensor a step, forward and backward, which a
+    compiled graph hands its custom ops (where :func:`sequence_positions` cannot be
+    recognised): one table a step, not two a layer. The entry goes with the tensor.
+
+    Not kept where :func:`sequence_angles` would not be (inference mode, a CUDA graph
+    capturing, a side stream), for inference tensors (no version to read) and under
+    functorch's transforms. A write the version does not see (through ``.data``, a
+    kernel of one's own, a CUDA graph's replay into a static buffer) would leave the tables
+    stale: positions are tensors a model makes each step, or ones written by PyTorch ops."""
+    if not _keepable(positions.device) or positions.is_inference() or \
+            torch._C._are_functorch_transforms_active():
         return make()
-    key = (id(positions), positions._version, positions.shape, batch, options)
+    key = (id(positions), positions._version, tuple(positions.shape), batch, seq, options)
     found = _BY_POSITIONS.get(key)
     if found is not None and found[0]() is positions:
         return found[1]
     tables = make()
-    _BY_POSITIONS[key] = (weakref.ref(positions), tables)
-    while len(_BY_POSITIONS) > _KEPT:
-        _BY_POSITIONS.popitem(last=False)
+    ref = weakref.ref(positions, lambda dead, key=key: _forget(key, dead))
+    _BY_POSITIONS[key] = (ref, tables)
+    while len(_BY_POSITIONS) > _KEPT:  # (versions of one living tensor)
+        try:  # (a dying tensor's callback may drop an entry meanwhile)
+            _BY_POSITIONS.pop(next(iter(_BY_POSITIONS)), None)
+        except (RuntimeError, StopIteration):
+            break
     return tables
+
+
+def _forget(key: tuple, dead: weakref.ref) -> None:
+    """Drop the entry of a positions tensor that died (not a later one at its id)."""
+    found = _BY_POSITIONS.get(key)
+    if found is not None and found[0] is dead:
+        _BY_POSITIONS.pop(key, None)
 
 
 def _pairs(x: Tensor, options: RotaryOptions) -> tuple[Tensor, Tensor]:

@@ -127,7 +127,7 @@ def _angles(x: Tensor, rotary, cu_seqlens, position_ids, cos, sin) -> Optional[t
         return rotary_angles(qkv_prep.positions(batch, seq, cu_seqlens, position_ids,
                                                 x.device), rotary)
     if cu_seqlens is None and plain and type(position_ids) is torch.Tensor:
-        return angles_of(position_ids, batch, rotary, make)  # every layer's: one table
+        return angles_of(position_ids, batch, seq, rotary, make)  # every layer's: one table
     return make()
 
 

@@ -18,7 +18,9 @@ training steps: they update the parameters. The check run sees
 ``torch.cuda.is_current_stream_capturing()`` as True, as the capture will (code that
 synchronises only outside a capture, as transformers' mask checks do, passes), and runs
 compiled functions' Python eagerly (the same stages' compute a compiled graph calls
-through its custom ops; the step's compiled graphs themselves synchronise nowhere). Under ``fusible.autocast`` the capture pins
+through its custom ops). The compiled graphs themselves are assumed to synchronise
+nowhere (Inductor's code does not): one that did would fail at the capture, as a CUDA
+error, not before it. Under ``fusible.autocast`` the capture pins
 the recipe: a replay under another state raises.
 """
 
