@@ -19,6 +19,7 @@ rotation is computed in float32 (float64 for float64 inputs) and rounded once.
 from __future__ import annotations
 
 import collections
+import functools
 import math
 import weakref
 
@@ -166,7 +167,7 @@ def angles_of(positions: Tensor, batch: int, seq: int, options: RotaryOptions,
     if found is not None and found[0]() is positions:
         return found[1]
     tables = make()
-    ref = weakref.ref(positions, lambda dead, key=key: _forget(key, dead))
+    ref = weakref.ref(positions, functools.partial(_forget, key))
     _BY_POSITIONS[key] = (ref, tables)
     while len(_BY_POSITIONS) > _KEPT:  # (versions of one living tensor)
         try:  # (a dying tensor's callback may drop an entry meanwhile)
