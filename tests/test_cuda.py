@@ -1512,6 +1512,23 @@ def test_a_captured_training_step_replays_the_eager_steps_bit_for_bit(fp8):
         assert torch.equal(p, q), name
 
 
+def _converted_tiny_llama():
+    """A two-layer bf16 Hugging Face Llama on CUDA from seed 0, converted with the fused
+    loss, both layers fused whole."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(hidden_size=256, intermediate_size=768,
+                                      num_hidden_layers=2, num_attention_heads=16,
+                                      num_key_value_heads=4, vocab_size=2048,
+                                      max_position_embeddings=512)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = transformers.LlamaForCausalLM(config).to(torch.bfloat16)
+    report = fusible.convert(model, fuse_loss=True)
+    assert sum(new.startswith("TransformerLayer") for _, _, new in report.converted) == 2
+    return model
+
+
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 def test_a_captured_converted_hf_step_replays_the_eager_steps_bit_for_bit(compiled):
     """fusible.capture_step on a converted Hugging Face Llama (fused layers, the fused
@@ -1519,19 +1536,9 @@ def test_a_captured_converted_hf_step_replays_the_eager_steps_bit_for_bit(compil
     same .grad handling), loss and every parameter by name; compiled: the converted
     forward under torch.compile in both (the check run, the fourth step, runs its Python
     in both). The message names the first step that differs."""
-    transformers = pytest.importorskip("transformers")
-    config = transformers.LlamaConfig(hidden_size=256, intermediate_size=768,
-                                      num_hidden_layers=2, num_attention_heads=16,
-                                      num_key_value_heads=4, vocab_size=2048,
-                                      max_position_embeddings=512)
-    config._attn_implementation = "sdpa"
 
     def build():
-        torch.manual_seed(0)
-        with torch.device("cuda"):
-            model = transformers.LlamaForCausalLM(config).to(torch.bfloat16)
-        report = fusible.convert(model, fuse_loss=True)
-        assert sum(new.startswith("TransformerLayer") for _, _, new in report.converted) == 2
+        model = _converted_tiny_llama()
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True, capturable=True)
         forward = lambda ids: model(input_ids=ids, labels=ids).loss  # noqa: E731
         if compiled:
@@ -1567,21 +1574,12 @@ def test_a_converted_hf_model_trains_under_reduce_overhead_as_compiled():
     """torch.compile(mode="reduce-overhead") (CUDA graph trees) on a converted Hugging
     Face Llama: 12 training steps give the losses and parameters of the same compiled
     steps without CUDA graphs, bit for bit."""
-    transformers = pytest.importorskip("transformers")
-    config = transformers.LlamaConfig(hidden_size=256, intermediate_size=768,
-                                      num_hidden_layers=2, num_attention_heads=16,
-                                      num_key_value_heads=4, vocab_size=2048,
-                                      max_position_embeddings=512)
-    config._attn_implementation = "sdpa"
     gen = torch.Generator("cuda").manual_seed(1)
     batches = [torch.randint(0, 2048, (2, 128), device="cuda", generator=gen)
                for _ in range(12)]
     runs = []
     for mode in (None, "reduce-overhead"):
-        torch.manual_seed(0)
-        with torch.device("cuda"):
-            model = transformers.LlamaForCausalLM(config).to(torch.bfloat16)
-        fusible.convert(model, fuse_loss=True)
+        model = _converted_tiny_llama()
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
         forward = torch.compile(lambda ids: model(input_ids=ids, labels=ids).loss, mode=mode)
         losses = []

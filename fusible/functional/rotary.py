@@ -112,9 +112,17 @@ def _kept(store: collections.OrderedDict, key, make, keep: bool):
     made = make()
     if keep:
         store[key] = made
-        while len(store) > _KEPT:
-            store.popitem(last=False)
+        _trim(store)
     return made
+
+
+def _trim(store: collections.OrderedDict) -> None:
+    """Drop ``store``'s oldest entries past the last ``_KEPT``."""
+    while len(store) > _KEPT:
+        try:  # (a dying positions tensor's callback may drop an entry meanwhile)
+            store.popitem(last=False)
+        except KeyError:
+            break
 
 
 def sequence_positions(seq: int, device: torch.device) -> Tensor:
@@ -143,7 +151,8 @@ def sequence_angles(seq: int, device: torch.device, options: RotaryOptions,
                  lambda: rotary_angles(torch.arange(seq, device=device), options), keep)
 
 
-_BY_POSITIONS: dict = {}  # key -> (weakref to the positions tensor, tables)
+# key -> (weakref to the positions tensor, tables)
+_BY_POSITIONS: collections.OrderedDict = collections.OrderedDict()
 
 
 def angles_of(positions: Tensor, batch: int, seq: int, options: RotaryOptions,
@@ -169,11 +178,7 @@ def angles_of(positions: Tensor, batch: int, seq: int, options: RotaryOptions,
     tables = make()
     ref = weakref.ref(positions, functools.partial(_forget, key))
     _BY_POSITIONS[key] = (ref, tables)
-    while len(_BY_POSITIONS) > _KEPT:  # (versions of one living tensor)
-        try:  # (a dying tensor's callback may drop an entry meanwhile)
-            _BY_POSITIONS.pop(next(iter(_BY_POSITIONS)), None)
-        except (RuntimeError, StopIteration):
-            break
+    _trim(_BY_POSITIONS)  # (versions of one living tensor)
     return tables
 
 

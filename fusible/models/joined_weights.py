@@ -59,12 +59,11 @@ def _movable(tensors: list) -> bool:
 def joined(tensors: Sequence[Tensor]) -> Tensor:
     """``torch.cat(tensors)`` (along the rows): a view where they lie end to end in one
     buffer and hold ``VIEW_FROM_BYTES`` or more, a copy otherwise."""
-    if _bytes(tensors) < VIEW_FROM_BYTES:
-        return torch.cat(list(tensors))
-    if torch.compiler.is_compiling():  # recomputed in the backward, not saved for it
-        return checkpoint(_cat, *tensors, use_reentrant=False)
-    if not torch._C._are_functorch_transforms_active() and end_to_end(tensors):
-        return _JoinedView.apply(*tensors)  # (functorch's wrappers have no storage to read)
+    if _bytes(tensors) >= VIEW_FROM_BYTES:
+        if torch.compiler.is_compiling():  # recomputed in the backward, not saved for it
+            return checkpoint(_cat, *tensors, use_reentrant=False)
+        if not torch._C._are_functorch_transforms_active() and end_to_end(tensors):
+            return _JoinedView.apply(*tensors)  # (functorch's wrappers have no storage)
     return torch.cat(list(tensors))
 
 
