@@ -117,6 +117,28 @@ def test_same_bits_as_eager_inductor(name, dtype):
     _bitwise(name, dtype, "inductor")
 
 
+def test_inductor_lowers_fusible_ops_without_formatting_their_arguments(monkeypatch):
+    """Inductor finds a fallback made for each fusible op, not its implicit-fallback path,
+    which formats every argument's IR for a log line (eagerly in torch 2.11: minutes on a
+    converted model's residual stream). The log is wrapped so that 2.13's lazy message is
+    formatted too: without the fallbacks made first, the fusible ops appear in it."""
+    graph = pytest.importorskip("torch._inductor.graph")
+    implicit = []
+
+    def info(message, *args, **kwargs):
+        if message.startswith("Creating implicit fallback"):
+            implicit.append(str(args[0]).split("\n")[0])
+    monkeypatch.setattr(graph.log, "info", info)
+    model = ops.Sequential(ops.RMSNorm(8), ops.Linear(8, 8))
+    x = torch.randn(3, 8, requires_grad=True)
+    compiled = torch.compile(model, fullgraph=True, backend="inductor")
+    with torch._inductor.config.patch(force_disable_caches=True):  # lowered, not cached
+        compiled(x * 2 + 1).sum().backward()
+    assert not [line for line in implicit if "target: fusible." in line], implicit
+    lowerings = __import__("torch._inductor.lowering", fromlist=["lowerings"]).lowerings
+    assert torch.ops.fusible.RMSNorm_fwd.default in lowerings
+
+
 def test_inference_same_bits_with_gemm_epilogue():
     model = ops.Sequential(ops.BasicLinear(8, 16), ops.Bias(16), ops.GELU(), ops.Linear(16, 4))
     x = torch.randn(5, 8)

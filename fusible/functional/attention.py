@@ -237,13 +237,14 @@ def _flex_for_grad(q, k, v, score_mod, block_mask, scale, enable_gqa):
 
 @functools.lru_cache(maxsize=None)
 def _flex_kernel(device_type: str, with_lse: bool):
-    """flex attention compiled once per process and direction on CUDA (eager, it runs the
+    """flex attention compiled per process and direction on CUDA (eager, it runs the
     formulas; the forward and the backward's autograd run are two functions: dynamo keeps
-    its compiled variants per function; sequence lengths turn dynamic after the first
-    change); eager on the CPU (forward only: the tests' way to its masks and score
-    changes)."""
+    its compiled variants per function), one kernel per sequence length (with a dynamic
+    length torch 2.11's Inductor takes its flex-decoding template, which offers no
+    kernel for these shapes); eager on the CPU (forward only: the tests' way to its masks
+    and score changes)."""
     function = _flex_with_lse if with_lse else _flex_for_grad
-    return function if device_type == "cpu" else torch.compile(function)
+    return function if device_type == "cpu" else torch.compile(function, dynamic=False)
 
 
 @functools.lru_cache(maxsize=None)
