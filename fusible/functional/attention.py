@@ -223,28 +223,34 @@ def _flash_window(options: AttentionOptions) -> tuple[int, int]:
     return options.window - 1, 0 if options.causal else options.window - 1
 
 
+# Training kernels only: Inductor takes its flex-decoding template for queries shorter
+# than 128, which offers no kernel for these shapes (torch 2.11: "no choices").
+_FLEX_OPTIONS = {"FORCE_USE_FLEX_ATTENTION": True}
+
+
 def _flex_with_lse(q, k, v, score_mod, block_mask, scale, enable_gqa):
     out, aux = flex.flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask,
                                    scale=scale, enable_gqa=enable_gqa,
+                                   kernel_options=_FLEX_OPTIONS,
                                    return_aux=flex.AuxRequest(lse=True))
     return out, aux.lse
 
 
 def _flex_for_grad(q, k, v, score_mod, block_mask, scale, enable_gqa):
     return flex.flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask,
-                               scale=scale, enable_gqa=enable_gqa)
+                               scale=scale, enable_gqa=enable_gqa,
+                               kernel_options=_FLEX_OPTIONS)
 
 
 @functools.lru_cache(maxsize=None)
 def _flex_kernel(device_type: str, with_lse: bool):
-    """flex attention compiled per process and direction on CUDA (eager, it runs the
+    """flex attention compiled once per process and direction on CUDA (eager, it runs the
     formulas; the forward and the backward's autograd run are two functions: dynamo keeps
-    its compiled variants per function), one kernel per sequence length (with a dynamic
-    length torch 2.11's Inductor takes its flex-decoding template, which offers no
-    kernel for these shapes); eager on the CPU (forward only: the tests' way to its masks
-    and score changes)."""
+    its compiled variants per function; sequence lengths turn dynamic after the first
+    change); eager on the CPU (forward only: the tests' way to its masks and score
+    changes)."""
     function = _flex_with_lse if with_lse else _flex_for_grad
-    return function if device_type == "cpu" else torch.compile(function, dynamic=False)
+    return function if device_type == "cpu" else torch.compile(function)
 
 
 @functools.lru_cache(maxsize=None)
