@@ -182,6 +182,8 @@ def run_rows(rows, build, make_inputs, results: dict, key: str, output: str,
                 peak_breakdown(step, f"{key} {row}", peaks)
         except Exception as error:  # a row that cannot run is reported, the rest go on
             result = {"error": repr(error)[:300]}
+        # the next row's peak must not hold this row's model, inputs and step (its closure)
+        model = inputs = dy = out = step = None
         results.setdefault(key, {})[row] = result
         print(key, row, result, flush=True)
         with open(output, "w") as f:
@@ -198,7 +200,13 @@ def main() -> None:
                              "then run as custom ops: diagnostics/peak_tensors.py)")
     parser.add_argument("--no-head", dest="head", action="store_false",
                         help="skip the LM head rows")
+    parser.add_argument("--rows", default="",
+                        help="comma-separated: only these rows (of the layers and the head)")
     args = parser.parse_args()
+    chosen = set(args.rows.split(",")) if args.rows else None
+
+    def rows(names: list) -> list:
+        return [n for n in names if chosen is None or n in chosen]
     if args.profile:
         open(args.profile, "w").close()
     results: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
@@ -211,11 +219,11 @@ def main() -> None:
             x = torch.randn(batch, seq, hidden, device="cuda", dtype=torch.bfloat16)
             return (x.requires_grad_(),), torch.randn_like(x)
 
-        run_rows(["hf_eager", "hf_compile", "torchao_fp8_compile", "fusible_eager",
+        run_rows(rows(["hf_eager", "hf_compile", "torchao_fp8_compile", "fusible_eager",
                   "fusible_compile", "fusible_graphed", "fusible_compile_cudagraphs",
                   "fusible_flash_eager", "fusible_fp8_eager", "fusible_fp8_compile",
                   "fusible_fp8_graphed", "fusible_fp8_compile_cudagraphs",
-                  "hf_compile_cudagraphs", "torchao_fp8_compile_cudagraphs"],
+                  "hf_compile_cudagraphs", "torchao_fp8_compile_cudagraphs"]),
                  lambda row: build_layer(row, shape), layer_inputs, results, f"layer {name}",
                  args.output, args.profile if name == "llama3_1b" else "")
     hidden, vocab, tokens = HEAD
@@ -227,9 +235,9 @@ def main() -> None:
         return (x.requires_grad_(), labels), None
 
     if args.head:
-        run_rows(["torch_eager", "torch_compile", "liger_eager", "fusible_eager",
-                  "fusible_compile", "fusible_c1024_eager", "fusible_c4096_eager",
-                  "fusible_fp8_eager", "fusible_fp8_compile"],
+        run_rows(rows(["torch_eager", "torch_compile", "liger_eager", "fusible_eager",
+                       "fusible_compile", "fusible_c1024_eager", "fusible_c4096_eager",
+                       "fusible_fp8_eager", "fusible_fp8_compile"]),
                  build_head, head_inputs, results, "lm_head 8b", args.output, args.profile,
                  args.peak_breakdown)
 
