@@ -3,7 +3,7 @@
 # under the machine's PyTorch, then the GPU benchmarks. Results land in $OUT (or out/).
 # Usage there: [TESTS="tests/test_fp8.py ..."] bash scripts/gpu_check.sh [bf16] [fp8] [tp] [tiles]
 #   [idle] [breakdown] [small] [graphs] [zoo] [moe] [probe] [fsdp] [layer] [models] [policy]
-#   [layerhost] [headpeak]
+#   [layerhost] [headpeak] [fp8layer]
 # (no argument: bf16 and fp8; tp needs two GPUs (kind nvidia-h200-x2); tiles: the GELU
 # kernels' tile shapes (diagnostics/activation_tiles.py); idle: host time, GPU idle and
 # kernels and host profile of the FP8 attention projections, eager and compiled (gpu_idle.py);
@@ -26,6 +26,7 @@
 # FP8 steps per GEMM shape (gemm_policy.py); layerhost: one decoder layer's host time
 # per step, HF, converted piece by piece and whole, native, bf16 and FP8 (layer_host.py);
 # headpeak: the blocks alive at the LM head's memory peak (diagnostics/head_peak.py);
+# fp8layer: the ops beside the GEMMs of the 1B layer's FP8 step (diagnostics/fp8_layer_ops.py);
 # TESTS: which tests,
 # default all, "none" for none; PYTEST_ARGS: more pytest arguments (-x); the argument
 # "none" runs no benchmark)
@@ -142,6 +143,10 @@ if [[ " $benches " == *" models "* ]]; then  # whole-model training steps (model
 fi
 if [[ " $benches " == *" headpeak "* ]]; then  # the LM head's peak, block by block
     python3 benchmarks/diagnostics/head_peak.py 2>&1 | tee "$OUT/head_peak.log"
+    bench_rc=$(( bench_rc || PIPESTATUS[0] ))
+fi
+if [[ " $benches " == *" fp8layer "* ]]; then  # the FP8 layer's other kernels, by op
+    python3 benchmarks/diagnostics/fp8_layer_ops.py 2>&1 | tee "$OUT/fp8_layer_ops.log"
     bench_rc=$(( bench_rc || PIPESTATUS[0] ))
 fi
 if [[ " $benches " == *" probe "* ]]; then
