@@ -237,8 +237,8 @@ def test_flex_path_runs_in_a_compiled_graphs_first_call(monkeypatch):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.usefixtures("fresh_dynamo")
 def test_flex_kernel_on_cuda_trains_as_the_formulas_and_compiles_bitwise():
-    """Soft-capped, windowed, grouped-query attention on the compiled flex kernel (asked
-    for: not chosen unasked until this test passes on a GPU) against the math formulas, output and input gradient, over
+    """Soft-capped, windowed, grouped-query attention on the compiled flex kernel (chosen
+    unasked for soft-capped logits) against the math formulas, output and input gradient, over
     two sequence lengths (blocks of 128 and a partial one); the op under torch.compile
     gives the eager op's bits."""
     for seq in (200, 72):
@@ -374,8 +374,10 @@ def test_the_kernel_is_chosen_explicitly_and_shown():
     with pytest.raises(ValueError, match="head_dim 12 is not a multiple of 8"):
         attn.choose_backend("flash", "cuda", torch.bfloat16, 12, 0, False, "A")
     assert attn.choose_backend("math", "cuda", torch.float32, 12, 0, False, "A") == "math"
-    with pytest.raises(ValueError, match="flex: only when asked"):  # (its CUDA check first)
-        attn.choose_backend(None, "cuda", torch.bfloat16, 128, 0, False, "A", 50.0)
+    # soft-capped: neither cuDNN nor flash takes it, flex does (and says why it cannot)
+    assert attn.choose_backend(None, "cuda", torch.bfloat16, 128, 0, False, "A", 50.0) == "flex"
+    with pytest.raises(ValueError, match="flex: head_dim 8 is under the flex kernel's 16"):
+        attn.choose_backend(None, "cuda", torch.bfloat16, 8, 0, False, "A", 50.0)
     assert attn.choose_backend("flex", "cuda", torch.bfloat16, 128, 0, False, "A", 50.0) == "flex"
     assert attn.choose_backend(None, "cpu", torch.bfloat16, 128, 0, False, "A", 50.0) == "math"
     with pytest.raises(ValueError, match="backend='cudnn' cannot run this attention: the "

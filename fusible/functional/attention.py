@@ -107,8 +107,8 @@ def choose_backend(requested: Optional[str], device_type: str, dtype: torch.dtyp
     """The backend for this attention: ``requested`` if it can run it (else ValueError
     naming ``where`` and why), or on CUDA cuDNN's where it can (head_dim up to 128, no
     window or documents: on the H200 a 1B layer's attention takes 0.33 + 0.95 ms a step
-    there against FlashAttention-2's 0.54 + 1.41), else flash (soft-capped logits: flex
-    when asked); on the CPU flash, else math. On a GPU the math kernel is never chosen
+    there against FlashAttention-2's 0.54 + 1.41), else flash, and for soft-capped logits
+    (which neither takes) flex; on the CPU flash, else math. On a GPU the math kernel is never chosen
     unasked: ValueError saying why none fits. ``head_dim`` None (at planning, before the
     input's width is known) leaves its check to the run."""
     if requested is not None:
@@ -117,9 +117,10 @@ def choose_backend(requested: Optional[str], device_type: str, dtype: torch.dtyp
         if why:
             raise ValueError(f"{where}: backend={requested!r} cannot run this attention: {why}")
         return requested
-    # (flex never unasked: it compiles a kernel per shape where the others have one ready,
-    # and its CUDA test against the formulas failed on the last GPU run, cause not yet read)
-    order = ("flash", "math") if device_type == "cpu" else ("cudnn", "flash")
+    # (flex only for what the others cannot take: it compiles a kernel per shape where
+    # they have one ready)
+    order = ("flash", "math") if device_type == "cpu" else \
+        ("cudnn", "flash", "flex") if softcap else ("cudnn", "flash")
     reasons = []
     for backend in order:
         why = _backend_refusal(backend, device_type, dtype, head_dim, window, documents,
@@ -127,9 +128,6 @@ def choose_backend(requested: Optional[str], device_type: str, dtype: torch.dtyp
         if why is None:
             return backend
         reasons.append(f"{backend}: {why}")
-    if softcap and device_type != "cpu":
-        reasons.append("flex: only when asked (backend='flex'), its CUDA check against the "
-                       "formulas not passed yet")
     raise ValueError(f"{where}: no attention kernel on {device_type} fits ({'; '.join(reasons)});"
                      f" pass backend='math' to run the formulas with the whole score matrix")
 

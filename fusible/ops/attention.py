@@ -182,7 +182,7 @@ class Attention(BasicOperation):
     softcap : float, optional
         Logit soft-capping (Gemma 2's ``attn_logit_softcapping``): the scaled scores
         become ``softcap * tanh(scores / softcap)`` before the mask and the softmax. On
-        CUDA only the ``"flex"`` kernel takes it, when asked for (the math formulas on the
+        CUDA only the ``"flex"`` kernel takes it, chosen for it (the math formulas on the
         CPU).
     documents : bool
         Packed sequences: called ``model(x, cu_seqlens)`` with ``x`` ``(1, T, ...)`` and
@@ -218,8 +218,8 @@ class Attention(BasicOperation):
         Hopper, and the default on CUDA where it fits (faster than FlashAttention-2 on the
         H200: a Llama-3.2-1B layer 6.20 against 6.65 ms a step). ``"flex"``: PyTorch's
         ``flex_attention``, compiled (CUDA only; causal, windows, soft-capping; no
-        packed documents; ``head_dim`` 16 up), only when asked for (its CUDA test against
-        the formulas has not passed yet); its backward runs the forward again.
+        packed documents; ``head_dim`` 16 up), chosen unasked only for soft-capped logits,
+        which the others do not take; its backward runs the forward again.
     device, dtype
         Of the q/k norm weights.
     """
