@@ -14,7 +14,8 @@ it; the rows differ only in how the experts run:
   imports;
 - ``fusible_bf16_eager`` / ``_compile``, ``fusible_fp8_eager`` / ``_compile``:
   ``ops.Sequential(GroupedLinear, SwiGLU, GroupedLinear)``, FP8 under
-  ``fusible.autocast()``;
+  ``fusible.autocast()`` with every GEMM in FP8 (``gemm_policy=None``: the default
+  policy keeps the DeepSeek-like experts in bf16);
 - on request (``--rows``), ``fusible_scaled_{bf16,fp8}_{eager,compile}``: the router's
   weights applied inside the experts by ``ScaledSwiGLU`` (``moe.sorted_weights``), the
   combine an unweighted sum; ``fusible_fp8_triton_{eager,compile}``: FP8 through fusible's
@@ -28,6 +29,7 @@ Layers: DeepSeek-V3-like (64 experts of FF=2048, H=4096, top-6) and Mixtral-like
 
 import argparse
 import contextlib
+import functools
 import os
 
 import torch
@@ -123,7 +125,8 @@ def build_row(row: str, hidden: int, ffn: int, num_experts: int, k: int) -> tupl
     w13 = nn.Parameter(torch.randn(num_experts, 2 * ffn, hidden, **kw) * hidden ** -0.5)
     w2 = nn.Parameter(torch.randn(num_experts, hidden, ffn, **kw) * ffn ** -0.5)
     mode = "eager" if row.endswith(("eager", "loop")) else "compile"
-    context = fusible.autocast if "_fp8_" in row and row.startswith("fusible") \
+    context = functools.partial(fusible.autocast, recipe=fusible.Float8CurrentScaling(
+        gemm_policy=None)) if "_fp8_" in row and row.startswith("fusible") \
         else contextlib.nullcontext
     if row == "torch_loop":
         experts = LoopExperts(w13, w2)

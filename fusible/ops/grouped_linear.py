@@ -132,7 +132,7 @@ class GroupedLinear(BasicOperation):
     fp8 : bool, optional
         Under an FP8 recipe: True runs the grouped GEMMs in FP8, False in high precision;
         None (default) leaves it to the recipe's ``gemm_policy`` (by the experts' weight
-        shape: :mod:`fusible.quantization.gemm_policy`).
+        shape, at the grouped FP8 GEMMs' rate: :mod:`fusible.quantization.gemm_policy`).
 
     Attributes
     ----------
@@ -173,6 +173,8 @@ class GroupedLinear(BasicOperation):
         if not bias:  # the fuser computes with the parameters it names
             self.param_names = ("weight",)
         self.reset_parameters()
+
+    fp8_gemm_grouped = True  # the FP8 policy's grouped rate decides
 
     def fp8_gemm_shape(self) -> tuple:
         """``(in_features, out_features)`` of each group's GEMM, for the FP8 policy."""
