@@ -385,6 +385,25 @@ def test_the_kernel_is_chosen_explicitly_and_shown():
         attn.choose_backend("cudnn", "cuda", torch.bfloat16, 128, 0, False, "A", 50.0)
     with pytest.raises(ValueError, match="head_dim 8 is under the flex kernel's 16"):
         attn.choose_backend("flex", "cuda", torch.bfloat16, 8, 0, False, "A", 50.0)
+
+
+def test_flex_refuses_wide_heads_on_gpus_without_the_shared_memory(monkeypatch):
+    """Over head_dim 128 the flex backward's kernels need about 114-131 KiB of shared
+    memory per block: a consumer board (99 KiB) is refused with the reason, a Hopper GPU
+    (227 KiB) is not; up to 128 the device is not asked."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    for kib, fits in ((99, False), (227, True)):
+        monkeypatch.setattr(attn, "device_shared_memory_kib", lambda kib=kib: kib)
+        assert attn.choose_backend(None, "cuda", torch.bfloat16, 128, 0, False, "A",
+                                   50.0) == "flex"
+        if fits:
+            assert attn.choose_backend(None, "cuda", torch.bfloat16, 256, 0, False, "A",
+                                       50.0) == "flex"
+        else:
+            with pytest.raises(ValueError, match="flex: head_dim 256 over 128 needs 160 KiB "
+                                                 "of shared memory per block for the flex "
+                                                 "backward; this GPU has 99"):
+                attn.choose_backend(None, "cuda", torch.bfloat16, 256, 0, False, "A", 50.0)
     with pytest.raises(ValueError, match="flex kernel here takes no packed documents"):
         attn.choose_backend("flex", "cuda", torch.bfloat16, 128, 0, True, "A")
     windowed = ops.Sequential(ops.Attention(H, window=2, backend="flash"))

@@ -67,6 +67,29 @@ class AttentionOptions:
     softcap: float = 0.0
 
 
+# Shared memory per block the flex backward's kernels need above head_dim 128 (Inductor's
+# configs: about 114-131 KiB; Hopper and A100 opt in to 227 and 163, consumer boards 99).
+FLEX_WIDE_HEAD_KIB = 160
+
+
+def _flex_shared_memory_refusal(head_dim: Optional[int]) -> Optional[str]:
+    """Why this GPU's flex backward cannot take ``head_dim`` (over 128 on a GPU with less
+    than FLEX_WIDE_HEAD_KIB of shared memory per block), or None."""
+    if head_dim is None or head_dim <= 128 or not torch.cuda.is_available():
+        return None
+    kib = device_shared_memory_kib()
+    if kib >= FLEX_WIDE_HEAD_KIB:
+        return None
+    return (f"head_dim {head_dim} over 128 needs {FLEX_WIDE_HEAD_KIB} KiB of shared memory "
+            f"per block for the flex backward; this GPU has {kib}")
+
+
+def device_shared_memory_kib() -> int:
+    """The current CUDA device's opt-in shared memory per block, KiB."""
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    return props.shared_memory_per_block_optin // 1024  # type: ignore[attr-defined]  # (no stub)
+
+
 def _backend_refusal(backend: str, device_type: str, dtype: torch.dtype,
                      head_dim: Optional[int], window: int, documents: bool,
                      softcap: float = 0.0) -> Optional[str]:
@@ -79,7 +102,9 @@ def _backend_refusal(backend: str, device_type: str, dtype: torch.dtype,
             return "the flex kernel runs on CUDA only"
         if head_dim is not None and head_dim < 16:  # (Inductor's flex lowering refuses it)
             return f"head_dim {head_dim} is under the flex kernel's 16"
-        return "the flex kernel here takes no packed documents" if documents else None
+        if documents:
+            return "the flex kernel here takes no packed documents"
+        return _flex_shared_memory_refusal(head_dim)
     if softcap:
         return f"the {backend} kernel has no logit soft-capping"
     if device_type == "cpu":
@@ -108,8 +133,8 @@ def choose_backend(requested: Optional[str], device_type: str, dtype: torch.dtyp
     naming ``where`` and why), or on CUDA cuDNN's where it can (head_dim up to 128, no
     window or documents: on the H200 a 1B layer's attention takes 0.33 + 0.95 ms a step
     there against FlashAttention-2's 0.54 + 1.41), else flash, and for soft-capped logits
-    (which neither takes) flex; on the CPU flash, else math. On a GPU the math kernel is never chosen
-    unasked: ValueError saying why none fits. ``head_dim`` None (at planning, before the
+    (which neither takes) flex; on the CPU flash, else math. On a GPU the math kernel is
+    never chosen unasked: ValueError saying why none fits. ``head_dim`` None (at planning, before the
     input's width is known) leaves its check to the run."""
     if requested is not None:
         why = _backend_refusal(requested, device_type, dtype, head_dim, window, documents,
