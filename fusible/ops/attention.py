@@ -218,7 +218,8 @@ class Attention(BasicOperation):
         Hopper, and the default on CUDA where it fits (faster than FlashAttention-2 on the
         H200: a Llama-3.2-1B layer 6.20 against 6.65 ms a step). ``"flex"``: PyTorch's
         ``flex_attention``, compiled (CUDA only; causal, windows, soft-capping; no
-        packed documents; ``head_dim`` 16 up), chosen unasked only for soft-capped logits,
+        packed documents; ``head_dim`` 16 up, over 128 on GPUs with 160 KiB of shared
+        memory per block), chosen unasked only for soft-capped logits,
         which the others do not take; its backward runs the forward again.
     device, dtype
         Of the q/k norm weights.
