@@ -42,6 +42,14 @@ LAYERS = {"llama3_8b": (4096, 14336, 32, 8, 2, 4096),
           "debugmodel": (256, 768, 16, 16, 8, 2048)}
 HEAD = (4096, 128256, 8192)  # hidden, vocab, tokens
 THETA = 500000.0
+LAYER_ROWS = ["hf_eager", "hf_compile", "torchao_fp8_compile", "fusible_eager",
+              "fusible_compile", "fusible_graphed", "fusible_compile_cudagraphs",
+              "fusible_flash_eager", "fusible_fp8_eager", "fusible_fp8_compile",
+              "fusible_fp8_graphed", "fusible_fp8_compile_cudagraphs", "hf_compile_cudagraphs",
+              "torchao_fp8_compile_cudagraphs"]
+HEAD_ROWS = ["torch_eager", "torch_compile", "liger_eager", "fusible_eager", "fusible_compile",
+             "fusible_c1024_eager", "fusible_c4096_eager", "fusible_fp8_eager",
+             "fusible_fp8_compile"]
 # rows whose kernels --profile writes out
 PROFILED = ("hf_eager", "torchao_fp8_compile", "fusible_eager", "fusible_fp8_eager",
             "fusible_fp8_compile", "torch_compile", "liger_eager")
@@ -174,8 +182,9 @@ def run_rows(rows, build, make_inputs, results: dict, key: str, output: str,
                 contextlib.nullcontext
             compiled = "cudagraphs" if row.endswith("cudagraphs") else row.endswith("compile")
             result, out, step = measure(model, inputs, compiled, dy, context)
-            first = out.float() if first is None else first
-            result["rel_err"] = ((out.float() - first).norm() / first.norm()).item()
+            # (on the host: the next rows' peaks must not hold it)
+            first = out.float().cpu() if first is None else first
+            result["rel_err"] = ((out.float().cpu() - first).norm() / first.norm()).item()
             if profile and row in PROFILED:
                 profile_step(step, f"{key} {row}", profile)
             if peaks and row in ("fusible_eager", "fusible_fp8_eager", "liger_eager"):
@@ -204,6 +213,9 @@ def main() -> None:
                         help="comma-separated: only these rows (of the layers and the head)")
     args = parser.parse_args()
     chosen = set(args.rows.split(",")) if args.rows else None
+    known = set(LAYER_ROWS) | set(HEAD_ROWS)
+    if chosen is not None and not chosen <= known:
+        parser.error(f"unknown rows {sorted(chosen - known)}; rows: {sorted(known)}")
 
     def rows(names: list) -> list:
         return [n for n in names if chosen is None or n in chosen]
@@ -219,11 +231,7 @@ def main() -> None:
             x = torch.randn(batch, seq, hidden, device="cuda", dtype=torch.bfloat16)
             return (x.requires_grad_(),), torch.randn_like(x)
 
-        run_rows(rows(["hf_eager", "hf_compile", "torchao_fp8_compile", "fusible_eager",
-                  "fusible_compile", "fusible_graphed", "fusible_compile_cudagraphs",
-                  "fusible_flash_eager", "fusible_fp8_eager", "fusible_fp8_compile",
-                  "fusible_fp8_graphed", "fusible_fp8_compile_cudagraphs",
-                  "hf_compile_cudagraphs", "torchao_fp8_compile_cudagraphs"]),
+        run_rows(rows(LAYER_ROWS),
                  lambda row: build_layer(row, shape), layer_inputs, results, f"layer {name}",
                  args.output, args.profile if name == "llama3_1b" else "")
     hidden, vocab, tokens = HEAD
@@ -235,9 +243,7 @@ def main() -> None:
         return (x.requires_grad_(), labels), None
 
     if args.head:
-        run_rows(rows(["torch_eager", "torch_compile", "liger_eager", "fusible_eager",
-                       "fusible_compile", "fusible_c1024_eager", "fusible_c4096_eager",
-                       "fusible_fp8_eager", "fusible_fp8_compile"]),
+        run_rows(rows(HEAD_ROWS),
                  build_head, head_inputs, results, "lm_head 8b", args.output, args.profile,
                  args.peak_breakdown)
 

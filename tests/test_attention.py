@@ -385,6 +385,12 @@ def test_the_kernel_is_chosen_explicitly_and_shown():
         attn.choose_backend("cudnn", "cuda", torch.bfloat16, 128, 0, False, "A", 50.0)
     with pytest.raises(ValueError, match="head_dim 8 is under the flex kernel's 16"):
         attn.choose_backend("flex", "cuda", torch.bfloat16, 8, 0, False, "A", 50.0)
+    with pytest.raises(ValueError, match="flex kernel here takes no packed documents"):
+        attn.choose_backend("flex", "cuda", torch.bfloat16, 128, 0, True, "A")
+    windowed = ops.Sequential(ops.Attention(H, window=2, backend="flash"))
+    with pytest.raises(ValueError, match="backend='flash' cannot run this attention: PyTorch's "
+                                         "CPU flash kernel has no sliding window"):
+        windowed(torch.randn(1, S, 3 * H * D))
 
 
 def test_flex_refuses_wide_heads_on_gpus_without_the_shared_memory(monkeypatch):
@@ -404,12 +410,20 @@ def test_flex_refuses_wide_heads_on_gpus_without_the_shared_memory(monkeypatch):
                                                  "of shared memory per block for the flex "
                                                  "backward; this GPU has 99"):
                 attn.choose_backend(None, "cuda", torch.bfloat16, 256, 0, False, "A", 50.0)
-    with pytest.raises(ValueError, match="flex kernel here takes no packed documents"):
-        attn.choose_backend("flex", "cuda", torch.bfloat16, 128, 0, True, "A")
-    windowed = ops.Sequential(ops.Attention(H, window=2, backend="flash"))
-    with pytest.raises(ValueError, match="backend='flash' cannot run this attention: PyTorch's "
-                                         "CPU flash kernel has no sliding window"):
-        windowed(torch.randn(1, S, 3 * H * D))
+
+
+def test_flex_asks_inductor_for_its_training_kernel(monkeypatch):
+    """Both flex calls ask for the training kernel: Inductor's flex-decoding template,
+    which it takes for queries under 128 tokens, had no kernel for these shapes."""
+    seen = []
+
+    def flex_attention(*args, kernel_options=None, return_aux=None, **kwargs):
+        seen.append(kernel_options)
+        return (None, type("Aux", (), {"lse": None})()) if return_aux is not None else None
+    monkeypatch.setattr(attn.flex, "flex_attention", flex_attention)
+    attn._flex_with_lse(None, None, None, None, None, 1.0, False)
+    attn._flex_for_grad(None, None, None, None, None, 1.0, False)
+    assert seen == [{"FORCE_USE_FLEX_ATTENTION": True}] * 2
 
 
 @pytest.mark.parametrize("make, shape, extras, match", [

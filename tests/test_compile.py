@@ -1,6 +1,7 @@
 """torch.compile: one custom op per stage, no graph breaks, the same bits as eager."""
 
 import copy
+import sys
 
 import pytest
 import torch
@@ -118,25 +119,35 @@ def test_same_bits_as_eager_inductor(name, dtype):
 
 
 def test_inductor_lowers_fusible_ops_without_formatting_their_arguments(monkeypatch):
-    """Inductor finds a fallback made for each fusible op, not its implicit-fallback path,
-    which formats every argument's IR for a log line (eagerly in torch 2.11: minutes on a
-    converted model's residual stream). The log is wrapped so that 2.13's lazy message is
-    formatted too: without the fallbacks made first, the fusible ops appear in it."""
+    """Inductor finds a fallback made for each fusible op (stage ops and the FP8 cast
+    ops alike), with the layout constraint its own path would choose, not its
+    implicit-fallback path, which formats every argument's IR for a log line (eagerly in
+    torch 2.11: minutes on a converted model's residual stream). The log is wrapped so
+    that 2.13's lazy message is formatted too; fallbacks an earlier test made are removed
+    first (they would hide the path)."""
     graph = pytest.importorskip("torch._inductor.graph")
+    lowering = sys.modules["torch._inductor.lowering"]
+    for table in (lowering.lowerings, lowering._maybe_layout_constraints):
+        for op in [op for op in table if str(op).startswith("fusible.")]:
+            monkeypatch.delitem(table, op)
     implicit = []
 
     def info(message, *args, **kwargs):
         if message.startswith("Creating implicit fallback"):
             implicit.append(str(args[0]).split("\n")[0])
     monkeypatch.setattr(graph.log, "info", info)
-    model = ops.Sequential(ops.RMSNorm(8), ops.Linear(8, 8))
-    x = torch.randn(3, 8, requires_grad=True)
+    model = ops.Sequential(ops.RMSNorm(16), ops.Linear(16, 16))
+    x = torch.randn(16, 16, requires_grad=True)
     compiled = torch.compile(model, fullgraph=True, backend="inductor")
-    with torch._inductor.config.patch(force_disable_caches=True):  # lowered, not cached
-        compiled(x * 2 + 1).sum().backward()
+    with torch._inductor.config.patch(force_disable_caches=True), \
+            fusible.autocast(recipe=fusible.Float8CurrentScaling(gemm_policy=None)):
+        compiled(x * 2 + 1).sum().backward()  # lowered, not cached
     assert not [line for line in implicit if "target: fusible." in line], implicit
-    lowerings = __import__("torch._inductor.lowering", fromlist=["lowerings"]).lowerings
-    assert torch.ops.fusible.RMSNorm_fwd.default in lowerings
+    want = lowering.tag_to_layout_constraint(torch._library.utils.get_layout_constraint_tag(
+        torch.ops.fusible.RMSNorm_fwd.default, with_default=True))
+    for op in (torch.ops.fusible.RMSNorm_fwd.default, torch.ops.fusible.cast_to_fp8.default):
+        assert op in lowering.lowerings
+        assert lowering._maybe_layout_constraints.get(op) is want, op
 
 
 def test_inference_same_bits_with_gemm_epilogue():

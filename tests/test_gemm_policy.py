@@ -47,11 +47,24 @@ def test_grouped_gemms_decide_at_the_grouped_fp8_rate(experts, fp8):
     why = gemm_decision(_recipe(Fp8GemmPolicy()), op, "cuda")
     assert (why is None) == fp8, why
     if not fp8:
-        assert why.endswith("<= 2429 (grouped) (fusible.Fp8GemmPolicy)"), why
+        assert why.endswith("<= 2419 (grouped) (fusible.Fp8GemmPolicy)"), why
         assert gemm_decision(_recipe(Fp8GemmPolicy()), ops.BasicLinear(k, n, device="meta"),
                              "cuda") is None
     op.fp8 = True  # asked for: FP8 whatever the policy
     assert gemm_decision(_recipe(Fp8GemmPolicy()), op, "cuda") is None
+
+
+def test_the_grouped_rate_follows_a_policy_s_bf16_rate():
+    """Another GPU's policy (its own bf16 and FP8 rates) keeps the grouped speedup: the
+    grouped threshold scales with it instead of turning infinite past a fixed rate; a
+    speedup of 1 or less keeps every grouped GEMM in high precision; the fields keep
+    their positions."""
+    h200, b200 = Fp8GemmPolicy(), Fp8GemmPolicy(2250.0, 4500.0, 8.0)
+    assert h200.grouped_threshold == pytest.approx(2419, rel=1e-3)
+    assert b200.grouped_threshold == pytest.approx(7 / (2 * 8e12 * (1 - 1 / 1.3) / 2250e12))
+    assert b200.why_high_precision(8192, 28672, grouped=True) is None  # 6372 > 4266
+    assert Fp8GemmPolicy(grouped_fp8_speedup=1.0).grouped_threshold == float("inf")
+    assert b200.bandwidth_tbs == 8.0 and b200.devices == ("cuda",)
 
 
 def _mlp():

@@ -85,9 +85,10 @@ def _flex_shared_memory_refusal(head_dim: Optional[int]) -> Optional[str]:
 
 
 def device_shared_memory_kib() -> int:
-    """The current CUDA device's opt-in shared memory per block, KiB."""
+    """The current CUDA device's opt-in shared memory per block, KiB (the plan knows the
+    device type only; ROCm's properties have no opt-in figure: the default's)."""
     props = torch.cuda.get_device_properties(torch.cuda.current_device())
-    return props.shared_memory_per_block_optin // 1024  # type: ignore[attr-defined]  # (no stub)
+    return getattr(props, "shared_memory_per_block_optin", props.shared_memory_per_block) // 1024
 
 
 def _backend_refusal(backend: str, device_type: str, dtype: torch.dtype,

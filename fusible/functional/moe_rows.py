@@ -17,6 +17,7 @@ from typing import Optional
 
 import torch
 
+from fusible.core.inductor_fallbacks import ensure_fallback
 from fusible.kernels import moe_rows, plain_eager, triton_can_run
 
 Tensor = torch.Tensor
@@ -98,6 +99,7 @@ def _gather_rows_op(src: Tensor, row_copy: Tensor, k: int, copy_scales: Optional
 
 @_gather_rows_op.register_fake
 def _(src, row_copy, k, copy_scales, dots_with):
+    ensure_fallback(torch.ops.fusible.gather_rows.default)
     dots = 0 if dots_with is None else copy_scales.shape[0]
     return (src.new_empty((row_copy.shape[0], src.shape[1])),
             src.new_empty(dots, dtype=torch.float32))
@@ -110,4 +112,5 @@ def _combine_rows_op(src: Tensor, copy_row: Tensor, weights: Optional[Tensor]) -
 
 @_combine_rows_op.register_fake
 def _(src, copy_row, weights):
+    ensure_fallback(torch.ops.fusible.combine_rows.default)
     return src.new_empty((copy_row.shape[0], src.shape[1]))

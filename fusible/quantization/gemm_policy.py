@@ -22,8 +22,8 @@ Grouped GEMMs (a mixture of experts' ``GroupedLinear``) decide with their own FP
 PyTorch's grouped FP8 GEMM is 1.18x-1.48x its bf16 one where dense FP8 GEMMs are about
 2x, and each expert's weight is cast for its few tokens (measured on an H200: a
 DeepSeek-V3-like layer, experts 4096 x 2048, ran 0.95x bf16's speed in FP8, a
-Mixtral-like one, 4096 x 14336, 1.23x). At 1.3x bf16's rate the threshold is about 2430:
-the first's experts stay in bf16, the second's run in FP8.
+Mixtral-like one, 4096 x 14336, 1.23x). At 1.3x bf16's rate (``grouped_fp8_speedup``)
+the threshold is about 2420: the first's experts stay in bf16, the second's run in FP8.
 """
 
 from __future__ import annotations
@@ -49,9 +49,9 @@ class Fp8GemmPolicy:
         Bytes the casts move per token per input and output feature.
     devices : tuple of str
         The device types it decides on (elsewhere every GEMM runs in FP8).
-    grouped_fp8_tflops : float
-        The rate grouped FP8 GEMMs reach, each expert's weight cast counted in (grouped
-        bf16 GEMMs: ``bf16_tflops``).
+    grouped_fp8_speedup : float
+        How much faster than bf16 grouped GEMMs run in FP8, each expert's weight cast
+        counted in (1 or less: grouped GEMMs stay in high precision).
     """
 
     bf16_tflops: float = 670.0
@@ -59,7 +59,7 @@ class Fp8GemmPolicy:
     bandwidth_tbs: float = 4.2
     cast_bytes: float = 7.0
     devices: tuple = ("cuda",)
-    grouped_fp8_tflops: float = 870.0
+    grouped_fp8_speedup: float = 1.3
 
     @property
     def threshold(self) -> float:
@@ -68,8 +68,8 @@ class Fp8GemmPolicy:
 
     @property
     def grouped_threshold(self) -> float:
-        """The same for grouped GEMMs (at ``grouped_fp8_tflops``)."""
-        return self._threshold(self.grouped_fp8_tflops)
+        """The same for grouped GEMMs (FP8 at ``grouped_fp8_speedup`` times bf16's rate)."""
+        return self._threshold(self.grouped_fp8_speedup * self.bf16_tflops)
 
     def _threshold(self, fp8_tflops: float) -> float:
         saved = 1.0 / (self.bf16_tflops * 1e12) - 1.0 / (fp8_tflops * 1e12)

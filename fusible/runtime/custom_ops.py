@@ -40,13 +40,14 @@ from typing import Any, Optional
 import attrs
 import torch
 
+from fusible.core.inductor_fallbacks import ensure_fallback
 from fusible.core.results import BackwardResult, ForwardResult
 from fusible.core.schema import (flatten_record, record_builder, record_fields, schema_type,
                                  state_parts)
 from fusible.kernels.fp8_cast import fresh_zeros_inside
 from fusible.quantization.format import Float8Format, to_format
 from fusible.quantization.tensor.boundary import decode_results, encode_results
-from fusible.runtime import deferred, inductor_fallbacks, recompute
+from fusible.runtime import deferred, recompute
 
 _LIB = torch.library.Library("fusible", "FRAGMENT")
 _OPS: dict = {}      # (class, direction) -> StageOp
@@ -173,8 +174,8 @@ def _kernel(cls, direction: str, op: StageOp, compute, real: bool = True):
     list_slots = tuple(i for i, p in enumerate(kinds) if p.startswith("Tensor") and "[]" in p)
 
     def kernel(*flat):
-        if not real:  # a trace's: Inductor, if lowering it next, must find its fallbacks
-            inductor_fallbacks.make_fallbacks()
+        if not real:  # a trace's: Inductor, if lowering it next, must find its fallback
+            ensure_fallback(getattr(torch.ops.fusible, op.name).default)
         build, fmt, quantized, provenance = op.prepared(flat[-1])
         updated = []
         if op.states:
@@ -280,7 +281,6 @@ def _register(cls, direction: str) -> StageOp:
     static = tuple(i for i in range(len(parts)) if i not in dynamic)
     params = [f"{parts[i][1]} {parts[i][0]}" for i in dynamic] + ["str static"]
     _LIB.define(f"{name}({', '.join(params)}) -> Tensor[]")
-    inductor_fallbacks.registrations[0] += 1
     tail_state = len(parts) - len(_TAIL) + _FORMAT.states[0]
     states = tuple(dynamic.index(i) for i in (*state_parts(fields), tail_state))
     op = StageOp(name, args_type, fields, parts, dynamic, static, states,

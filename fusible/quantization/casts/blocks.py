@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from fusible.core.inductor_fallbacks import ensure_fallback
 from fusible.kernels import fp8_blocks, fp8_cast, plain_eager
 from fusible.quantization.casts.common import (FP8_MAX, check_cast, pack_parts, saturate,
                                                scale_from_amax, unpack_parts)
@@ -149,6 +150,7 @@ _LIB.impl("cast_to_fp8_blocks",
 
 @torch.library.register_fake("fusible::cast_to_fp8_blocks", lib=_LIB)
 def _(x, fp8_dtype, group, square, power2, rowwise, columnwise):
+    ensure_fallback(torch.ops.fusible.cast_to_fp8_blocks.default)  # (see core.inductor_fallbacks)
     rows, cols = x.shape
     nr = _cdiv(rows, group) if square else rows
     scale_dtype = E8M0 if power2 else torch.float32

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from fusible.core.inductor_fallbacks import ensure_fallback
 from fusible.kernels import plain_eager
 from fusible.quantization.casts.common import expand_scales
 
@@ -49,6 +50,7 @@ _LIB.impl("dequantize", lambda *args: _dequantize_eager(*args), "CompositeExplic
 
 @torch.library.register_fake("fusible::dequantize", lib=_LIB)
 def _(data, scale_inv, dtype):
+    ensure_fallback(torch.ops.fusible.dequantize.default)  # (see core.inductor_fallbacks)
     return data.new_empty(data.shape, dtype=dtype)
 
 

@@ -11,6 +11,7 @@ import math
 
 import torch
 
+from fusible.core.inductor_fallbacks import ensure_fallback
 from fusible.kernels import fp8_cast, fp8_rowwise, plain_eager
 from fusible.quantization.casts.common import FP8_MAX, check_cast, pack_parts, unpack_parts
 from fusible.quantization.casts.tensorwise import cast_tensorwise_torch
@@ -97,6 +98,7 @@ _LIB.impl("cast_to_fp8_rowwise", lambda *args: pack_parts(_cast_rowwise(*args)),
 
 @torch.library.register_fake("fusible::cast_to_fp8_rowwise", lib=_LIB)
 def _(x, fp8_dtype, rowwise, columnwise, column_amax=None):
+    ensure_fallback(torch.ops.fusible.cast_to_fp8_rowwise.default)  # (see core.inductor_fallbacks)
     rows, cols = math.prod(x.shape[:-1]), x.shape[-1]
     out = []
     if rowwise:

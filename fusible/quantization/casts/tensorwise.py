@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from fusible.core.inductor_fallbacks import ensure_fallback
 from fusible.kernels import fp8_cast, plain_eager
 from fusible.quantization.casts.common import FP8_MAX, saturate, scale_from_amax
 
@@ -116,6 +117,7 @@ _LIB.impl("cast_to_fp8", fp8_cast.fresh_zeros_inside(lambda *args: _cast_eager(*
 
 @torch.library.register_fake("fusible::cast_to_fp8", lib=_LIB)
 def _(x, fp8_dtype, columnwise, amax=None, rowwise=True):
+    ensure_fallback(torch.ops.fusible.cast_to_fp8.default)  # (see core.inductor_fallbacks)
     _check_kept(rowwise, columnwise)
     scale_inv = x.new_empty((), dtype=torch.float32)
     if not columnwise:
