@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import fusible
+from fusible import moe
 from fusible.models.experts import FusedExpertsForward
 
 transformers = pytest.importorskip("transformers")
@@ -148,6 +149,27 @@ def test_fp8_grouped_gemms():
     assert totals["FP8 GEMMs"] == linears + 2 * len(_banks(model)), totals
     want = twin(input_ids=ids, labels=ids).loss
     assert abs(got.item() - want.item()) < 0.05 * abs(want.item())
+
+
+def test_experts_the_policy_keeps_in_bf16_route_without_fp8_padding(monkeypatch):
+    """Under a recipe whose GEMM policy keeps the (small) experts in bf16, the bank's rows
+    are not padded to 16 per expert (FP8's need); with every GEMM in FP8 they are."""
+    model = _model("qwen3_moe").to(torch.bfloat16)
+    fusible.convert(model)
+    aligns = []
+    permute = moe.permute_tokens
+
+    def recording(*args, align=1, **kwargs):
+        aligns.append(align)
+        return permute(*args, align=align, **kwargs)
+    monkeypatch.setattr(moe, "permute_tokens", recording)
+    ids = _ids()
+    kept = fusible.Float8CurrentScaling(gemm_policy=fusible.Fp8GemmPolicy(devices=("cpu",)))
+    for recipe, align in ((kept, 1), (fusible.Float8CurrentScaling(gemm_policy=None), 16)):
+        aligns.clear()
+        with fusible.autocast(recipe=recipe):
+            model(input_ids=ids, labels=ids).loss.backward()
+        assert aligns and set(aligns) == {align}, (recipe, aligns)
 
 
 def test_a_bank_computing_otherwise_is_left_with_the_reason():

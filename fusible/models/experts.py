@@ -29,6 +29,7 @@ from torch import nn
 from fusible import moe, ops
 from fusible.models.installed_forward import InstalledForward
 from fusible.models.probed_modules import PROBE_TOLERANCE, probed_module
+from fusible.quantization.gemm_policy import gemm_decision
 from fusible.quantization.recipes.autocast import fp8_recipe
 
 # The plain attributes of transformers' expert banks, with the values the grouped pipeline
@@ -108,14 +109,22 @@ class FusedExpertsForward(InstalledForward):
         none = top_k_index == self.num_experts  # "no expert": contributes nothing
         index = torch.where(none, 0, top_k_index)
         weights = torch.where(none, 0, top_k_weights)
-        align = 1 if fp8_recipe() is None else 16  # FP8 grouped GEMMs: 16-row groups
-        rows, routing = moe.permute_tokens(x, index, self.num_experts, align=align)
+        rows, routing = moe.permute_tokens(x, index, self.num_experts,
+                                           align=self._alignment(x.device.type))
         if self.fused.training != module.training:
             self.fused.train(module.training)
         params = {"0.weight": module.gate_up_proj, "2.weight": module.down_proj}
         y = torch.func.functional_call(self.fused, params, (rows, routing.splits,
                                                                routing.splits))
         return moe.unpermute_tokens(y, routing, weights).to(x.dtype)
+
+    def _alignment(self, device_type: str) -> int:
+        """Rows per expert a multiple of 16 where a grouped GEMM runs in FP8 (its weight
+        gradient's slices), else 1 (the FP8 policy may keep the experts in bf16)."""
+        recipe = fp8_recipe()
+        fp8 = recipe is not None and any(gemm_decision(recipe, op, device_type) is None
+                                         for op in (self.fused[0], self.fused[2]))
+        return 16 if fp8 else 1
 
     def probe(self) -> Optional[str]:
         """Compute random routings both ways on float32 copies; why they differ, or
