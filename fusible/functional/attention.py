@@ -135,8 +135,8 @@ def choose_backend(requested: Optional[str], device_type: str, dtype: torch.dtyp
     window or documents: on the H200 a 1B layer's attention takes 0.33 + 0.95 ms a step
     there against FlashAttention-2's 0.54 + 1.41), else flash, and for soft-capped logits
     (which neither takes) flex; on the CPU flash, else math. On a GPU the math kernel is
-    never chosen unasked: ValueError saying why none fits. ``head_dim`` None (at planning, before the
-    input's width is known) leaves its check to the run."""
+    never chosen unasked: ValueError saying why none fits. ``head_dim`` None (at
+    planning, before the input's width is known) leaves its check to the run."""
     if requested is not None:
         why = _backend_refusal(requested, device_type, dtype, head_dim, window, documents,
                                softcap)
