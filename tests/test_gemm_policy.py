@@ -4,8 +4,11 @@ overridden per op, and a group whose every GEMM stays in high precision planned 
 without a recipe. The policy decides on CUDA by default; here it is asked to decide on
 the CPU (``devices=("cpu",)``), which the same planner code serves."""
 
+import copy
+
 import pytest
 import torch
+from torch import nn
 
 import fusible
 from fusible import ops
@@ -128,6 +131,30 @@ def test_a_group_whose_gemms_all_stay_plans_as_without_a_recipe():
     y = model(x2)
     y.backward(torch.ones_like(y))
     assert torch.equal(got[0], y.detach()) and torch.equal(got[1], x2.grad)
+
+
+def test_a_gemm_kept_in_high_precision_reads_its_input_and_gradient_unrounded():
+    """A kept GEMM fused with an op that computes under the recipe (its bias) between two
+    FP8 GEMMs: the stages around it hand it plain tensors, never FP8 ones it would
+    dequantize (the FP8-rounded values a bf16 GEMM must not see, and three extra passes),
+    so the one group gives the bits of the same ops run as three groups, which hand over
+    plain tensors."""
+    torch.manual_seed(0)
+    layers = [ops.BasicLinear(64, 64, fp8=True), ops.RMSNorm(64),
+              ops.Linear(64, 64, fp8=False), ops.BasicLinear(64, 64, fp8=True)]
+    one = ops.Sequential(*copy.deepcopy(layers)).to(torch.bfloat16)
+    three = nn.Sequential(ops.Sequential(copy.deepcopy(layers[0])),
+                          ops.Sequential(*copy.deepcopy(layers[1:3])),
+                          ops.Sequential(copy.deepcopy(layers[3]))).to(torch.bfloat16)
+    x = torch.randn(32, 64, dtype=torch.bfloat16)
+    with fusible.autocast(recipe=_recipe()):
+        assert "BasicLinear(in_features=64, out_features=64) [high precision: " \
+               "BasicLinear(in_features=64, out_features=64).fp8 = False]" in \
+               one.plan(x).explain()
+    got, expected = _run(one, x, _recipe()), _run(three, x, _recipe())
+    assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
+    for a, b in zip(got[2], expected[2]):
+        assert torch.equal(a, b)
 
 
 def test_an_op_overrides_the_policy_and_a_change_replans():

@@ -6,8 +6,8 @@ preparation writes, through one of PyTorch's attention kernels chosen explicitly
   variable-length form, which takes that layout as it is and covers grouped-query
   attention, sliding windows and packed documents; on the CPU PyTorch's flash kernel
   (causal or bidirectional, grouped-query; no window, no documents).
-- ``"cudnn"``: cuDNN's fused attention (CUDA; causal or bidirectional, grouped kv heads
-  repeated for it).
+- ``"cudnn"``: cuDNN's fused attention (CUDA; causal or bidirectional, grouped-query with
+  the kv heads read as they are).
 - ``"flex"``: ``torch.nn.attention.flex_attention``, compiled (Inductor writes its
   kernel; CUDA only: PyTorch's CPU flex has no backward), for what the others lack: logit
   soft-capping (Gemma 2's ``cap * tanh(scores / cap)``) with causal masks and sliding
@@ -380,27 +380,13 @@ def attention_forward(q: Tensor, k: Tensor, v: Tensor, options: AttentionOptions
         # no dropout: a zero random state, as torch.nn.attention.varlen passes it
         return out.view(b, s, h, d), lse, torch.zeros(2, dtype=torch.uint64, device=q.device)
     if backend == "cudnn" and q.device.type == "cuda":
-        groups = q.shape[2] // k.shape[2]
-        qh, kh, vh = _heads_first(q, _repeated(k, groups), _repeated(v, groups))
+        # grouped kv heads as they are: cuDNN reads each for its query heads (PyTorch 2.8+)
         out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(
-            qh, kh, vh, None, True, 0.0, options.causal, False, scale=options.scale)[:2]
+            *_heads_first(q, k, v), None, True, 0.0, options.causal, False,
+            scale=options.scale)[:2]
         # (B, S, H, D): a no-op where cuDNN wrote the heads' layout, as it does for these
         return out.transpose(1, 2).contiguous(), lse, empty  # no dropout: no random state
     raise ValueError(f"no {backend!r} attention kernel on {q.device.type}")
-
-
-def _repeated(kv: Tensor, groups: int) -> Tensor:
-    """Each kv head repeated for its query heads (``(B, S, K, D)`` to ``(B, S, H, D)``,
-    Hugging Face's ``repeat_kv``): the cuDNN kernel takes as many kv heads as q heads."""
-    return kv if groups == 1 else kv.repeat_interleave(groups, dim=2)
-
-
-def _summed(grad: Tensor, groups: int) -> Tensor:
-    """The gradient of :func:`_repeated`: each kv head's query heads summed."""
-    if groups == 1:
-        return grad
-    b, s, h, d = grad.shape
-    return grad.reshape(b, s, h // groups, groups, d).sum(3)
 
 
 def attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
@@ -427,12 +413,13 @@ def attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tenso
             window_size_right=right)
         return dq.view(q.shape), dk.view(k.shape), dv.view(v.shape)
     if backend == "cudnn" and q.device.type == "cuda":
-        groups, s = q.shape[2] // k.shape[2], q.shape[1]
+        s = q.shape[1]
         zero = torch.zeros((), dtype=torch.int64, device=q.device)  # no dropout: unread
         # None: the undefined tensors of an attention without bias and without documents
         dq, dk, dv = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
-            *_heads_first(dout, q, _repeated(k, groups), _repeated(v, groups), out), lse,
-            zero, zero, None, None, None, s, s, 0.0, options.causal, scale=options.scale)
+            *_heads_first(dout, q, k, v, out), lse, zero, zero, None, None, None, s, s, 0.0,
+            options.causal, scale=options.scale)
+        # dk and dv come per kv head, summed over its query heads by the kernel
         dq, dk, dv = (g.transpose(1, 2).contiguous() for g in (dq, dk, dv))
-        return dq, _summed(dk, groups), _summed(dv, groups)
+        return dq, dk, dv
     raise ValueError(f"no {backend!r} attention kernel on {q.device.type}")

@@ -214,7 +214,7 @@ class Attention(BasicOperation):
         flash kernel (without windows or documents), else the math formulas. A GPU never runs the
         math formulas (the whole score matrix) unasked: ValueError instead. ``"cudnn"``:
         cuDNN's fused attention (CUDA, float16/bfloat16, ``head_dim`` up to 128, no window
-        or documents; grouped kv heads repeated for it), the kernel PyTorch's SDPA picks on
+        or documents; grouped kv heads read as they are), the kernel PyTorch's SDPA picks on
         Hopper, and the default on CUDA where it fits (faster than FlashAttention-2 on the
         H200: a Llama-3.2-1B layer 6.20 against 6.65 ms a step). ``"flex"``: PyTorch's
         ``flex_attention``, compiled (CUDA only; causal, windows, soft-capping; no
