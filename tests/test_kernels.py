@@ -216,6 +216,8 @@ _NORM_SWIGLU_SCRIPT = textwrap.dedent("""
             assert_close(y, swiglu_forward(x.double()), dtype, f"swiglu {dtype} {shape}")
             dx = swiglu_backward_triton(dy, x, block_m=4, block_n=16)
             assert_close(dx, swiglu_backward(dy.double(), x.double()), dtype, "swiglu dx")
+            dx2, y2 = swiglu_backward_triton(dy, x, block_m=4, block_n=16, with_output=True)
+            assert torch.equal(dx2, dx) and torch.equal(y2, y), f"swiglu {dtype} {shape}"
             for kind in GATED_KINDS:  # the other gated units share the kernels
                 what = f"{kind} {dtype} {shape}"
                 y = swiglu_forward_triton(x, block_m=4, block_n=16, kind=kind)
@@ -239,6 +241,10 @@ _NORM_SWIGLU_SCRIPT = textwrap.dedent("""
             dx = swiglu_backward_triton(dy, x, block_m=4, block_n=16, **layout)
             assert_close(dx, glu_backward(grad_output=dy.double(), x=x.double(), **layout),
                          dtype, f"{what} dx")
+            # the backward that writes the forward's result again: both, bit for bit
+            dx2, y2 = swiglu_backward_triton(dy, x, block_m=4, block_n=16, **layout,
+                                             with_output=True)
+            assert torch.equal(dx2, dx) and torch.equal(y2, y), what
         for shape, ns in (((7, 70), [70]), ((3, 5, 3, 12), [3, 12]), ((0, 8), [8])):
             # an offset mean, so that LayerNorm's centring shows
             x, dy = (3 * torch.randn(shape) + 2).to(dtype), torch.randn(shape).to(dtype)

@@ -21,7 +21,7 @@ from fusible.quantization.tensor.quantize import from_cast_parts
 
 # What fusion authors import (docs/writing_a_fusion.md, "Helpers for fusion authors"); the
 # rest serves the activation and gated-unit ops.
-__all__ = ["dact_dbias"]
+__all__ = ["dact_dbias", "glu_forward", "glu_backward_with_output"]
 
 Tensor = torch.Tensor
 aten = torch.ops.aten
@@ -167,6 +167,22 @@ def glu_forward(kind: str, x: Tensor, output_format: Optional[Float8Format] = No
     On CUDA one Triton kernel; with ``output_format`` the result comes as that
     Float8Tensor, never written in high precision. Elsewhere the PyTorch ops, and a
     high-precision result (the caller quantizes it).
+
+    Parameters
+    ----------
+    kind : str
+        The unit (``op.kind`` of a :class:`~fusible.ops.glu.GatedActivation`).
+    x : Tensor
+        ``[a | b]`` (or interleaved), the last dimension even.
+    output_format : Float8Format, optional
+        On CUDA, the result's FP8 format.
+    interleave, clamp
+        ``op.glu_interleave_size or 0`` and ``op.clamp()``.
+
+    Returns
+    -------
+    Tensor
+        ``x.shape[:-1] + (x.shape[-1] // 2,)``, in ``x``'s dtype (or the Float8Tensor).
     """
     if triton_can_run(x):
         layout = _Layout(kind=kind, interleave=interleave, clamp=clamp)
@@ -273,6 +289,39 @@ def glu_backward(kind: str, grad_output: Tensor, x: Tensor,
     swiglu_kernels.check_halves(x, kind, interleave)
     dy = grad_output.to(compute_dtype(x.dtype))
     return _glu_input_grad(kind, dy, x, interleave, clamp).to(x.dtype)
+
+
+def glu_backward_with_output(kind: str, grad_output: Tensor, x: Tensor, interleave: int = 0,
+                             clamp: tuple = CLAMP_DEFAULTS) -> tuple:
+    """A gated unit's input gradient and its forward result again, bit for bit (for a
+    weight gradient that recomputes its input instead of saving it:
+    ``fusions/recompute_glu_linear.py``).
+
+    On CUDA one Triton kernel, which writes ``y`` from the reads the gradient makes;
+    elsewhere the PyTorch ops.
+
+    Parameters
+    ----------
+    kind : str
+        The unit (``op.kind``).
+    grad_output : Tensor
+        The gradient of the unit's output.
+    x : Tensor
+        The unit's input, as the forward read it.
+    interleave, clamp
+        As in :func:`glu_forward`.
+
+    Returns
+    -------
+    tuple
+        ``(dx, y)``: ``dx`` as :func:`glu_backward` gives it, ``y`` as :func:`glu_forward`.
+    """
+    if triton_can_run(grad_output, x):
+        return swiglu_kernels.swiglu_backward_triton(grad_output, x, kind=kind,
+                                                     interleave=interleave, clamp=clamp,
+                                                     with_output=True)
+    return (glu_backward(kind, grad_output, x, None, interleave, clamp),
+            glu_forward(kind, x, None, interleave, clamp))
 
 
 def _clamped(a: Tensor, b: Tensor, clamp: tuple) -> tuple:

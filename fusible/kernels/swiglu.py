@@ -192,14 +192,15 @@ def _swiglu_fwd_cast_kernel(x_ptr, amax_ptr, data_ptr, t_ptr, scale_inv_ptr, M, 
 @jit
 def _gated_grads(dy_ptr, x_ptr, M, N, S, LIMIT, ALPHA, OFFSET, KIND: tl.constexpr,
                  INTERLEAVED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """``(rows, mask, a_cols, b_cols, da, db)``, the gradients rounded to ``dy``'s dtype."""
+    """``(rows, cols, mask, a_cols, b_cols, a, b, da, db)``: :func:`_gated_tile`'s and
+    the gradients rounded to ``dy``'s dtype."""
     rows, cols, mask, a_cols, b_cols, a, b = _gated_tile(x_ptr, M, N, S, INTERLEAVED,
                                                          BLOCK_M, BLOCK_N)
     dy = tl.load(dy_ptr + rows[:, None].to(tl.int64) * N + cols[None, :], mask=mask,
                  other=0.0).to(tl.float32)
     da, db = _swiglu_grads(dy, a, b, LIMIT, ALPHA, OFFSET, KIND)
-    return rows, mask, a_cols, b_cols, da.to(dy_ptr.dtype.element_ty), db.to(
-        dy_ptr.dtype.element_ty)
+    return (rows, cols, mask, a_cols, b_cols, a, b, da.to(dy_ptr.dtype.element_ty),
+            db.to(dy_ptr.dtype.element_ty))
 
 
 @jit
@@ -210,11 +211,13 @@ def halves_amax(da, db):
 
 
 @jit
-def _swiglu_bwd_kernel(dy_ptr, x_ptr, dx_ptr, amax_ptr, M, N, S, LIMIT, ALPHA, OFFSET,
+def _swiglu_bwd_kernel(dy_ptr, x_ptr, dx_ptr, amax_ptr, y_ptr, M, N, S, LIMIT, ALPHA, OFFSET,
                        KIND: tl.constexpr, INTERLEAVED: tl.constexpr, AMAX_ONLY: tl.constexpr,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """``dx`` (``M x 2N``), or (``AMAX_ONLY``) only the absolute maximum of its values."""
-    rows, mask, a_cols, b_cols, da, db = _gated_grads(
+                       WRITE_Y: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """``dx`` (``M x 2N``), or (``AMAX_ONLY``) only the absolute maximum of its values;
+    with ``WRITE_Y`` the forward's ``y`` too (``M x N``, the forward kernel's bits), from
+    the same reads of ``x``."""
+    rows, cols, mask, a_cols, b_cols, a, b, da, db = _gated_grads(
         dy_ptr, x_ptr, M, N, S, LIMIT, ALPHA, OFFSET, KIND, INTERLEAVED, BLOCK_M, BLOCK_N)
     if AMAX_ONLY:
         atomic_amax_of_tile(halves_amax(da, db), mask, amax_ptr)
@@ -222,6 +225,9 @@ def _swiglu_bwd_kernel(dy_ptr, x_ptr, dx_ptr, amax_ptr, M, N, S, LIMIT, ALPHA, O
         row_offs = rows[:, None].to(tl.int64) * (2 * N)
         tl.store(dx_ptr + row_offs + a_cols[None, :], da, mask=mask)
         tl.store(dx_ptr + row_offs + b_cols[None, :], db, mask=mask)
+    if WRITE_Y:
+        y = _swiglu_values(a, b, LIMIT, ALPHA, OFFSET, KIND).to(x_ptr.dtype.element_ty)
+        tl.store(y_ptr + rows[:, None].to(tl.int64) * N + cols[None, :], y, mask=mask)
 
 
 @jit
@@ -233,7 +239,7 @@ def _swiglu_bwd_cast_kernel(dy_ptr, x_ptr, amax_ptr, data_ptr, t_ptr, scale_inv_
                             BLOCK_H: tl.constexpr, BLOCK_M: tl.constexpr,
                             BLOCK_N: tl.constexpr):
     scale = scale_from_amax(amax_ptr, FP8_MAX)
-    rows, mask, a_cols, b_cols, da, db = _gated_grads(
+    rows, _, mask, a_cols, b_cols, _, _, da, db = _gated_grads(
         dy_ptr, x_ptr, M, N, S, LIMIT, ALPHA, OFFSET, KIND, INTERLEAVED, BLOCK_M, BLOCK_N)
     # dx is M x 2N: the two halves are column tiles of it
     store_fp8_tile(da.to(tl.float32), scale, rows, a_cols, mask, data_ptr, t_ptr,
@@ -318,17 +324,20 @@ def swiglu_forward_fp8_triton(x: torch.Tensor, fp8_dtype: torch.dtype, fp8_max: 
 
 def swiglu_backward_triton(grad_output: torch.Tensor, x: torch.Tensor, block_m: int = 32,
                            block_n: int = 128, kind: str = "swiglu", interleave: int = 0,
-                           clamp: tuple = CLAMP_DEFAULTS):
-    """The gradient of :func:`swiglu_forward_triton` with respect to ``x``."""
+                           clamp: tuple = CLAMP_DEFAULTS, with_output: bool = False):
+    """The gradient of :func:`swiglu_forward_triton` with respect to ``x``; with
+    ``with_output``, ``(dx, y)``: the forward's result again, from the same pass (for a
+    weight gradient that recomputes its input instead of saving it)."""
     require_triton("swiglu_backward_triton")
     dy, x = grad_output.contiguous(), x.contiguous()
     m, n = _rows_and_half(x, kind, interleave)
     dx = torch.empty_like(x, dtype=dy.dtype)
+    y = x.new_empty((*x.shape[:-1], n)) if with_output else dx
     if dx.numel():
         _swiglu_bwd_kernel[tile_grid(m, n, block_m, block_n)](
-            dy, x, dx, dx, m, n, **_layout(kind, interleave, clamp), AMAX_ONLY=False,
-            BLOCK_M=block_m, BLOCK_N=block_n)
-    return dx
+            dy, x, dx, dx, y, m, n, **_layout(kind, interleave, clamp), AMAX_ONLY=False,
+            WRITE_Y=with_output, BLOCK_M=block_m, BLOCK_N=block_n)
+    return (dx, y) if with_output else dx
 
 
 def swiglu_backward_fp8_triton(grad_output: torch.Tensor, x: torch.Tensor,
@@ -346,7 +355,8 @@ def swiglu_backward_fp8_triton(grad_output: torch.Tensor, x: torch.Tensor,
     grid = tile_grid(m, n, block_m, block_n)
     layout = _layout(kind, interleave, clamp)
     amax = scale_amax(delayed, x.device, lambda slot: _swiglu_bwd_kernel[grid](
-        dy, x, slot, slot, m, n, **layout, AMAX_ONLY=True, BLOCK_M=block_m, BLOCK_N=block_n))
+        dy, x, slot, slot, slot, m, n, **layout, AMAX_ONLY=True, WRITE_Y=False,
+        BLOCK_M=block_m, BLOCK_N=block_n))
     like = dy.new_empty(()).expand(x.shape)
     data, transpose, scale_inv, in_kernel_t = fp8_buffers(like, fp8_dtype, columnwise)
     _swiglu_bwd_cast_kernel[grid](dy, x, amax, data, transpose, scale_inv, m, n,

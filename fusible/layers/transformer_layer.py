@@ -19,8 +19,10 @@ ACTIVATIONS = {"swiglu": 2, "geglu": 2, "gelu": 1, "gelu_tanh": 1, "relu": 1, "s
 RESIDUALS = ("pre_norm", "post_norm", "parallel", "parallel_shared_norm", "sandwich")
 
 
-def _activation(name: str, glu_interleave_size: Optional[int] = None):
-    gated: dict[str, Any] = {"glu_interleave_size": glu_interleave_size}
+def _activation(name: str, glu_interleave_size: Optional[int] = None,
+                recompute_output: bool = False):
+    gated: dict[str, Any] = {"glu_interleave_size": glu_interleave_size,
+                             "recompute_output": recompute_output}
     return {"swiglu": lambda: ops.SwiGLU(**gated), "geglu": lambda: ops.GEGLU(**gated),
             "gelu": lambda: ops.GELU(), "gelu_tanh": lambda: ops.GELU(approximate="tanh"),
             "relu": lambda: ops.ReLU(), "silu": lambda: ops.SiLU()}[name]()
@@ -77,6 +79,13 @@ class TransformerLayer(ops.Sequential):
         The norms' epsilon.
     bias : bool
         Biases in the four linear layers.
+    recompute_activation : bool
+        A gated activation's output is not saved for ``fc2``'s weight gradient but
+        recomputed in the backward by the kernel of its own gradient (the gated unit's
+        ``recompute_output``, the joint fusion ``RecomputeGluLinear``): ``tokens x
+        ffn_hidden_size`` less memory between the passes per layer, for one more write.
+        High precision only: under FP8, with tensor parallelism and where ``fc2``'s weight
+        is frozen the ops run as their own stages, the plan saying why.
     qkv_bias : bool, optional
         A bias in the QKV projection alone (Qwen2); ``bias`` when None.
     tensor_parallel : bool
@@ -108,7 +117,8 @@ class TransformerLayer(ops.Sequential):
                  causal: bool = True, residual: str = "pre_norm",
                  zero_centered_gamma: bool = False,
                  head_dim: Optional[int] = None, eps: float = 1e-5, bias: bool = False,
-                 qkv_bias: Optional[bool] = None, tensor_parallel: bool = False,
+                 qkv_bias: Optional[bool] = None, recompute_activation: bool = True,
+                 tensor_parallel: bool = False,
                  tensor_parallel_group: GroupArg = None, sequence_parallel: bool = False,
                  device: DeviceArg = None, dtype: DTypeArg = None, **attention_options):
         name = "TransformerLayer"
@@ -118,6 +128,7 @@ class TransformerLayer(ops.Sequential):
         checks.one_of("norm", NORMS)(name, norm)
         checks.one_of("activation", tuple(ACTIVATIONS))(name, activation)
         checks.one_of("residual", RESIDUALS)(name, residual)
+        checks.boolean("recompute_activation")(name, recompute_activation)
         kv_heads = num_heads if num_kv_heads is None else num_kv_heads
         if head_dim is None:
             if hidden_size % num_heads:
@@ -158,7 +169,8 @@ class TransformerLayer(ops.Sequential):
         interleave = ffn_hidden_size // world_size if gated and tensor_parallel else None
         mlp = [("fc1", linear(hidden_size, ACTIVATIONS[activation] * ffn_hidden_size, bias,
                               "column")),
-               ("activation", _activation(activation, interleave)),
+               ("activation", _activation(activation, interleave,
+                                          gated and recompute_activation)),
                ("fc2", linear(ffn_hidden_size, hidden_size, bias, "row"))]
 
         def branch(tag):

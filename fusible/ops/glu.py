@@ -24,6 +24,8 @@ from fusible.module import BasicOperation
 from fusible.quantization.casts.dequantize import dequantize
 from fusible.quantization.casts.tensorwise import cast_tensorwise
 
+__all__ = ["GatedActivation"]
+
 Tensor = torch.Tensor
 
 
@@ -76,6 +78,14 @@ class GatedActivation(BasicOperation, abstract=True):
         Save the input for the backward in FP8 (E4M3, a current per-tensor scale) rather
         than in its own dtype: half the memory of a 16-bit input, at the cost of a cast
         and of the backward computing from the quantized values.
+    recompute_output : bool
+        Where a linear layer reads the unit's output (a feed-forward block's down
+        projection), do not save that output for its weight gradient: the backward
+        recomputes it, bit for bit, in the pass that computes the unit's gradient (the
+        joint fusion ``RecomputeGluLinear``, in high precision). One activation less
+        between the passes (``tokens x ffn``, the largest a feed-forward block saves
+        after its input) for one more write in the backward; what torch.compile's
+        partitioner and Liger-Kernel's SwiGLU do.
 
     Notes
     -----
@@ -92,13 +102,15 @@ class GatedActivation(BasicOperation, abstract=True):
     attribute_checks = {
         "glu_interleave_size": checks.optional(checks.positive_int("glu_interleave_size")),
         "cache_quantized_input": checks.boolean("cache_quantized_input"),
+        "recompute_output": checks.boolean("recompute_output"),
     }
 
     def __init__(self, *, glu_interleave_size: Optional[int] = None,
-                 cache_quantized_input: bool = False):
+                 cache_quantized_input: bool = False, recompute_output: bool = False):
         super().__init__()
         self.glu_interleave_size = glu_interleave_size
         self.cache_quantized_input = cache_quantized_input
+        self.recompute_output = recompute_output
 
     def describe(self) -> str:
         return f"{type(self).__name__}({self.extra_repr()})"
@@ -107,8 +119,8 @@ class GatedActivation(BasicOperation, abstract=True):
         options = [f"{name}={value!r}" for name, value in self.options()]
         if self.glu_interleave_size is not None:
             options.append(f"glu_interleave_size={self.glu_interleave_size}")
-        if self.cache_quantized_input:
-            options.append("cache_quantized_input=True")
+        options += [f"{name}=True" for name in ("cache_quantized_input", "recompute_output")
+                    if getattr(self, name)]
         return ", ".join(options)
 
     def options(self) -> tuple:

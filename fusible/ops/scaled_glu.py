@@ -66,9 +66,10 @@ class ScaledUnit:
     quantizes_own_output = True
 
     def __init__(self, **options):
-        if options.get("cache_quantized_input"):
-            raise ValueError(f"{type(self).__name__}: cache_quantized_input is not available "
-                             f"for scaled units")
+        for name in ("cache_quantized_input", "recompute_output"):
+            if options.get(name):
+                raise ValueError(f"{type(self).__name__}: {name} is not available for "
+                                 f"scaled units")
         super().__init__(**options)
 
     def validate(self, shape, dtype, device, extra_inputs=()):

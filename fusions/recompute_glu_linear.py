@@ -1,0 +1,171 @@
+"""RecomputeGluLinear: a joint fusion that recomputes a gated unit's output in the backward
+instead of saving it for the linear layer after it."""
+
+from typing import Optional
+
+import attrs
+import torch
+
+from fusible import Example, FusedOperation, Op, Pattern
+from fusible.functional.activations import glu_backward_with_output, glu_forward
+from fusible.functional.linear import bias_grad, gemm_backward, gemm_forward, like_tokens, \
+    tokens_2d
+from fusible.functional.linear_records import GemmBackwardArgs, GemmForwardArgs
+from fusible.functional.parallel import TensorParallel
+from fusible.ops import (AddExtraInput, BackwardResult, BasicLinear, Bias, ForwardResult,
+                         SwiGLU)
+from fusible.ops.basic_linear import parallel_refusal
+from fusible.ops.glu import GatedActivation
+
+Tensor = torch.Tensor
+
+
+@attrs.define
+class GluLinearForwardArgs:
+    input: Tensor
+    weight: Tensor
+    bias: Optional[Tensor]      # the Bias op's, when the pattern has one
+    residual: Optional[Tensor]  # the AddExtraInput op's, when the pattern has one
+    kind: str
+    interleave: int
+    clamp: tuple[float, ...]
+
+
+@attrs.define
+class GluLinearSaved:
+    """The unit's input (its gradient, and its output again for the weight gradient) and
+    the linear weight (for the dgrad); None where not needed. The unit's output, which the
+    basic ops would save, is not kept."""
+
+    input: Optional[Tensor]
+    weight: Optional[Tensor]
+
+
+@attrs.define
+class GluLinearBackwardArgs:
+    grad_output: Tensor
+    saved: GluLinearSaved
+    kind: str
+    interleave: int
+    clamp: tuple[float, ...]
+    need_grad_input: bool       # the unit's input
+    need_grad_bias: bool
+    need_grad_residual: bool
+    has_bias: bool
+    has_residual: bool
+    wgrad_dtype: Optional[torch.dtype]
+
+
+class RecomputeGluLinear(FusedOperation):
+    """A joint fusion: a gated unit with ``recompute_output=True``, then a linear layer,
+    its bias and a residual add, owning both passes. The forward runs the unit and the GEMM
+    as their ops do (the residual as the GEMM's C matrix) but saves the unit's input only;
+    the backward runs the dgrad, then one kernel that computes the unit's gradient and
+    writes its output again (the forward's bits) for the weight gradient. One activation
+    less between the passes (the unit's output, ``tokens x ffn``) for one more write in
+    the backward: what torch.compile's partitioner and Liger-Kernel's SwiGLU do.
+
+    Pattern: ``GatedActivation (recompute_output=True), BasicLinear, Bias?,
+    AddExtraInput?``. High precision only: under FP8 the linear saves its input as a
+    transposed FP8 copy, half the size, which the recomputation would have to cast again
+    to the forward's scale; refused there (the ops run as their own stages, the plan says
+    why), as are tensor parallelism, an in-place residual, and a weight that needs no
+    gradient (nothing of the unit's output would be saved). The gradients are those of the
+    basic ops, bit for bit.
+    """
+
+    direction = "both"
+    pattern = Pattern(Op(GatedActivation, name="glu", recompute_output=True),
+                      Op(BasicLinear, name="linear"), Op(Bias, name="bias", optional=True),
+                      Op(AddExtraInput, name="add", optional=True))
+    fwd_args_type = GluLinearForwardArgs
+    bwd_args_type = GluLinearBackwardArgs
+    saved_type = GluLinearSaved
+
+    @classmethod
+    def accepts(cls, match, env):
+        linear, add = match["linear"], match["add"]
+        refusal = parallel_refusal(linear)
+        if refusal is not True:
+            return refusal
+        if match["glu"].num_extra_inputs:
+            return f"{match['glu'].describe()} takes router scales"
+        if add is not None and add.in_place:
+            return f"{add.describe()} adds in place"
+        if not env.needs[match.indices[1]].params[0]:
+            return (f"{linear.describe()}'s weight needs no gradient: the unit's output "
+                    f"would not be saved")
+        if env.recipe_of(match.indices[1]) is not None:
+            return (f"{linear.describe()} runs in FP8: it saves the unit's output as a "
+                    f"transposed FP8 copy, which recompute_output does not recompute (high "
+                    f"precision only), so the ops run as their own stages")
+        return True
+
+    def input_format(self, recipe, needs):
+        return None  # the unit reads its input in high precision
+
+    def grad_format(self, recipe, needs):
+        return None  # the GEMMs run in high precision (accepts refuses an FP8 linear)
+
+    def forward_args(self, input, params, extra_inputs, ctxs):
+        glu = self.match["glu"]
+        bias = params[1] if self.match["bias"] is not None else None
+        return GluLinearForwardArgs(input, params[0], bias,
+                                    extra_inputs[0] if extra_inputs else None, glu.kind,
+                                    glu.glu_interleave_size or 0, glu.clamp())
+
+    @classmethod
+    def forward_compute(cls, args, *, in_custom_op=False):
+        h = glu_forward(args.kind, args.input, None, args.interleave, args.clamp)
+        if args.residual is None:
+            out, _ = gemm_forward(GemmForwardArgs(h, args.weight, None, None, TensorParallel()),
+                                  args.bias)
+            return ForwardResult(out)
+        # ForwardLinearBiasAdd's arithmetic: the residual as the GEMM's C matrix
+        y = torch.addmm(tokens_2d(args.residual), tokens_2d(h), args.weight.t())
+        if args.bias is not None:
+            y.add_(args.bias)
+        return ForwardResult(like_tokens(y, h))
+
+    def save_for_backward(self, args, result, ctxs):
+        # the weight's gradient is needed (accepts): the unit's input recomputes its output
+        ctxs[0].saved = GluLinearSaved(args.input,
+                                       args.weight if ctxs[0].needs.input else None)
+
+    def backward_args(self, grad_output, grad_extra_outputs, ctxs):
+        glu, linear = self.match["glu"], self.match["linear"]
+        has_bias = self.match["bias"] is not None
+        has_residual = self.match["add"] is not None
+        return GluLinearBackwardArgs(
+            grad_output, ctxs[0].saved, glu.kind, glu.glu_interleave_size or 0, glu.clamp(),
+            ctxs[0].needs.input, has_bias and ctxs[2].needs.params[0],
+            has_residual and ctxs[-1].needs.extra_inputs[0], has_bias, has_residual,
+            linear.wgrad_dtype)
+
+    @classmethod
+    def backward_compute(cls, args, *, in_custom_op=False):
+        saved, dy = args.saved, args.grad_output
+        dx = None
+        if args.need_grad_input:
+            dh, _ = gemm_backward(cls._gemm(args, dy, None, True, False))
+            dx, h = glu_backward_with_output(args.kind, dh, saved.input, args.interleave,
+                                             args.clamp)
+            del dh
+        else:
+            h = glu_forward(args.kind, saved.input, None, args.interleave, args.clamp)
+        _, dw = gemm_backward(cls._gemm(args, dy, h, False, True))
+        params = (dw,) + ((bias_grad(dy) if args.need_grad_bias else None,)
+                          if args.has_bias else ())
+        extras = (dy if args.need_grad_residual else None,) if args.has_residual else ()
+        return BackwardResult(dx, params, extras)
+
+    @staticmethod
+    def _gemm(args, dy, h, dgrad: bool, wgrad: bool) -> GemmBackwardArgs:
+        """One half of the linear layer's backward GEMMs, as BasicLinear runs them."""
+        return GemmBackwardArgs(dy, h, args.saved.weight, None, dgrad, wgrad, TensorParallel(),
+                                wgrad_dtype=args.wgrad_dtype)
+
+    @classmethod
+    def example(cls):
+        return Example((SwiGLU(recompute_output=True), BasicLinear(16, 32), Bias(32),
+                        AddExtraInput()), (4, 32), ((4, 32),))

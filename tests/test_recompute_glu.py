@@ -1,0 +1,137 @@
+"""RecomputeGluLinear: a gated unit's output recomputed in the backward for the weight
+gradient of the linear layer after it, instead of saved (``recompute_output=True``, on by
+default in TransformerLayer): the basic ops' bits, less memory between the passes, and
+refused (with the reason in the plan) where it cannot give those bits."""
+
+import pytest
+import torch
+
+import fusible
+from fusible import ops
+from fusible.layers import TransformerLayer
+from fusible.testing import exact_parameters_, exact_tensor, stage_names
+
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
+
+UNITS = {"swiglu": ops.SwiGLU, "geglu": ops.GEGLU, "clamped": ops.ClampedSwiGLU}
+
+
+def _block(recompute=True, bias=False, add=False, unit="swiglu", **options):
+    layers = [UNITS[unit](recompute_output=recompute, **options), ops.BasicLinear(32, 16)]
+    layers += ([ops.Bias(16)] if bias else []) + ([ops.AddExtraInput()] if add else [])
+    return ops.Sequential(*layers)
+
+
+def _pair(dtype, **kw):
+    joint = exact_parameters_(_block(True, **kw).to(dtype))
+    plain = _block(False, **kw).to(dtype)
+    plain.load_state_dict(joint.state_dict())
+    return joint, plain
+
+
+def _run(model, x, *extras):
+    """Output, input gradients and parameter gradients of one step."""
+    inputs = [t.detach().clone().requires_grad_(t.requires_grad) for t in (x, *extras)]
+    y = model(*inputs)
+    y.backward(exact_tensor(y.shape, y.dtype, generator=torch.Generator().manual_seed(5)))
+    grads = [t.grad for t in inputs] + [p.grad for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    return [y.detach()] + grads
+
+
+def _inputs(dtype, add):
+    x = exact_tensor((3, 5, 64), dtype).requires_grad_()
+    return (x, exact_tensor((3, 5, 16), dtype).requires_grad_()) if add else (x,)
+
+
+@pytest.mark.parametrize("unit", list(UNITS))
+@pytest.mark.parametrize("bias,add", [(False, False), (True, False), (False, True),
+                                      (True, True)], ids=["plain", "bias", "add", "bias_add"])
+def test_one_joint_stage_each_way_with_the_basic_ops_bits(unit, bias, add, dtype):
+    """Output and every gradient equal the plan without it bit for bit: the backward's
+    recomputed output is the forward's, and the GEMMs are BasicLinear's (the residual as
+    the GEMM's C matrix, as ForwardLinearBiasAdd runs it)."""
+    joint, plain = _pair(dtype, bias=bias, add=add, unit=unit)
+    inputs = _inputs(dtype, add)
+    plan = joint.plan(*inputs)
+    assert stage_names(plan.forward) == stage_names(plan.backward) == ["RecomputeGluLinear"]
+    assert "RecomputeGluLinear" not in stage_names(plain.plan(*inputs).forward)
+    for a, b in zip(_run(joint, *inputs), _run(plain, *inputs)):
+        assert torch.equal(a, b)
+
+
+def test_the_units_output_is_not_saved():
+    """Between the passes the joint stage keeps the unit's input and the weight; the
+    basic ops would also keep the unit's output for the weight gradient."""
+    x = torch.randn(4, 64, requires_grad=True)
+    joint, plain = _pair(torch.float32)
+    ctxs = joint(x).grad_fn.fusible[1]
+    saved = ctxs[0].saved
+    assert type(saved).__name__ == "GluLinearSaved" and ctxs[1].saved is None
+    assert saved.input is x and saved.weight.shape == (16, 32)
+    assert plain(x).grad_fn.fusible[1][1].saved.input.shape == (4, 32)  # the unit's output
+
+
+def test_a_frozen_input_recomputes_the_output_alone():
+    """An input without gradient: no dgrad, the output recomputed by the forward's own
+    function for the weight gradient, which equals the basic ops'."""
+    joint, plain = _pair(torch.float64, bias=True)
+    x = exact_tensor((4, 64), torch.float64)
+    assert stage_names(joint.plan(x).backward) == ["RecomputeGluLinear"]
+    for a, b in zip(_run(joint, x), _run(plain, x)):
+        assert (a is None and b is None) or torch.equal(a, b)
+
+
+def test_refused_with_the_reason_where_it_cannot_run():
+    """FP8 (the linear saves a transposed FP8 copy of the output), a frozen weight
+    (nothing would be saved) and an in-place residual: the ops run as their own stages
+    and explain() says why; a scaled unit refuses the option itself."""
+    x = torch.randn(4, 64, dtype=torch.bfloat16)
+    model = _block().to(torch.bfloat16)
+    with fusible.autocast(recipe=fusible.Float8CurrentScaling(gemm_policy=None)):
+        text = model.plan(x).explain()
+    assert "RecomputeGluLinear" in text and "runs in FP8" in text
+    with fusible.autocast(recipe=fusible.Float8CurrentScaling(gemm_policy=None)):
+        assert "RecomputeGluLinear" not in stage_names(model.plan(x).forward)
+    model[1].weight.requires_grad_(False)
+    assert "weight needs no gradient" in model.plan(x).explain()
+    in_place = ops.Sequential(ops.SwiGLU(recompute_output=True), ops.BasicLinear(32, 16),
+                              ops.AddExtraInput(in_place=True))
+    text = in_place.plan(torch.randn(4, 64), torch.randn(4, 16)).explain()
+    assert "adds in place" in text
+    with pytest.raises(ValueError, match="recompute_output is not available for scaled"):
+        ops.ScaledSwiGLU(recompute_output=True)
+    with pytest.raises(TypeError, match="recompute_output must be a bool"):
+        ops.SwiGLU(recompute_output=1)
+    assert "recompute_output=True" in ops.GEGLU(recompute_output=True).describe()
+
+
+def test_compiled_bits_and_one_custom_op_per_pass():
+    model = exact_parameters_(_block(bias=True, add=True))
+    x, r = torch.randn(2, 3, 64, requires_grad=True), torch.randn(2, 3, 16, requires_grad=True)
+    fusible.testing.check_compiled_matches_eager(model, x, r)
+    report = fusible.compile_report(model, x, r)
+    assert [c.op for g in report.forward_graphs for c in g.fusible_ops] == \
+        ["fusible::RecomputeGluLinear_fwd"]
+    assert [c.op for g in report.backward_graphs for c in g.fusible_ops] == \
+        ["fusible::RecomputeGluLinear_bwd"]
+
+
+def test_transformer_layers_recompute_their_gated_activation_by_default():
+    """A gated TransformerLayer plans the joint stage over its activation, fc2 and the
+    residual add; ``recompute_activation=False`` keeps the basic stages; both give the same
+    bits; an ungated activation has nothing to recompute."""
+    torch.manual_seed(0)
+    layer = TransformerLayer(32, 48, 4, num_kv_heads=2, backend="math")
+    kept = TransformerLayer(32, 48, 4, num_kv_heads=2, backend="math",
+                            recompute_activation=False)
+    kept.load_state_dict(layer.state_dict())
+    x = torch.randn(2, 5, 32)
+    assert "RecomputeGluLinear" in stage_names(layer.plan(x).forward)
+    assert "RecomputeGluLinear" not in stage_names(kept.plan(x).forward)
+    for a, b in zip(_run(layer, x.requires_grad_()), _run(kept, x)):
+        assert torch.equal(a, b)
+    gelu = TransformerLayer(32, 48, 4, activation="gelu", backend="math")
+    assert "RecomputeGluLinear" not in gelu.plan(x).explain()
+    with pytest.raises(TypeError, match="recompute_activation must be a bool"):
+        TransformerLayer(32, 48, 4, recompute_activation="yes")
