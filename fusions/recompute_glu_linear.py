@@ -148,8 +148,9 @@ class RecomputeGluLinear(FusedOperation):
         dx = None
         if args.need_grad_input:
             dh, _ = gemm_backward(cls._gemm(args, dy, None, True, False))
+            # h over dh (read no more): the basic ops' peak, a tensor of dh's size less
             dx, h = glu_backward_with_output(args.kind, dh, saved.input, args.interleave,
-                                             args.clamp)
+                                             args.clamp, consume_grad=True)
             del dh
         else:
             h = glu_forward(args.kind, saved.input, None, args.interleave, args.clamp)

@@ -245,6 +245,11 @@ _NORM_SWIGLU_SCRIPT = textwrap.dedent("""
             dx2, y2 = swiglu_backward_triton(dy, x, block_m=4, block_n=16, **layout,
                                              with_output=True)
             assert torch.equal(dx2, dx) and torch.equal(y2, y), what
+            consumed = dy.clone()  # y written over the gradient it was computed from
+            dx3, y3 = swiglu_backward_triton(consumed, x, block_m=4, block_n=16, **layout,
+                                             with_output=True, consume_grad=True)
+            assert torch.equal(dx3, dx) and torch.equal(y3, y), what
+            assert y3.data_ptr() == consumed.data_ptr() or dy.dtype != x.dtype, what
         for shape, ns in (((7, 70), [70]), ((3, 5, 3, 12), [3, 12]), ((0, 8), [8])):
             # an offset mean, so that LayerNorm's centring shows
             x, dy = (3 * torch.randn(shape) + 2).to(dtype), torch.randn(shape).to(dtype)

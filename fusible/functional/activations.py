@@ -292,7 +292,8 @@ def glu_backward(kind: str, grad_output: Tensor, x: Tensor,
 
 
 def glu_backward_with_output(kind: str, grad_output: Tensor, x: Tensor, interleave: int = 0,
-                             clamp: tuple = CLAMP_DEFAULTS) -> tuple:
+                             clamp: tuple = CLAMP_DEFAULTS, consume_grad: bool = False
+                             ) -> tuple:
     """A gated unit's input gradient and its forward result again, bit for bit (for a
     weight gradient that recomputes its input instead of saving it:
     ``fusions/recompute_glu_linear.py``).
@@ -310,6 +311,9 @@ def glu_backward_with_output(kind: str, grad_output: Tensor, x: Tensor, interlea
         The unit's input, as the forward read it.
     interleave, clamp
         As in :func:`glu_forward`.
+    consume_grad : bool
+        The caller reads ``grad_output`` no more: on CUDA ``y`` may be written over it
+        (one tensor of its size less alive at once).
 
     Returns
     -------
@@ -319,7 +323,8 @@ def glu_backward_with_output(kind: str, grad_output: Tensor, x: Tensor, interlea
     if triton_can_run(grad_output, x):
         return swiglu_kernels.swiglu_backward_triton(grad_output, x, kind=kind,
                                                      interleave=interleave, clamp=clamp,
-                                                     with_output=True)
+                                                     with_output=True,
+                                                     consume_grad=consume_grad)
     return (glu_backward(kind, grad_output, x, None, interleave, clamp),
             glu_forward(kind, x, None, interleave, clamp))
 

@@ -216,7 +216,8 @@ def _swiglu_bwd_kernel(dy_ptr, x_ptr, dx_ptr, amax_ptr, y_ptr, M, N, S, LIMIT, A
                        WRITE_Y: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """``dx`` (``M x 2N``), or (``AMAX_ONLY``) only the absolute maximum of its values;
     with ``WRITE_Y`` the forward's ``y`` too (``M x N``, the forward kernel's bits), from
-    the same reads of ``x``."""
+    the same reads of ``x``, possibly over ``dy`` (each program writes only the tile it
+    read, after a barrier: every thread of the program has read it by then)."""
     rows, cols, mask, a_cols, b_cols, a, b, da, db = _gated_grads(
         dy_ptr, x_ptr, M, N, S, LIMIT, ALPHA, OFFSET, KIND, INTERLEAVED, BLOCK_M, BLOCK_N)
     if AMAX_ONLY:
@@ -227,6 +228,7 @@ def _swiglu_bwd_kernel(dy_ptr, x_ptr, dx_ptr, amax_ptr, y_ptr, M, N, S, LIMIT, A
         tl.store(dx_ptr + row_offs + b_cols[None, :], db, mask=mask)
     if WRITE_Y:
         y = _swiglu_values(a, b, LIMIT, ALPHA, OFFSET, KIND).to(x_ptr.dtype.element_ty)
+        tl.debug_barrier()
         tl.store(y_ptr + rows[:, None].to(tl.int64) * N + cols[None, :], y, mask=mask)
 
 
@@ -324,15 +326,23 @@ def swiglu_forward_fp8_triton(x: torch.Tensor, fp8_dtype: torch.dtype, fp8_max: 
 
 def swiglu_backward_triton(grad_output: torch.Tensor, x: torch.Tensor, block_m: int = 32,
                            block_n: int = 128, kind: str = "swiglu", interleave: int = 0,
-                           clamp: tuple = CLAMP_DEFAULTS, with_output: bool = False):
+                           clamp: tuple = CLAMP_DEFAULTS, with_output: bool = False,
+                           consume_grad: bool = False):
     """The gradient of :func:`swiglu_forward_triton` with respect to ``x``; with
     ``with_output``, ``(dx, y)``: the forward's result again, from the same pass (for a
-    weight gradient that recomputes its input instead of saving it)."""
+    weight gradient that recomputes its input instead of saving it), written over
+    ``grad_output`` where ``consume_grad`` and the dtypes agree (the caller reads it no
+    more: one tensor of that size less at once)."""
     require_triton("swiglu_backward_triton")
     dy, x = grad_output.contiguous(), x.contiguous()
     m, n = _rows_and_half(x, kind, interleave)
     dx = torch.empty_like(x, dtype=dy.dtype)
-    y = x.new_empty((*x.shape[:-1], n)) if with_output else dx
+    if not with_output:
+        y = dx
+    elif consume_grad and dy.dtype == x.dtype:
+        y = dy
+    else:
+        y = x.new_empty((*x.shape[:-1], n))
     if dx.numel():
         _swiglu_bwd_kernel[tile_grid(m, n, block_m, block_n)](
             dy, x, dx, dx, y, m, n, **_layout(kind, interleave, clamp), AMAX_ONLY=False,
