@@ -69,8 +69,9 @@ class RecomputeGluLinear(FusedOperation):
     AddExtraInput?``. High precision only: under FP8 the linear saves its input as a
     transposed FP8 copy, half the size, which the recomputation would have to cast again
     to the forward's scale; refused there (the ops run as their own stages, the plan says
-    why), as are tensor parallelism, an in-place residual, and a weight that needs no
-    gradient (nothing of the unit's output would be saved). The gradients are those of the
+    why), as are tensor parallelism, an in-place residual, a split backward (the basic ops
+    defer the weight gradient) and a weight that needs no gradient (nothing of the unit's
+    output would be saved). The gradients are those of the
     basic ops, bit for bit.
     """
 
@@ -95,6 +96,10 @@ class RecomputeGluLinear(FusedOperation):
         if not env.needs[match.indices[1]].params[0]:
             return (f"{linear.describe()}'s weight needs no gradient: the unit's output "
                     f"would not be saved")
+        if env.conditions.split_backward:
+            return (f"the backward is split (fusible.split_backward): {linear.describe()}'s "
+                    f"weight gradient is deferred as the basic ops', where it fills a "
+                    f"pipeline's bubbles")
         if env.recipe_of(match.indices[1]) is not None:
             return (f"{linear.describe()} runs in FP8: it saves the unit's output as a "
                     f"transposed FP8 copy, which recompute_output does not recompute (high "

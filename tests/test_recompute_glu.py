@@ -84,8 +84,9 @@ def test_a_frozen_input_recomputes_the_output_alone():
 
 def test_refused_with_the_reason_where_it_cannot_run():
     """FP8 (the linear saves a transposed FP8 copy of the output), a frozen weight
-    (nothing would be saved) and an in-place residual: the ops run as their own stages
-    and explain() says why; a scaled unit refuses the option itself."""
+    (nothing would be saved), a split backward (the basic ops defer the weight gradient)
+    and an in-place residual: the ops run as their own stages and explain() says why; a
+    scaled unit refuses the option itself."""
     x = torch.randn(4, 64, dtype=torch.bfloat16)
     model = _block().to(torch.bfloat16)
     with fusible.autocast(recipe=fusible.Float8CurrentScaling(gemm_policy=None)):
@@ -95,6 +96,9 @@ def test_refused_with_the_reason_where_it_cannot_run():
         assert "RecomputeGluLinear" not in stage_names(model.plan(x).forward)
     model[1].weight.requires_grad_(False)
     assert "weight needs no gradient" in model.plan(x).explain()
+    with fusible.split_backward():
+        text = _block().plan(torch.randn(4, 64)).explain()
+    assert "the backward is split" in text
     in_place = ops.Sequential(ops.SwiGLU(recompute_output=True), ops.BasicLinear(32, 16),
                               ops.AddExtraInput(in_place=True))
     text = in_place.plan(torch.randn(4, 64), torch.randn(4, 16)).explain()

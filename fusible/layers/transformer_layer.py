@@ -84,8 +84,9 @@ class TransformerLayer(ops.Sequential):
         recomputed in the backward by the kernel of its own gradient (the gated unit's
         ``recompute_output``, the joint fusion ``RecomputeGluLinear``): ``tokens x
         ffn_hidden_size`` less memory between the passes per layer, for one more write.
-        High precision only: under FP8, with tensor parallelism and where ``fc2``'s weight
-        is frozen the ops run as their own stages, the plan saying why.
+        High precision only: under FP8, with tensor parallelism, under a split backward
+        and where ``fc2``'s weight is frozen the ops run as their own stages, the plan
+        saying why.
     qkv_bias : bool, optional
         A bias in the QKV projection alone (Qwen2); ``bias`` when None.
     tensor_parallel : bool
