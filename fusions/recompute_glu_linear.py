@@ -48,7 +48,6 @@ class GluLinearBackwardArgs:
     kind: str
     interleave: int
     clamp: tuple[float, ...]
-    need_grad_input: bool       # the unit's input
     need_grad_bias: bool
     need_grad_residual: bool
     has_bias: bool
@@ -70,8 +69,8 @@ class RecomputeGluLinear(FusedOperation):
     transposed FP8 copy, half the size, which the recomputation would have to cast again
     to the forward's scale; refused there (the ops run as their own stages, the plan says
     why), as are tensor parallelism, an in-place residual, a split backward (the basic ops
-    defer the weight gradient) and a weight that needs no gradient (nothing of the unit's
-    output would be saved). The gradients are those of the
+    defer the weight gradient), an input or a weight that needs no gradient (the basic ops
+    save only the output, or nothing of it) and a unit that caches its input in FP8. The gradients are those of the
     basic ops, bit for bit.
     """
 
@@ -82,6 +81,9 @@ class RecomputeGluLinear(FusedOperation):
     fwd_args_type = GluLinearForwardArgs
     bwd_args_type = GluLinearBackwardArgs
     saved_type = GluLinearSaved
+    # the unit's output and the linear's dgrad are rounded, as the ops' own stages do
+    rounds_output_after = ("glu",)
+    rounds_gradient_before = ("linear",)
 
     @classmethod
     def accepts(cls, match, env):
@@ -89,8 +91,15 @@ class RecomputeGluLinear(FusedOperation):
         refusal = parallel_refusal(linear)
         if refusal is not True:
             return refusal
-        if match["glu"].num_extra_inputs:
-            return f"{match['glu'].describe()} takes router scales"
+        glu = match["glu"]
+        if glu.num_extra_inputs:
+            return f"{glu.describe()} takes router scales"
+        if glu.cache_quantized_input:
+            return (f"{glu.describe()} saves its input in FP8 (cache_quantized_input), "
+                    f"which the recomputation would have to read instead of the input")
+        if not env.needs[match.indices[0]].input:
+            return (f"{glu.describe()}'s input needs no gradient: the basic ops save only "
+                    f"its output, half the size")
         if add is not None and add.in_place:
             return f"{add.describe()} adds in place"
         if not env.needs[match.indices[1]].params[0]:
@@ -133,9 +142,8 @@ class RecomputeGluLinear(FusedOperation):
         return ForwardResult(like_tokens(y, h))
 
     def save_for_backward(self, args, result, ctxs):
-        # the weight's gradient is needed (accepts): the unit's input recomputes its output
-        ctxs[0].saved = GluLinearSaved(args.input,
-                                       args.weight if ctxs[0].needs.input else None)
+        # the unit's input and the weight need gradients (accepts): both are read
+        ctxs[0].saved = GluLinearSaved(args.input, args.weight)
 
     def backward_args(self, grad_output, grad_extra_outputs, ctxs):
         glu, linear = self.match["glu"], self.match["linear"]
@@ -143,22 +151,18 @@ class RecomputeGluLinear(FusedOperation):
         has_residual = self.match["add"] is not None
         return GluLinearBackwardArgs(
             grad_output, ctxs[0].saved, glu.kind, glu.glu_interleave_size or 0, glu.clamp(),
-            ctxs[0].needs.input, has_bias and ctxs[2].needs.params[0],
+            has_bias and ctxs[2].needs.params[0],
             has_residual and ctxs[-1].needs.extra_inputs[0], has_bias, has_residual,
             linear.wgrad_dtype)
 
     @classmethod
     def backward_compute(cls, args, *, in_custom_op=False):
         saved, dy = args.saved, args.grad_output
-        dx = None
-        if args.need_grad_input:
-            dh, _ = gemm_backward(cls._gemm(args, dy, None, True, False))
-            # h over dh (read no more): the basic ops' peak, a tensor of dh's size less
-            dx, h = glu_backward_with_output(args.kind, dh, saved.input, args.interleave,
-                                             args.clamp, consume_grad=True)
-            del dh
-        else:
-            h = glu_forward(args.kind, saved.input, None, args.interleave, args.clamp)
+        dh, _ = gemm_backward(cls._gemm(args, dy, None, True, False))
+        # h over dh (read no more): the basic ops' peak, a tensor of dh's size less
+        dx, h = glu_backward_with_output(args.kind, dh, saved.input, args.interleave,
+                                         args.clamp, consume_grad=True)
+        del dh
         _, dw = gemm_backward(cls._gemm(args, dy, h, False, True))
         params = (dw,) + ((bias_grad(dy) if args.need_grad_bias else None,)
                           if args.has_bias else ())
@@ -173,5 +177,6 @@ class RecomputeGluLinear(FusedOperation):
 
     @classmethod
     def example(cls):
+        # high precision only: no FP8 example (the fusion refuses an FP8 linear)
         return Example((SwiGLU(recompute_output=True), BasicLinear(16, 32), Bias(32),
-                        AddExtraInput()), (4, 32), ((4, 32),))
+                        AddExtraInput()), (4, 32), ((4, 32),), fp8=False)

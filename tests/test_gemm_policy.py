@@ -157,6 +157,51 @@ def test_a_gemm_kept_in_high_precision_reads_its_input_and_gradient_unrounded():
         assert torch.equal(a, b)
 
 
+def test_the_stages_around_a_kept_gemm_hand_it_plain_tensors_both_ways():
+    """A kept GEMM whose backward fuses with the residual branch (BackwardLinearAdd) and
+    whose forward fuses with the add (ForwardLinearBiasAdd), between FP8 GEMMs: no stage
+    hands it an FP8 input or gradient, while the FP8 GEMMs still get theirs."""
+    torch.manual_seed(0)
+    model = ops.Sequential(ops.BasicLinear(64, 64, fp8=True),
+                           ops.MakeExtraOutput(channel="r"),
+                           ops.BasicLinear(64, 64, fp8=False), ops.AddExtraInput(channel="r"),
+                           ops.BasicLinear(64, 64, fp8=True)).to(torch.bfloat16)
+    x = torch.randn(32, 64, dtype=torch.bfloat16, requires_grad=True)
+    with fusible.autocast(recipe=_recipe()):
+        plan = model(x).grad_fn.fusible[0]
+    kept, fp8_hand_offs = 2, 0
+    for stages in (plan.forward, plan.backward):
+        for st, nxt in zip(stages, stages[1:]):
+            if nxt.lo <= kept < nxt.hi:
+                assert st.output_format is None, (st.provenance, nxt.provenance)
+            fp8_hand_offs += st.output_format is not None
+    assert fp8_hand_offs >= 1  # the FP8 GEMMs' hand-offs are still made
+    names = [st.op.__class__.__name__ for st in plan.backward]
+    assert "BackwardLinearAdd" in names, names
+
+
+def test_a_kept_gemm_s_bias_trains_under_a_split_backward():
+    """A kept GEMM with its bias under a split backward: the deferral is planned for the
+    stage's high-precision compute (dbias deferred with the weight's gradient), so the
+    bias gets its gradient, the same bits as without the split."""
+    def run(split):
+        torch.manual_seed(0)
+        model = ops.Sequential(ops.BasicLinear(64, 64, fp8=True),
+                               ops.Linear(64, 64, fp8=False),
+                               ops.BasicLinear(64, 64, fp8=True)).to(torch.bfloat16)
+        x = torch.randn(32, 64, dtype=torch.bfloat16, requires_grad=True)
+        with fusible.split_backward(split), fusible.autocast(recipe=_recipe()):
+            y = model(x)
+        y.float().square().sum().backward()
+        fusible.run_deferred_wgrad()
+        return {name: p.grad for name, p in model.named_parameters()}
+
+    split, whole = run(True), run(False)
+    assert split["1.bias"] is not None
+    for name, grad in whole.items():
+        assert torch.equal(split[name], grad), name
+
+
 def test_an_op_overrides_the_policy_and_a_change_replans():
     model = _mlp()
     x = torch.randn(32, 256, dtype=torch.bfloat16)

@@ -72,14 +72,20 @@ def test_the_units_output_is_not_saved():
     assert plain(x).grad_fn.fusible[1][1].saved.input.shape == (4, 32)  # the unit's output
 
 
-def test_a_frozen_input_recomputes_the_output_alone():
-    """An input without gradient: no dgrad, the output recomputed by the forward's own
-    function for the weight gradient, which equals the basic ops'."""
+def test_a_frozen_input_or_an_fp8_cached_input_keeps_the_basic_ops():
+    """An input without gradient: the basic ops save only the unit's output (half its
+    input's size), so the joint stage is refused; so is a unit caching its input in FP8
+    (its gradient reads the FP8 copy). Both train as the basic ops."""
     joint, plain = _pair(torch.float64, bias=True)
     x = exact_tensor((4, 64), torch.float64)
-    assert stage_names(joint.plan(x).backward) == ["RecomputeGluLinear"]
+    assert "input needs no gradient" in joint.plan(x).explain()
+    assert stage_names(joint.plan(x).backward) == stage_names(plain.plan(x).backward)
     for a, b in zip(_run(joint, x), _run(plain, x)):
         assert (a is None and b is None) or torch.equal(a, b)
+    cached = _block(cache_quantized_input=True).to(torch.bfloat16)
+    xb = torch.randn(4, 64, dtype=torch.bfloat16, requires_grad=True)
+    assert "cache_quantized_input" in cached.plan(xb).explain()
+    assert "RecomputeGluLinear" not in stage_names(cached.plan(xb).forward)
 
 
 def test_refused_with_the_reason_where_it_cannot_run():
@@ -87,7 +93,7 @@ def test_refused_with_the_reason_where_it_cannot_run():
     (nothing would be saved), a split backward (the basic ops defer the weight gradient)
     and an in-place residual: the ops run as their own stages and explain() says why; a
     scaled unit refuses the option itself."""
-    x = torch.randn(4, 64, dtype=torch.bfloat16)
+    x = torch.randn(4, 64, dtype=torch.bfloat16, requires_grad=True)
     model = _block().to(torch.bfloat16)
     with fusible.autocast(recipe=fusible.Float8CurrentScaling(gemm_policy=None)):
         text = model.plan(x).explain()
@@ -97,11 +103,11 @@ def test_refused_with_the_reason_where_it_cannot_run():
     model[1].weight.requires_grad_(False)
     assert "weight needs no gradient" in model.plan(x).explain()
     with fusible.split_backward():
-        text = _block().plan(torch.randn(4, 64)).explain()
+        text = _block().plan(torch.randn(4, 64, requires_grad=True)).explain()
     assert "the backward is split" in text
     in_place = ops.Sequential(ops.SwiGLU(recompute_output=True), ops.BasicLinear(32, 16),
                               ops.AddExtraInput(in_place=True))
-    text = in_place.plan(torch.randn(4, 64), torch.randn(4, 16)).explain()
+    text = in_place.plan(torch.randn(4, 64, requires_grad=True), torch.randn(4, 16)).explain()
     assert "adds in place" in text
     with pytest.raises(ValueError, match="recompute_output is not available for scaled"):
         ops.ScaledSwiGLU(recompute_output=True)

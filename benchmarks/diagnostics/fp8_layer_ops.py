@@ -97,9 +97,11 @@ def main() -> None:
             return run_backward(*args, **kwargs)
 
     executor.run_backward = census_backward
-    with census:
-        step()
-    executor.run_backward = run_backward
+    try:
+        with census:
+            step()
+    finally:
+        executor.run_backward = run_backward
     print("PyTorch calls of one step with large results (count, function, shape, dtype, "
           "where):")
     for (name, shape, dtype, where), count in sorted(census.calls.items(),

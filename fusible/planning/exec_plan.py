@@ -135,10 +135,20 @@ class ExecPlan:
         return None if self.recipe is None else self.conditions.dtype
 
 
-def stage_recipe(op_recipes: tuple, lo: int, hi: int):
-    """The recipe a stage over ops ``lo:hi`` computes under: the first one of theirs (a
-    GEMM the FP8 policy keeps in high precision has None)."""
-    return next((r for r in op_recipes[lo:hi] if r is not None), None)
+def stage_recipe(stage: ExecStage, op_recipes: tuple, direction: str):
+    """The recipe ``stage`` computes ``direction`` under: its ops' (one per op in
+    ``op_recipes``; a GEMM the FP8 policy keeps in high precision has None), or None where
+    one of its ops that would quantize in ``direction`` is kept so, though another op of
+    the stage (a bias, a residual add) computes under the recipe: that GEMM reads the
+    stage's input or gradient, and its op computes in high precision (an FP8 hand-off
+    would reach it rounded, and a deferral plan made for FP8 would not match its
+    compute)."""
+    recipe = next((r for r in op_recipes[stage.lo:stage.hi] if r is not None), None)
+    if recipe is None:
+        return None
+    kept = any(r is None and op.quantizes(recipe, direction)
+               for op, r in zip(stage.ops, op_recipes[stage.lo:stage.hi]))
+    return None if kept else recipe
 
 
 def _idle_needs(op) -> OpGradNeeds:

@@ -101,29 +101,16 @@ def hand_off_formats(forward: list, backward: list, needs: tuple, op_recipes: tu
     bwd = [None] * len(backward)
     for k in range(len(forward) - 1):
         nxt = forward[k + 1]
-        recipe = _hand_off_recipe(nxt, op_recipes, "forward")
+        recipe = stage_recipe(nxt, op_recipes, "forward")
         if recipe is not None:
             fwd[k] = nxt.op.input_format(recipe, needs[nxt.lo:nxt.hi])
     for k in range(len(backward) - 1):
         nxt = backward[k + 1]
-        recipe = _hand_off_recipe(nxt, op_recipes, "backward")
+        recipe = stage_recipe(nxt, op_recipes, "backward")
         if recipe is not None:
             bwd[k] = nxt.op.grad_format(recipe, needs[nxt.lo:nxt.hi])
     return fwd, bwd
 
-
-def _hand_off_recipe(stage, op_recipes: tuple, direction: str):
-    """The recipe ``stage`` takes its input (gradient) under: None where one of its ops
-    that would quantize in ``direction`` is kept in high precision (the FP8 policy, an
-    op's ``fp8 = False``), though another op of the stage (a bias, a residual add) computes
-    under the recipe: that GEMM reads the hand-off, and an FP8 one would reach it rounded
-    to FP8 and be dequantized there."""
-    recipe = stage_recipe(op_recipes, stage.lo, stage.hi)
-    if recipe is None:
-        return None
-    kept = any(r is None and op.quantizes(recipe, direction)
-               for op, r in zip(stage.ops, op_recipes[stage.lo:stage.hi]))
-    return None if kept else recipe
 
 
 def op_communication(op, direction: str, needs=None) -> tuple:

@@ -87,7 +87,7 @@ def attach(prep: Preparation, attached: dict) -> Optional[SplitBackward]:
         wanted = st.grad_mask[1] if st.num_params else ()
         if not any(wanted):
             continue
-        verdict = _deferral(st, prep.needs, stage_recipe(prep.op_recipes, st.lo, st.hi)
+        verdict = _deferral(st, prep.needs, stage_recipe(st, prep.op_recipes, "backward")
                             if prep.op_recipes else prep.recipe)
         if isinstance(verdict, str):
             kept.append((stage, verdict))
