@@ -187,6 +187,9 @@ def run_row(row: str, config_name: str, profile: str = "") -> dict:
         raise RuntimeError(f"{row}: fused layers fell back to the original code: {fallbacks}")
     return {"ms": ms, "tokens_per_s": batch * seq / ms * 1e3,
             "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
+            # a captured step's tensors live in its graph's private pool, which the
+            # allocated peak may not count: the reserved peak does (fragmentation included)
+            "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30,
             "loss_after": loss_after, "steps": WARMUP + STEPS, "warmup_s": warmup_s,
             **fallbacks}
 
