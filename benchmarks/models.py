@@ -12,6 +12,10 @@ Mixtral widths, two layers) in the Hugging Face and converted rows. Reports ms p
 steps (the rows start from the same weights and see the same batch: their losses agree,
 FP8 within its tolerance).
 
+A fusible row may name the attention kernel of every fused layer after a colon
+(``fusible_captured:flash``; cudnn, flash, flex or math): an A/B of the kernels at one
+model's shapes.
+
     python benchmarks/models.py --output benchmarks/results/models_h200.json
     python benchmarks/models.py --configs debugmodel --rows hf_eager,fusible_compile
 """
@@ -155,7 +159,10 @@ def run_row(row: str, config_name: str, profile: str = "") -> dict:
         vocab = CONFIGS[config_name][5]
     ids = torch.randint(0, vocab, (batch, seq), device="cuda",
                         generator=torch.Generator("cuda").manual_seed(1))
+    row, _, attention = row.partition(":")
     step, model = build(row, config_name, ids)
+    if attention:
+        _set_attention_backend(model, attention)
     start = time.perf_counter()
     # a captured row's capture made CAPTURE_STEPS real steps: every row trains as many
     for i in range(WARMUP - (CAPTURE_STEPS if row.endswith("captured") else 0)):
@@ -239,6 +246,21 @@ def _fallbacks(model) -> dict:
         for why, count in forward.fallbacks.items():
             reasons[why] = reasons.get(why, 0) + count
     return {"fused_layers": len(forwards), "fallbacks": reasons}
+
+
+def _set_attention_backend(model, backend: str) -> None:
+    """Every fusible attention op of ``model`` (a native model's, or a converted one's
+    fused layers') on ``backend``; ValueError where the model has none."""
+    from fusible import ops
+    from fusible.models.decoder_layers import FusedLayerForward
+    roots = [model] + [m.__dict__["forward"].fused for m in model.modules()
+                       if isinstance(m.__dict__.get("forward"), FusedLayerForward)]
+    found = [m for root in roots for m in root.modules() if isinstance(m, ops.Attention)]
+    if not found:
+        raise ValueError(f"attention backend {backend!r} asked for a model without fusible "
+                         f"attention (a Hugging Face row?)")
+    for attention in found:
+        attention.backend = backend
 
 
 def _run_row_process(row: str, config: str, profile: str, timeout: float) -> dict:
