@@ -6,7 +6,8 @@ once outside the step as the model does) eager, under ``torch.compile`` and with
 torchao's float8 training (tensorwise) + compile, against ``fusible.layers.TransformerLayer``
 on the same weights, eager, compiled and with its forward and backward captured as CUDA
 graphs (``fusible.make_graphed_callables``), bf16 and under ``fusible.autocast()`` (its
-GEMM policy), FlashAttention-2 beside the default cuDNN attention, at
+GEMM policy; the ``fp8delayed`` rows under ``fusible.DelayedScaling()``: one pass per cast),
+FlashAttention-2 beside the default cuDNN attention, at
 Llama-3-8B widths (2 x 4096 and 1 x 8192 tokens), Llama-3.2-1B widths and torchtitan's
 debugmodel shape. LM head: ``F.linear`` +
 ``F.cross_entropy`` eager and compiled, Liger-Kernel's fused linear cross-entropy (when
@@ -20,6 +21,7 @@ Method as ``gpu_mlp.py``: median of ``triton.testing.do_bench``, peak memory of 
 
 import argparse
 import contextlib
+import functools
 import re
 import gc
 import json
@@ -46,7 +48,8 @@ LAYER_ROWS = ["hf_eager", "hf_compile", "torchao_fp8_compile", "fusible_eager",
               "fusible_compile", "fusible_graphed", "fusible_compile_cudagraphs",
               "fusible_flash_eager", "fusible_fp8_eager", "fusible_fp8_compile",
               "fusible_fp8_graphed", "fusible_fp8_compile_cudagraphs", "hf_compile_cudagraphs",
-              "torchao_fp8_compile_cudagraphs"]
+              "torchao_fp8_compile_cudagraphs", "fusible_fp8delayed_eager",
+              "fusible_fp8delayed_graphed"]
 HEAD_ROWS = ["torch_eager", "torch_compile", "liger_eager", "fusible_eager", "fusible_compile",
              "fusible_c1024_eager", "fusible_c4096_eager", "fusible_fp8_eager",
              "fusible_fp8_compile"]
@@ -91,9 +94,18 @@ def build_layer(row: str, shape: tuple):
         if "graphed" in row:  # forward and backward as CUDA graphs: no host time per op
             sample = torch.zeros(batch, seq, hidden, device="cuda", dtype=torch.bfloat16,
                                  requires_grad=True)
-            with fusible.autocast(enabled="fp8" in row):
+            with _autocast(row)():
                 model = fusible.make_graphed_callables(model, (sample,))
     return model
+
+
+def _autocast(row: str):
+    """The context a row runs its steps in: FP8 rows under ``fusible.autocast()``, the
+    ``fp8delayed`` ones with delayed scaling (one pass per cast, scales from amax
+    histories), the others none."""
+    if row.startswith("fusible_fp8delayed"):
+        return functools.partial(fusible.autocast, recipe=fusible.DelayedScaling())
+    return fusible.autocast if row.startswith("fusible_fp8") else contextlib.nullcontext
 
 
 class TorchHead(nn.Module):
@@ -178,8 +190,7 @@ def run_rows(rows, build, make_inputs, results: dict, key: str, output: str,
         try:
             model = build(row)
             inputs, dy = make_inputs()
-            context = fusible.autocast if row.startswith("fusible_fp8") else \
-                contextlib.nullcontext
+            context = _autocast(row)
             compiled = "cudagraphs" if row.endswith("cudagraphs") else row.endswith("compile")
             result, out, step = measure(model, inputs, compiled, dy, context)
             # (on the host: the next rows' peaks must not hold it)
