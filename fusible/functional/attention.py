@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import functools
 import threading
-from typing import Optional
+from typing import Callable, Optional, Union
 
 import attrs
 import torch
@@ -128,20 +128,22 @@ def _backend_refusal(backend: str, device_type: str, dtype: torch.dtype,
 
 
 def choose_backend(requested: Optional[str], device_type: str, dtype: torch.dtype,
-                   head_dim: Optional[int], window: int, documents: bool, where: str,
-                   softcap: float = 0.0) -> str:
+                   head_dim: Optional[int], window: int, documents: bool,
+                   where: Union[str, Callable[[], str]], softcap: float = 0.0) -> str:
     """The backend for this attention: ``requested`` if it can run it (else ValueError
     naming ``where`` and why), or on CUDA cuDNN's where it can (head_dim up to 128, no
     window or documents: on the H200 a 1B layer's attention takes 0.33 + 0.95 ms a step
     there against FlashAttention-2's 0.54 + 1.41), else flash, and for soft-capped logits
     (which neither takes) flex; on the CPU flash, else math. On a GPU the math kernel is
     never chosen unasked: ValueError saying why none fits. ``head_dim`` None (at
-    planning, before the input's width is known) leaves its check to the run."""
+    planning, before the input's width is known) leaves its check to the run. ``where``
+    may be a function that names it (called only for an error: a step asks each time)."""
     if requested is not None:
         why = _backend_refusal(requested, device_type, dtype, head_dim, window, documents,
                                softcap)
         if why:
-            raise ValueError(f"{where}: backend={requested!r} cannot run this attention: {why}")
+            raise ValueError(f"{_name(where)}: backend={requested!r} cannot run this "
+                             f"attention: {why}")
         return requested
     # (flex only for what the others cannot take: it compiles a kernel per shape where
     # they have one ready)
@@ -154,8 +156,13 @@ def choose_backend(requested: Optional[str], device_type: str, dtype: torch.dtyp
         if why is None:
             return backend
         reasons.append(f"{backend}: {why}")
-    raise ValueError(f"{where}: no attention kernel on {device_type} fits ({'; '.join(reasons)});"
-                     f" pass backend='math' to run the formulas with the whole score matrix")
+    raise ValueError(f"{_name(where)}: no attention kernel on {device_type} fits "
+                     f"({'; '.join(reasons)}); pass backend='math' to run the formulas with "
+                     f"the whole score matrix")
+
+
+def _name(where: Union[str, Callable[[], str]]) -> str:
+    return where() if callable(where) else where
 
 
 def mask(seq: int, options: AttentionOptions, cu_seqlens: Optional[Tensor],

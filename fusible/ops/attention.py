@@ -356,7 +356,7 @@ class Attention(BasicOperation):
         choose_backend` picks it for its options; ValueError naming ``where`` (this op by
         default) and why none fits."""
         return attn.choose_backend(self.backend, device_type, dtype, head_dim,
-                                   self.window or 0, self.documents, where or self.describe(),
+                                   self.window or 0, self.documents, where or self.describe,
                                    float(self.softcap or 0.0))
 
     # --- shapes and configuration
