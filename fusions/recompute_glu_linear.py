@@ -70,8 +70,8 @@ class RecomputeGluLinear(FusedOperation):
     to the forward's scale; refused there (the ops run as their own stages, the plan says
     why), as are tensor parallelism, an in-place residual, a split backward (the basic ops
     defer the weight gradient), an input or a weight that needs no gradient (the basic ops
-    save only the output, or nothing of it) and a unit that caches its input in FP8. The gradients are those of the
-    basic ops, bit for bit.
+    save only the output, or nothing of it) and a unit that caches its input in FP8. The
+    gradients are those of the basic ops, bit for bit.
     """
 
     direction = "both"
