@@ -237,8 +237,7 @@ def _host_profile(step, title: str, path: str) -> None:
 def _fallbacks(model) -> dict:
     """A converted model's fused layers and the calls that ran their original code (a
     converted row measuring Hugging Face's code would say so here)."""
-    forwards = [m.__dict__["forward"] for m in model.modules()
-                if type(m.__dict__.get("forward")).__name__ == "FusedLayerForward"]
+    forwards = _fused_forwards(model)
     if not forwards:
         return {}
     reasons: dict = {}
@@ -248,13 +247,17 @@ def _fallbacks(model) -> dict:
     return {"fused_layers": len(forwards), "fallbacks": reasons}
 
 
+def _fused_forwards(model) -> list:
+    """The ``FusedLayerForward`` of each decoder layer ``fusible.convert`` fused."""
+    return [m.__dict__["forward"] for m in model.modules()
+            if type(m.__dict__.get("forward")).__name__ == "FusedLayerForward"]
+
+
 def _set_attention_backend(model, backend: str) -> None:
     """Every fusible attention op of ``model`` (a native model's, or a converted one's
     fused layers') on ``backend``; ValueError where the model has none."""
     from fusible import ops
-    from fusible.models.decoder_layers import FusedLayerForward
-    roots = [model] + [m.__dict__["forward"].fused for m in model.modules()
-                       if isinstance(m.__dict__.get("forward"), FusedLayerForward)]
+    roots = [model] + [forward.fused for forward in _fused_forwards(model)]
     found = [m for root in roots for m in root.modules() if isinstance(m, ops.Attention)]
     if not found:
         raise ValueError(f"attention backend {backend!r} asked for a model without fusible "

@@ -6,7 +6,7 @@ import attrs
 import torch
 
 from fusible import Example, FusedOperation, Op, Pattern
-from fusible.functional.linear import gemm_forward, like_tokens, tokens_2d
+from fusible.functional.linear import gemm_forward, linear_forward, tokens_2d
 from fusible.functional.linear_records import GemmForwardArgs
 from fusible.functional.linear_state import forward_aux, gemm_forward_args, save_linear
 from fusible.ops import AddExtraInput, BasicLinear, Bias, ForwardResult
@@ -60,14 +60,13 @@ class ForwardLinearBiasAdd(FusedOperation):
             y, kept = gemm_forward(gemm, args.bias)
             out = residual.add_(y) if args.in_place else y + residual
             return ForwardResult(out, (), forward_aux(gemm, kept))
-        x, r2 = gemm.input, tokens_2d(residual)
-        if args.in_place:  # a view of the residual (contiguous: the executor checks)
-            y = r2.addmm_(tokens_2d(x), gemm.weight.t())
-        else:
-            y = torch.addmm(r2, tokens_2d(x), gemm.weight.t())
+        if not args.in_place:
+            return ForwardResult(linear_forward(gemm.input, gemm.weight, args.bias, residual))
+        # a view of the residual (contiguous: the executor checks), written by the GEMM
+        y = tokens_2d(residual).addmm_(tokens_2d(gemm.input), gemm.weight.t())
         if args.bias is not None:
-            y.add_(args.bias)  # y is fresh, or the residual being written
-        return ForwardResult(residual if args.in_place else like_tokens(y, x))
+            y.add_(args.bias)
+        return ForwardResult(residual)
 
     def save_for_backward(self, args, result, ctxs):
         save_linear(ctxs[0], args.gemm, result.aux)

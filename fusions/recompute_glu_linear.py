@@ -8,9 +8,9 @@ import torch
 
 from fusible import Example, FusedOperation, Op, Pattern
 from fusible.functional.activations import glu_backward_with_output, glu_forward
-from fusible.functional.linear import bias_grad, gemm_backward, gemm_forward, like_tokens, \
-    tokens_2d
-from fusible.functional.linear_records import GemmBackwardArgs, GemmForwardArgs
+from fusible.functional.linear import (bias_grad, gemm_backward, linear_forward,
+                                       split_gemm_backward)
+from fusible.functional.linear_records import GemmBackwardArgs
 from fusible.functional.parallel import TensorParallel
 from fusible.ops import (AddExtraInput, BackwardResult, BasicLinear, Bias, ForwardResult,
                          SwiGLU)
@@ -131,15 +131,8 @@ class RecomputeGluLinear(FusedOperation):
     @classmethod
     def forward_compute(cls, args, *, in_custom_op=False):
         h = glu_forward(args.kind, args.input, None, args.interleave, args.clamp)
-        if args.residual is None:
-            out, _ = gemm_forward(GemmForwardArgs(h, args.weight, None, None, TensorParallel()),
-                                  args.bias)
-            return ForwardResult(out)
-        # ForwardLinearBiasAdd's arithmetic: the residual as the GEMM's C matrix
-        y = torch.addmm(tokens_2d(args.residual), tokens_2d(h), args.weight.t())
-        if args.bias is not None:
-            y.add_(args.bias)
-        return ForwardResult(like_tokens(y, h))
+        # BasicLinear's GEMM, or ForwardLinearBiasAdd's with the residual as its C matrix
+        return ForwardResult(linear_forward(h, args.weight, args.bias, args.residual))
 
     def save_for_backward(self, args, result, ctxs):
         # the unit's input and the weight need gradients (accepts): both are read
@@ -158,22 +151,20 @@ class RecomputeGluLinear(FusedOperation):
     @classmethod
     def backward_compute(cls, args, *, in_custom_op=False):
         saved, dy = args.saved, args.grad_output
-        dh, _ = gemm_backward(cls._gemm(args, dy, None, True, False))
+        # BasicLinear's GEMMs as two calls: the unit's output comes between them
+        dgrad, wgrad = split_gemm_backward(GemmBackwardArgs(
+            dy, None, saved.weight, None, True, True, TensorParallel(),
+            wgrad_dtype=args.wgrad_dtype))
+        dh, _ = gemm_backward(dgrad)
         # h over dh (read no more): the basic ops' peak, a tensor of dh's size less
         dx, h = glu_backward_with_output(args.kind, dh, saved.input, args.interleave,
                                          args.clamp, consume_grad=True)
         del dh
-        _, dw = gemm_backward(cls._gemm(args, dy, h, False, True))
+        _, dw = gemm_backward(attrs.evolve(wgrad, input=h))
         params = (dw,) + ((bias_grad(dy) if args.need_grad_bias else None,)
                           if args.has_bias else ())
         extras = (dy if args.need_grad_residual else None,) if args.has_residual else ()
         return BackwardResult(dx, params, extras)
-
-    @staticmethod
-    def _gemm(args, dy, h, dgrad: bool, wgrad: bool) -> GemmBackwardArgs:
-        """One half of the linear layer's backward GEMMs, as BasicLinear runs them."""
-        return GemmBackwardArgs(dy, h, args.saved.weight, None, dgrad, wgrad, TensorParallel(),
-                                wgrad_dtype=args.wgrad_dtype)
 
     @classmethod
     def example(cls):

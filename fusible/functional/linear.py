@@ -32,8 +32,8 @@ from fusible.quantization.tensor.quantize import requantize
 
 # What fusion authors import (docs/writing_a_fusion.md, "Helpers for fusion authors"); the
 # rest serves BasicLinear, GroupedLinear and the benchmarks' timers.
-__all__ = ["bias_grad", "gemm_backward", "gemm_forward", "like_tokens", "split_dgrad",
-           "split_gemm_backward", "tokens_2d"]
+__all__ = ["bias_grad", "gemm_backward", "gemm_forward", "like_tokens", "linear_forward",
+           "split_dgrad", "split_gemm_backward", "tokens_2d"]
 
 Tensor = torch.Tensor
 
@@ -77,10 +77,33 @@ def like_tokens(y2: Tensor, t: Tensor) -> Tensor:
     return y2 if t.dim() == 2 else y2.view(*t.shape[:-1], y2.shape[-1])
 
 
-def linear_forward(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
-    """``x @ weight.T (+ bias)``; with a bias, one GEMM with the bias epilogue."""
+def linear_forward(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None,
+                   residual: Optional[Tensor] = None) -> Tensor:
+    """A linear layer's high-precision GEMM: ``x @ weight.T (+ bias) (+ residual)``.
+
+    Parameters
+    ----------
+    x : Tensor
+        Of shape (..., in_features).
+    weight : Tensor
+        (out_features, in_features).
+    bias : Tensor, optional
+        Without a residual, added in the GEMM's epilogue; with one, added after it.
+    residual : Tensor, optional
+        Of the output's shape: the GEMM's C matrix (``ForwardLinearBiasAdd``'s arithmetic).
+
+    Returns
+    -------
+    Tensor
+        Of shape (..., out_features).
+    """
     x2 = tokens_2d(x)
-    y = torch.mm(x2, weight.t()) if bias is None else torch.addmm(bias, x2, weight.t())
+    if residual is not None:
+        y = torch.addmm(tokens_2d(residual), x2, weight.t())
+        if bias is not None:
+            y.add_(bias)
+    else:
+        y = torch.mm(x2, weight.t()) if bias is None else torch.addmm(bias, x2, weight.t())
     return like_tokens(y, x)
 
 

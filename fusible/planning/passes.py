@@ -112,7 +112,6 @@ def hand_off_formats(forward: list, backward: list, needs: tuple, op_recipes: tu
     return fwd, bwd
 
 
-
 def op_communication(op, direction: str, needs=None) -> tuple:
     """``(where, what)`` collectives of ``op`` in ``direction`` (for the gradients in
     ``needs``, when given): those of its compute, and the all-reduce of its parameter
