@@ -35,6 +35,7 @@ import fusible
 from fusible import ops
 from fusible.layers import TransformerLayer, llama_layer_state_dict
 from gpu_mlp import profile_step
+from diagnostics.allocator_peak import allocator_peak
 from diagnostics.peak_tensors import peak_breakdown
 
 # name: (hidden, ffn, heads, kv heads, batch, seq)
@@ -200,6 +201,8 @@ def run_rows(rows, build, make_inputs, results: dict, key: str, output: str,
                 profile_step(step, f"{key} {row}", profile)
             if peaks and row in ("fusible_eager", "fusible_fp8_eager", "liger_eager"):
                 peak_breakdown(step, f"{key} {row}", peaks)
+            if peaks and key.startswith("layer") and row in ("hf_compile", "fusible_eager"):
+                allocator_peak(step, f"{key} {row}", peaks)
         except Exception as error:  # a row that cannot run is reported, the rest go on
             result = {"error": repr(error)[:300]}
         # the next row's peak must not hold this row's model, inputs and step (its closure)
@@ -217,7 +220,8 @@ def main() -> None:
     parser.add_argument("--layers", default=",".join(LAYERS))
     parser.add_argument("--peak-breakdown", default="", metavar="PATH",
                         help="the tensors alive at the LM head rows' memory peak (its stages "
-                             "then run as custom ops: diagnostics/peak_tensors.py)")
+                             "then run as custom ops: diagnostics/peak_tensors.py), and the "
+                             "allocator's blocks at the layers' (diagnostics/allocator_peak.py)")
     parser.add_argument("--no-head", dest="head", action="store_false",
                         help="skip the LM head rows")
     parser.add_argument("--rows", default="",
@@ -244,7 +248,8 @@ def main() -> None:
 
         run_rows(rows(LAYER_ROWS),
                  lambda row: build_layer(row, shape), layer_inputs, results, f"layer {name}",
-                 args.output, args.profile if name == "llama3_1b" else "")
+                 args.output, args.profile if name == "llama3_1b" else "",
+                 args.peak_breakdown)
     hidden, vocab, tokens = HEAD
 
     def head_inputs():

@@ -82,8 +82,9 @@ def _hf_model(config_name: str):
     return model
 
 
-def build(row: str, config_name: str, example_ids):
-    """``(step function of (ids, labels) -> loss, the model)`` for one row."""
+def build(row: str, config_name: str, example_ids, attention: str = ""):
+    """``(step function of (ids, labels) -> loss, the model)`` for one row; ``attention``
+    names the fusible attention kernel (set before a captured row captures its step)."""
     import contextlib
     import torch
     if row == "liger":
@@ -130,6 +131,8 @@ def build(row: str, config_name: str, example_ids):
     if "compile" in row:
         mode = "reduce-overhead" if row.endswith("cudagraphs") else None
         forward = torch.compile(forward, mode=mode)
+    if attention:
+        _set_attention_backend(model, attention)
     captured = row.endswith("captured")
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True, capturable=captured)
 
@@ -160,9 +163,7 @@ def run_row(row: str, config_name: str, profile: str = "") -> dict:
     ids = torch.randint(0, vocab, (batch, seq), device="cuda",
                         generator=torch.Generator("cuda").manual_seed(1))
     row, _, attention = row.partition(":")
-    step, model = build(row, config_name, ids)
-    if attention:
-        _set_attention_backend(model, attention)
+    step, model = build(row, config_name, ids, attention)
     start = time.perf_counter()
     # a captured row's capture made CAPTURE_STEPS real steps: every row trains as many
     for i in range(WARMUP - (CAPTURE_STEPS if row.endswith("captured") else 0)):

@@ -53,6 +53,7 @@ class GluLinearBackwardArgs:
     has_bias: bool
     has_residual: bool
     wgrad_dtype: Optional[torch.dtype]
+    consume_input: bool = False  # the record alone holds the unit's input (ctx.owned)
 
 
 class RecomputeGluLinear(FusedOperation):
@@ -84,6 +85,9 @@ class RecomputeGluLinear(FusedOperation):
     # the unit's output and the linear's dgrad are rounded, as the ops' own stages do
     rounds_output_after = ("glu",)
     rounds_gradient_before = ("linear",)
+    # the unit's gradient written over its input (read no more): the peak of the
+    # backward holds one tensor of the input's size less than the basic ops'
+    consumable_saved = ("input",)
 
     @classmethod
     def accepts(cls, match, env):
@@ -146,7 +150,7 @@ class RecomputeGluLinear(FusedOperation):
             grad_output, ctxs[0].saved, glu.kind, glu.glu_interleave_size or 0, glu.clamp(),
             has_bias and ctxs[2].needs.params[0],
             has_residual and ctxs[-1].needs.extra_inputs[0], has_bias, has_residual,
-            linear.wgrad_dtype)
+            linear.wgrad_dtype, "input" in ctxs[0].owned)
 
     @classmethod
     def backward_compute(cls, args, *, in_custom_op=False):
@@ -156,9 +160,11 @@ class RecomputeGluLinear(FusedOperation):
             dy, None, saved.weight, None, True, True, TensorParallel(),
             wgrad_dtype=args.wgrad_dtype))
         dh, _ = gemm_backward(dgrad)
-        # h over dh (read no more): the basic ops' peak, a tensor of dh's size less
+        # h over dh (read no more), and dx over the input where the record alone held it
+        # (a compiled stage never writes over its inputs)
         dx, h = glu_backward_with_output(args.kind, dh, saved.input, args.interleave,
-                                         args.clamp, consume_grad=True)
+                                         args.clamp, consume_grad=True,
+                                         consume_input=args.consume_input and not in_custom_op)
         del dh
         _, dw = gemm_backward(attrs.evolve(wgrad, input=h))
         params = (dw,) + ((bias_grad(dy) if args.need_grad_bias else None,)

@@ -601,12 +601,21 @@ def test_fp8_parameters_on_gpu():
 
 
 @pytest.mark.parametrize("unit", ["swiglu", "geglu", "clamped"])
-def test_recompute_glu_linear_same_bits_as_the_basic_ops_on_gpu(unit, fresh_dynamo):
+def test_recompute_glu_linear_same_bits_as_the_basic_ops_on_gpu(unit, fresh_dynamo,
+                                                                 monkeypatch):
     """RecomputeGluLinear on the Triton kernels (the backward kernel writes the unit's
-    output again over the dgrad it read): outputs and every gradient equal the plan
-    without it, eagerly and compiled (Inductor), on a shape of several tiles with ragged
-    edges."""
+    output again over the dgrad it read, and eagerly its gradient over its input):
+    outputs and every gradient equal the plan without it, eagerly and compiled
+    (Inductor), on a shape of several tiles with ragged edges."""
     import fusible
+    import fusible.fusions.recompute_glu_linear as module
+    written, real = [], module.glu_backward_with_output
+
+    def spy(kind, dy, x, *args, **kwargs):
+        dx, y = real(kind, dy, x, *args, **kwargs)
+        written.append(dx is x)
+        return dx, y
+    monkeypatch.setattr(module, "glu_backward_with_output", spy)
     Unit = {"swiglu": ops.SwiGLU, "geglu": ops.GEGLU, "clamped": ops.ClampedSwiGLU}[unit]
     torch.manual_seed(0)
 
@@ -632,8 +641,10 @@ def test_recompute_glu_linear_same_bits_as_the_basic_ops_on_gpu(unit, fresh_dyna
     x.requires_grad_(False)
     want = step(plain)
     assert all(torch.equal(a, b) for a, b in zip(step(joint), want))
+    assert written == [True]
     compiled = torch.compile(joint, fullgraph=True)
     assert all(torch.equal(a, b) for a, b in zip(step(compiled), want))
+    assert written[0] and len(written) > 1 and not any(written[1:])  # (traced: fakes too)
 
 
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])

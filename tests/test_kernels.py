@@ -250,6 +250,11 @@ _NORM_SWIGLU_SCRIPT = textwrap.dedent("""
                                              with_output=True, consume_grad=True)
             assert torch.equal(dx3, dx) and torch.equal(y3, y), what
             assert y3.data_ptr() == consumed.data_ptr() or dy.dtype != x.dtype, what
+            read = x.clone()  # and the input gradient over the input it was computed from
+            dx4, y4 = swiglu_backward_triton(dy, read, block_m=4, block_n=16, **layout,
+                                             with_output=True, consume_input=True)
+            assert torch.equal(dx4, dx) and torch.equal(y4, y), what
+            assert dx4.data_ptr() == read.data_ptr() or dy.dtype != x.dtype, what
         for shape, ns in (((7, 70), [70]), ((3, 5, 3, 12), [3, 12]), ((0, 8), [8])):
             # an offset mean, so that LayerNorm's centring shows
             x, dy = (3 * torch.randn(shape) + 2).to(dtype), torch.randn(shape).to(dtype)

@@ -145,3 +145,65 @@ def test_transformer_layers_recompute_their_gated_activation_by_default():
     assert "RecomputeGluLinear" not in gelu.plan(x).explain()
     with pytest.raises(TypeError, match="recompute_activation must be a bool"):
         TransformerLayer(32, 48, 4, recompute_activation="yes")
+
+
+def _consumption(monkeypatch) -> list:
+    """Per backward of the joint stage: ``(consume_input asked, dx written over the unit's
+    input)``."""
+    import fusible.fusions.recompute_glu_linear as module
+    seen, real = [], module.glu_backward_with_output
+
+    def spy(kind, dy, x, *args, consume_input=False, **kwargs):
+        dx, y = real(kind, dy, x, *args, consume_input=consume_input, **kwargs)
+        seen.append((consume_input, dx is x))
+        return dx, y
+    monkeypatch.setattr(module, "glu_backward_with_output", spy)
+    return seen
+
+
+def test_the_units_gradient_is_written_over_its_input_where_only_the_stage_holds_it(
+        monkeypatch):
+    """Inside a pipeline (a linear layer before the unit) the unit's input is an
+    intermediate only the joint stage's record holds: its gradient is written over it (one
+    tensor of that size less at the backward's peak), the bits those of the basic ops."""
+    seen = _consumption(monkeypatch)
+    layers = [ops.BasicLinear(16, 64), ops.SwiGLU(recompute_output=True),
+              ops.BasicLinear(32, 16)]
+    joint = exact_parameters_(ops.Sequential(*layers))
+    plain = ops.Sequential(ops.BasicLinear(16, 64), ops.SwiGLU(), ops.BasicLinear(32, 16))
+    plain.load_state_dict(joint.state_dict())
+    x = exact_tensor((3, 5, 16), torch.float32).requires_grad_()
+    for a, b in zip(_run(joint, x), _run(plain, x)):
+        assert torch.equal(a, b)
+    assert seen == [(True, True)]
+
+
+def test_a_tensor_the_caller_holds_is_never_written_over(monkeypatch):
+    """The unit's input stays untouched where the caller passed it (the unit first in the
+    pipeline), can read it (an extra output), under saved-tensors hooks (which may hand
+    back the tensor itself), and in a compiled stage (which never writes over its
+    inputs): the gradients are the basic ops' all the same."""
+    seen = _consumption(monkeypatch)
+    x = exact_tensor((4, 64), torch.float32).requires_grad_()
+    before = x.detach().clone()
+    joint, plain = _pair(torch.float32)
+    for a, b in zip(_run(joint, x), _run(plain, x)):
+        assert torch.equal(a, b)
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+        pipeline = ops.Sequential(ops.BasicLinear(16, 64), ops.SwiGLU(recompute_output=True),
+                                  ops.BasicLinear(32, 16))
+        _run(pipeline, torch.randn(3, 16, requires_grad=True))
+    exposed = ops.Sequential(ops.BasicLinear(16, 64), ops.MakeExtraOutput(),
+                             ops.SwiGLU(recompute_output=True), ops.BasicLinear(32, 16))
+    assert "RecomputeGluLinear" in stage_names(exposed.plan(torch.randn(3, 16)).forward)
+    y, h = exposed(torch.randn(3, 16, requires_grad=True))
+    kept = h.detach().clone()
+    (y.sum() + h.sum()).backward()
+    assert torch.equal(h.detach(), kept)
+    assert torch.equal(x.detach(), before)
+    assert [asked for asked, _ in seen] == [False, False, False]
+    seen.clear()
+    compiled = torch.compile(ops.Sequential(*[m for m in pipeline]), backend="aot_eager",
+                             fullgraph=True)
+    compiled(torch.randn(3, 16, requires_grad=True)).sum().backward()
+    assert all(not written for _, written in seen)

@@ -26,7 +26,7 @@ class OperationContext:
         call; empty otherwise.
     """
 
-    __slots__ = ("needs", "recipe", "saved", "versions", "outputs", "states")
+    __slots__ = ("needs", "recipe", "saved", "versions", "outputs", "owned", "states")
 
     def __init__(self, needs: OpGradNeeds, recipe: Any = None):
         self.needs = needs
@@ -35,6 +35,9 @@ class OperationContext:
         self.saved: Any = None
         self.versions = ()  # (field, version) of saved intermediates, set by the fuser
         self.outputs = ()   # fields holding outputs kept by autograd, set by the fuser
+        # fields of the reader's consumable_saved whose tensor only this record holds (the
+        # backward may write over it), set by the fuser
+        self.owned = ()
 
     def clear(self) -> None:
         """Drop the saved record: its tensors are freed once nothing else holds them."""

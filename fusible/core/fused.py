@@ -36,6 +36,12 @@ class FusedOperation(StageSpec):
     ``rounds_output_after`` (optional)
         Likewise for the forward: pattern names of covered ops (not the last) whose output
         the forward stage rounds to the model's dtype before going on.
+    ``consumable_saved`` (optional, joint fusions)
+        Fields of its ``saved_type`` whose tensor the backward may overwrite (write a
+        gradient of the same size over it) where its context alone holds it: the runtime
+        lists those it may in ``ctx.owned`` (never a tensor the caller passed or got,
+        a view, one another context also saved, or under saved-tensors hooks), and a
+        compiled stage (``in_custom_op``) never overwrites its inputs.
 
     and, optionally, ``accepts(match, env)`` returning True or the reason for
     refusing a structural match. The planner constructs the fusion with the
@@ -72,6 +78,7 @@ class FusedOperation(StageSpec):
     handles_communication: ClassVar[bool] = False
     rounds_gradient_before: ClassVar[tuple] = ()
     rounds_output_after: ClassVar[tuple] = ()
+    consumable_saved: ClassVar[tuple] = ()
 
     def __init__(self, match: Match):
         self.match = match

@@ -292,8 +292,8 @@ def glu_backward(kind: str, grad_output: Tensor, x: Tensor,
 
 
 def glu_backward_with_output(kind: str, grad_output: Tensor, x: Tensor, interleave: int = 0,
-                             clamp: tuple = CLAMP_DEFAULTS, consume_grad: bool = False
-                             ) -> tuple:
+                             clamp: tuple = CLAMP_DEFAULTS, consume_grad: bool = False,
+                             consume_input: bool = False) -> tuple:
     """A gated unit's input gradient and its forward result again, bit for bit (for a
     weight gradient that recomputes its input instead of saving it:
     ``fusions/recompute_glu_linear.py``).
@@ -314,6 +314,10 @@ def glu_backward_with_output(kind: str, grad_output: Tensor, x: Tensor, interlea
     consume_grad : bool
         The caller reads ``grad_output`` no more: on CUDA ``y`` may be written over it
         (one tensor of its size less alive at once).
+    consume_input : bool
+        Nothing reads ``x`` afterwards: ``dx`` is written over it where it is contiguous
+        and of the gradient's dtype (on CUDA in the kernel, one tensor of ``x``'s size less
+        alive at once; elsewhere copied, so that every device aliases alike).
 
     Returns
     -------
@@ -324,9 +328,13 @@ def glu_backward_with_output(kind: str, grad_output: Tensor, x: Tensor, interlea
         return swiglu_kernels.swiglu_backward_triton(grad_output, x, kind=kind,
                                                      interleave=interleave, clamp=clamp,
                                                      with_output=True,
-                                                     consume_grad=consume_grad)
-    return (glu_backward(kind, grad_output, x, None, interleave, clamp),
-            glu_forward(kind, x, None, interleave, clamp))
+                                                     consume_grad=consume_grad,
+                                                     consume_input=consume_input)
+    y = glu_forward(kind, x, None, interleave, clamp)
+    dx = glu_backward(kind, grad_output, x, None, interleave, clamp)
+    if consume_input and x.is_contiguous() and dx.dtype == x.dtype:
+        dx = x.copy_(dx)
+    return dx, y
 
 
 def _clamped(a: Tensor, b: Tensor, clamp: tuple) -> tuple:

@@ -121,8 +121,10 @@ def _norm_fwd_cast_kernel(x_ptr, w_ptr, b_ptr, mean_ptr, rstd_ptr, amax_ptr, dat
 def _norm_bwd_row_kernel(dy_ptr, x_ptr, w_ptr, mean_ptr, rstd_ptr, dx_ptr, add_ptr,
                          dw_part_ptr, db_part_ptr, M, N, rows_per_program,
                          CENTER: tl.constexpr, NEED_DX: tl.constexpr, NEED_DW: tl.constexpr,
-                         NEED_DB: tl.constexpr, HAS_ADD: tl.constexpr, BLOCK_N: tl.constexpr):
-    """The backward for rows that fit in one tile: each row read once,
+                         NEED_DB: tl.constexpr, HAS_ADD: tl.constexpr, BLOCK_M: tl.constexpr,
+                         BLOCK_N: tl.constexpr):
+    """The backward for rows that fit in one tile, ``BLOCK_M`` rows at a time (narrow rows
+    would otherwise leave each step waiting on its loads): each row read once,
     ``dx = rstd * (g - mean(g) - x_hat * mean(g * x_hat))`` with ``g = dy * w``
     (``mean(g)`` only with ``CENTER``; ``HAS_ADD``: plus ``add``, in float32, rounded
     once); the parameter gradients' partial sums kept in registers and stored once per
@@ -133,32 +135,32 @@ def _norm_bwd_row_kernel(dy_ptr, x_ptr, w_ptr, mean_ptr, rstd_ptr, dx_ptr, add_p
     w = tl.load(w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
     dw = tl.zeros((BLOCK_N,), dtype=tl.float32)
     db = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for i in range(0, rows_per_program):
-        row = pid * rows_per_program + i
-        ok = col_ok & ((row + tl.zeros((BLOCK_N,), dtype=tl.int32)) < M)
-        offs = row.to(tl.int64) * N + cols
-        safe = tl.minimum(row, M - 1)  # past M every load and store is masked
+    for start in range(0, rows_per_program, BLOCK_M):
+        rows = pid * rows_per_program + start + tl.arange(0, BLOCK_M)
+        row_ok = rows < M
+        ok = row_ok[:, None] & col_ok[None, :]
+        offs = rows.to(tl.int64)[:, None] * N + cols[None, :]
         dy = tl.load(dy_ptr + offs, mask=ok, other=0.0).to(tl.float32)
         x = tl.load(x_ptr + offs, mask=ok, other=0.0).to(tl.float32)
-        rstd = tl.load(rstd_ptr + safe)
-        mean = 0.0
+        rstd = tl.load(rstd_ptr + rows, mask=row_ok, other=0.0)
+        mean = tl.zeros((BLOCK_M,), dtype=tl.float32)
         if CENTER:
-            mean = tl.load(mean_ptr + safe)
-        x_hat = tl.where(ok, (x - mean) * rstd, 0.0)
+            mean = tl.load(mean_ptr + rows, mask=row_ok, other=0.0)
+        x_hat = tl.where(ok, (x - mean[:, None]) * rstd[:, None], 0.0)
         if NEED_DX:
-            g = dy * w
-            c1 = tl.sum(g * x_hat, axis=0) / N
-            c0 = 0.0
+            g = dy * w[None, :]
+            c1 = tl.sum(g * x_hat, axis=1) / N
+            c0 = tl.zeros((BLOCK_M,), dtype=tl.float32)
             if CENTER:
-                c0 = tl.sum(g, axis=0) / N
-            dx = rstd * (g - c0 - x_hat * c1)
+                c0 = tl.sum(g, axis=1) / N
+            dx = rstd[:, None] * (g - c0[:, None] - x_hat * c1[:, None])
             if HAS_ADD:
                 dx += tl.load(add_ptr + offs, mask=ok, other=0.0).to(tl.float32)
             tl.store(dx_ptr + offs, dx.to(dx_ptr.dtype.element_ty), mask=ok)
         if NEED_DW:
-            dw += dy * x_hat
+            dw += tl.sum(dy * x_hat, axis=0)
         if NEED_DB:
-            db += dy
+            db += tl.sum(dy, axis=0)
     if NEED_DW:
         tl.store(dw_part_ptr + pid.to(tl.int64) * N + cols, dw, mask=col_ok)
     if NEED_DB:
@@ -221,8 +223,10 @@ def _blocks(n: int, block_n: int | None) -> tuple:
     return max(1, min(16, 2048 // block_n)), block_n
 
 
-# Rows up to this wide are held whole in one program's registers by the backward.
+# Rows up to this wide are held whole in one program's registers by the backward, in tiles
+# of about _ROW_TILE elements (several rows at once where rows are narrower).
 _WHOLE_ROW_MAX = 16384
+_ROW_TILE = 2048
 _CAST_BLOCK = (64, 128)  # the tile of the FP8 cast pass
 
 
@@ -356,7 +360,7 @@ def norm_backward_triton(grad_output: torch.Tensor, x: torch.Tensor, mean: torch
     add = accumulate_into.contiguous() if accumulate_into is not None and need_dx else None
     whole = triton.next_power_of_2(n)
     whole_row = (block_n is None or block_n >= whole) and n <= _WHOLE_ROW_MAX
-    block_m, block_n = (1, whole) if whole_row else _blocks(n, block_n)
+    block_m, block_n = (max(1, _ROW_TILE // whole), whole) if whole_row else _blocks(n, block_n)
     programs = min(programs or _programs(m, x.device), triton.cdiv(m, block_m))
     rows_per_program = triton.cdiv(triton.cdiv(m, programs), block_m) * block_m
     programs = triton.cdiv(m, rows_per_program)
@@ -369,8 +373,8 @@ def norm_backward_triton(grad_output: torch.Tensor, x: torch.Tensor, mean: torch
     flags = dict(CENTER=center, NEED_DX=need_dx, NEED_DW=need_dw, NEED_DB=need_db,
                  HAS_ADD=add is not None)
     if whole_row:
-        _norm_bwd_row_kernel[(programs,)](*args, **flags, BLOCK_N=block_n,
-                                          num_warps=max(4, min(16, block_n // 512)))
+        _norm_bwd_row_kernel[(programs,)](*args, **flags, BLOCK_M=block_m, BLOCK_N=block_n,
+                                          num_warps=max(4, min(16, block_m * block_n // 512)))
     else:
         _norm_bwd_kernel[(programs,)](*args, **flags, BLOCK_M=block_m, BLOCK_N=block_n)
     dw = dw_part.sum(0).view(weight.shape).to(weight.dtype) if need_dw else None

@@ -16,7 +16,10 @@ import torch
 
 from fusible.kernels import jit, require_triton, tl, triton
 
-_BLOCK_T = 16  # tokens per program: 16 x 128 features of one head, 4 warps
+# Tokens per program: about _BLOCK_ELEMENTS features of one head (16 tokens of 64 or 128
+# features; more tokens of narrower heads, whose programs would otherwise be too small to
+# hide their launch), 4 warps.
+_BLOCK_ELEMENTS = 1024
 
 
 @jit
@@ -83,6 +86,7 @@ def _launch(packed, q, k, v, cos, sin, heads, kv_heads, head_dim, interleaved, b
     tokens, half = q.shape[0], cos.shape[-1]
     if not tokens:
         return
+    block_t = block_t or max(16, triton.next_power_of_2(_BLOCK_ELEMENTS // head_dim))
     grid = (triton.cdiv(tokens, block_t), heads + 2 * kv_heads)
     _qkv_rotary_kernel[grid](
         packed, q, k, v, cos, sin, tokens, cos.shape[0], heads, kv_heads, D=head_dim,
@@ -93,7 +97,7 @@ def _launch(packed, q, k, v, cos, sin, heads, kv_heads, head_dim, interleaved, b
 
 def qkv_rotary_forward_triton(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                               heads: int, kv_heads: int, interleaved: bool,
-                              block_t: int = _BLOCK_T) -> torch.Tensor:
+                              block_t: int | None = None) -> torch.Tensor:
     """q ``(T, H, D)``, k and v ``(T, K, D)``, one after another in one flat buffer (the
     result), from ``qkv`` ``(T, (H + 2K) * D)`` contiguous, q and k rotated by the tables
     ``cos``, ``sin`` ``(R, rotary_dim / 2)`` float32, row ``t % R`` for token ``t``."""
@@ -111,7 +115,7 @@ def qkv_rotary_forward_triton(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.T
 
 def qkv_rotary_backward_triton(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor,
                                cos: torch.Tensor, sin: torch.Tensor, interleaved: bool,
-                               block_t: int = _BLOCK_T) -> torch.Tensor:
+                               block_t: int | None = None) -> torch.Tensor:
     """The QKV gradient ``(T, (H + 2K) * D)`` from contiguous ``dq`` ``(T, H, D)``, ``dk``
     and ``dv`` ``(T, K, D)``, dq and dk rotated back."""
     require_triton("qkv_rotary_backward")

@@ -213,16 +213,20 @@ def halves_amax(da, db):
 @jit
 def _swiglu_bwd_kernel(dy_ptr, x_ptr, dx_ptr, amax_ptr, y_ptr, M, N, S, LIMIT, ALPHA, OFFSET,
                        KIND: tl.constexpr, INTERLEAVED: tl.constexpr, AMAX_ONLY: tl.constexpr,
-                       WRITE_Y: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                       WRITE_Y: tl.constexpr, DX_OVER_X: tl.constexpr, BLOCK_M: tl.constexpr,
+                       BLOCK_N: tl.constexpr):
     """``dx`` (``M x 2N``), or (``AMAX_ONLY``) only the absolute maximum of its values;
     with ``WRITE_Y`` the forward's ``y`` too (``M x N``, the forward kernel's bits), from
-    the same reads of ``x``, possibly over ``dy`` (each program writes only the tile it
-    read, after a barrier: every thread of the program has read it by then)."""
+    the same reads of ``x``, possibly over ``dy``, and ``dx`` over ``x`` with
+    ``DX_OVER_X`` (each program writes only the tile it read, after a barrier: every
+    thread of the program has read it by then)."""
     rows, cols, mask, a_cols, b_cols, a, b, da, db = _gated_grads(
         dy_ptr, x_ptr, M, N, S, LIMIT, ALPHA, OFFSET, KIND, INTERLEAVED, BLOCK_M, BLOCK_N)
     if AMAX_ONLY:
         atomic_amax_of_tile(halves_amax(da, db), mask, amax_ptr)
     else:
+        if DX_OVER_X:
+            tl.debug_barrier()
         row_offs = rows[:, None].to(tl.int64) * (2 * N)
         tl.store(dx_ptr + row_offs + a_cols[None, :], da, mask=mask)
         tl.store(dx_ptr + row_offs + b_cols[None, :], db, mask=mask)
@@ -327,16 +331,18 @@ def swiglu_forward_fp8_triton(x: torch.Tensor, fp8_dtype: torch.dtype, fp8_max: 
 def swiglu_backward_triton(grad_output: torch.Tensor, x: torch.Tensor, block_m: int = 32,
                            block_n: int = 128, kind: str = "swiglu", interleave: int = 0,
                            clamp: tuple = CLAMP_DEFAULTS, with_output: bool = False,
-                           consume_grad: bool = False):
+                           consume_grad: bool = False, consume_input: bool = False):
     """The gradient of :func:`swiglu_forward_triton` with respect to ``x``; with
     ``with_output``, ``(dx, y)``: the forward's result again, from the same pass (for a
     weight gradient that recomputes its input instead of saving it), written over
     ``grad_output`` where ``consume_grad`` and the dtypes agree (the caller reads it no
-    more: one tensor of that size less at once)."""
+    more: one tensor of that size less at once); ``dx`` over ``x`` likewise where
+    ``consume_input``, ``x`` is contiguous and the dtypes agree."""
     require_triton("swiglu_backward_triton")
+    over_x = consume_input and x.is_contiguous() and grad_output.dtype == x.dtype
     dy, x = grad_output.contiguous(), x.contiguous()
     m, n = _rows_and_half(x, kind, interleave)
-    dx = torch.empty_like(x, dtype=dy.dtype)
+    dx = x if over_x else torch.empty_like(x, dtype=dy.dtype)
     if not with_output:
         y = dx
     elif consume_grad and dy.dtype == x.dtype:
@@ -346,7 +352,7 @@ def swiglu_backward_triton(grad_output: torch.Tensor, x: torch.Tensor, block_m: 
     if dx.numel():
         _swiglu_bwd_kernel[tile_grid(m, n, block_m, block_n)](
             dy, x, dx, dx, y, m, n, **_layout(kind, interleave, clamp), AMAX_ONLY=False,
-            WRITE_Y=with_output, BLOCK_M=block_m, BLOCK_N=block_n)
+            WRITE_Y=with_output, DX_OVER_X=over_x, BLOCK_M=block_m, BLOCK_N=block_n)
     return (dx, y) if with_output else dx
 
 
@@ -366,7 +372,7 @@ def swiglu_backward_fp8_triton(grad_output: torch.Tensor, x: torch.Tensor,
     layout = _layout(kind, interleave, clamp)
     amax = scale_amax(delayed, x.device, lambda slot: _swiglu_bwd_kernel[grid](
         dy, x, slot, slot, slot, m, n, **layout, AMAX_ONLY=True, WRITE_Y=False,
-        BLOCK_M=block_m, BLOCK_N=block_n))
+        DX_OVER_X=False, BLOCK_M=block_m, BLOCK_N=block_n))
     like = dy.new_empty(()).expand(x.shape)
     data, transpose, scale_inv, in_kernel_t = fp8_buffers(like, fp8_dtype, columnwise)
     _swiglu_bwd_cast_kernel[grid](dy, x, amax, data, transpose, scale_inv, m, n,

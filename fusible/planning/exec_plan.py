@@ -73,7 +73,8 @@ class ExecPlan:
     recipe : Recipe or None
         The FP8 recipe, decoded once for the plan.
     saved_readers : tuple
-        Per op: ``(op, who reads its saved record, the record's type)``.
+        Per op: ``(op, who reads its saved record, the record's type, the fields it may
+        overwrite in the backward)``.
     num_extra_inputs : int
         Extra inputs the caller passes.
     constant_extra_outputs : tuple of int

@@ -72,15 +72,18 @@ def _constant_extra_outputs(ops, needs: tuple, caller_out: tuple) -> tuple:
 
 
 def _saved_readers(ops, start, forward) -> tuple:
-    """Per op: ``(op, reader, record type)``: the op and its ``saved_type``, but for the
-    ops of a joint fusion, which saves its own record in its first op's context only."""
-    readers = [(op, type(op).__name__, op.saved_type) for op in ops]
+    """Per op: ``(op, reader, record type, fields the reader may overwrite)``: the op and
+    its ``saved_type``, but for the ops of a joint fusion, which saves its own record in
+    its first op's context only (and may consume fields of it: ``consumable_saved``)."""
+    readers = [(op, type(op).__name__, op.saved_type, ()) for op in ops]
     for stage in forward:
         if stage.fused and stage.op.direction == "both":
             lo = stage.indices[0] - start
             for k in range(len(stage.indices)):
-                what = stage.op.saved_type if k == 0 else None
-                readers[lo + k] = (ops[lo + k], f"the joint fusion {stage.name}", what)
+                what, consumable = ((stage.op.saved_type, stage.op.consumable_saved) if k == 0
+                                    else (None, ()))
+                readers[lo + k] = (ops[lo + k], f"the joint fusion {stage.name}", what,
+                                   consumable)
     return tuple(readers)
 
 

@@ -301,7 +301,7 @@ class _PipelineFunction(torch.autograd.Function):
         for node in plan.hooks.forward_node:
             node(fctx, extra_inputs, y)
         stash_saved(fctx, ctxs, plan.saved_readers, (x, *tensors[:params_end]),
-                    (y, *extra_outputs))
+                    (y, *extra_outputs), traced)
         # Traced (compiled) runs keep the plan and ops weakly: a trace may keep this node alive
         # after the module is gone (dynamo's fake propagation never runs its backward), and
         # the compiled graph does not use the node at run time.

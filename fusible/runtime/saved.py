@@ -11,12 +11,18 @@ reference to its base. Under saved-tensors hooks (``torch.utils.checkpoint`` wit
 ``use_reentrant=False``, ``save_on_cpu``) intermediates go through ``save_for_backward``
 as outputs do, so that the hooks see them: a checkpoint then holds none of them between
 the passes.
+
+A joint fusion may overwrite fields of its record in its backward (``consumable_saved``:
+a gradient written over the activation it was computed from) where the record alone holds
+the tensor: ``ctx.owned`` lists those fields. A backward runs once (the pipeline refuses
+``retain_graph``), so nothing reads the overwritten tensor after it.
 """
 
 from __future__ import annotations
 
 import functools
 import operator
+import sys
 
 import attrs
 import torch
@@ -50,13 +56,14 @@ class _SavedRef:
         self.index = index
 
 
-def stash_saved(fctx, ctxs, readers, inputs, outputs) -> None:
+def stash_saved(fctx, ctxs, readers, inputs, outputs, traced: bool = False) -> None:
     """Prepare the op contexts' saved records for the backward (see the module docstring).
 
-    ``readers``: per op, ``(op, reader, record type)``: who reads its context's record in
-    the backward (the op itself, or the joint fusion owning it) and in which type (None:
-    the context must stay empty). Raises TypeError naming the op when a stage left another
-    record (the fused-op equivalence contract).
+    ``readers``: per op, ``(op, reader, record type, consumable fields)``: who reads its
+    context's record in the backward (the op itself, or the joint fusion owning it), in
+    which type (None: the context must stay empty) and which fields it may overwrite.
+    Raises TypeError naming the op when a stage left another record (the fused-op
+    equivalence contract). ``traced``: a trace's fake tensors, of which none is owned.
     """
     input_ids = {id(t) for t in inputs}
     output_ids = {id(t) for t in outputs}
@@ -66,7 +73,9 @@ def stash_saved(fctx, ctxs, readers, inputs, outputs) -> None:
     # and each is freed as soon as its backward stage has run.
     hooked = _saved_tensors_hooks() is not None
     to_save = []
-    for c, (op, reader, record_type) in zip(ctxs, readers, strict=True):
+    held: list = []  # id of every intermediate kept, once per field holding it
+    candidates: list = []  # (context, field, tensor, held key) a reader may overwrite
+    for c, (op, reader, record_type, consumable) in zip(ctxs, readers, strict=True):
         saved = c.saved
         if saved is None:
             continue
@@ -87,6 +96,8 @@ def stash_saved(fctx, ctxs, readers, inputs, outputs) -> None:
                 to_save.append(t)
                 refs = (refs or []) + [name]
             elif isinstance(t, torch.Tensor):
+                key = id(t)
+                held.append(key)
                 if t._base is not None:  # shares the version counter, drops the base
                     t = t.detach()
                     _set(saved, name, t)
@@ -97,11 +108,23 @@ def stash_saved(fctx, ctxs, readers, inputs, outputs) -> None:
                     continue
                 versions = versions or []
                 versions.append((name, t._version))
+                if name in consumable and not traced:
+                    candidates.append((c, name, t, key))
         if versions:
             c.versions = versions
         if refs:
             c.outputs = refs
+    for c, name, t, key in candidates:
+        # the record, ``candidates``, ``t`` and getrefcount's argument: nothing else
+        if held.count(key) == 1 and sys.getrefcount(t) <= 4 and _sole_holder(t):
+            c.owned += (name,)
     fctx.save_for_backward(*to_save)
+
+
+def _sole_holder(t: torch.Tensor) -> bool:
+    """Whether no other tensor shares ``t``'s storage (a view, its base, a detached alias):
+    its storage's references are ``t``'s and the storage object asked for here."""
+    return torch._C._storage_Use_Count(t.untyped_storage()._cdata) <= 2
 
 
 def restore_saved(fctx, ctxs, ops) -> list:
