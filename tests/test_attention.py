@@ -493,13 +493,21 @@ _KERNEL_SCRIPT = textwrap.dedent("""
                 cos2, sin2 = cos.reshape(-1, rot // 2), sin.reshape(-1, rot // 2)
                 for dtype in (torch.float32, torch.bfloat16):
                     qkv = torch.randn(B, S, (heads + 2 * kv) * d).to(dtype)
-                    got = views(qkv_rotary_forward_triton(qkv.flatten(0, 1), cos2, sin2, heads,
-                                                          kv, interleaved), B, S, layout)
+                    flat = qkv_rotary_forward_triton(qkv.flatten(0, 1), cos2, sin2, heads, kv,
+                                                     interleaved)
+                    # other tilings (one head, a few tokens a program): the same bits
+                    assert torch.equal(flat, qkv_rotary_forward_triton(
+                        qkv.flatten(0, 1), cos2, sin2, heads, kv, interleaved, block_t=4,
+                        group=1))
+                    got = views(flat, B, S, layout)
                     q, k, v = split(qkv, layout)
                     want = (apply_rotary(q, cos, sin, opts), apply_rotary(k, cos, sin, opts), v)
                     grads = [torch.randn_like(t) for t in got]
                     dqkv = qkv_rotary_backward_triton(*(g.flatten(0, 1) for g in grads), cos2,
                                                       sin2, interleaved).view(qkv.shape)
+                    assert torch.equal(dqkv, qkv_rotary_backward_triton(
+                        *(g.flatten(0, 1) for g in grads), cos2, sin2, interleaved, block_t=4,
+                        group=1).view(qkv.shape))
                     dq, dk, dv = split(dqkv, layout)
                     want_grads = (apply_rotary(grads[0], cos, sin, opts, inverse=True),
                                   apply_rotary(grads[1], cos, sin, opts, inverse=True), grads[2])

@@ -5,7 +5,7 @@ rotary embedding applied to q and k on the way (the formulas:
 and writes them side by side into the QKV gradient, so no transpose, split or cat runs
 either way.
 
-One program per block of tokens and one head; the angles' cosines and sines come as
+One program per block of tokens and a few adjacent heads; the angles' cosines and sines come as
 float32 tables (one row per position, or per token), made by PyTorch as Hugging Face
 makes them; the rotation is float32 in registers, rounded once.
 """
@@ -16,10 +16,10 @@ import torch
 
 from fusible.kernels import jit, require_triton, tl, triton
 
-# Tokens per program: about _BLOCK_ELEMENTS features of one head (16 tokens of 64 or 128
-# features; more tokens of narrower heads, whose programs would otherwise be too small to
-# hide their launch), 4 warps.
-_BLOCK_ELEMENTS = 1024
+# A program: adjacent heads of about _GROUP_FEATURES features together (rows read whole, not
+# in pieces of one narrow head), for about _BLOCK_ELEMENTS features in all, 4 warps.
+_GROUP_FEATURES = 128
+_BLOCK_ELEMENTS = 2048
 
 
 @jit
@@ -40,12 +40,14 @@ def _own_head(q_ptr, k_ptr, v_ptr, head, H, K, D: tl.constexpr):
 @jit
 def _qkv_rotary_kernel(packed_ptr, q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, T, TABLE_ROWS, H, K,
                        D: tl.constexpr, HALF: tl.constexpr, INTERLEAVED: tl.constexpr,
-                       BACKWARD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr,
-                       BLOCK_P: tl.constexpr):
+                       BACKWARD: tl.constexpr, GROUP: tl.constexpr, BLOCK_T: tl.constexpr,
+                       BLOCK_C: tl.constexpr):
     """Forward: ``packed`` -> q, k, v (q and k rotated). Backward: dq, dk, dv -> ``packed``
-    (dq and dk rotated back). Pairs ``(c1, c2)`` of the first ``2 * HALF`` features rotate;
-    the rest, and every feature of v, are copied."""
-    head = tl.program_id(1)
+    (dq and dk rotated back). A program takes ``GROUP`` adjacent heads of one of q, k, v
+    (contiguous on both sides) for ``BLOCK_T`` tokens, and reads each feature with its
+    pair's partner: pairs ``(c1, c2)`` of the first ``2 * HALF`` features of a head rotate
+    as ``x * cos + rotate_half(x) * sin``; the rest, and every feature of v, are copied."""
+    head = tl.program_id(1) * GROUP
     rows = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
     in_t = rows < T
     base, width = _own_head(q_ptr, k_ptr, v_ptr, head, H, K, D)
@@ -55,49 +57,60 @@ def _qkv_rotary_kernel(packed_ptr, q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, T, TAB
         src_row, dst_row = own_row, packed_row
     else:
         src_row, dst_row = packed_row, own_row
-    j = tl.arange(0, BLOCK_R)
+    c = tl.arange(0, BLOCK_C)
+    f = c % D  # the feature within its head
+    rotates = f < 2 * HALF
     if INTERLEAVED:
-        c1, c2 = 2 * j, 2 * j + 1
+        first = (f % 2) == 0
+        partner = tl.where(first, c + 1, c - 1)
+        j = f // 2
     else:
-        c1, c2 = j, j + HALF
-    m = in_t[:, None] & (j < HALF)[None, :]
+        first = f < HALF
+        partner = tl.where(first, c + HALF, c - HALF)
+        j = tl.where(first, f, f - HALF)
+    partner = tl.where(rotates, partner, c)
+    m = in_t[:, None] & (c < GROUP * D)[None, :]
+    mr = m & rotates[None, :]
     table = (rows % TABLE_ROWS)[:, None] * HALF + j[None, :]
-    cos = tl.load(cos_ptr + table, mask=m, other=1.0)
-    sin = tl.load(sin_ptr + table, mask=m, other=0.0)
+    cos = tl.load(cos_ptr + table, mask=mr, other=1.0)
+    sin = tl.load(sin_ptr + table, mask=mr, other=0.0)
     if BACKWARD:
         sin = -sin
-    x1 = tl.load(src_row + c1[None, :], mask=m, other=0.0).to(tl.float32)
-    x2 = tl.load(src_row + c2[None, :], mask=m, other=0.0).to(tl.float32)
-    rotate = head < H + K
-    y1 = tl.where(rotate, x1 * cos - x2 * sin, x1)
-    y2 = tl.where(rotate, x2 * cos + x1 * sin, x2)
-    out_ty = dst_row.dtype.element_ty
-    tl.store(dst_row + c1[None, :], y1.to(out_ty), mask=m)
-    tl.store(dst_row + c2[None, :], y2.to(out_ty), mask=m)
-    if D > 2 * HALF:  # partial rotary: the features past the rotated ones pass through
-        cols = 2 * HALF + tl.arange(0, BLOCK_P)
-        mp = in_t[:, None] & (cols < D)[None, :]
-        x = tl.load(src_row + cols[None, :], mask=mp, other=0.0)
-        tl.store(dst_row + cols[None, :], x.to(out_ty), mask=mp)
+    x = tl.load(src_row + c[None, :], mask=m, other=0.0).to(tl.float32)
+    # rotate_half: the first of a pair takes its partner negated, the second as it is
+    turned = tl.load(src_row + partner[None, :], mask=mr, other=0.0).to(tl.float32)
+    turned = tl.where(first[None, :], -turned, turned)
+    y = tl.where((head < H + K) & rotates[None, :], x * cos + turned * sin, x)
+    tl.store(dst_row + c[None, :], y.to(dst_row.dtype.element_ty), mask=m)
+
+
+def _group(heads: int, kv_heads: int, head_dim: int) -> int:
+    """Adjacent heads per program: up to _GROUP_FEATURES features, never across q, k, v."""
+    group = max(1, _GROUP_FEATURES // head_dim)
+    while heads % group or kv_heads % group:
+        group //= 2
+    return max(group, 1)
 
 
 def _launch(packed, q, k, v, cos, sin, heads, kv_heads, head_dim, interleaved, backward,
-            block_t):
+            block_t, group):
     tokens, half = q.shape[0], cos.shape[-1]
     if not tokens:
         return
-    block_t = block_t or max(16, triton.next_power_of_2(_BLOCK_ELEMENTS // head_dim))
-    grid = (triton.cdiv(tokens, block_t), heads + 2 * kv_heads)
+    group = group or _group(heads, kv_heads, head_dim)
+    block_c = triton.next_power_of_2(group * head_dim)
+    block_t = block_t or max(1, _BLOCK_ELEMENTS // block_c)
+    grid = (triton.cdiv(tokens, block_t), (heads + 2 * kv_heads) // group)
     _qkv_rotary_kernel[grid](
         packed, q, k, v, cos, sin, tokens, cos.shape[0], heads, kv_heads, D=head_dim,
-        HALF=half, INTERLEAVED=interleaved, BACKWARD=backward, BLOCK_T=block_t,
-        BLOCK_R=triton.next_power_of_2(max(half, 1)),
-        BLOCK_P=triton.next_power_of_2(max(head_dim - 2 * half, 1)), num_warps=4)
+        HALF=half, INTERLEAVED=interleaved, BACKWARD=backward, GROUP=group, BLOCK_T=block_t,
+        BLOCK_C=block_c, num_warps=4)
 
 
 def qkv_rotary_forward_triton(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                               heads: int, kv_heads: int, interleaved: bool,
-                              block_t: int | None = None) -> torch.Tensor:
+                              block_t: int | None = None,
+                              group: int | None = None) -> torch.Tensor:
     """q ``(T, H, D)``, k and v ``(T, K, D)``, one after another in one flat buffer (the
     result), from ``qkv`` ``(T, (H + 2K) * D)`` contiguous, q and k rotated by the tables
     ``cos``, ``sin`` ``(R, rotary_dim / 2)`` float32, row ``t % R`` for token ``t``."""
@@ -109,13 +122,15 @@ def qkv_rotary_forward_triton(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.T
     k = buffer[q.numel():q.numel() + tokens * kv_heads * head_dim].view(tokens, kv_heads,
                                                                         head_dim)
     v = buffer[q.numel() + k.numel():].view(tokens, kv_heads, head_dim)
-    _launch(qkv, q, k, v, cos, sin, heads, kv_heads, head_dim, interleaved, False, block_t)
+    _launch(qkv, q, k, v, cos, sin, heads, kv_heads, head_dim, interleaved, False, block_t,
+            group)
     return buffer
 
 
 def qkv_rotary_backward_triton(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor,
                                cos: torch.Tensor, sin: torch.Tensor, interleaved: bool,
-                               block_t: int | None = None) -> torch.Tensor:
+                               block_t: int | None = None,
+                               group: int | None = None) -> torch.Tensor:
     """The QKV gradient ``(T, (H + 2K) * D)`` from contiguous ``dq`` ``(T, H, D)``, ``dk``
     and ``dv`` ``(T, K, D)``, dq and dk rotated back."""
     require_triton("qkv_rotary_backward")
@@ -123,5 +138,5 @@ def qkv_rotary_backward_triton(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Ten
     kv_heads = dk.shape[1]
     packed = dq.new_empty(tokens, (heads + 2 * kv_heads) * head_dim)
     _launch(packed, dq, dk, dv, cos, sin, heads, kv_heads, head_dim, interleaved, True,
-            block_t)
+            block_t, group)
     return packed

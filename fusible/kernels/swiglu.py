@@ -287,10 +287,11 @@ def _layout(kind: str, interleave: int, clamp: tuple) -> dict:
 
 def swiglu_forward_triton(x: torch.Tensor, block_m: int = 32, block_n: int = 128,
                           kind: str = "swiglu", interleave: int = 0,
-                          clamp: tuple = CLAMP_DEFAULTS):
+                          clamp: tuple = CLAMP_DEFAULTS, num_warps: int = 4):
     """``gate(a) * b`` for ``a, b = x.chunk(2, -1)`` (SwiGLU: ``silu(a) * b``), in ``x``'s
     dtype; ``interleave``: the halves alternate in blocks of that many columns (0: they
-    do not); ``clamp``: the clamped kind's ``(limit, alpha, offset)``."""
+    do not); ``clamp``: the clamped kind's ``(limit, alpha, offset)``; ``num_warps`` per
+    tile of ``block_m x block_n`` (diagnostics/bf16_kernel_tiles.py)."""
     require_triton("swiglu_forward_triton")
     x = x.contiguous()
     m, n = _rows_and_half(x, kind, interleave)
@@ -298,7 +299,7 @@ def swiglu_forward_triton(x: torch.Tensor, block_m: int = 32, block_n: int = 128
     if y.numel():
         _swiglu_fwd_kernel[tile_grid(m, n, block_m, block_n)](
             x, y, y, m, n, **_layout(kind, interleave, clamp), AMAX_ONLY=False,
-            BLOCK_M=block_m, BLOCK_N=block_n)
+            BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps)
     return y
 
 
@@ -331,13 +332,14 @@ def swiglu_forward_fp8_triton(x: torch.Tensor, fp8_dtype: torch.dtype, fp8_max: 
 def swiglu_backward_triton(grad_output: torch.Tensor, x: torch.Tensor, block_m: int = 32,
                            block_n: int = 128, kind: str = "swiglu", interleave: int = 0,
                            clamp: tuple = CLAMP_DEFAULTS, with_output: bool = False,
-                           consume_grad: bool = False, consume_input: bool = False):
+                           consume_grad: bool = False, consume_input: bool = False,
+                           num_warps: int = 4):
     """The gradient of :func:`swiglu_forward_triton` with respect to ``x``; with
     ``with_output``, ``(dx, y)``: the forward's result again, from the same pass (for a
     weight gradient that recomputes its input instead of saving it), written over
     ``grad_output`` where ``consume_grad`` and the dtypes agree (the caller reads it no
     more: one tensor of that size less at once); ``dx`` over ``x`` likewise where
-    ``consume_input``, ``x`` is contiguous and the dtypes agree."""
+    ``consume_input``, ``x`` is contiguous and the dtypes agree. Tiles as the forward's."""
     require_triton("swiglu_backward_triton")
     over_x = consume_input and x.is_contiguous() and grad_output.dtype == x.dtype
     dy, x = grad_output.contiguous(), x.contiguous()
@@ -352,7 +354,8 @@ def swiglu_backward_triton(grad_output: torch.Tensor, x: torch.Tensor, block_m: 
     if dx.numel():
         _swiglu_bwd_kernel[tile_grid(m, n, block_m, block_n)](
             dy, x, dx, dx, y, m, n, **_layout(kind, interleave, clamp), AMAX_ONLY=False,
-            WRITE_Y=with_output, DX_OVER_X=over_x, BLOCK_M=block_m, BLOCK_N=block_n)
+            WRITE_Y=with_output, DX_OVER_X=over_x, BLOCK_M=block_m, BLOCK_N=block_n,
+            num_warps=num_warps)
     return (dx, y) if with_output else dx
 
 
