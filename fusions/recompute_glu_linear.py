@@ -161,10 +161,10 @@ class RecomputeGluLinear(FusedOperation):
             wgrad_dtype=args.wgrad_dtype))
         dh, _ = gemm_backward(dgrad)
         # h over dh (read no more), and dx over the input where the record alone held it
-        # (a compiled stage never writes over its inputs)
+        # (never in a compiled stage: a trace's records own nothing, ctx.owned)
         dx, h = glu_backward_with_output(args.kind, dh, saved.input, args.interleave,
                                          args.clamp, consume_grad=True,
-                                         consume_input=args.consume_input and not in_custom_op)
+                                         consume_input=args.consume_input)
         del dh
         _, dw = gemm_backward(attrs.evolve(wgrad, input=h))
         params = (dw,) + ((bias_grad(dy) if args.need_grad_bias else None,)

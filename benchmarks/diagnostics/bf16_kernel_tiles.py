@@ -21,8 +21,13 @@ from fusible.kernels.swiglu import swiglu_backward_triton, swiglu_forward_triton
 BF16 = torch.bfloat16
 
 
-def report(name: str, fn, gigabytes: float) -> None:
-    ms = triton.testing.do_bench(fn, warmup=10, rep=100, return_mode="median")
+def report(name: str, fn, gigabytes: float, graphed: bool = False) -> None:
+    """``graphed``: timed as CUDA-graph replays (a small kernel's launches would
+    otherwise time the host)."""
+    if graphed:
+        ms = triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median")
+    else:
+        ms = triton.testing.do_bench(fn, warmup=10, rep=100, return_mode="median")
     print(f"{name:<64} {ms * 1e3:8.1f} us  {gigabytes / ms:6.2f} TB/s", flush=True)
 
 
@@ -47,14 +52,14 @@ def norm_backward(tokens: int, hidden: int) -> None:
     w = torch.randn(hidden, device="cuda", dtype=BF16)
     _, _, rstd = norms.norm_forward_triton(x, w, None, 1e-5, False)
     gb = x.numel() * 2 / 1e9
-    default_tile, default_programs = norms._ROW_TILE, norms._programs
-    for tile, per_sm in itertools.product((1024, 2048, 4096, 8192), (2, 4, 8)):
-        norms._ROW_TILE = tile
-        norms._programs = lambda m, device, k=per_sm: max(1, min(m, k * 132))
-        report(f"norm bwd {tokens}x{hidden}, row tile {tile}, {per_sm} programs/SM",
+    defaults = norms._ROW_TILE, norms._PROGRAMS_PER_SM, norms._ROW_WARPS
+    for tile, per_sm, warps in itertools.product((1024, 2048, 4096), (4, 8, 16), (None, 8)):
+        norms._ROW_TILE, norms._PROGRAMS_PER_SM, norms._ROW_WARPS = tile, per_sm, warps
+        report(f"norm bwd {tokens}x{hidden}, row tile {tile}, {per_sm} programs/SM, "
+               f"{warps or 'default'} warps",
                lambda: norms.norm_backward_triton(dy, x, None, rstd, w, False, True, True,
-                                                  accumulate_into=add), 4 * gb)
-    norms._ROW_TILE, norms._programs = default_tile, default_programs
+                                                  accumulate_into=add), 4 * gb, graphed=True)
+    norms._ROW_TILE, norms._PROGRAMS_PER_SM, norms._ROW_WARPS = defaults
 
 
 def qkv_rotary(tokens: int, heads: int, kv_heads: int, head_dim: int) -> None:

@@ -40,8 +40,8 @@ class FusedOperation(StageSpec):
         Fields of its ``saved_type`` whose tensor the backward may overwrite (write a
         gradient of the same size over it) where its context alone holds it: the runtime
         lists those it may in ``ctx.owned`` (never a tensor the caller passed or got,
-        a view, one another context also saved, or under saved-tensors hooks), and a
-        compiled stage (``in_custom_op``) never overwrites its inputs.
+        a view, one another context also saved, under saved-tensors hooks, or in a
+        trace: a compiled stage never overwrites its inputs).
 
     and, optionally, ``accepts(match, env)`` returning True or the reason for
     refusing a structural match. The planner constructs the fusion with the

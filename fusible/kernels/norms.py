@@ -128,7 +128,8 @@ def _norm_bwd_row_kernel(dy_ptr, x_ptr, w_ptr, mean_ptr, rstd_ptr, dx_ptr, add_p
     ``dx = rstd * (g - mean(g) - x_hat * mean(g * x_hat))`` with ``g = dy * w``
     (``mean(g)`` only with ``CENTER``; ``HAS_ADD``: plus ``add``, in float32, rounded
     once); the parameter gradients' partial sums kept in registers and stored once per
-    program."""
+    program, as a column of the ``(N, programs)`` partial buffers (whose rows the caller
+    sums: a reduction along contiguous memory)."""
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_N)
     col_ok = cols < N
@@ -161,10 +162,11 @@ def _norm_bwd_row_kernel(dy_ptr, x_ptr, w_ptr, mean_ptr, rstd_ptr, dx_ptr, add_p
             dw += tl.sum(dy * x_hat, axis=0)
         if NEED_DB:
             db += tl.sum(dy, axis=0)
+    part = cols.to(tl.int64) * tl.num_programs(0) + pid  # (N, programs): summed along rows
     if NEED_DW:
-        tl.store(dw_part_ptr + pid.to(tl.int64) * N + cols, dw, mask=col_ok)
+        tl.store(dw_part_ptr + part, dw, mask=col_ok)
     if NEED_DB:
-        tl.store(db_part_ptr + pid.to(tl.int64) * N + cols, db, mask=col_ok)
+        tl.store(db_part_ptr + part, db, mask=col_ok)
 
 
 @jit
@@ -174,7 +176,7 @@ def _norm_bwd_kernel(dy_ptr, x_ptr, w_ptr, mean_ptr, rstd_ptr, dx_ptr, add_ptr, 
                      HAS_ADD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """The backward of :func:`_norm_bwd_row_kernel` for rows wider than a tile: each row
     read twice (the second time mostly from L2); partial sums added into this
-    program's rows of the (zeroed) partial buffers."""
+    program's column of the (zeroed) partial buffers."""
     pid = tl.program_id(0)
     for row_start in range(0, rows_per_program, BLOCK_M):
         rows = pid * rows_per_program + row_start + tl.arange(0, BLOCK_M)
@@ -208,7 +210,7 @@ def _norm_bwd_kernel(dy_ptr, x_ptr, w_ptr, mean_ptr, rstd_ptr, dx_ptr, add_ptr, 
                     dx += tl.load(add_ptr + offs, mask=mask, other=0.0).to(tl.float32)
                 tl.store(dx_ptr + offs, dx.to(dx_ptr.dtype.element_ty), mask=mask)
             col_ok = cols < N
-            part = pid.to(tl.int64) * N + cols
+            part = cols.to(tl.int64) * tl.num_programs(0) + pid
             if NEED_DW:
                 acc = tl.load(dw_part_ptr + part, mask=col_ok, other=0.0)
                 tl.store(dw_part_ptr + part, acc + tl.sum(dy * x_hat, axis=0), mask=col_ok)
@@ -224,9 +226,13 @@ def _blocks(n: int, block_n: int | None) -> tuple:
 
 
 # Rows up to this wide are held whole in one program's registers by the backward, in tiles
-# of about _ROW_TILE elements (several rows at once where rows are narrower).
+# of about _ROW_TILE elements (several rows at once where rows are narrower), _ROW_WARPS
+# warps a program (None: one per 512 elements, 4 to 16), _PROGRAMS_PER_SM programs a
+# multiprocessor (diagnostics/bf16_kernel_tiles.py sweeps the three)
 _WHOLE_ROW_MAX = 16384
 _ROW_TILE = 2048
+_ROW_WARPS = None
+_PROGRAMS_PER_SM = 4
 _CAST_BLOCK = (64, 128)  # the tile of the FP8 cast pass
 
 
@@ -234,7 +240,7 @@ def _programs(m: int, device: torch.device) -> int:
     """Enough programs to fill the GPU a few times over, at most one per row."""
     sms = (torch.cuda.get_device_properties(device).multi_processor_count
            if device.type == "cuda" else 8)
-    return max(1, min(m, 4 * sms))
+    return max(1, min(m, _PROGRAMS_PER_SM * sms))
 
 
 def _stats_buffers(x: torch.Tensor, weight: torch.Tensor, center: bool) -> tuple:
@@ -365,7 +371,7 @@ def norm_backward_triton(grad_output: torch.Tensor, x: torch.Tensor, mean: torch
     rows_per_program = triton.cdiv(triton.cdiv(m, programs), block_m) * block_m
     programs = triton.cdiv(m, rows_per_program)
     make = torch.empty if whole_row else torch.zeros
-    dw_part, db_part = (make((programs, n) if need else (1,), device=x.device,
+    dw_part, db_part = (make((n, programs) if need else (1,), device=x.device,
                              dtype=torch.float32) for need in (need_dw, need_db))
     args = (dy, x, w, rstd if mean is None else mean.contiguous(), rstd.contiguous(),
             dx if need_dx else dy, dy if add is None else add, dw_part, db_part, m, n,
@@ -373,10 +379,11 @@ def norm_backward_triton(grad_output: torch.Tensor, x: torch.Tensor, mean: torch
     flags = dict(CENTER=center, NEED_DX=need_dx, NEED_DW=need_dw, NEED_DB=need_db,
                  HAS_ADD=add is not None)
     if whole_row:
+        warps = _ROW_WARPS or max(4, min(16, block_m * block_n // 512))
         _norm_bwd_row_kernel[(programs,)](*args, **flags, BLOCK_M=block_m, BLOCK_N=block_n,
-                                          num_warps=max(4, min(16, block_m * block_n // 512)))
+                                          num_warps=warps)
     else:
         _norm_bwd_kernel[(programs,)](*args, **flags, BLOCK_M=block_m, BLOCK_N=block_n)
-    dw = dw_part.sum(0).view(weight.shape).to(weight.dtype) if need_dw else None
-    db = db_part.sum(0).view(weight.shape).to(weight.dtype) if need_db else None
+    dw = dw_part.sum(1).view(weight.shape).to(weight.dtype) if need_dw else None
+    db = db_part.sum(1).view(weight.shape).to(weight.dtype) if need_db else None
     return dx, dw, db

@@ -63,7 +63,8 @@ def stash_saved(fctx, ctxs, readers, inputs, outputs, traced: bool = False) -> N
     context's record in the backward (the op itself, or the joint fusion owning it), in
     which type (None: the context must stay empty) and which fields it may overwrite.
     Raises TypeError naming the op when a stage left another record (the fused-op
-    equivalence contract). ``traced``: a trace's fake tensors, of which none is owned.
+    equivalence contract). ``traced``: the stages run as custom ops (the compiled path),
+    which never write over their inputs: no field is owned.
     """
     input_ids = {id(t) for t in inputs}
     output_ids = {id(t) for t in outputs}
