@@ -255,6 +255,11 @@ _NORM_SWIGLU_SCRIPT = textwrap.dedent("""
                                              with_output=True, consume_input=True)
             assert torch.equal(dx4, dx) and torch.equal(y4, y), what
             assert dx4.data_ptr() == read.data_ptr() or dy.dtype != x.dtype, what
+            read, consumed = x.clone(), dy.clone()  # both at once, as the fusion runs it
+            dx5, y5 = swiglu_backward_triton(consumed, read, block_m=4, block_n=16, **layout,
+                                             with_output=True, consume_grad=True,
+                                             consume_input=True)
+            assert torch.equal(dx5, dx) and torch.equal(y5, y), what
         for shape, ns in (((7, 70), [70]), ((3, 5, 3, 12), [3, 12]), ((0, 8), [8])):
             # an offset mean, so that LayerNorm's centring shows
             x, dy = (3 * torch.randn(shape) + 2).to(dtype), torch.randn(shape).to(dtype)

@@ -324,17 +324,21 @@ def glu_backward_with_output(kind: str, grad_output: Tensor, x: Tensor, interlea
     tuple
         ``(dx, y)``: ``dx`` as :func:`glu_backward` gives it, ``y`` as :func:`glu_forward`.
     """
+    # written over a plain contiguous input of the gradient's dtype only, on every device
+    over_x = (consume_input and type(x) is torch.Tensor and x.is_contiguous()
+              and grad_output.dtype == x.dtype)
     if triton_can_run(grad_output, x):
-        return swiglu_kernels.swiglu_backward_triton(grad_output, x, kind=kind,
-                                                     interleave=interleave, clamp=clamp,
-                                                     with_output=True,
-                                                     consume_grad=consume_grad,
-                                                     consume_input=consume_input)
+        dx, y = swiglu_kernels.swiglu_backward_triton(grad_output, x, kind=kind,
+                                                      interleave=interleave, clamp=clamp,
+                                                      with_output=True,
+                                                      consume_grad=consume_grad,
+                                                      consume_input=over_x)
+        if dx is x:  # as an in-place op would: a reader of x's old values would raise
+            torch.autograd.graph.increment_version(x)
+        return dx, y
     y = glu_forward(kind, x, None, interleave, clamp)
     dx = glu_backward(kind, grad_output, x, None, interleave, clamp)
-    if consume_input and x.is_contiguous() and dx.dtype == x.dtype:
-        dx = x.copy_(dx)
-    return dx, y
+    return (x.copy_(dx) if over_x else dx), y
 
 
 def _clamped(a: Tensor, b: Tensor, clamp: tuple) -> tuple:

@@ -109,7 +109,9 @@ def stash_saved(fctx, ctxs, readers, inputs, outputs, traced: bool = False) -> N
                     continue
                 versions = versions or []
                 versions.append((name, t._version))
-                if name in consumable and not traced:
+                # plain tensors only: a wrapper subclass (Float8Tensor) has a storage of its
+                # own, not its data's, and writing into it would quantize the gradient
+                if name in consumable and not traced and type(t) is torch.Tensor:
                     candidates.append((c, name, t, key))
         if versions:
             c.versions = versions
@@ -117,9 +119,23 @@ def stash_saved(fctx, ctxs, readers, inputs, outputs, traced: bool = False) -> N
             c.outputs = refs
     for c, name, t, key in candidates:
         # the record, ``candidates``, ``t`` and getrefcount's argument: nothing else
-        if held.count(key) == 1 and sys.getrefcount(t) <= 4 and _sole_holder(t):
+        if held.count(key) == 1 and sys.getrefcount(t) <= _REFS_ALONE and _sole_holder(t):
             c.owned += (name,)
     fctx.save_for_backward(*to_save)
+
+
+def _refs_alone() -> int:
+    """What ``sys.getrefcount`` says of a tensor held as a candidate of :func:`stash_saved`
+    is (one holder, the candidate tuple, the loop variable, the argument), measured on
+    this interpreter (its calls may borrow references)."""
+    held = [torch.empty(0)]
+    candidates = [(None, "", held[0], 0)]
+    for _, _, t, _ in candidates:
+        return sys.getrefcount(t)
+    raise AssertionError("unreachable")
+
+
+_REFS_ALONE = _refs_alone()
 
 
 def _sole_holder(t: torch.Tensor) -> bool:
