@@ -2,7 +2,8 @@
 innermost frames of the code that allocated it: unlike :mod:`peak_tensors` (op outputs
 through a dispatch mode), this sees a stage's temporaries and compiled code too, so the
 same step of fusible and of torch.compile can be compared block by block.
-For a decoder layer's peak (docs/benchmarks.md): ``layer.py --peak-breakdown``."""
+For a decoder layer's peak (docs/benchmarks.md): ``layer.py --peak-breakdown``; the LM
+head's: ``head_peak.py``."""
 
 from __future__ import annotations
 
@@ -41,9 +42,8 @@ def live_at_peak(trace: list) -> tuple:
     return peak, sorted(at_peak, reverse=True)
 
 
-def allocator_peak(step, title: str, path: str, top: int = 14) -> None:
-    """Run ``step()`` with the allocator's history recorded and append the largest blocks
-    alive at its peak to ``path``."""
+def blocks_at_peak(step) -> tuple:
+    """Run ``step()`` with the allocator's history recorded: :func:`live_at_peak` of it."""
     torch.cuda.synchronize()
     torch.cuda.memory._record_memory_history(max_entries=1_000_000, stacks="python")
     try:
@@ -52,8 +52,13 @@ def allocator_peak(step, title: str, path: str, top: int = 14) -> None:
         snapshot = torch.cuda.memory._snapshot()
     finally:
         torch.cuda.memory._record_memory_history(enabled=None)
-    device = torch.cuda.current_device()
-    peak, blocks = live_at_peak(snapshot["device_traces"][device])
+    return live_at_peak(snapshot["device_traces"][torch.cuda.current_device()])
+
+
+def allocator_peak(step, title: str, path: str, top: int = 14) -> None:
+    """Run ``step()`` with the allocator's history recorded and append the largest blocks
+    alive at its peak to ``path``."""
+    peak, blocks = blocks_at_peak(step)
     with open(path, "a") as f:
         f.write(f"== {title}: {peak / 2**30:.3f} GiB allocated during the step alive at its "
                 f"peak (parameters and inputs not counted)\n")

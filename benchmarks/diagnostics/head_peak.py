@@ -11,17 +11,10 @@ import sys
 
 import torch
 
+from allocator_peak import blocks_at_peak
 from fusible import ops
 
 HIDDEN, VOCAB, TOKENS = 4096, 128256, 8192
-
-
-def _where(frames: list) -> str:
-    """The innermost frame in fusible's code, else the innermost with a file."""
-    for frame in frames:
-        if "/fusible/" in frame["filename"] or "/fusions/" in frame["filename"]:
-            return f"{frame['filename'].split('/')[-1]}:{frame['line']} {frame['name']}"
-    return next((f"{f['filename'].split('/')[-1]}:{f['line']}" for f in frames), "?")
 
 
 def main() -> None:
@@ -41,24 +34,11 @@ def main() -> None:
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
-    torch.cuda.memory._record_memory_history(max_entries=200000)
-    step()
-    torch.cuda.synchronize()
-    snapshot = torch.cuda.memory._snapshot()
-    torch.cuda.memory._record_memory_history(enabled=None)
-    live, total, peak, at_peak = {}, 0, 0, {}
-    for event in snapshot["device_traces"][0]:
-        if event["action"] == "alloc":
-            live[event["addr"]] = (event["size"], _where(event.get("frames", [])))
-            total += event["size"]
-            if total > peak:
-                peak, at_peak = total, dict(live)
-        elif event["action"] == "free_completed" and event["addr"] in live:
-            total -= live.pop(event["addr"])[0]
+    peak, blocks = blocks_at_peak(step)
     print(f"chunk {chunk}: before the step {base / 2**30:.2f} GiB, peak "
           f"{torch.cuda.max_memory_allocated() / 2**30:.2f} GiB; the step's blocks alive "
           f"at its peak, {peak / 2**30:.2f} GiB:")
-    for size, where in sorted(at_peak.values(), reverse=True)[:12]:
+    for size, where in blocks[:12]:
         print(f"  {size / 2**20:9.1f} MiB  {where}")
 
 
