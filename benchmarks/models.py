@@ -13,8 +13,8 @@ steps (the rows start from the same weights and see the same batch: their losses
 FP8 within its tolerance).
 
 A fusible row may name the attention kernel of every fused layer after a colon
-(``fusible_captured:flash``; cudnn, flash, flex or math): an A/B of the kernels at one
-model's shapes.
+(``fusible_captured:flash``; cudnn, flash, flex, triton or math): an A/B of the kernels at
+one model's shapes.
 
     python benchmarks/models.py --output benchmarks/results/models_h200.json
     python benchmarks/models.py --configs debugmodel --rows hf_eager,fusible_compile

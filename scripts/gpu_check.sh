@@ -3,7 +3,7 @@
 # under the machine's PyTorch, then the GPU benchmarks. Results land in $OUT (or out/).
 # Usage there: [TESTS="tests/test_fp8.py ..."] bash scripts/gpu_check.sh [bf16] [fp8] [tp] [tiles]
 #   [idle] [breakdown] [small] [graphs] [zoo] [moe] [probe] [fsdp] [layer] [models] [policy]
-#   [layerhost] [headpeak] [fp8layer] [tiles16]
+#   [layerhost] [headpeak] [fp8layer] [tiles16] [attntiles]
 # (no argument: bf16 and fp8; tp needs two GPUs (kind nvidia-h200-x2); tiles: the GELU
 # kernels' tile shapes (diagnostics/activation_tiles.py); idle: host time, GPU idle and
 # kernels and host profile of the FP8 attention projections, eager and compiled (gpu_idle.py);
@@ -28,7 +28,9 @@
 # headpeak: the blocks alive at the LM head's memory peak (diagnostics/head_peak.py);
 # fp8layer: the ops beside the GEMMs of the 1B layer's FP8 step (diagnostics/fp8_layer_ops.py);
 # tiles16: tile shapes of the bf16 SwiGLU, norm backward and rotary kernels
-# (diagnostics/bf16_kernel_tiles.py; TILE_PARTS: which, default all);
+# (diagnostics/bf16_kernel_tiles.py; TILE_PARTS: which, default all); attntiles: the
+# Triton attention kernels' tiles against cuDNN and FlashAttention (diagnostics/
+# attention_tiles.py; ATTN_SHAPES: head widths, default 16,32,64);
 # TESTS: which tests,
 # default all, "none" for none; PYTEST_ARGS: more pytest arguments (-x); the argument
 # "none" runs no benchmark)
@@ -154,6 +156,11 @@ fi
 if [[ " $benches " == *" tiles16 "* ]]; then  # the bf16 kernels beside a layer's GEMMs
     python3 benchmarks/diagnostics/bf16_kernel_tiles.py ${TILE_PARTS:-} 2>&1 \
         | tee "$OUT/bf16_tiles.log"
+    bench_rc=$(( bench_rc || PIPESTATUS[0] ))
+fi
+if [[ " $benches " == *" attntiles "* ]]; then  # our attention kernels against cuDNN's
+    python3 benchmarks/diagnostics/attention_tiles.py --shapes "${ATTN_SHAPES:-16,32,64}" \
+        2>&1 | tee "$OUT/attention_tiles.log"
     bench_rc=$(( bench_rc || PIPESTATUS[0] ))
 fi
 if [[ " $benches " == *" probe "* ]]; then

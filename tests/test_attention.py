@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 import fusible
 from fusible import ops
+from fusible.core.conditions import PlanConditions
 from fusible.functional import attention as attn
 from fusible.functional.rotary import RotaryOptions, inverse_frequencies
 from fusible.testing import check_compiled_matches_eager
@@ -391,6 +392,46 @@ def test_the_kernel_is_chosen_explicitly_and_shown():
     with pytest.raises(ValueError, match="backend='flash' cannot run this attention: PyTorch's "
                                          "CPU flash kernel has no sliding window"):
         windowed(torch.randn(1, S, 3 * H * D))
+
+
+def test_narrow_heads_get_the_triton_kernels_by_default_on_cuda(monkeypatch):
+    """Up to TRITON_DEFAULT_HEAD_DIM (16 and 32) the default on CUDA is fusible's Triton
+    kernels; wider heads cuDNN's, which still runs narrow ones when asked; the triton
+    backend refuses what it lacks, by name, and a plan before the width is known says
+    which it will be."""
+    monkeypatch.setattr(attn, "HAVE_TRITON", True)
+    choose = attn.choose_backend
+    assert choose(None, "cuda", torch.bfloat16, 16, 0, False, "A") == "triton"
+    assert choose(None, "cuda", torch.float16, 32, 0, False, "A") == "triton"
+    assert choose(None, "cuda", torch.bfloat16, 64, 0, False, "A") == "cudnn"
+    assert choose("cudnn", "cuda", torch.bfloat16, 16, 0, False, "A") == "cudnn"
+    assert choose("triton", "cuda", torch.bfloat16, 64, 0, False, "A") == "triton"
+    assert choose(None, "cuda", torch.bfloat16, None, 0, False, "A") == "cudnn"
+    # what the kernels lack goes to the next one unasked, and is refused when asked for
+    assert choose(None, "cuda", torch.bfloat16, 16, 8, False, "A") == "flash"
+    assert choose(None, "cuda", torch.bfloat16, 16, 0, True, "A") == "flash"
+    assert choose(None, "cpu", torch.bfloat16, 16, 0, False, "A") == "flash"
+    for args, why in (((torch.bfloat16, 24, 0, False), r"head_dim 24 is not one of the "
+                       r"triton kernel's \(16, 32, 64\)"),
+                      ((torch.bfloat16, 128, 0, False), "head_dim 128 is not one of"),
+                      ((torch.float32, 16, 0, False), "takes float16 or bfloat16, not "
+                       "torch.float32"),
+                      ((torch.bfloat16, 16, 8, False), "no sliding window"),
+                      ((torch.bfloat16, 16, 0, True), "no packed documents")):
+        with pytest.raises(ValueError, match="A: backend='triton' cannot run this attention: "
+                                             ".*" + why):
+            choose("triton", "cuda", *args, "A")
+    with pytest.raises(ValueError, match="the triton kernel runs on CUDA only"):
+        choose("triton", "cpu", torch.bfloat16, 16, 0, False, "A")
+    with pytest.raises(ValueError, match="no logit soft-capping"):
+        choose("triton", "cuda", torch.bfloat16, 16, 0, False, "A", 50.0)
+    conditions = PlanConditions(torch.bfloat16, "cuda", True, True, (), (), None, True)
+    assert ops.Attention(H).plan_note(conditions) == \
+        "kernel: cudnn (triton for heads up to 32 wide)"
+    assert ops.Attention(H, head_dim=16).plan_note(conditions) == "kernel: triton"
+    assert ops.Attention(H, backend="cudnn").plan_note(conditions) == "kernel: cudnn"
+    monkeypatch.setattr(attn, "HAVE_TRITON", False)
+    assert choose(None, "cuda", torch.bfloat16, 16, 0, False, "A") == "cudnn"
 
 
 def test_flex_refuses_wide_heads_on_gpus_without_the_shared_memory(monkeypatch):

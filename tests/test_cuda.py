@@ -7,6 +7,7 @@ import torch
 
 import fusible
 from fusible import ops
+from fusible.functional import attention as attn
 from fusible.functional.activations import dact_dbias_torch
 from fusible.kernels.dact_dbias import dact_dbias_triton
 from fusible.testing import (assert_close, check_fusion, exact_parameters_, exact_tensor,
@@ -1514,6 +1515,43 @@ def test_attention_cudnn_on_gpu_matches_flash(kv, causal):
     (y_flash, g_flash), (y_cudnn, g_cudnn) = results
     assert _relative_error(y_cudnn, y_flash) < 1e-2
     assert _relative_error(g_cudnn, g_flash) < 2e-2
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("d,kv,causal", [(16, 8, True), (16, 2, True), (32, 1, False),
+                                         (64, 2, True), (16, 4, False)])
+def test_attention_triton_on_gpu_matches_float64(dtype, d, kv, causal):
+    """fusible's Triton attention kernels (the default at 16-wide heads) against the float64
+    math formulas on the CPU: grouped heads, a length no tile divides, both masks."""
+    heads, batch, seq = 8, 2, 333
+    options = dict(num_kv_heads=kv, causal=causal, rotary_base=1e4)
+    backend = None if d <= attn.TRITON_DEFAULT_HEAD_DIM else "triton"
+    gpu = ops.Sequential(ops.Attention(heads, backend=backend, **options)).cuda()
+    ref = ops.Sequential(ops.Attention(heads, backend="math", **options)).double()
+    torch.manual_seed(0)
+    x = torch.randn(batch, seq, (heads + 2 * kv) * d, dtype=torch.float64)
+    assert "kernel: triton" in gpu.plan(x.to("cuda", dtype)).explain()
+    x_gpu = x.to("cuda", dtype).requires_grad_()
+    x_ref = x_gpu.detach().double().cpu().requires_grad_()
+    y = gpu(x_gpu)
+    want = ref(x_ref)
+    dy = torch.randn_like(want)
+    y.backward(dy.to("cuda", dtype))
+    want.backward(dy)
+    bound = 8e-3 if dtype == torch.bfloat16 else 1e-3
+    assert _relative_error(y.cpu(), want) < bound
+    assert _relative_error(x_gpu.grad.cpu(), x_ref.grad) < 2 * bound
+
+
+def test_attention_triton_on_gpu_compiles_bit_for_bit(fresh_dynamo):
+    """The Triton kernels inside a compiled layer's custom ops: the eager bits."""
+    from fusible.layers import TransformerLayer
+    from fusible.testing import check_compiled_matches_eager
+    torch.manual_seed(0)
+    layer = TransformerLayer(256, 768, 16, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(2, 300, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    assert "kernel: triton" in layer.plan(x).explain()
+    check_compiled_matches_eager(layer, x, backend="inductor")
 
 
 @pytest.mark.parametrize("fp8", [False, True])

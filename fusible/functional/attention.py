@@ -14,6 +14,10 @@ preparation writes, through one of PyTorch's attention kernels chosen explicitly
   windows. Its backward runs the forward again under autograd (the flex kernels' backward
   comes with their forward only), a third more attention time than a kernel with a
   separate backward.
+- ``"triton"``: fusible's own FlashAttention-style kernels
+  (:mod:`fusible.kernels.attention`; CUDA, float16 or bfloat16, head_dim 16, 32 or 64,
+  causal or bidirectional, grouped-query; no window, documents or soft-capping), chosen
+  by default where they beat cuDNN's: heads up to :data:`TRITON_DEFAULT_HEAD_DIM` wide.
 - ``"math"``: the formulas in PyTorch ops, float32 (float64 for float64 inputs), the
   whole ``S x S`` score matrix in memory: the reference, and what runs where no kernel
   fits. Never chosen on a GPU unless asked for.
@@ -35,9 +39,16 @@ from torch._subclasses.fake_tensor import is_fake
 from torch.nn.attention import flex_attention as flex
 from torch.utils._python_dispatch import _disable_current_modes
 
+from fusible.kernels import HAVE_TRITON
+from fusible.kernels import attention as attention_kernels
+
 Tensor = torch.Tensor
 
-BACKENDS = ("flash", "cudnn", "flex", "math")
+BACKENDS = ("flash", "cudnn", "flex", "triton", "math")
+# The widest heads the Triton kernels get by default (measured against cuDNN's on an H100:
+# docs/benchmarks.md); they run up to TRITON_HEAD_DIMS[-1] when asked for.
+TRITON_DEFAULT_HEAD_DIM = 32
+TRITON_HEAD_DIMS = (16, 32, 64)
 _HALF = (torch.float16, torch.bfloat16)
 _FLEX_CONFIG_LOCK = threading.Lock()
 
@@ -108,6 +119,8 @@ def _backend_refusal(backend: str, device_type: str, dtype: torch.dtype,
         return _flex_shared_memory_refusal(head_dim)
     if softcap:
         return f"the {backend} kernel has no logit soft-capping"
+    if backend == "triton":
+        return _triton_refusal(device_type, dtype, head_dim, window, documents)
     if device_type == "cpu":
         if backend != "flash":
             return f"the {backend} kernel runs on CUDA only"
@@ -127,6 +140,37 @@ def _backend_refusal(backend: str, device_type: str, dtype: torch.dtype,
     return None
 
 
+def _triton_refusal(device_type: str, dtype: torch.dtype, head_dim: Optional[int],
+                    window: int, documents: bool) -> Optional[str]:
+    if device_type != "cuda":
+        return "the triton kernel runs on CUDA only"
+    if not HAVE_TRITON:
+        return "Triton is not installed"
+    if dtype not in _HALF:
+        return f"the triton kernel takes float16 or bfloat16, not {dtype}"
+    if window or documents:
+        return "the triton kernel has no sliding window and no packed documents"
+    if head_dim is not None and head_dim not in TRITON_HEAD_DIMS:
+        return f"head_dim {head_dim} is not one of the triton kernel's {TRITON_HEAD_DIMS}"
+    return None
+
+
+def _default_refusal(backend: str, head_dim: Optional[int]) -> Optional[str]:
+    """Why the default choice passes over a backend that could run this attention."""
+    if backend == "triton" and (head_dim is None or head_dim > TRITON_DEFAULT_HEAD_DIM):
+        return (f"taken by default for heads up to {TRITON_DEFAULT_HEAD_DIM} wide only "
+                f"(cuDNN's kernels are faster above)")
+    return None
+
+
+def default_note(requested: Optional[str], device_type: str, head_dim: Optional[int]) -> str:
+    """What a plan's note adds where the input's width is not known yet: the default
+    choice on CUDA then depends on it."""
+    if requested is None and device_type == "cuda" and head_dim is None:
+        return f" (triton for heads up to {TRITON_DEFAULT_HEAD_DIM} wide)"
+    return ""
+
+
 def choose_backend(requested: Optional[str], device_type: str, dtype: torch.dtype,
                    head_dim: Optional[int], window: int, documents: bool,
                    where: Union[str, Callable[[], str]], softcap: float = 0.0) -> str:
@@ -135,7 +179,8 @@ def choose_backend(requested: Optional[str], device_type: str, dtype: torch.dtyp
     window or documents: on the H200 a 1B layer's attention takes 0.33 + 0.95 ms a step
     there against FlashAttention-2's 0.54 + 1.41), else flash, and for soft-capped logits
     (which neither takes) flex; on the CPU flash, else math. On a GPU the math kernel is
-    never chosen unasked: ValueError saying why none fits. ``head_dim`` None (at
+    never chosen unasked: ValueError saying why none fits. Heads up to
+    :data:`TRITON_DEFAULT_HEAD_DIM` wide get the Triton kernels first. ``head_dim`` None (at
     planning, before the input's width is known) leaves its check to the run. ``where``
     may be a function that names it (called only for an error: a step asks each time)."""
     if requested is not None:
@@ -148,11 +193,11 @@ def choose_backend(requested: Optional[str], device_type: str, dtype: torch.dtyp
     # (flex only for what the others cannot take: it compiles a kernel per shape where
     # they have one ready)
     order = ("flash", "math") if device_type == "cpu" else \
-        ("cudnn", "flash", "flex") if softcap else ("cudnn", "flash")
+        ("cudnn", "flash", "flex") if softcap else ("triton", "cudnn", "flash")
     reasons = []
     for backend in order:
-        why = _backend_refusal(backend, device_type, dtype, head_dim, window, documents,
-                               softcap)
+        why = _default_refusal(backend, head_dim) or _backend_refusal(
+            backend, device_type, dtype, head_dim, window, documents, softcap)
         if why is None:
             return backend
         reasons.append(f"{backend}: {why}")
@@ -359,6 +404,13 @@ def _flex_backward(dout, q, k, v, options):
         return torch.autograd.grad(out, inputs, dout)
 
 
+def _triton_forward(q, k, v, options):
+    if is_fake(q):  # a trace's: the shapes only
+        b, s, h, _ = q.shape
+        return torch.empty_like(q), q.new_empty(b, h, s, dtype=torch.float32)
+    return attention_kernels.attention_forward_triton(q, k, v, options.causal, options.scale)
+
+
 def attention_forward(q: Tensor, k: Tensor, v: Tensor, options: AttentionOptions,
                       cu_seqlens: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
     """``(out, lse, rng_state)``: ``out`` ``(B, S, H, D)``; ``lse`` and ``rng_state`` as the
@@ -371,6 +423,9 @@ def attention_forward(q: Tensor, k: Tensor, v: Tensor, options: AttentionOptions
         return out, lse, empty
     if backend == "flex":
         out, lse = _flex_forward(q, k, v, options)
+        return out, lse, empty
+    if backend == "triton":
+        out, lse = _triton_forward(q, k, v, options)
         return out, lse, empty
     if backend == "flash" and q.device.type == "cpu":
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
@@ -406,6 +461,11 @@ def attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tenso
         return _math_backward(dout, q, k, v, out, options, cu_seqlens)
     if backend == "flex":
         return _flex_backward(dout, q, k, v, options)
+    if backend == "triton":
+        if is_fake(q):
+            return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        return attention_kernels.attention_backward_triton(dout, q, k, v, out, lse,
+                                                           options.causal, options.scale)
     if backend == "flash" and q.device.type == "cpu":
         grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             *_heads_first(dout, q, k, v, out), lse, 0.0, options.causal, scale=options.scale)

@@ -208,8 +208,10 @@ class Attention(BasicOperation):
         weights' gradients are summed over the group.
     tensor_parallel_group : ProcessGroup or 1-D DeviceMesh, optional
         The default group when None.
-    backend : {"flash", "cudnn", "flex", "math"}, optional
-        The attention kernel; None: on CUDA cuDNN's where it runs (see below), else flash
+    backend : {"flash", "cudnn", "flex", "triton", "math"}, optional
+        The attention kernel; None: on CUDA fusible's Triton kernels for heads up to
+        ``fusible.functional.attention.TRITON_DEFAULT_HEAD_DIM`` (32) wide, else cuDNN's
+        where it runs (see below), else flash
         (float16/bfloat16, ``head_dim`` a multiple of 8 up to 256); on the CPU PyTorch's
         flash kernel (without windows or documents), else the math formulas. A GPU never runs the
         math formulas (the whole score matrix) unasked: ValueError instead. ``"cudnn"``:
@@ -220,7 +222,10 @@ class Attention(BasicOperation):
         ``flex_attention``, compiled (CUDA only; causal, windows, soft-capping; no
         packed documents; ``head_dim`` 16 up, over 128 on GPUs with 160 KiB of shared
         memory per block), chosen unasked only for soft-capped logits,
-        which the others do not take; its backward runs the forward again.
+        which the others do not take; its backward runs the forward again. ``"triton"``:
+        FlashAttention's algorithm in fusible's own Triton kernels (CUDA, float16/bfloat16,
+        ``head_dim`` 16, 32 or 64, causal or bidirectional, grouped kv heads; no window,
+        documents or soft-capping), faster than cuDNN's at narrow heads.
     device, dtype
         Of the q/k norm weights.
     """
@@ -345,7 +350,8 @@ class Attention(BasicOperation):
         """The attention kernel these conditions get, for ``explain()`` and the diagram."""
         try:
             return "kernel: " + self.kernel(conditions.device_type, conditions.dtype,
-                                            self.head_dim)
+                                            self.head_dim) + attn.default_note(
+                self.backend, conditions.device_type, self.head_dim)
         except ValueError as error:
             return f"no kernel fits: {error}"
 
