@@ -427,11 +427,12 @@ def test_narrow_heads_get_the_triton_kernels_by_default_on_cuda(monkeypatch):
         choose("triton", "cuda", torch.bfloat16, 16, 0, False, "A", 50.0)
     conditions = PlanConditions(torch.bfloat16, "cuda", True, True, (), (), None, True)
     assert ops.Attention(H).plan_note(conditions) == \
-        "kernel: cudnn (triton for heads up to 32 wide)"
+        "kernel: triton for heads up to 32 wide, else cudnn"
     assert ops.Attention(H, head_dim=16).plan_note(conditions) == "kernel: triton"
     assert ops.Attention(H, backend="cudnn").plan_note(conditions) == "kernel: cudnn"
     monkeypatch.setattr(attn, "HAVE_TRITON", False)
     assert choose(None, "cuda", torch.bfloat16, 16, 0, False, "A") == "cudnn"
+    assert ops.Attention(H).plan_note(conditions) == "kernel: cudnn"
 
 
 def test_flex_refuses_wide_heads_on_gpus_without_the_shared_memory(monkeypatch):

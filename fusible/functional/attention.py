@@ -163,12 +163,13 @@ def _default_refusal(backend: str, head_dim: Optional[int]) -> Optional[str]:
     return None
 
 
-def default_note(requested: Optional[str], device_type: str, head_dim: Optional[int]) -> str:
-    """What a plan's note adds where the input's width is not known yet: the default
-    choice on CUDA then depends on it."""
-    if requested is None and device_type == "cuda" and head_dim is None:
-        return f" (triton for heads up to {TRITON_DEFAULT_HEAD_DIM} wide)"
-    return ""
+def plan_kernel_note(requested: Optional[str], device_type: str, head_dim: Optional[int],
+                     chosen: str) -> str:
+    """A plan's note of the kernel ``chosen``: where the input's width is not known yet, the
+    default on CUDA depends on it, and the note says how."""
+    if requested is None and device_type == "cuda" and head_dim is None and HAVE_TRITON:
+        return f"kernel: triton for heads up to {TRITON_DEFAULT_HEAD_DIM} wide, else {chosen}"
+    return f"kernel: {chosen}"
 
 
 def choose_backend(requested: Optional[str], device_type: str, dtype: torch.dtype,

@@ -23,13 +23,15 @@ from fusible.kernels import jit, require_triton, tl, triton
 
 _LOG2E = 1.4426950408889634
 
-# Tiles: (BLOCK_M query rows, BLOCK_N key rows, warps, pipeline stages) per kernel, set
-# from the sweep of benchmarks/diagnostics/attention_tiles.py; BLOCK_N divides BLOCK_M in
-# the forward and the dq kernel, BLOCK_M divides BLOCK_N in the dk/dv kernel (the diagonal
-# then falls in whole blocks).
-FORWARD_TILE = (128, 64, 4, 3)
-DQ_TILE = (128, 64, 4, 3)
-DKV_TILE = (64, 128, 4, 3)
+# Tiles: (BLOCK_M query rows, BLOCK_N key rows, warps, pipeline stages) per kernel, the
+# fastest of benchmarks/diagnostics/attention_tiles.py's sweep on an H100 at 16- and
+# 32-wide heads (docs/benchmarks.md); BLOCK_N divides BLOCK_M in the forward and the dq
+# kernel, BLOCK_M divides BLOCK_N in the dk/dv kernel (the diagonal then falls in whole
+# blocks). From 64-wide heads the dk/dv kernel's long tile spills its registers (4.4x).
+FORWARD_TILE = (64, 64, 4, 3)
+DQ_TILE = (64, 64, 4, 3)
+DKV_TILE = (32, 128, 4, 3)
+DKV_TILE_WIDE = (64, 64, 4, 3)
 
 
 @jit
@@ -257,7 +259,7 @@ def attention_backward_triton(dout: torch.Tensor, q: torch.Tensor, k: torch.Tens
         q, k, v, out, dout, lse, delta, dq, s, h, groups, *_strides(q, k), scale * _LOG2E,
         scale, CAUSAL=causal, D=d, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps,
         num_stages=stages)
-    block_m, block_n, warps, stages = dkv_tile or DKV_TILE
+    block_m, block_n, warps, stages = dkv_tile or (DKV_TILE if d <= 32 else DKV_TILE_WIDE)
     _dkv_kernel[(triton.cdiv(s, block_n), b * kv_heads)](
         q, k, v, dout, lse, delta, dk, dv, s, h, kv_heads, groups, *_strides(q, k),
         scale * _LOG2E, scale, CAUSAL=causal, D=d, BLOCK_M=block_m, BLOCK_N=block_n,

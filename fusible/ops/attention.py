@@ -349,9 +349,9 @@ class Attention(BasicOperation):
     def plan_note(self, conditions) -> str:
         """The attention kernel these conditions get, for ``explain()`` and the diagram."""
         try:
-            return "kernel: " + self.kernel(conditions.device_type, conditions.dtype,
-                                            self.head_dim) + attn.default_note(
-                self.backend, conditions.device_type, self.head_dim)
+            chosen = self.kernel(conditions.device_type, conditions.dtype, self.head_dim)
+            return attn.plan_kernel_note(self.backend, conditions.device_type, self.head_dim,
+                                         chosen)
         except ValueError as error:
             return f"no kernel fits: {error}"
 
