@@ -435,6 +435,25 @@ def test_narrow_heads_get_the_triton_kernels_by_default_on_cuda(monkeypatch):
     assert ops.Attention(H).plan_note(conditions) == "kernel: cudnn"
 
 
+def test_the_triton_backward_reads_an_fp8_saved_output_as_its_values(monkeypatch):
+    """An FP8 plan saves the attention's output as the Float8Tensor it hands the next GEMM;
+    the Triton kernels read memory, so they get its values as a plain tensor (a
+    Float8Tensor's pointer is not its values': an illegal address on the GPU)."""
+    from fusible.kernels import attention as kernels
+    from fusible.quantization.tensor.quantize import quantize_raw
+    seen = []
+    monkeypatch.setattr(kernels, "attention_backward_triton",
+                        lambda *args: seen.append(args) or (args[1], args[2], args[3]))
+    q, dout, out = (torch.randn(1, 4, 2, 16) for _ in range(3))
+    k = v = torch.randn(1, 4, 1, 16)
+    fp8_out = quantize_raw(out, torch.float8_e4m3fn, False, torch.float32)
+    options = attn.AttentionOptions(True, 0.25, 0, "triton")
+    attn.attention_backward(dout, q, k, v, fp8_out, torch.zeros(1, 2, 4), None, options)
+    given_dout, given_out = seen[0][0], seen[0][4]
+    assert type(given_out) is torch.Tensor and given_dout is dout
+    assert torch.equal(given_out, fp8_out.dequantize())
+
+
 def test_flex_refuses_wide_heads_on_gpus_without_the_shared_memory(monkeypatch):
     """Over head_dim 128 the flex backward's kernels need about 114-131 KiB of shared
     memory per block: a consumer board (99 KiB) is refused with the reason, a Hopper GPU

@@ -7,6 +7,7 @@ backward per kernel that recomputes them; 16 a clock per multiprocessor). Before
 each tile's results are checked against cuDNN's.
 
     PYTHONPATH=. python3 benchmarks/diagnostics/attention_tiles.py [--shapes 16,32,64]
+        [--defaults-only]
 """
 
 import argparse
@@ -43,7 +44,7 @@ def relative_error(got, want) -> float:
     return ((got.float() - want.float()).norm() / want.float().norm()).item()
 
 
-def shape_rows(d: int) -> None:
+def shape_rows(d: int, defaults_only: bool) -> None:
     b, s, h, kv = SHAPES[d]
     torch.manual_seed(0)
     q = torch.randn(b, s, h, d, device="cuda", dtype=BF16)
@@ -61,13 +62,16 @@ def shape_rows(d: int) -> None:
         print(f"{name:<8} fwd {bench(lambda: attn.attention_forward(q, k, v, opt)):8.1f} us  "
               f"bwd {bench(lambda: attn.attention_backward(dout, q, k, v, o, l, r, opt)):8.1f}"
               f" us", flush=True)
-    for tile in FORWARD:
+    forward, dq, dkv = FORWARD, DQ, DKV
+    if defaults_only:
+        forward, dq, dkv = [kernels.FORWARD_TILE], [kernels.DQ_TILE], []
+    for tile in forward:
         mine, my_lse = kernels.attention_forward_triton(q, k, v, True, scale, tile)
         err = relative_error(mine, out)
         us = bench(lambda: kernels.attention_forward_triton(q, k, v, True, scale, tile))
         print(f"triton fwd {tile}: {us:8.1f} us  (error against cuDNN {err:.1e})", flush=True)
-    for dq_tile, dkv_tile in itertools.chain(((t, kernels.DKV_TILE) for t in DQ),
-                                             ((kernels.DQ_TILE, t) for t in DKV)):
+    for dq_tile, dkv_tile in itertools.chain(((t, kernels.DKV_TILE) for t in dq),
+                                             ((kernels.DQ_TILE, t) for t in dkv)):
         grads = kernels.attention_backward_triton(dout, q, k, v, mine, my_lse, True, scale,
                                                   dq_tile, dkv_tile)
         err = max(relative_error(g, w) for g, w in zip(grads, want))
@@ -80,10 +84,12 @@ def shape_rows(d: int) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shapes", default="16,32,64")
+    parser.add_argument("--defaults-only", action="store_true",
+                        help="time the kernels' default tiles alone, beside cuDNN and flash")
     args = parser.parse_args()
     print(torch.cuda.get_device_name())
     for d in args.shapes.split(","):
-        shape_rows(int(d))
+        shape_rows(int(d), args.defaults_only)
 
 
 if __name__ == "__main__":

@@ -41,6 +41,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from fusible.kernels import HAVE_TRITON
 from fusible.kernels import attention as attention_kernels
+from fusible.quantization.tensor.float8_tensor import Float8Tensor
 
 Tensor = torch.Tensor
 
@@ -405,6 +406,13 @@ def _flex_backward(dout, q, k, v, options):
         return torch.autograd.grad(out, inputs, dout)
 
 
+def _values(t: Tensor) -> Tensor:
+    """A plain tensor of ``t``'s values for a Triton kernel: an FP8 plan hands the
+    attention's output to the next GEMM as a Float8Tensor, and saves that (its data is
+    not the values: the kernels read memory, not dispatch)."""
+    return t._dequantize_raw() if isinstance(t, Float8Tensor) else t
+
+
 def _triton_forward(q, k, v, options):
     if is_fake(q):  # a trace's: the shapes only
         b, s, h, _ = q.shape
@@ -465,8 +473,8 @@ def attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tenso
     if backend == "triton":
         if is_fake(q):
             return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        return attention_kernels.attention_backward_triton(dout, q, k, v, out, lse,
-                                                           options.causal, options.scale)
+        return attention_kernels.attention_backward_triton(
+            _values(dout), q, k, v, _values(out), lse, options.causal, options.scale)
     if backend == "flash" and q.device.type == "cpu":
         grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             *_heads_first(dout, q, k, v, out), lse, 0.0, options.causal, scale=options.scale)
