@@ -4,6 +4,7 @@ on the math backend, in float64), its kernels' choice, its errors, and the QKV/r
 Triton kernel under Triton's interpreter."""
 
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -399,7 +400,7 @@ def test_narrow_heads_get_the_triton_kernels_by_default_on_cuda(monkeypatch):
     kernels; wider heads cuDNN's, which still runs narrow ones when asked; the triton
     backend refuses what it lacks, by name, and a plan before the width is known says
     which it will be."""
-    monkeypatch.setattr(attn, "HAVE_TRITON", True)
+    monkeypatch.setattr(attn, "triton_imports", lambda: True)
     choose = attn.choose_backend
     assert choose(None, "cuda", torch.bfloat16, 16, 0, False, "A") == "triton"
     assert choose(None, "cuda", torch.float16, 32, 0, False, "A") == "triton"
@@ -430,9 +431,41 @@ def test_narrow_heads_get_the_triton_kernels_by_default_on_cuda(monkeypatch):
         "kernel: triton for heads up to 32 wide, else cudnn"
     assert ops.Attention(H, head_dim=16).plan_note(conditions) == "kernel: triton"
     assert ops.Attention(H, backend="cudnn").plan_note(conditions) == "kernel: cudnn"
-    monkeypatch.setattr(attn, "HAVE_TRITON", False)
+    # what the Triton kernels cannot take gets no conditional note
+    for options, chosen in ((dict(window=8), "flash"), (dict(documents=True), "flash"),
+                            (dict(softcap=30.0), "flex")):
+        assert ops.Attention(H, **options).plan_note(conditions) == f"kernel: {chosen}"
+    # a dtype no kernel takes: each one's own reason, not the default's width rule
+    with pytest.raises(ValueError, match="triton: the triton kernel takes float16 or "
+                                         "bfloat16, not torch.float32"):
+        choose(None, "cuda", torch.float32, None, 0, False, "A")
+    # Triton installed but failing to import: cuDNN's, not an error at the first call
+    monkeypatch.setattr(attn, "triton_imports", lambda: False)
     assert choose(None, "cuda", torch.bfloat16, 16, 0, False, "A") == "cudnn"
     assert ops.Attention(H).plan_note(conditions) == "kernel: cudnn"
+    with pytest.raises(ValueError, match="Triton is not installed or failed to import"):
+        choose("triton", "cuda", torch.bfloat16, 16, 0, False, "A")
+
+
+@pytest.mark.parametrize("call,tile,rule", [
+    ("forward", (16, 32, 4, 1), "BLOCK_N dividing BLOCK_M"),
+    ("dq", (32, 48, 4, 1), "BLOCK_N dividing BLOCK_M"),
+    ("dkv", (32, 16, 4, 1), "BLOCK_M dividing BLOCK_N"),
+    ("forward", (32, 8, 4, 1), "of 16 or more")])
+def test_the_triton_kernels_refuse_tiles_their_loops_would_misread(call, tile, rule):
+    """The loops put the causal diagonal in whole blocks: a tile that breaks it would read
+    keys past the diagonal unmasked (wrong results, no error), so it is refused first."""
+    from fusible.kernels import attention as kernels
+    q = torch.randn(1, 64, 2, 16)
+    k = torch.randn(1, 64, 1, 16)
+    name = "dk/dv" if call == "dkv" else call
+    with pytest.raises(ValueError, match=re.escape(f"the {name} tile {tile} needs") + ".*"
+                       + rule):
+        if call == "forward":
+            kernels.attention_forward_triton(q, k, k, True, 0.25, tile)
+        else:
+            tiles = {"dq_tile": tile} if call == "dq" else {"dkv_tile": tile}
+            kernels.attention_backward_triton(q, q, k, k, q, q[..., 0], True, 0.25, **tiles)
 
 
 def test_the_triton_backward_reads_an_fp8_saved_output_as_its_values(monkeypatch):

@@ -903,6 +903,22 @@ _ATTENTION_SCRIPT = textwrap.dedent("""
                     scale = 4 if dtype == torch.float32 else 8
                     for name, got, ref in zip("qkv", grads, want_grads):
                         assert_close(got, ref, dtype, f"d{name} {what}", scale)
+    # every score of a row far below zero (log-sum-exp -140): the keys past the last
+    # tile's end must get probability 0, not exp2(140 log2 e) (an infinite dq)
+    q = torch.full((1, 40, 1, 16), 6.0)
+    k = -6.0 + 0.1 * torch.randn(1, 40, 1, 16)
+    v, dout = torch.randn(1, 40, 1, 16), torch.randn(1, 40, 1, 16)
+    options = attn.AttentionOptions(False, 0.25, 0, "math")
+    want, want_lse, _ = attn.attention_forward(q.double(), k.double(), v.double(), options)
+    assert want_lse.max() < -100
+    want_grads = attn.attention_backward(dout.double(), q.double(), k.double(), v.double(),
+                                         want, want_lse, None, options)
+    tile = (32, 32, 4, 1)
+    out, lse = attention_forward_triton(q, k, v, False, 0.25, tile)
+    grads = attention_backward_triton(dout, q, k, v, out, lse, False, 0.25, tile, tile)
+    for name, got, ref in zip("qkv", grads, want_grads):
+        # (float32 scores near -200 in base 2: their exponents carry 1e-5 relative error)
+        assert_close(got, ref, torch.float32, f"d{name} with far-negative scores", 64)
     print("ok")
 """)
 

@@ -39,7 +39,7 @@ from torch._subclasses.fake_tensor import is_fake
 from torch.nn.attention import flex_attention as flex
 from torch.utils._python_dispatch import _disable_current_modes
 
-from fusible.kernels import HAVE_TRITON
+from fusible.kernels import triton_imports
 from fusible.kernels import attention as attention_kernels
 from fusible.quantization.tensor.float8_tensor import Float8Tensor
 
@@ -145,8 +145,8 @@ def _triton_refusal(device_type: str, dtype: torch.dtype, head_dim: Optional[int
                     window: int, documents: bool) -> Optional[str]:
     if device_type != "cuda":
         return "the triton kernel runs on CUDA only"
-    if not HAVE_TRITON:
-        return "Triton is not installed"
+    if not triton_imports():  # (on CUDA only: a CPU run never imports it)
+        return "Triton is not installed or failed to import"
     if dtype not in _HALF:
         return f"the triton kernel takes float16 or bfloat16, not {dtype}"
     if window or documents:
@@ -164,11 +164,14 @@ def _default_refusal(backend: str, head_dim: Optional[int]) -> Optional[str]:
     return None
 
 
-def plan_kernel_note(requested: Optional[str], device_type: str, head_dim: Optional[int],
-                     chosen: str) -> str:
-    """A plan's note of the kernel ``chosen``: where the input's width is not known yet, the
-    default on CUDA depends on it, and the note says how."""
-    if requested is None and device_type == "cuda" and head_dim is None and HAVE_TRITON:
+def plan_kernel_note(chosen: str, requested: Optional[str], device_type: str,
+                     dtype: torch.dtype, head_dim: Optional[int], window: int,
+                     documents: bool, softcap: float) -> str:
+    """A plan's note of the kernel ``chosen``: where the input's width is not known yet and
+    the Triton kernels could run this attention, the default on CUDA depends on the width,
+    and the note says how."""
+    if (requested is None and device_type == "cuda" and head_dim is None and not softcap
+            and _triton_refusal(device_type, dtype, None, window, documents) is None):
         return f"kernel: triton for heads up to {TRITON_DEFAULT_HEAD_DIM} wide, else {chosen}"
     return f"kernel: {chosen}"
 
@@ -198,8 +201,8 @@ def choose_backend(requested: Optional[str], device_type: str, dtype: torch.dtyp
         ("cudnn", "flash", "flex") if softcap else ("triton", "cudnn", "flash")
     reasons = []
     for backend in order:
-        why = _default_refusal(backend, head_dim) or _backend_refusal(
-            backend, device_type, dtype, head_dim, window, documents, softcap)
+        why = _backend_refusal(backend, device_type, dtype, head_dim, window, documents,
+                               softcap) or _default_refusal(backend, head_dim)
         if why is None:
             return backend
         reasons.append(f"{backend}: {why}")

@@ -108,9 +108,11 @@ def _forward_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, S, H, GROUPS, stride_qb
 
 @jit
 def _dq_block(q, do, lse2, delta, rows, dq, k_ptr, v_ptr, kv_off, start_n, S, stride_ks,
-              qk_scale, MASKED: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr):
-    """One block of keys into ``dq``. Keys past ``S`` read as zeros: their term ``ds @ k``
-    is zero unmasked; ``MASKED``: the causal diagonal."""
+              qk_scale, CAUSAL: tl.constexpr, MASKED: tl.constexpr, D: tl.constexpr,
+              BLOCK_N: tl.constexpr):
+    """One block of keys into ``dq``; ``MASKED``: the causal diagonal or the last partial
+    block, whose keys past ``S`` (read as zeros) get probability 0 (unmasked, a row whose
+    scores are all far below zero would make ``exp2(-lse)`` infinite there)."""
     n = start_n + tl.arange(0, BLOCK_N)
     d = tl.arange(0, D)
     k = tl.load(k_ptr + kv_off + n[:, None] * stride_ks + d[None, :], mask=n[:, None] < S,
@@ -119,7 +121,10 @@ def _dq_block(q, do, lse2, delta, rows, dq, k_ptr, v_ptr, kv_off, start_n, S, st
                   other=0.0)
     p = tl.math.exp2(tl.dot(q, tl.trans(k)) * qk_scale - lse2[:, None])
     if MASKED:
-        p = tl.where(n[None, :] <= rows[:, None], p, 0.0)
+        seen = n[None, :] < S
+        if CAUSAL:
+            seen = seen & (n[None, :] <= rows[:, None])
+        p = tl.where(seen, p, 0.0)
     ds = p * (tl.dot(do, v_t) - delta[:, None])
     return tl.dot(ds.to(k.dtype), k, dq)
 
@@ -149,13 +154,13 @@ def _dq_kernel(q_ptr, k_ptr, v_ptr, o_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, S
     if CAUSAL:
         unmasked, end = start_m, tl.minimum(start_m + BLOCK_M, S)
     else:
-        unmasked, end = S, S
+        unmasked, end = (S // BLOCK_N) * BLOCK_N, S
     for start_n in range(0, unmasked, BLOCK_N):
         dq = _dq_block(q, do, lse2, delta, rows, dq, k_ptr, v_ptr, kv_off, start_n, S,
-                       stride_ks, qk_scale, False, D, BLOCK_N)
+                       stride_ks, qk_scale, CAUSAL, False, D, BLOCK_N)
     for start_n in range(unmasked, end, BLOCK_N):
         dq = _dq_block(q, do, lse2, delta, rows, dq, k_ptr, v_ptr, kv_off, start_n, S,
-                       stride_ks, qk_scale, True, D, BLOCK_N)
+                       stride_ks, qk_scale, CAUSAL, True, D, BLOCK_N)
     tl.store(dq_ptr + at, (dq * scale).to(dq_ptr.dtype.element_ty), mask=in_s)
 
 
@@ -217,7 +222,26 @@ def _dkv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr,
 
 
 def _strides(q: torch.Tensor, k: torch.Tensor) -> tuple:
+    """The batch and sequence strides; ValueError where one batch row's offsets pass 32
+    bits (the kernels address within a row in int32, the rows themselves in int64)."""
+    if q.shape[1] * q.stride(1) >= 2**31:
+        raise ValueError(f"attention (triton): one sequence of {q.shape[1]} tokens x "
+                         f"{q.stride(1)} features passes the kernels' 32-bit offsets; use "
+                         f"backend='cudnn' or 'flash'")
     return q.stride(0), q.stride(1), k.stride(0), k.stride(1)
+
+
+def _check_tile(name: str, tile: tuple, diagonal_blocks: str) -> tuple:
+    """``tile`` where its blocks put the causal diagonal in whole blocks, which the
+    kernels' loop bounds assume; ValueError otherwise."""
+    block_m, block_n = tile[:2]
+    small, large = (block_n, block_m) if diagonal_blocks == "keys" else (block_m, block_n)
+    if large % small or min(tile[:2]) < 16:
+        raise ValueError(f"attention (triton): the {name} tile {tile} needs BLOCK_M and "
+                         f"BLOCK_N of 16 or more, "
+                         + ("BLOCK_N dividing BLOCK_M" if diagonal_blocks == "keys"
+                            else "BLOCK_M dividing BLOCK_N"))
+    return tile
 
 
 def attention_forward_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
@@ -225,12 +249,12 @@ def attention_forward_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     """``(out, lse)``: ``out`` ``(B, S, H, D)`` contiguous, ``lse`` ``(B, H, S)`` float32
     (base e), from ``q`` ``(B, S, H, D)``, ``k`` and ``v`` ``(B, S, K, D)`` (``H`` a multiple
     of ``K``; ``D`` a power of two from 16)."""
+    block_m, block_n, warps, stages = _check_tile("forward", tile or FORWARD_TILE, "keys")
     require_triton("attention_forward")
     q, k, v = (t.contiguous() for t in (q, k, v))  # (no copies for the QKV kernel's)
     b, s, h, d = q.shape
     out = torch.empty_like(q)
     lse = torch.empty(b, h, s, dtype=torch.float32, device=q.device)
-    block_m, block_n, warps, stages = tile or FORWARD_TILE
     if not out.numel():
         return out, lse
     _forward_kernel[(triton.cdiv(s, block_m), b * h)](
@@ -245,6 +269,9 @@ def attention_backward_triton(dout: torch.Tensor, q: torch.Tensor, k: torch.Tens
                               causal: bool, scale: float, dq_tile: tuple | None = None,
                               dkv_tile: tuple | None = None) -> tuple:
     """``(dq, dk, dv)``, contiguous, of the shapes of ``q``, ``k``, ``v``."""
+    dq_tile = _check_tile("dq", dq_tile or DQ_TILE, "keys")
+    dkv_tile = _check_tile("dk/dv", dkv_tile or (DKV_TILE if q.shape[-1] <= 32
+                                                 else DKV_TILE_WIDE), "queries")
     require_triton("attention_backward")
     dout, q, k, v, out = (t.contiguous() for t in (dout, q, k, v, out))
     b, s, h, d = q.shape
@@ -254,12 +281,12 @@ def attention_backward_triton(dout: torch.Tensor, q: torch.Tensor, k: torch.Tens
         return dq, dk, dv
     delta = torch.empty(b, h, s, dtype=torch.float32, device=q.device)
     groups = h // kv_heads
-    block_m, block_n, warps, stages = dq_tile or DQ_TILE
+    block_m, block_n, warps, stages = dq_tile
     _dq_kernel[(triton.cdiv(s, block_m), b * h)](
         q, k, v, out, dout, lse, delta, dq, s, h, groups, *_strides(q, k), scale * _LOG2E,
         scale, CAUSAL=causal, D=d, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps,
         num_stages=stages)
-    block_m, block_n, warps, stages = dkv_tile or (DKV_TILE if d <= 32 else DKV_TILE_WIDE)
+    block_m, block_n, warps, stages = dkv_tile
     _dkv_kernel[(triton.cdiv(s, block_n), b * kv_heads)](
         q, k, v, dout, lse, delta, dk, dv, s, h, kv_heads, groups, *_strides(q, k),
         scale * _LOG2E, scale, CAUSAL=causal, D=d, BLOCK_M=block_m, BLOCK_N=block_n,

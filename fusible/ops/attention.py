@@ -350,8 +350,9 @@ class Attention(BasicOperation):
         """The attention kernel these conditions get, for ``explain()`` and the diagram."""
         try:
             chosen = self.kernel(conditions.device_type, conditions.dtype, self.head_dim)
-            return attn.plan_kernel_note(self.backend, conditions.device_type, self.head_dim,
-                                         chosen)
+            return attn.plan_kernel_note(chosen, self.backend, conditions.device_type,
+                                         conditions.dtype, self.head_dim, self.window or 0,
+                                         self.documents, float(self.softcap or 0.0))
         except ValueError as error:
             return f"no kernel fits: {error}"
 
