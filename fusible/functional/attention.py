@@ -164,18 +164,6 @@ def _default_refusal(backend: str, head_dim: Optional[int]) -> Optional[str]:
     return None
 
 
-def plan_kernel_note(chosen: str, requested: Optional[str], device_type: str,
-                     dtype: torch.dtype, head_dim: Optional[int], window: int,
-                     documents: bool, softcap: float) -> str:
-    """A plan's note of the kernel ``chosen``: where the input's width is not known yet and
-    the Triton kernels could run this attention, the default on CUDA depends on the width,
-    and the note says how."""
-    if (requested is None and device_type == "cuda" and head_dim is None and not softcap
-            and _triton_refusal(device_type, dtype, None, window, documents) is None):
-        return f"kernel: triton for heads up to {TRITON_DEFAULT_HEAD_DIM} wide, else {chosen}"
-    return f"kernel: {chosen}"
-
-
 def choose_backend(requested: Optional[str], device_type: str, dtype: torch.dtype,
                    head_dim: Optional[int], window: int, documents: bool,
                    where: Union[str, Callable[[], str]], softcap: float = 0.0) -> str:

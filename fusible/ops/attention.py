@@ -347,12 +347,17 @@ class Attention(BasicOperation):
         return text + (f", backend={backend!r})" if backend else ")")
 
     def plan_note(self, conditions) -> str:
-        """The attention kernel these conditions get, for ``explain()`` and the diagram."""
+        """The attention kernel these conditions get, for ``explain()`` and the diagram;
+        where the input's width is not known yet and narrow heads would get another
+        kernel (the default's Triton kernels on CUDA), both."""
         try:
             chosen = self.kernel(conditions.device_type, conditions.dtype, self.head_dim)
-            return attn.plan_kernel_note(chosen, self.backend, conditions.device_type,
-                                         conditions.dtype, self.head_dim, self.window or 0,
-                                         self.documents, float(self.softcap or 0.0))
+            narrow = attn.TRITON_DEFAULT_HEAD_DIM
+            if self.head_dim is None:
+                for_narrow = self.kernel(conditions.device_type, conditions.dtype, narrow)
+                if for_narrow != chosen:
+                    return f"kernel: {for_narrow} for heads up to {narrow} wide, else {chosen}"
+            return f"kernel: {chosen}"
         except ValueError as error:
             return f"no kernel fits: {error}"
 
