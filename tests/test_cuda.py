@@ -608,7 +608,6 @@ def test_recompute_glu_linear_same_bits_as_the_basic_ops_on_gpu(unit, fresh_dyna
     output again over the dgrad it read, and eagerly its gradient over its input):
     outputs and every gradient equal the plan without it, eagerly and compiled
     (Inductor), on a shape of several tiles with ragged edges."""
-    import fusible
     import fusible.fusions.recompute_glu_linear as module
     written, real = [], module.glu_backward_with_output
 
@@ -1517,23 +1516,29 @@ def test_attention_cudnn_on_gpu_matches_flash(kv, causal):
     assert _relative_error(g_cudnn, g_flash) < 2e-2
 
 
+def _record_triton_attention_calls(monkeypatch) -> list:
+    """The names of fusible's Triton attention launchers, in call order, as they run."""
+    from fusible.kernels import attention as kernels
+    calls = []
+    for name in ("attention_forward_triton", "attention_backward_triton"):
+        kernel = getattr(kernels, name)
+        monkeypatch.setattr(kernels, name, lambda *a, _k=kernel, _n=name, **kw: (
+            calls.append(_n), _k(*a, **kw))[1])
+    return calls
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("d,kv,causal", [(16, 8, True), (16, 2, True), (32, 1, False),
                                          (64, 2, True), (16, 4, False)])
 def test_attention_triton_on_gpu_matches_float64(dtype, d, kv, causal, monkeypatch):
     """fusible's Triton attention kernels (the default up to 32-wide heads) against the
     float64 math formulas on the CPU: grouped heads, a length no tile divides, both masks."""
-    from fusible.kernels import attention as kernels
     heads, batch, seq = 8, 2, 333
     options = dict(num_kv_heads=kv, causal=causal, rotary_base=1e4)
     backend = None if d <= attn.TRITON_DEFAULT_HEAD_DIM else "triton"
     gpu = ops.Sequential(ops.Attention(heads, backend=backend, **options)).cuda()
     ref = ops.Sequential(ops.Attention(heads, backend="math", **options)).double()
-    calls = []
-    for name in ("attention_forward_triton", "attention_backward_triton"):
-        kernel = getattr(kernels, name)
-        monkeypatch.setattr(kernels, name, lambda *a, _k=kernel, _n=name, **kw: (
-            calls.append(_n), _k(*a, **kw))[1])
+    calls = _record_triton_attention_calls(monkeypatch)
     torch.manual_seed(0)
     x = torch.randn(batch, seq, (heads + 2 * kv) * d, dtype=torch.float64)
     x_gpu = x.to("cuda", dtype).requires_grad_()
@@ -1552,14 +1557,9 @@ def test_attention_triton_on_gpu_matches_float64(dtype, d, kv, causal, monkeypat
 def test_attention_triton_on_gpu_compiles_bit_for_bit(fresh_dynamo, monkeypatch):
     """The Triton kernels inside a compiled layer's custom ops: the eager bits (the
     kernels run in both: eager, and the compiled graph's stages)."""
-    from fusible.kernels import attention as kernels
     from fusible.layers import TransformerLayer
     from fusible.testing import check_compiled_matches_eager
-    calls = []
-    for name in ("attention_forward_triton", "attention_backward_triton"):
-        kernel = getattr(kernels, name)
-        monkeypatch.setattr(kernels, name, lambda *a, _k=kernel, _n=name, **kw: (
-            calls.append(_n), _k(*a, **kw))[1])
+    calls = _record_triton_attention_calls(monkeypatch)
     torch.manual_seed(0)
     layer = TransformerLayer(256, 768, 16, device="cuda", dtype=torch.bfloat16)
     x = torch.randn(2, 300, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
